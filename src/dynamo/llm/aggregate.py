@@ -1,0 +1,78 @@
+"""Fold a chunk stream into one unary response (spec 4.4, OpenAI shapes)."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from dynamo.llm.chunks import Annotation
+from dynamo.llm.engine import Context
+
+
+async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
+    parts: list[str] = []
+    finish: str | None = None
+    head: dict[str, Any] | None = None
+    usage = None
+    async for chunk in stream:
+        if isinstance(chunk, Annotation):
+            continue
+        head = head or chunk
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                parts.append(content)
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+    head = head or {}
+    return {
+        "id": head.get("id", f"chatcmpl-{ctx.id}"),
+        "object": "chat.completion",
+        "created": head.get("created", 0),
+        "model": head.get("model", model),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(parts)},
+                "logprobs": None,
+                "finish_reason": finish or "stop",
+            }
+        ],
+        "usage": usage or _usage(ctx),
+    }
+
+
+async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
+    parts: list[str] = []
+    finish: str | None = None
+    head: dict[str, Any] | None = None
+    usage = None
+    async for chunk in stream:
+        if isinstance(chunk, Annotation):
+            continue
+        head = head or chunk
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("text"):
+                parts.append(choice["text"])
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+    head = head or {}
+    return {
+        "id": head.get("id", f"cmpl-{ctx.id}"),
+        "object": "text_completion",
+        "created": head.get("created", 0),
+        "model": head.get("model", model),
+        "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish or "stop"}],
+        "usage": usage or _usage(ctx),
+    }
+
+
+def _usage(ctx: Context) -> dict[str, int]:
+    return {
+        "prompt_tokens": ctx.prompt_tokens,
+        "completion_tokens": ctx.completion_tokens,
+        "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
+    }

@@ -1,0 +1,104 @@
+"""Chat-template rendering compatible with Hugging Face ``apply_chat_template``.
+
+Same Jinja environment as transformers (sandboxed, trim_blocks, lstrip_blocks, loop controls, the
+``generation`` block tag), the same helpers (``raise_exception``, ``strftime_now``, a ``tojson`` that does
+not escape non-ASCII), and the same variables (``messages``, ``tools``, ``add_generation_prompt``,
+``bos_token``/``eos_token``/...), so templates written for transformers render the same text here.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dynamo.errors import ModelError, RequestError
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks assistant spans with it; we only
+    need the text, so the block renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+class TemplateError(RequestError):
+    """The template refused the conversation (``raise_exception``) or failed to render it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"Chat template error: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template; ``default`` and ``tool_use`` variants as transformers picks them."""
+
+    def __init__(self, source: str | list[dict[str, str]] | dict[str, str], special_tokens: dict[str, str | None]):
+        self._env = _make_env()
+        if isinstance(source, str):
+            named = {"default": source}
+        elif isinstance(source, dict):
+            named = dict(source)
+        else:
+            named = {item["name"]: item["template"] for item in source if "name" in item and "template" in item}
+        if "default" not in named:
+            raise ModelError("chat_template has no 'default' template")
+        try:
+            self._templates = {k: self._env.from_string(v) for k, v in named.items()}
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelError(f"chat template does not compile: {e}") from None
+        self._special = {k: v for k, v in special_tokens.items() if v is not None}
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        template = self._templates["default"]
+        if tools and "tool_use" in self._templates:
+            template = self._templates["tool_use"]
+        context: dict[str, Any] = dict(self._special)
+        if extra:
+            context.update(extra)
+        context.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        try:
+            return template.render(**context)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"Chat template failed to render: {e}") from None
+        except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+            raise TemplateError(f"Chat template failed to render this conversation: {e}") from None

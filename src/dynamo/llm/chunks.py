@@ -1,0 +1,109 @@
+"""Building OpenAI stream chunks for one request (spec 3.9, shaped as the OpenAI API sends them).
+
+One builder per request holds the fields every chunk repeats, so the per-token cost is one small dict.
+The role goes on the first chunk only; usage, when asked for, comes in a final chunk with no choices.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+
+class Annotation:
+    """An in-stream event that is not a chunk (``nvext.annotations``): SSE ``event: name``."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: Any):
+        self.name = name
+        self.value = value
+
+
+class ChatChunks:
+    __slots__ = ("id", "created", "model", "_first")
+
+    def __init__(self, model: str, request_id: str | None = None):
+        self.id = f"chatcmpl-{request_id or uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._first = True
+
+    def delta(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        if self._first:
+            self._first = False
+            delta: dict[str, Any] = {"role": "assistant", "content": text if text is not None else ""}
+        else:
+            delta = {"content": text} if text is not None else {}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+
+class CompletionChunks:
+    __slots__ = ("id", "created", "model")
+
+    def __init__(self, model: str, request_id: str | None = None):
+        self.id = f"cmpl-{request_id or uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def delta(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The text a chat or completions chunk carries ('' for none)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def chunk_finish_reason(chunk: dict[str, Any]) -> str | None:
+    choices = chunk.get("choices")
+    if not choices:
+        return None
+    return choices[0].get("finish_reason")

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the HTTP frontend (spec 4.8 names and buckets).
+
+The prefix is ``dynamo_frontend``, or ``DYN_METRICS_PREFIX`` sanitised to a valid metric name.  Each
+service gets its own registry so several services in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+DEFAULT_PREFIX = "dynamo_frontend"
+
+
+def metrics_prefix() -> str:
+    raw = os.environ.get("DYN_METRICS_PREFIX")
+    if not raw:
+        return DEFAULT_PREFIX
+    name = re.sub(r"[^a-zA-Z0-9_:]", "_", raw)
+    if not re.match(r"[a-zA-Z_:]", name):
+        name = "_" + name
+    return name
+
+
+class FrontendMetrics:
+    def __init__(self, prefix: str | None = None):
+        p = prefix or metrics_prefix()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{p}_requests", "Requests handled", ["model", "endpoint", "request_type", "status"], registry=r)
+        self.inflight = Gauge(f"{p}_inflight_requests", "Requests in flight", ["model"], registry=r)
+        self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model"],
+                                  buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.isl = Histogram(f"{p}_input_sequence_tokens", "Input sequence length in tokens", ["model"],
+                             buckets=(0, 50, 100, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000), registry=r)
+        self.osl = Histogram(f"{p}_output_sequence_tokens", "Output sequence length in tokens", ["model"],
+                             buckets=(0, 50, 100, 500, 1000, 2000, 4000, 8000, 16000, 32000), registry=r)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=(0, .001, .005, .01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120, 240, 480), registry=r)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
+                             buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request(self, model: str, endpoint: str, streaming: bool) -> "RequestMetrics":
+        return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")
+
+
+class RequestMetrics:
+    """One request's bookkeeping; ``token`` is called as output arrives, ``done`` once at the end."""
+
+    __slots__ = ("_m", "model", "endpoint", "request_type", "_start", "_last", "_tokens", "_itl", "_first")
+
+    def __init__(self, m: FrontendMetrics, model: str, endpoint: str, request_type: str):
+        self._m = m
+        self.model = model
+        self.endpoint = endpoint
+        self.request_type = request_type
+        self._start = self._last = time.monotonic()
+        self._tokens = 0
+        self._first = True
+        self._itl = m.itl.labels(model)
+        m.inflight.labels(model).inc()
+
+    def tokens(self, total_tokens: int, prompt_tokens: int) -> None:
+        """Called after each chunk with the running output count."""
+        new = total_tokens - self._tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self._first:
+            self._first = False
+            self._m.ttft.labels(self.model).observe(now - self._start)
+            self._m.isl.labels(self.model).observe(prompt_tokens)
+        else:
+            gap = (now - self._last) / new
+            for _ in range(new):
+                self._itl.observe(gap)
+        self._last = now
+        self._tokens = total_tokens
+
+    def done(self, ok: bool) -> None:
+        m = self._m
+        m.inflight.labels(self.model).dec()
+        m.requests.labels(self.model, self.endpoint, self.request_type, "success" if ok else "error").inc()
+        m.duration.labels(self.model).observe(time.monotonic() - self._start)
+        m.osl.labels(self.model).observe(self._tokens)

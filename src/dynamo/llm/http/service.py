@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP service (aiohttp).
+
+One request flow for chat and completions: parse JSON -> validate -> find the model -> start the
+pipeline -> stream SSE or fold into one response.  The first item is awaited before the response is
+committed, so a request that fails at the start gets a proper status code instead of a broken stream.
+A client that disconnects cancels the handler (``handler_cancellation``), which closes the pipeline and
+stops the engine's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any, AsyncIterator, Callable
+
+import orjson
+from aiohttp import web
+
+from dynamo.errors import EngineError, RequestError
+from dynamo.llm.aggregate import fold_chat, fold_completion
+from dynamo.llm.chunks import Annotation
+from dynamo.llm.engine import Context
+from dynamo.llm.http.errors import error_body, error_response, request_error_response
+from dynamo.llm.http.metrics import FrontendMetrics
+from dynamo.llm.model_manager import ModelManager
+from dynamo.llm.protocols.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+class HttpService:
+    def __init__(self, models: ModelManager, *, metrics: FrontendMetrics | None = None):
+        self.models = models
+        self.metrics = metrics or FrontendMetrics()
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_error_middleware])
+        self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/live", self.live)
+        self.app.router.add_get("/metrics", self.prometheus)
+        self._runner: web.AppRunner | None = None
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self.port: int | None = None
+
+    # -- lifecycle
+    async def start(self, host: str, port: int) -> None:
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=5.0)
+        await self._runner.setup()
+        sock = _listen_socket(host, port)
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        self.port = sock.getsockname()[1]
+        log.info("OpenAI-compatible HTTP service listening on http://%s:%d", host, self.port)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, give in-flight requests ``grace`` seconds to finish, then end them."""
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._inflight:
+            log.info("waiting up to %.0fs for %d in-flight request(s)", grace, len(self._inflight))
+            await asyncio.wait(list(self._inflight), timeout=grace)
+        await self._runner.cleanup()
+        self._runner = None
+
+    # -- plain endpoints
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": name, "object": "model", "created": self.models.created(name), "owned_by": "dynamo"}
+            for name in self.models.names()
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        instances = self.models.instances() if self.models.instances else []
+        names = self.models.names()
+        if not names:
+            body = {"status": "unhealthy", "message": "No models available", "models": [], "instances": instances}
+            return _json(body, status=503)
+        return _json({"status": "healthy", "models": names, "instances": instances})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"status": "live", "message": "Service is live"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # -- generation
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat_completions", parse_chat_request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", parse_completion_request)
+
+    async def _generate(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
+        raw = await _read_json(request)
+        req = parse(raw)
+        model = self.models.get(req.model)
+        streaming = bool(req.stream)
+        ctx = Context(_request_id(request, req))
+        rm = self.metrics.request(req.model, endpoint, streaming)
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.add(task)
+        ok = False
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                stream = model.chat(req, raw, ctx)
+            else:
+                stream = model.completions(req, raw, ctx)
+            stream = _metered(stream, ctx, rm)
+            if streaming:
+                resp = await self._stream_sse(request, stream, ctx)
+            else:
+                fold = fold_chat if isinstance(req, ChatCompletionRequest) else fold_completion
+                try:
+                    body = await fold(stream, ctx, req.model)
+                finally:
+                    await stream.aclose()
+                resp = _json(body)
+            ok = True
+            return resp
+        except asyncio.CancelledError:
+            ctx.kill()
+            log.debug("request %s cancelled: client went away", ctx.id)
+            raise
+        finally:
+            rm.done(ok)
+            if task is not None:
+                self._inflight.discard(task)
+
+    async def _stream_sse(self, request: web.Request, stream: AsyncIterator[Any], ctx: Context) -> web.StreamResponse:
+        # the first item before committing to 200: start-up failures get a real status code
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        dumps = orjson.dumps
+        try:
+            if first is not None:
+                await resp.write(_sse(first, dumps))
+                async for item in stream:
+                    await resp.write(_sse(item, dumps))
+        except (EngineError, RequestError) as e:
+            log.warning("request %s failed mid-stream: %s", ctx.id, e)
+            status = e.status if isinstance(e, RequestError) else 500
+            await resp.write(b"data: " + error_body(str(e), status) + b"\n\n")
+        except (ConnectionResetError, ConnectionError):
+            ctx.kill()
+            log.debug("request %s: client went away", ctx.id)
+            return resp
+        finally:
+            await stream.aclose()
+        await resp.write(_DONE)
+        await resp.write_eof()
+        return resp
+
+
+def _sse(item: Any, dumps: Callable[[Any], bytes]) -> bytes:
+    if type(item) is dict:
+        return b"data: " + dumps(item) + b"\n\n"
+    if isinstance(item, Annotation):
+        return b"event: " + item.name.encode() + b"\n: " + dumps(item.value) + b"\n\n"
+    return b""
+
+
+async def _metered(stream: AsyncIterator[Any], ctx: Context, rm: Any) -> AsyncIterator[Any]:
+    try:
+        async for item in stream:
+            rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+            yield item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(f"Request body too large (limit {MAX_BODY_BYTES} bytes)", status=413) from None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        ctype = request.content_type
+        if body and ctype not in ("application/json", "application/octet-stream", "") and "json" not in ctype:
+            raise RequestError(
+                f"Expected request with `Content-Type: application/json` (got {ctype})", status=415
+            ) from None
+        raise RequestError(f"Failed to parse the request body as JSON: {e}") from None
+
+
+def _request_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    rid = request.headers.get("x-dynamo-request-id") or request.headers.get("x-request-id")
+    if rid and 0 < len(rid) <= 128 and rid.replace("-", "").replace("_", "").isalnum():
+        return rid
+    return None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return request_error_response(e)
+    except web.HTTPException as e:
+        if e.status == 404:
+            return error_response(f"Not found: {request.method} {request.path}", 404)
+        if e.status == 405:
+            return error_response(f"Method {request.method} not allowed for {request.path}", 405)
+        if e.status == 413:
+            return error_response(f"Request body too large (limit {MAX_BODY_BYTES} bytes)", 413)
+        return error_response(e.reason or "HTTP error", e.status)
+    except EngineError as e:
+        log.error("engine error: %s", e)
+        return error_response(f"Failed to generate completions: {e}", 500)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # our bug: log it fully, answer cleanly
+        log.exception("internal error handling %s %s", request.method, request.path)
+        return error_response(f"Internal server error: {type(e).__name__}: {e}", 500)
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        from dynamo.errors import UserError
+
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock

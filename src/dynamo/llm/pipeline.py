@@ -1,0 +1,151 @@
+"""A served model: OpenAI request in, OpenAI chunks out, whatever the engine kind.
+
+``CorePipeline`` wraps a token-level engine with our pre-processor and post-processor; ``FullPipeline``
+hands the OpenAI request to an engine that does everything itself.  Inputs (http, text, batch) only see
+:class:`ServedModel`, so they treat local engines and remote workers alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+import orjson
+
+from dynamo.llm.backend import PostProcessor
+from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
+from dynamo.llm.engine import Context, Engine
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.preprocessor import Preprocessed, Preprocessor
+from dynamo.llm.protocols.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    include_usage,
+)
+from dynamo.llm.tokenizer import Tokenizer
+
+StreamItem = dict[str, Any] | Annotation
+
+
+class ServedModel(Protocol):
+    name: str
+    card: ModelCard
+    tokenizer: Tokenizer | None
+
+    def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]: ...
+
+    def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]: ...
+
+
+class CorePipeline:
+    """Pre-process, run a token engine, post-process, shape chunks."""
+
+    def __init__(self, name: str, card: ModelCard, engine: Engine):
+        self.name = name
+        self.card = card
+        self.engine = engine
+        self.preprocessor = Preprocessor(card)
+        self.tokenizer: Tokenizer | None = self.preprocessor.tokenizer
+
+    def preprocess_chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
+        return self.preprocessor.chat(req, raw)
+
+    def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
+        return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
+
+    def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        pre = self.preprocessor.completion(req)
+        echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
+        return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
+
+    async def _stream(
+        self,
+        pre: Preprocessed,
+        chunks: ChatChunks | CompletionChunks,
+        with_usage: bool,
+        ctx: Context,
+        echo: str | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        request = pre.request
+        request.model = self.name
+        ctx.prompt_tokens = len(request.token_ids)
+        for name in request.annotations:
+            value = _annotation(name, pre, ctx)
+            if value is not None:
+                yield Annotation(name, value)
+        if echo:
+            yield chunks.delta(echo)
+        post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
+        gen = self.engine.generate(request, ctx)
+        reason: str | None = None
+        try:
+            async for out in gen:
+                text, reason = post.process(out)
+                ctx.completion_tokens = post.generated
+                if text:
+                    yield chunks.delta(text)
+                if reason is not None:
+                    break
+            else:
+                tail = post.end()
+                if tail:
+                    yield chunks.delta(tail)
+                reason = post.finished
+        finally:
+            if reason is not None or not ctx.is_stopped:
+                ctx.stop_generating()
+            await gen.aclose()
+        yield chunks.delta(None, reason)
+        if with_usage:
+            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens)
+
+
+def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:
+    if name == "formatted_prompt":
+        return pre.formatted_prompt
+    if name == "token_ids":
+        return orjson.dumps(pre.request.token_ids).decode()
+    if name == "request_id":
+        return ctx.id
+    return None
+
+
+class FullPipeline:
+    """An engine that takes OpenAI requests and yields OpenAI chunks itself (echo_full, pystr, mistralrs).
+
+    Usage is appended when the client asked for it and the engine did not send one; the engine reports
+    counts through ``ctx`` when it knows them.
+    """
+
+    def __init__(self, name: str, card: ModelCard, engine: Engine, tokenizer: Tokenizer | None = None):
+        self.name = name
+        self.card = card
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        return self._stream(req, ChatChunks(req.model, ctx.id), ctx)
+
+    def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        return self._stream(req, CompletionChunks(req.model, ctx.id), ctx)
+
+    async def _stream(
+        self, req: ChatCompletionRequest | CompletionRequest, chunks: ChatChunks | CompletionChunks, ctx: Context
+    ) -> AsyncIterator[StreamItem]:
+        want_usage = include_usage(req)
+        saw_usage = False
+        gen = self.engine.generate(req, ctx)
+        try:
+            async for chunk in gen:
+                if want_usage and chunk.get("usage"):
+                    saw_usage = True
+                elif not want_usage and "usage" in chunk:
+                    if not chunk.get("choices"):
+                        continue
+                    chunk = {k: v for k, v in chunk.items() if k != "usage"}
+                yield chunk
+        finally:
+            ctx.stop_generating()
+            await gen.aclose()
+        if want_usage and not saw_usage:
+            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens)

@@ -1,0 +1,105 @@
+"""The internal request and response between the pre-processor and a token-level (core) engine.
+
+These are also the wire format to Backend-type workers and ``pytok:`` engines (spec 3.6 / 3.7), so field
+names and nullability follow the original exactly; ``to_dict`` gives the JSON shape with every field
+present (nulls included), as the original serialises them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StopConditions(msgspec.Struct, omit_defaults=False):
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids_hidden: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=False):
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    seed: int | None = None
+    guided_decoding: dict[str, Any] | None = None
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=False):
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    formatted_prompt: bool | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
+    token_ids: list[int]
+    stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    model: str | None = None
+    batch_token_ids: list[list[int]] | None = None
+    mdc_sum: str | None = None
+    annotations: list[str] = msgspec.field(default_factory=list)
+    estimated_prefix_hit_num_blocks: int | None = None
+    backend_instance_id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PreprocessedRequest":
+        return msgspec.convert(data, cls)
+
+
+# Finish reasons an engine may report (spec 3.7).  An error is ``{"error": msg}`` or ``"error: msg"``.
+FINISH_EOS = "eos"
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_CANCELLED = "cancelled"
+FINISH_CONTENT_FILTER = "content_filter"
+
+
+class EngineOutput(msgspec.Struct, omit_defaults=True):
+    """One item of a core engine's stream.
+
+    ``text`` is set when the tokens were already detokenised (a remote Backend worker did it), in which
+    case the frontend passes the item through.  ``finish_reason`` may be a string or ``{"error": msg}``.
+    """
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    tokens: list[str | None] | None = None
+    text: str | None = None
+    cum_log_probs: float | None = None
+    log_probs: list[float] | None = None
+    top_logprobs: list[Any] | None = None
+    finish_reason: str | dict[str, str] | None = None
+    index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineOutput":
+        return msgspec.convert(data, cls)
+
+
+def finish_error_message(finish_reason: str | dict[str, str] | None) -> str | None:
+    """The error text if this finish reason reports an engine error, else None."""
+    if isinstance(finish_reason, dict):
+        return str(finish_reason.get("error", finish_reason))
+    if isinstance(finish_reason, str) and finish_reason.startswith("error"):
+        return finish_reason.partition(":")[2].strip() or "engine error"
+    return None

@@ -1,0 +1,36 @@
+"""Tokenizer access through Hugging Face ``tokenizers`` (Rust; releases the GIL on batch calls)."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from dynamo.errors import ModelError
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str):
+        try:
+            self._tok = _HFTokenizer.from_str(tokenizer_json)
+        except Exception as e:  # the Rust side raises plain Exception
+            raise ModelError(f"cannot load tokenizer: {e}") from None
+        self._special_ids = {
+            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> set[int]:
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        # the chat template already supplies BOS and friends, so no special tokens are added here
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text)) if text else 0

@@ -1,0 +1,5 @@
+import sys
+
+from dynamo.run.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""Entry points: ``dynamo-run ...`` and ``dynamo run ...``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from dynamo.errors import UserError
+from dynamo.run.flags import USAGE, build_parser, parse_args
+from dynamo.run.logs import setup_logging
+
+log = logging.getLogger("dynamo.run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or all(a in ("-v", "-vv") for a in args):
+        build_parser().print_help()
+        return 0
+    try:
+        cfg = parse_args(args)
+    except UserError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.verbosity)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows has none
+        runner = asyncio.run
+    from dynamo.run.launch import run
+
+    try:
+        return runner(run(cfg))
+    except UserError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def dynamo_main(argv: list[str] | None = None) -> int:
+    """``dynamo run ...``: the same tool under the umbrella command."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: dynamo run " + USAGE.removeprefix("dynamo-run "))
+        print("\ncommands:\n  run    run a model (see 'dynamo run --help')")
+        return 0
+    if args[0] != "run":
+        print(f"Error: unknown command '{args[0]}'. Available: run", file=sys.stderr)
+        return 2
+    return main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

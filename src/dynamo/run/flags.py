@@ -1,0 +1,333 @@
+"""Command-line grammar of dynamo-run: ``in=`` / ``out=`` anywhere, one positional model, long flags.
+
+The original only looks at the first two arguments for in=/out= and skips flags by position; we use a
+normal parser (decisions.md): in=/out= may appear anywhere, unknown flags are errors, ``--`` ends the
+flags (what follows goes to Python engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dynamo.errors import UserError
+
+ENGINES = [
+    "echo_full", "echo_core", "mocker", "llamacpp", "mistralrs", "vllm", "sglang", "trtllm",
+    "pystr:<engine.py>", "pytok:<engine.py>", "dyn",
+]
+ENGINE_ALIASES = {"llama_cpp": "llamacpp", "auto": "dyn"}
+ROUTER_MODES = ("round-robin", "random", "kv")
+
+USAGE = (
+    "dynamo-run [in=text|stdin|http|batch:<file.jsonl>|dyn://<namespace.component.endpoint>|none] "
+    "[out=echo_full|echo_core|mocker|llamacpp|mistralrs|vllm|sglang|trtllm|pystr:<file.py>|pytok:<file.py>|dyn] "
+    "[<model>] [--http-port 8080] [--http-host 0.0.0.0] [--model-path <path>] [--model-name <name>] "
+    "[--model-config <hf folder>] [--context-length N] [--kv-cache-block-size 16] "
+    "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
+    "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
+    "[--kv-overlap-score-weight 1.0] [--router-temperature 0.0] [--use-kv-events true|false] "
+    "[--migration-limit 0] [-v|-vv] [-- <python engine args>]"
+)
+
+DESCRIPTION = """\
+Serve a large language model with one command.
+
+inputs (in=):
+  text                 interactive chat in the terminal (the default when stdin is a terminal)
+  stdin                read all of stdin as one prompt, print the answer, exit (default when piped)
+  http                 OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions,
+                       /v1/models, /health, /live, /metrics
+  batch:FILE.jsonl     run every {"text": ...} line of FILE, write output.jsonl beside it
+  dyn://ns.comp.ep     serve the engine as a worker on the distributed runtime (etcd + NATS);
+                       missing parts are defaulted (dyn://test)
+  none                 start the engine and serve nothing (multi-node followers)
+
+engines (out=):
+  echo_full            echoes the last user message, a character per chunk (no model needed)
+  echo_core            echoes the templated prompt's tokens (needs a model folder for the tokenizer)
+  mocker               a simulated vLLM worker with KV cache events (for routing tests)
+  llamacpp             llama.cpp via llama-cpp-python (GGUF files), continuous batching on CPU/GPU
+  mistralrs            mistral.rs (GGUF files and HF folders)
+  vllm, sglang, trtllm the Python engines of those projects
+  pystr:FILE.py        your own Python engine taking OpenAI requests, yielding chunks
+  pytok:FILE.py        your own Python engine taking token ids, yielding token ids
+  dyn                  remote workers found through etcd (run workers with in=dyn://...)
+
+model: a Hugging Face repo id (downloaded, e.g. Qwen/Qwen3-0.6B or hf://Qwen/Qwen3-0.6B), a local Hugging
+Face folder, or a GGUF file.  The served name is --model-name, else the repo id, folder or file name.
+
+environment: DYN_LOG (like RUST_LOG: "debug", "info,dynamo.llm=debug"), DYN_TOKEN_ECHO_DELAY_MS (echo
+engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER.
+
+examples:
+  dynamo-run in=http out=echo_full --model-name demo
+  dynamo-run in=text out=llamacpp ./SmolLM2-135M-Instruct.Q4_1.gguf
+  dynamo-run in=dyn://llama.backend.generate out=llamacpp model.gguf   # worker
+  dynamo-run in=http out=dyn --router-mode kv                          # frontend
+"""
+
+
+@dataclass
+class RunConfig:
+    input: str = "text"
+    output: str | None = None  # None: pick the best installed engine for the model
+    model: str | None = None
+    model_name: str | None = None
+    model_config: str | None = None
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080
+    context_length: int | None = None
+    kv_cache_block_size: int | None = None
+    tensor_parallel_size: int = 1
+    num_nodes: int = 1
+    node_rank: int = 0
+    leader_addr: str | None = None
+    base_gpu_id: int = 0
+    extra_engine_args: Path | None = None
+    router_mode: str = "round-robin"
+    kv_overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    migration_limit: int = 0
+    batch_concurrency: int = 16
+    verbosity: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def input_kind(self) -> str:
+        if self.input.startswith("batch:"):
+            return "batch"
+        if self.input.startswith("dyn://"):
+            return "endpoint"
+        return self.input
+
+    @property
+    def engine(self) -> str | None:
+        if self.output is None:
+            return None
+        for prefix in ("pystr:", "pytok:"):
+            if self.output.startswith(prefix):
+                return prefix[:-1]
+        if self.output.startswith("dyn://"):
+            return "dyn"
+        return self.output
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message}. Run 'dynamo-run --help' for usage.")
+
+
+def _positive(name: str, lo: int = 1, hi: int | None = None):
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
+        return value
+
+    return conv
+
+
+def _float(name: str, lo: float | None = None):
+    def conv(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {lo}, got {value}")
+        return value
+
+    return conv
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _port(text: str) -> int:
+    return _positive("--http-port", 0, 65535)(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="dynamo-run",
+        usage=USAGE,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=True,
+        allow_abbrev=False,
+    )
+    p.add_argument("model", nargs="?", help="HF repo id, HF folder or GGUF file (same as --model-path)")
+    p.add_argument("--model-path", help="the model, if not given as the positional argument")
+    p.add_argument("--model-name", help="the name clients use for the model (default: repo id, folder or file name)")
+    p.add_argument("--model-config", help="HF folder to take the tokenizer, template and config from (e.g. for a GGUF)")
+    p.add_argument("--http-host", default="0.0.0.0", help="address for in=http to listen on (default 0.0.0.0)")
+    p.add_argument("--http-port", type=_port, default=8080, help="port for in=http (default 8080)")
+    p.add_argument("--context-length", type=_positive("--context-length"), help="override the model's context length (worker side)")
+    p.add_argument("--kv-cache-block-size", type=_positive("--kv-cache-block-size"), help="KV cache block size in tokens (default 16; worker side)")
+    p.add_argument("--tensor-parallel-size", type=_positive("--tensor-parallel-size", 1, 256), default=1, help="GPUs per model instance (vllm/sglang/trtllm)")
+    p.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1, help="nodes in a multi-node engine (sglang/vllm/trtllm)")
+    p.add_argument("--node-rank", type=_positive("--node-rank", 0), default=0, help="this node's rank in a multi-node engine")
+    p.add_argument("--leader-addr", help="host:port of the multi-node leader (rank 0)")
+    p.add_argument("--base-gpu-id", type=_positive("--base-gpu-id", 0), default=0, help="first GPU to use (sglang)")
+    p.add_argument("--extra-engine-args", help="JSON (YAML for trtllm) file merged into the engine's arguments")
+    p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="how out=dyn picks a worker (default round-robin)")
+    p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=1.0, help="KV router: weight of prefill cost vs decode load (default 1.0)")
+    p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
+    p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
+    p.add_argument("--migration-limit", type=_positive("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies (worker side, default 0)")
+    p.add_argument("--batch-concurrency", type=_positive("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
+    p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
+    p.add_argument("--version", action="version", version=f"dynamo-run {_version()}")
+    return p
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dynamo-run-py")
+    except Exception:
+        return "unknown"
+
+
+VALID_INPUTS = ("text", "stdin", "http", "none")
+
+
+def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfig:
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    inp = out = None
+    rest: list[str] = []
+    for arg in argv:
+        if arg.startswith("in="):
+            if inp is not None:
+                raise UserError("in= given twice")
+            inp = arg[3:]
+        elif arg.startswith("out="):
+            if out is not None:
+                raise UserError("out= given twice")
+            out = arg[4:]
+        else:
+            rest.append(arg)
+    ns = build_parser().parse_args(rest)
+    if ns.verbosity > 2:
+        raise UserError("Invalid verbosity level. Valid values are -v (debug) or -vv (trace)")
+
+    if inp is None:
+        tty = sys.stdin.isatty() if stdin_is_tty is None else stdin_is_tty
+        inp = "text" if tty else "stdin"
+    _check_input(inp)
+    if out is not None:
+        out = ENGINE_ALIASES.get(out, out)
+        _check_output(out)
+
+    model = ns.model or ns.model_path
+    if ns.model and ns.model_path and ns.model != ns.model_path:
+        raise UserError(f"the model is given twice: {ns.model!r} and --model-path {ns.model_path!r}")
+    cfg = RunConfig(
+        input=inp,
+        output=out,
+        model=model,
+        model_name=ns.model_name,
+        model_config=ns.model_config,
+        http_host=ns.http_host,
+        http_port=ns.http_port,
+        context_length=ns.context_length,
+        kv_cache_block_size=ns.kv_cache_block_size,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        num_nodes=ns.num_nodes,
+        node_rank=ns.node_rank,
+        leader_addr=ns.leader_addr,
+        base_gpu_id=ns.base_gpu_id,
+        extra_engine_args=Path(ns.extra_engine_args) if ns.extra_engine_args else None,
+        router_mode=ns.router_mode,
+        kv_overlap_score_weight=ns.kv_overlap_score_weight,
+        router_temperature=ns.router_temperature,
+        use_kv_events=ns.use_kv_events,
+        migration_limit=ns.migration_limit,
+        batch_concurrency=ns.batch_concurrency,
+        verbosity=ns.verbosity,
+        extra_args=extra,
+    )
+    validate(cfg)
+    return cfg
+
+
+def _check_input(inp: str) -> None:
+    if inp in VALID_INPUTS:
+        return
+    if inp.startswith("batch:"):
+        if not inp[6:]:
+            raise UserError("in=batch: needs a file: in=batch:prompts.jsonl")
+        return
+    if inp.startswith("dyn://"):
+        return
+    raise UserError(
+        f"Invalid in= option '{inp}'. Valid: text, stdin, http, batch:<file.jsonl>, dyn://<ns.comp.ep>, none"
+    )
+
+
+def _check_output(out: str) -> None:
+    if out.startswith(("pystr:", "pytok:")):
+        if not out.split(":", 1)[1]:
+            raise UserError(f"out={out} needs a Python file: out={out}my_engine.py")
+        return
+    if out.startswith("dyn://") or out in ENGINES:
+        return
+    names = ", ".join(ENGINES)
+    raise UserError(f"Invalid out= option '{out}'. Valid: {names}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Combinations that cannot work, caught before anything is loaded (spec 1.5)."""
+    if cfg.input_kind == "endpoint" and cfg.engine == "dyn":
+        raise UserError("Cannot use endpoint for both in and out")
+    if cfg.engine == "dyn":
+        for flag, value in (("--context-length", cfg.context_length),
+                            ("--kv-cache-block-size", cfg.kv_cache_block_size),
+                            ("--migration-limit", cfg.migration_limit or None)):
+            if value is not None:
+                raise UserError(f"'{flag}' flag should only be used on the worker node, not on the ingress")
+    if cfg.engine == "mocker" and cfg.input_kind != "endpoint":
+        raise UserError("out=mocker simulates a distributed worker: use it with in=dyn://namespace.component.endpoint")
+    if cfg.node_rank >= cfg.num_nodes:
+        raise UserError(f"--node-rank {cfg.node_rank} must be less than --num-nodes {cfg.num_nodes}")
+    if cfg.num_nodes > 1 and not cfg.leader_addr:
+        raise UserError("--num-nodes > 1 needs --leader-addr host:port (the rank 0 node)")
+    if cfg.extra_engine_args is not None:
+        path = cfg.extra_engine_args
+        if not path.is_file():
+            raise UserError(f"--extra-engine-args: no such file: {path}")
+        if path.suffix.lower() in (".json", "") and cfg.engine != "trtllm":
+            try:
+                data = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise UserError(f"--extra-engine-args {path}: not valid JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise UserError(f"--extra-engine-args {path}: expected a JSON object")
+    if cfg.input_kind == "batch":
+        path = Path(cfg.input[6:])
+        if not path.is_file():
+            raise UserError(f"Missing or not a file: {path}. in=batch: needs a JSON Lines file.")
+    if cfg.engine in ("pystr", "pytok"):
+        file = Path(cfg.output.split(":", 1)[1])  # type: ignore[union-attr]
+        if not file.is_file():
+            raise UserError(f"out={cfg.output}: no such Python file: {file}")

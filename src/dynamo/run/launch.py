@@ -1,0 +1,151 @@
+"""Wire the chosen input to the chosen engine and run until done or signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from dynamo.engines.registry import create_engine, engine_installed
+from dynamo.errors import UserError
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_manager import ModelManager
+from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
+from dynamo.run.flags import RunConfig
+from dynamo.run.model import resolve_card
+
+log = logging.getLogger(__name__)
+
+# the order we try engines in when out= is not given (best first for each kind of model)
+GGUF_ENGINE_ORDER = ("llamacpp", "mistralrs")
+FOLDER_ENGINE_ORDER = ("vllm", "mistralrs")
+
+
+def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
+    if cfg.engine is not None:
+        return cfg.engine
+    if cfg.model is None:
+        raise UserError(
+            "no model given: pass a model (Hugging Face repo id, folder or GGUF file), "
+            "or out=echo_full to try the server without one"
+        )
+    order = GGUF_ENGINE_ORDER if card.gguf_path is not None else FOLDER_ENGINE_ORDER
+    for name in order:
+        if engine_installed(name):
+            log.info("Using default engine: %s. Use out=<engine> to choose another.", name)
+            return name
+    kind = "a GGUF file" if card.gguf_path is not None else "a Hugging Face folder"
+    raise UserError(
+        f"no engine installed that can serve {kind}: install one of "
+        + ", ".join(order)
+        + " (e.g. pip install llama-cpp-python), or pass out=echo_core to test the pipeline"
+    )
+
+
+def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
+    engine = create_engine(engine_name, cfg, card)
+    name = card.display_name
+    if engine.kind == "core":
+        return CorePipeline(name, card, engine)
+    tokenizer = None
+    if card.has_tokenizer:
+        from dynamo.llm.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
+    return FullPipeline(name, card, engine, tokenizer)
+
+
+async def run(cfg: RunConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main_task = asyncio.current_task()
+
+    def on_signal(sig: int) -> None:
+        if stop.is_set():  # second signal: stop waiting for in-flight work
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            if main_task is not None:
+                main_task.cancel()
+            return
+        log.info("%s received, shutting down", signal.Signals(sig).name)
+        stop.set()
+        if cfg.input_kind in ("text", "stdin", "batch") and main_task is not None:
+            main_task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    if cfg.engine == "dyn":
+        return await _run_frontend(cfg, stop)
+
+    card = await asyncio.to_thread(
+        resolve_card, cfg.model, name=cfg.model_name, model_config=cfg.model_config,
+        context_length=cfg.context_length, kv_cache_block_size=cfg.kv_cache_block_size,
+        migration_limit=cfg.migration_limit,
+    )
+    engine_name = choose_engine(cfg, card)
+    if cfg.input_kind == "endpoint":
+        from dynamo.inputs.endpoint import run_worker
+
+        return await run_worker(cfg, card, engine_name, stop)
+    model = build_served_model(cfg, card, engine_name)
+    try:
+        return await _run_input(cfg, model, engine_name, stop)
+    finally:
+        close = getattr(model.engine, "close", None)  # type: ignore[attr-defined]
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
+
+
+async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop: asyncio.Event) -> int:
+    # the echo engine would stop at the template's first end-of-turn token; real engines stop normally
+    ignore_eos = engine_name == "echo_core"
+    kind = cfg.input_kind
+    try:
+        if kind == "http":
+            manager = ModelManager()
+            manager.add(model)
+            return await _serve_http(cfg, manager, stop)
+        if kind == "text":
+            from dynamo.inputs.text import run_text
+
+            return await run_text(model, ignore_eos=ignore_eos)
+        if kind == "stdin":
+            from dynamo.inputs.text import run_stdin
+
+            return await run_stdin(model, ignore_eos=ignore_eos)
+        if kind == "batch":
+            from dynamo.inputs.batch import run_batch
+
+            return await run_batch(model, Path(cfg.input[6:]), concurrency=cfg.batch_concurrency, ignore_eos=ignore_eos)
+        if kind == "none":
+            log.info("engine %s started for %s; nothing to serve (in=none). Ctrl-C to exit.", engine_name, model.name)
+            await stop.wait()
+            return 0
+    except asyncio.CancelledError:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return 130 if kind != "text" else 0
+    raise UserError(f"in={cfg.input} is not supported")
+
+
+async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event) -> int:
+    from dynamo.llm.http.service import HttpService
+
+    service = HttpService(manager)
+    await service.start(cfg.http_host, cfg.http_port)
+    await stop.wait()
+    await service.stop(grace=float(os.environ.get("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT", "5")))
+    return 0
+
+
+async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
+    try:
+        from dynamo.llm.discovery import run_frontend
+    except ImportError:
+        raise UserError("out=dyn (distributed serving) is not available in this version yet") from None
+    return await run_frontend(cfg, stop, _serve_http)

@@ -1,0 +1,80 @@
+"""Logging set-up: info to stderr by default, ``-v`` debug, ``-vv`` trace, ``DYN_LOG`` like RUST_LOG.
+
+``DYN_LOG`` is a comma list of ``level`` or ``target=level`` items, e.g. ``info,dynamo.llm.http=debug``.
+Rust-style ``dynamo_llm::http`` targets are accepted and mapped to our module names.
+``DYN_LOGGING_JSONL=1`` writes one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+_LEVELS = {"trace": TRACE, "debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+           "warning": logging.WARNING, "error": logging.ERROR, "off": logging.CRITICAL + 10}
+
+
+def _target(name: str) -> str:
+    name = name.replace("::", ".")
+    if name.startswith("dynamo_"):  # dynamo_llm -> dynamo.llm, dynamo_runtime -> dynamo.runtime
+        name = "dynamo." + name[len("dynamo_"):]
+    return name
+
+
+def parse_filter(spec: str) -> tuple[int | None, dict[str, int]]:
+    default: int | None = None
+    targets: dict[str, int] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            target, _, level = item.partition("=")
+            lvl = _LEVELS.get(level.strip().lower())
+            if lvl is not None:
+                targets[_target(target.strip())] = lvl
+        else:
+            lvl = _LEVELS.get(item.lower())
+            if lvl is not None:
+                default = lvl
+            else:  # a bare target means "everything" for it, like RUST_LOG
+                targets[_target(item)] = TRACE
+    return default, targets
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+               "level": record.levelname, "target": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(verbosity: int = 0) -> None:
+    default, targets = parse_filter(os.environ.get("DYN_LOG", ""))
+    if verbosity >= 2:
+        default = TRACE
+    elif verbosity == 1:
+        default = logging.DEBUG
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("DYN_LOGGING_JSONL", "").lower() in ("1", "true"):
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    # our own code follows the chosen level; libraries stay at warning unless debug/trace is asked for
+    level = default if default is not None else logging.INFO
+    root.setLevel(level if level <= logging.DEBUG else logging.WARNING)
+    logging.getLogger("dynamo").setLevel(level)
+    for target, lvl in targets.items():
+        logging.getLogger(target).setLevel(lvl)

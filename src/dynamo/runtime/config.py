@@ -1,0 +1,94 @@
+"""Runtime settings read from the environment (spec 1.4), in one place.
+
+Read once when a DistributedRuntime is built, so tests can set env vars per runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
+DEFAULT_NATS_SERVER = "nats://localhost:4222"
+DEFAULT_LEASE_TTL = 10
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT = 30.0
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+@dataclass(slots=True)
+class EtcdSettings:
+    endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ETCD_ENDPOINT])
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "EtcdSettings":
+        raw = _env("ETCD_ENDPOINTS") or DEFAULT_ETCD_ENDPOINT
+        endpoints = [_normalise_etcd_url(e) for e in raw.split(",") if e.strip()]
+        return cls(
+            endpoints=endpoints or [DEFAULT_ETCD_ENDPOINT],
+            username=_env("ETCD_AUTH_USERNAME"),
+            password=_env("ETCD_AUTH_PASSWORD"),
+            ca_file=_env("ETCD_AUTH_CA"),
+            cert_file=_env("ETCD_AUTH_CLIENT_CERT"),
+            key_file=_env("ETCD_AUTH_CLIENT_KEY"),
+        )
+
+
+def _normalise_etcd_url(text: str) -> str:
+    """``host:port`` -> ``http://host:port``; trailing slashes dropped."""
+    text = text.strip().rstrip("/")
+    if "://" not in text:
+        text = "http://" + text
+    return text
+
+
+@dataclass(slots=True)
+class NatsSettings:
+    server: str = DEFAULT_NATS_SERVER
+    username: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkey_seed: str | None = None
+    credentials_file: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "NatsSettings":
+        return cls(
+            server=_env("NATS_SERVER") or DEFAULT_NATS_SERVER,
+            username=_env("NATS_AUTH_USERNAME"),
+            password=_env("NATS_AUTH_PASSWORD"),
+            token=_env("NATS_AUTH_TOKEN"),
+            nkey_seed=_env("NATS_AUTH_NKEY"),
+            credentials_file=_env("NATS_AUTH_CREDENTIALS_FILE"),
+        )
+
+
+@dataclass(slots=True)
+class RuntimeSettings:
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    nats: NatsSettings = field(default_factory=NatsSettings)
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    graceful_shutdown_timeout: float = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT
+    # Address this process advertises for TCP call-home response streams (None = auto-detect).
+    tcp_host: str | None = None
+    # "tcp" (default, see docs/runtime.md for the measurement) or "nats".
+    response_transport: str = "tcp"
+
+    @classmethod
+    def from_env(cls) -> "RuntimeSettings":
+        timeout = _env("DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT")
+        return cls(
+            etcd=EtcdSettings.from_env(),
+            nats=NatsSettings.from_env(),
+            graceful_shutdown_timeout=float(timeout) if timeout else DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT,
+            tcp_host=_env("DYN_TCP_RPC_HOST"),
+            response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
+        )

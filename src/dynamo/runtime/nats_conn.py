@@ -1,0 +1,94 @@
+"""Connecting to NATS with a bounded, clearly reported failure.
+
+nats-py retries an unreachable server forever and logs a traceback per try, so we probe the TCP address
+first (a one-line error within seconds) and bound the real connect with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from urllib.parse import urlsplit
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from .config import NatsSettings
+from .errors import RuntimeConnectionError
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 3.0
+
+
+def _redact(url: str) -> str:
+    """The URL without credentials, for messages."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        return f"{parts.scheme}://{host}{parts.path}"
+    return url
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno).lower()
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+async def _probe(url: str, timeout: float) -> None:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "localhost", parts.port or 4222
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise RuntimeConnectionError(f"cannot reach NATS at {_redact(url)}: {_reason(exc)}") from None
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+
+
+async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout: float = CONNECT_TIMEOUT) -> NatsClient:
+    """Connect to ``settings.server`` (``nats://[user:pass@|token@]host:port``) with env credentials."""
+    url = settings.server
+    if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        raise RuntimeConnectionError(f"invalid NATS_SERVER {url!r}: must start with nats://")
+    await _probe(url, timeout)
+
+    last_error: list[BaseException] = []
+
+    async def on_error(exc: Exception) -> None:
+        last_error.append(exc)
+        log.debug("nats error: %s", exc)
+
+    options: dict = dict(
+        name=name,
+        connect_timeout=timeout,
+        error_cb=on_error,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,  # after the first connect, ride out NATS restarts
+        reconnect_time_wait=0.5,
+        pending_size=64 * 1024 * 1024,
+        flush_timeout=10,
+    )
+    if settings.username:
+        options["user"] = settings.username
+        options["password"] = settings.password or ""
+    if settings.token:
+        options["token"] = settings.token
+    if settings.nkey_seed:
+        options["nkeys_seed_str"] = settings.nkey_seed
+    if settings.credentials_file:
+        options["user_credentials"] = settings.credentials_file
+    try:
+        return await asyncio.wait_for(nats.connect(url, **options), timeout)
+    except (asyncio.TimeoutError, Exception) as exc:
+        cause = last_error[-1] if last_error else exc
+        raise RuntimeConnectionError(f"cannot connect to NATS at {_redact(url)}: {_reason(cause)}") from None
