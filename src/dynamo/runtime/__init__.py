@@ -1,0 +1,50 @@
+"""Distributed runtime: etcd discovery with leases, NATS requests, TCP response streams.
+
+Public API (mirrors the original's Python binding where it exists)::
+
+    @dynamo_worker(static=False)
+    async def worker(runtime: DistributedRuntime):
+        component = runtime.namespace("ns").component("backend")
+        await component.create_service()
+        endpoint = component.endpoint("generate")
+        await endpoint.serve_endpoint(handler)      # async generator handler(request[, context])
+
+    client = await runtime.namespace("ns").component("backend").endpoint("generate").client()
+    await client.wait_for_instances()
+    async for item in client.round_robin({"x": 1}):
+        ...
+
+See docs/runtime.md.
+"""
+
+from .annotated import Annotated
+from .client import Client, ResponseStream
+from .component import Component, Endpoint, Namespace
+from .config import EtcdSettings, NatsSettings, RuntimeSettings
+from .context import Context
+from .distributed import DistributedRuntime, KeyValueStore
+from .errors import (
+    STREAM_INCOMPLETE_MESSAGE,
+    DynamoRuntimeError,
+    EngineError,
+    InstanceNotFoundError,
+    LeaseLostError,
+    NoInstancesError,
+    NoRespondersError,
+    RuntimeConnectionError,
+    ServiceAlreadyExistsError,
+    StreamIncompleteError,
+)
+from .etcd import EtcdClient, KeyValue, PrefixWatch, WatchEvent
+from .instance import Instance
+from .names import EndpointId, lease_hex, parse_lease_hex, slugify
+from .worker import dynamo_worker, run_worker
+
+__all__ = [
+    "Annotated", "Client", "Component", "Context", "DistributedRuntime", "DynamoRuntimeError", "EndpointId",
+    "Endpoint", "EngineError", "EtcdClient", "EtcdSettings", "Instance", "InstanceNotFoundError",
+    "KeyValue", "KeyValueStore", "LeaseLostError", "Namespace", "NatsSettings", "NoInstancesError",
+    "NoRespondersError", "PrefixWatch", "ResponseStream", "RuntimeConnectionError", "RuntimeSettings",
+    "STREAM_INCOMPLETE_MESSAGE", "ServiceAlreadyExistsError", "StreamIncompleteError", "WatchEvent",
+    "dynamo_worker", "lease_hex", "parse_lease_hex", "run_worker", "slugify",
+]

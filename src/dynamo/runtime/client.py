@@ -1,0 +1,363 @@
+"""Client of an endpoint: which instances are alive (etcd watch), which one gets a request
+(random / round-robin / direct), and the response stream as an async iterator.
+
+``client.round_robin(req)`` returns a :class:`ResponseStream` at once; the request is sent when the
+stream is awaited or first iterated, so both ``async for x in client.generate(req)`` and
+``async for x in await client.generate(req)`` (the original binding's style) work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random as _random
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import nats.errors
+import orjson
+
+from .annotated import Annotated
+from .context import Context
+from .errors import (
+    DynamoRuntimeError,
+    EngineError,
+    InstanceNotFoundError,
+    NoInstancesError,
+    NoRespondersError,
+    StreamIncompleteError,
+)
+from .etcd import PrefixWatch
+from .instance import Instance
+from .names import EndpointId, parse_lease_hex
+from .transport import StreamState, encode_request
+
+if TYPE_CHECKING:
+    from .distributed import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+ACK_TIMEOUT = 10.0  # the worker acks as soon as its NATS callback runs
+HANDSHAKE_TIMEOUT = 15.0  # acked but never called home: the worker died in between
+
+
+def _encode_request(request: Any) -> bytes:
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        return bytes(request)  # already JSON
+    try:
+        return orjson.dumps(request)
+    except TypeError:
+        return msgspec.json.encode(request)
+
+
+class Client:
+    """Routes requests to the live instances of one endpoint."""
+
+    def __init__(self, runtime: "DistributedRuntime", endpoint: EndpointId, *, static: bool = False) -> None:
+        self.runtime = runtime
+        self.endpoint_id = endpoint
+        self.is_static = static
+        self._instances: dict[int, Instance] = {}
+        self._down: set[int] = set()
+        self._available: list[int] = []
+        self._counter = 0
+        self._changed = asyncio.Event()
+        self._watch: PrefixWatch | None = None
+        self._task: asyncio.Task | None = None
+        self._active: dict[int, set[StreamState]] = {}
+
+    async def _start(self) -> "Client":
+        if self.is_static:
+            return self
+        # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
+        self._watch = await self.runtime.etcd_client.watch_prefix(self.endpoint_id.etcd_prefix + ":")
+        for kv in self._watch.initial:
+            self._apply_put(kv.key, kv.value)
+        self._recompute()
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"client-watch:{self.endpoint_id}")
+        return self
+
+    async def _follow(self) -> None:
+        assert self._watch is not None
+        async for ev in self._watch:
+            if ev.initial:
+                continue  # already applied in _start
+            if ev.kind == "put":
+                self._apply_put(ev.key, ev.value)
+            else:
+                iid = self._id_from_key(ev.key)
+                if iid is not None:
+                    self._instances.pop(iid, None)
+                    self.runtime._on_instance_gone(iid, list(self._active.get(iid, ())))
+            self._down.clear()  # as the original: a watch update resets "down" marks
+            self._recompute()
+
+    def _apply_put(self, key: str, value: bytes) -> None:
+        try:
+            inst = Instance.from_json(value)
+        except Exception as exc:  # noqa: BLE001 - a foreign/garbled key must not kill the watch
+            log.warning("ignoring invalid instance record %s: %s", key, exc)
+            return
+        self._instances[inst.instance_id] = inst
+
+    @staticmethod
+    def _id_from_key(key: str) -> int | None:
+        _, _, tail = key.rpartition(":")
+        try:
+            return parse_lease_hex(tail)
+        except ValueError:
+            return None
+
+    def _recompute(self) -> None:
+        self._available = sorted(i for i in self._instances if i not in self._down)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ instance list
+
+    def instance_ids(self) -> list[int]:
+        """Ids of the instances requests may go to now (live and not reported down)."""
+        return [0] if self.is_static else list(self._available)
+
+    def instances(self) -> list[Instance]:
+        return [self._instances[i] for i in self._available if i in self._instances]
+
+    def report_instance_down(self, instance_id: int) -> None:
+        """Skip this instance until the next etcd update for the endpoint."""
+        if instance_id in self._instances:
+            self._down.add(instance_id)
+            self._available = [i for i in self._available if i != instance_id]
+
+    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
+        """Wait until at least one instance is available; returns their ids."""
+        if self.is_static:
+            return [0]
+
+        async def wait() -> list[int]:
+            while not self._available:
+                await self._changed.wait()
+            return list(self._available)
+
+        return await asyncio.wait_for(wait(), timeout) if timeout is not None else await wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._watch is not None:
+            await self._watch.close()
+            self._watch = None
+
+    # ------------------------------------------------------------------ routing
+
+    def _select(self, mode: str, instance_id: int | None) -> tuple[int, str]:
+        ep = self.endpoint_id
+        if self.is_static:
+            return 0, ep.subject(None)
+        ids = self._available
+        if mode == "direct":
+            assert instance_id is not None
+            inst = self._instances.get(instance_id)
+            if inst is None or instance_id not in ids:
+                raise InstanceNotFoundError(instance_id, ep.etcd_prefix)
+            return instance_id, inst.subject or ep.subject(instance_id)
+        if not ids:
+            raise NoInstancesError(ep.etcd_prefix)
+        if mode == "round_robin":
+            chosen = ids[self._counter % len(ids)]
+            self._counter += 1
+        else:
+            chosen = ids[_random.randrange(len(ids))]
+        inst = self._instances[chosen]
+        return chosen, inst.subject or ep.subject(chosen)
+
+    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "random", None, context, annotated)
+
+    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "round_robin", None, context, annotated)
+
+    def direct(self, request: Any, instance_id: int, *, context: Context | None = None,
+               annotated: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "direct", instance_id, context, annotated)
+
+    def generate(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
+        """Random instance (the static subject for static clients), as the original binding does."""
+        return ResponseStream(self, request, "random", None, context, annotated)
+
+    def _track(self, state: StreamState) -> None:
+        if state.instance_id is not None:
+            self._active.setdefault(state.instance_id, set()).add(state)
+
+    def _untrack(self, state: StreamState) -> None:
+        bucket = self._active.get(state.instance_id)  # type: ignore[arg-type]
+        if bucket is not None:
+            bucket.discard(state)
+            if not bucket:
+                self._active.pop(state.instance_id, None)  # type: ignore[arg-type]
+
+
+class ResponseStream:
+    """One request's response stream: an async iterator of items (or Annotated with ``annotated=True``).
+
+    Iteration raises :class:`EngineError` for an error item (the handler failed) and
+    :class:`StreamIncompleteError` when the worker went away before the completion marker. Leaving the
+    stream early (``break``, ``aclose()``, cancellation, garbage collection) sends ``kill`` so the worker
+    stops the handler.
+    """
+
+    __slots__ = ("_client", "_request", "_mode", "_instance_id", "_context", "_annotated", "_state",
+                 "_starting", "_closed", "__weakref__")
+
+    def __init__(self, client: Client, request: Any, mode: str, instance_id: int | None,
+                 context: Context | None, annotated: bool) -> None:
+        self._client = client
+        self._request = request
+        self._mode = mode
+        self._instance_id = instance_id
+        self._context = context or Context()
+        self._annotated = annotated
+        self._state: StreamState | None = None
+        self._starting: asyncio.Future | None = None
+        self._closed = False
+
+    @property
+    def instance_id(self) -> int | None:
+        """The instance serving this stream (known once started)."""
+        return self._state.instance_id if self._state is not None else self._instance_id
+
+    @property
+    def context(self) -> Context:
+        return self._context
+
+    def id(self) -> str:
+        return self._context.id()
+
+    async def start(self) -> "ResponseStream":
+        """Choose the instance and send the request (idempotent)."""
+        if self._state is not None:
+            return self
+        if self._starting is not None:
+            await self._starting
+            return self
+        self._starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._send()
+            self._starting.set_result(None)
+        except BaseException as exc:
+            self._starting.set_exception(exc)
+            self._starting.exception()  # mark retrieved
+            self._closed = True
+            raise
+        return self
+
+    async def _send(self) -> None:
+        client = self._client
+        runtime = client.runtime
+        instance_id, subject = client._select(self._mode, self._instance_id)
+        receiver = await runtime._response_receiver()
+        ctx = self._context
+        state = StreamState(ctx.id(), instance_id)
+        conn = receiver.register(state)
+        frame = encode_request(ctx.id(), conn, _encode_request(self._request))
+        try:
+            await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
+        except nats.errors.NoRespondersError:
+            receiver.unregister(state)
+            client.report_instance_down(instance_id)
+            raise NoRespondersError(subject, instance_id) from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            receiver.unregister(state)
+            raise DynamoRuntimeError(f"no acknowledgement from {subject} within {ACK_TIMEOUT:.0f}s") from None
+        except BaseException:
+            receiver.unregister(state)
+            raise
+        self._state = state
+
+        def finished(s: StreamState) -> None:
+            receiver.unregister(s)
+            ctx.remove_callback(s.send_control)
+            client._untrack(s)
+
+        state.on_finish = finished
+        client._track(state)
+        if ctx.is_stopped():
+            state.send_control("kill" if ctx.is_killed() else "stop")
+        ctx.add_callback(state.send_control)
+        receiver.after_send(state, HANDSHAKE_TIMEOUT)
+
+    def __await__(self):
+        return self.start().__await__()
+
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        state = self._state
+        if state is None:
+            if self._closed:
+                raise StopAsyncIteration
+            await self.start()
+            state = self._state
+            assert state is not None
+        items = state.items
+        try:
+            while True:
+                ann = items.popleft() if items else await state.next_raw()
+                if "event" in ann and ann["event"] == "error":
+                    raise EngineError(Annotated.from_dict(ann).error_message())
+                if self._annotated:
+                    return Annotated.from_dict(ann)
+                if "data" in ann:
+                    return ann["data"]
+                # an annotation without data (events/comments) only shows in annotated mode
+        except StopAsyncIteration:
+            self._closed = True
+            raise
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        except StreamIncompleteError:
+            self._closed = True
+            if state.instance_id:
+                self._client.report_instance_down(state.instance_id)
+            raise
+
+    def stop_generating(self) -> None:
+        """Ask the worker to end the stream gracefully; keep iterating to get the rest."""
+        self._context.stop_generating()
+
+    def kill(self) -> None:
+        """Abandon the stream: the worker cancels the handler."""
+        self._abandon()
+
+    async def aclose(self) -> None:
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        state = self._state
+        if state is not None and not state.finished:
+            state.send_control("kill")  # the caller's Context is left alone: it may outlive this stream
+            state.fail(EngineError("stream abandoned by the client"))
+
+    async def __aenter__(self) -> "ResponseStream":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._abandon()
+
+    def __del__(self) -> None:
+        state = self._state
+        if state is not None and not state.finished:
+            try:
+                state.send_control("kill")
+                state.fail(EngineError("stream abandoned by the client"))
+            except Exception:  # noqa: BLE001 - interpreter/loop shutting down
+                pass

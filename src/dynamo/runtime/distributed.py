@@ -1,0 +1,201 @@
+"""DistributedRuntime: one process's connections (etcd + NATS), its primary lease (= instance id),
+and its shutdown signal.
+
+Create with ``runtime = await DistributedRuntime.connect()`` (or let ``@dynamo_worker`` do it);
+``runtime.shutdown()`` starts a graceful shutdown; ``await runtime.close()`` finishes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+
+from .component import Namespace
+from .config import RuntimeSettings
+from .errors import DynamoRuntimeError
+from .etcd import EtcdClient, KeyValue, PrefixWatch
+from .lease import LeaseKeeper
+from .nats_conn import connect_nats
+from .names import lease_hex
+from .tcp import TcpResponseServer
+from .transport import StreamState
+
+log = logging.getLogger(__name__)
+
+
+class KeyValueStore:
+    """etcd as the LLM layer sees it: values are bytes/str/JSON-able, ``lease=True`` binds a key to
+    this process's primary lease (it vanishes when the process dies or shuts down)."""
+
+    def __init__(self, client: EtcdClient, runtime: "DistributedRuntime") -> None:
+        self.client = client
+        self._runtime = runtime
+
+    def _lease(self, lease: bool | int) -> int:
+        if lease is True:
+            return self._runtime.primary_lease_id
+        return int(lease or 0)
+
+    async def put(self, key: str, value: Any, *, lease: bool | int = False) -> int:
+        """Write (overwrite) ``key``; returns the revision."""
+        return await self.client.put(key, value, self._lease(lease))
+
+    async def create(self, key: str, value: Any, *, lease: bool | int = False) -> bool:
+        """Create-if-absent; True if created, False if the key already existed (left untouched)."""
+        return await self.client.create(key, value, self._lease(lease))
+
+    async def get(self, key: str) -> KeyValue | None:
+        return await self.client.get(key)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return await self.client.get_prefix(prefix)
+
+    async def delete(self, key: str) -> int:
+        return await self.client.delete(key)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self.client.delete_prefix(prefix)
+
+    def watch_prefix(self, prefix: str) -> PrefixWatch:
+        """Existing keys first (put events with ``initial=True``), then live put/delete events."""
+        return self.client.watch_prefix(prefix)
+
+
+class DistributedRuntime:
+    def __init__(self, settings: RuntimeSettings | None = None, *, static: bool = False) -> None:
+        self.settings = settings or RuntimeSettings.from_env()
+        self.is_static = static
+        self.etcd_client: EtcdClient | None = None
+        self.etcd: KeyValueStore | None = None
+        self.nats: NatsClient = None  # type: ignore[assignment]
+        self.primary_lease_id = 0
+        self._lease: LeaseKeeper | None = None
+        self._shutdown = asyncio.Event()
+        self._closed = False
+        self._services: dict[str, Any] = {}
+        self._tcp_server: TcpResponseServer | None = None
+        self._shutdown_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, settings: RuntimeSettings | None = None, *, static: bool = False) -> "DistributedRuntime":
+        """Connect to etcd (unless static) and NATS, and take the primary lease.
+
+        Raises RuntimeConnectionError (one line, naming the address) within a few seconds when a server
+        cannot be reached.
+        """
+        runtime = cls(settings, static=static)
+        await runtime._open()
+        return runtime
+
+    @classmethod
+    async def from_settings(cls, **kwargs: Any) -> "DistributedRuntime":
+        return await cls.connect(**kwargs)
+
+    async def _open(self) -> None:
+        try:
+            if not self.is_static:
+                self.etcd_client = EtcdClient(self.settings.etcd)
+                await self.etcd_client.connect()
+                self.etcd = KeyValueStore(self.etcd_client, self)
+            self.nats = await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}")
+            if not self.is_static:
+                assert self.etcd_client is not None
+                self._lease = LeaseKeeper(self.etcd_client, self.settings.lease_ttl, on_lost=self._lease_lost)
+                self.primary_lease_id = await self._lease.start()
+        except BaseException:
+            await self._close_connections()
+            raise
+
+    @property
+    def instance_id(self) -> int:
+        return self.primary_lease_id
+
+    @property
+    def instance_hex(self) -> str:
+        return lease_hex(self.primary_lease_id)
+
+    def namespace(self, name: str) -> Namespace:
+        return Namespace(self, name)
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown (safe from signal handlers): revoke the lease so every key bound to
+        it disappears, and let ``serve_endpoint`` calls drain and return."""
+        if self._shutdown.is_set():
+            return
+        self._shutdown.set()
+        if self._lease is not None:
+            self._shutdown_task = asyncio.get_running_loop().create_task(self._lease.revoke())
+
+    @property
+    def is_shutting_down(self) -> bool:
+        return self._shutdown.is_set()
+
+    async def wait_for_shutdown(self) -> None:
+        await self._shutdown.wait()
+
+    def _lease_lost(self) -> None:
+        log.error("primary lease %s lost (etcd unreachable past its TTL); shutting down", self.instance_hex)
+        self.shutdown()
+
+    async def close(self) -> None:
+        """Shut down (if not yet) and release everything: lease revoked, connections closed."""
+        if self._closed:
+            return
+        self.shutdown()
+        if self._shutdown_task is not None:
+            try:
+                await self._shutdown_task
+            except Exception as exc:  # noqa: BLE001 - etcd may be gone; the lease then expires by itself
+                log.debug("lease revoke failed: %s", exc)
+        self._closed = True
+        await self._close_connections()
+
+    async def _close_connections(self) -> None:
+        if self._lease is not None:
+            await self._lease.stop()
+        if self._tcp_server is not None:
+            await self._tcp_server.close()
+            self._tcp_server = None
+        for service in list(self._services.values()):
+            try:
+                await service.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        self._services.clear()
+        if self.nats is not None and not self.nats.is_closed:
+            try:
+                await self.nats.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.etcd_client is not None:
+            await self.etcd_client.close()
+
+    async def __aenter__(self) -> "DistributedRuntime":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ transport plumbing
+
+    async def _response_receiver(self) -> TcpResponseServer:
+        if self._closed:
+            raise DynamoRuntimeError("runtime is closed")
+        server = self._tcp_server
+        if server is None or not server.address:
+            if server is None:
+                server = self._tcp_server = TcpResponseServer(self.settings.tcp_host)
+            await server.start()
+        return server
+
+    def _sink_openers(self) -> dict:
+        return {}
+
+    def _on_instance_gone(self, instance_id: int, states: list[StreamState]) -> None:
+        if self._tcp_server is not None and states:
+            self._tcp_server.on_instance_gone(states)

@@ -1,0 +1,184 @@
+"""Worker side of an endpoint: take requests from NATS, run the handler, stream its items back.
+
+Each request runs in its own task (requests are served concurrently). The NATS callback only decodes,
+acks and spawns, so one slow handler never delays the next request's ack.
+
+Handler contract: ``handler(request)`` or ``handler(request, context)`` (two positional parameters)
+returns an async iterator (normally it *is* an async generator) of JSON-serialisable items. An exception
+becomes an error item, and the worker keeps serving. ``kill`` from the client (or its socket closing)
+cancels the handler's task, so the generator sees CancelledError/GeneratorExit and its work stops.
+``stop`` does the same for one-parameter handlers; two-parameter handlers see ``context.is_stopped()``
+and end the stream themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+from .codec import decode_frame
+from .context import Context
+from .tcp import TRANSPORT_NAME as TCP_TRANSPORT, TcpSink
+from .transport import encode_error_item, encode_item, parse_request_control
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[..., Any]
+
+
+def handler_takes_context(handler: Handler) -> bool:
+    """True when the handler accepts a second positional argument (the Context)."""
+    try:
+        params = inspect.signature(handler).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return positional >= 2
+
+
+async def _as_async_iterator(result: Any):
+    """Accept an async iterator, an awaitable giving one, or an awaitable giving a single item."""
+    if hasattr(result, "__anext__"):
+        return result
+    if hasattr(result, "__aiter__"):
+        return result.__aiter__()
+    if inspect.isawaitable(result):
+        value = await result
+        if hasattr(value, "__aiter__"):
+            return value.__aiter__()
+
+        async def single():
+            yield value
+        return single()
+    raise TypeError(f"handler must return an async iterator, got {type(result).__name__}")
+
+
+SinkOpener = Callable[[str, dict, Context], Awaitable[Any]]
+
+
+async def open_tcp_sink(transport: str, info: dict, context: Context) -> TcpSink:
+    if transport != TCP_TRANSPORT:
+        raise ValueError(f"unsupported response transport {transport!r}")
+    return await TcpSink.connect(info, context)
+
+
+class Ingress:
+    """Serves one endpoint's requests and tracks them for graceful shutdown."""
+
+    def __init__(self, handler: Handler, *, name: str = "", sink_openers: dict[str, SinkOpener] | None = None) -> None:
+        self.handler = handler
+        self.name = name
+        self.takes_context = handler_takes_context(handler)
+        self.inflight: set[asyncio.Task] = set()
+        self.accepting = True
+        self._openers: dict[str, SinkOpener] = {TCP_TRANSPORT: open_tcp_sink}
+        if sink_openers:
+            self._openers.update(sink_openers)
+
+    # called by NATS (micro endpoint handler): keep it short
+    async def on_request(self, request: Any) -> None:
+        try:
+            header, body = decode_frame(request.data)
+            request_id, transport, info = parse_request_control(header)
+        except Exception as exc:
+            log.warning("%s: undecodable request: %s", self.name, exc)
+            await request.respond(b"")
+            return
+        if not self.accepting:
+            return  # no ack: the client times out / retries elsewhere
+        await request.respond(b"")  # ack at once; the response comes over the stream
+        task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def _serve(self, request_id: str, transport: str, info: dict, body: bytes) -> None:
+        context = Context(request_id)
+        opener = self._openers.get(transport)
+        if opener is None:
+            log.error("%s: request %s wants unknown transport %r", self.name, request_id, transport)
+            return
+        try:
+            sink = await opener(transport, info, context)
+        except Exception as exc:
+            log.warning("%s: cannot open response stream for %s: %s", self.name, request_id, exc)
+            return
+        task = asyncio.current_task()
+        takes_context = self.takes_context
+
+        def on_signal(kind: str) -> None:
+            if kind == "kill" or not takes_context:
+                if task is not None and not task.done():
+                    task.cancel()
+
+        context.add_callback(on_signal)
+        agen = None
+        try:
+            try:
+                request = orjson.loads(body) if body else None
+                result = self.handler(request, context) if takes_context else self.handler(request)
+                agen = await _as_async_iterator(result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("%s: handler failed to start for %s: %s", self.name, request_id, exc)
+                sink.send_prologue(_message(exc))
+                sink.finish()
+                return
+            sink.send_prologue()
+            await self._pump(agen, sink)
+            sink.finish()
+        except asyncio.CancelledError:
+            # kill/stop from the client, or shutdown past its grace period
+            if context.is_killed() or not context.is_stopped():
+                sink.abort()
+            else:
+                sink.finish()
+        except Exception as exc:  # the handler raised mid-stream: report it, keep serving
+            log.info("%s: handler error for %s: %s", self.name, request_id, exc)
+            sink.write(encode_error_item(_message(exc)))
+            sink.finish()
+        finally:
+            context.remove_callback(on_signal)
+            if agen is not None and hasattr(agen, "aclose"):
+                try:
+                    await agen.aclose()  # GeneratorExit inside the handler if it was parked at a yield
+                except BaseException:  # noqa: BLE001 - whatever the handler does on close, we are done
+                    pass
+
+    @staticmethod
+    async def _pump(agen: Any, sink: Any) -> None:
+        write = sink.write
+        encode = encode_item
+        async for item in agen:
+            try:
+                frame = encode(item)
+            except TypeError as exc:
+                raise ValueError(f"invalid response object from handler: {exc}") from None
+            write(frame)
+            if sink.must_drain:
+                await sink.drain()
+
+    async def drain(self, timeout: float | None) -> None:
+        """Stop accepting, wait up to ``timeout`` for in-flight requests, cancel the rest."""
+        self.accepting = False
+        if self.inflight and (timeout is None or timeout > 0):
+            await asyncio.wait(set(self.inflight), timeout=timeout)
+        rest = [t for t in self.inflight if not t.done()]
+        for t in rest:
+            t.cancel()
+        if rest:
+            await asyncio.gather(*rest, return_exceptions=True)
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc)
+    return text if text else type(exc).__name__

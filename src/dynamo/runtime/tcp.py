@@ -1,0 +1,311 @@
+"""TCP call-home response streams (spec 7.4), the default response transport.
+
+The client process runs one TCP listener. Each request names a fresh stream key; the worker connects
+back, sends a handshake with that key, then the prologue, the items, the completion marker and a
+sentinel. The socket doubles as the liveness signal (a dead worker closes it, so the client knows at
+once) and as the channel for the client's ``stop``/``kill``. Why TCP rather than NATS for the response
+leg: docs/runtime.md ("Transport").
+
+Writes are coalesced: every frame written during one event-loop turn goes out in one ``send``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+
+import orjson
+
+from .codec import FrameDecoder, FrameError, encode_frame
+from .context import Context
+from .errors import EngineError
+from .transport import (
+    CONTROL_FRAMES,
+    FRAME_COMPLETE,
+    FRAME_PROLOGUE_OK,
+    FRAME_SENTINEL,
+    StreamState,
+    encode_handshake,
+    encode_prologue_error,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSPORT_NAME = "tcp_server"
+_loads = orjson.loads
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+def advertise_host(configured: str | None) -> str:
+    """Address workers should dial to reach this process.
+
+    ``DYN_TCP_RPC_HOST`` wins; otherwise the address the host name resolves to; otherwise loopback
+    (correct for single-machine setups, the common case here).
+    """
+    if configured:
+        return configured
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if addr and not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------- client side
+
+
+class TcpResponseServer:
+    """The client process's listener for call-home streams; one per DistributedRuntime."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = advertise_host(host)
+        self.address = ""
+        self.pending: dict[str, StreamState] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._server is not None:
+                return
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
+            port = self._server.sockets[0].getsockname()[1]
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            self.address = f"{host}:{port}"
+
+    def register(self, state: StreamState) -> dict:
+        """Reserve a stream key for ``state``; returns the connection_info to put in the request."""
+        key = uuid.uuid4().hex
+        state.key = key
+        self.pending[key] = state
+        info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response"}
+        return {"transport": TRANSPORT_NAME, "info": info}
+
+    def unregister(self, state: StreamState) -> None:
+        self.pending.pop(state.key, None)
+
+    def after_send(self, state: StreamState, handshake_timeout: float) -> None:
+        """The worker acked: if it never calls home (it died in between), fail the stream."""
+
+        def check() -> None:
+            if not state.connected and not state.finished:
+                self.pending.pop(state.key, None)
+                state.fail_incomplete()
+
+        asyncio.get_running_loop().call_later(handshake_timeout, check)
+
+    def on_instance_gone(self, states: list[StreamState]) -> None:
+        """An instance's key vanished. Connected TCP streams need nothing: a dead worker's socket
+        closes, and a gracefully stopping one still finishes its in-flight streams."""
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for state in list(self.pending.values()):
+            state.fail_incomplete()
+        self.pending.clear()
+
+
+class _CallHomeProtocol(asyncio.Protocol):
+    """One worker's connection carrying one response stream."""
+
+    __slots__ = ("server", "transport", "decoder", "state")
+
+    def __init__(self, server: TcpResponseServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.decoder = FrameDecoder()
+        self.state: StreamState | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        _nodelay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.decoder.feed(data)
+        except FrameError as exc:
+            log.warning("bad frame from worker: %s", exc)
+            self.transport.close()
+            return
+        state = self.state
+        for header, body in frames:
+            if body:
+                if state is None:
+                    self.transport.close()
+                    return
+                msg = _loads(body)
+                ann = msg.get("data")
+                if ann is not None:
+                    if state.finished:
+                        log.error("Response received after generation ended - this should never happen")
+                        continue
+                    state.items.append(ann)
+                elif msg.get("complete_final"):
+                    state.complete()
+                else:
+                    state.fail(EngineError("Empty response received - this should never happen"))
+            elif header:
+                ctl = _loads(header)
+                if state is None:
+                    state = self.server.pending.pop(ctl.get("subject", "") if isinstance(ctl, dict) else "", None)
+                    if state is None or state.finished:
+                        self.transport.close()
+                        return
+                    self.state = state
+                    state.attach(self.send_control)
+                elif isinstance(ctl, dict):
+                    if ctl.get("error"):
+                        state.fail(EngineError(str(ctl["error"])))
+                elif ctl == "sentinel":
+                    self.transport.close()
+        if state is not None:
+            state.wake()
+
+    def send_control(self, kind: str) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(CONTROL_FRAMES[kind])
+        if kind == "kill":
+            transport.close()  # buffered bytes (the kill frame) are flushed before the close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        state = self.state
+        if state is not None and not state.finished:
+            state.fail_incomplete()
+        self.transport = None
+
+
+# ---------------------------------------------------------------------------------- worker side
+
+
+class TcpSink(asyncio.Protocol):
+    """Worker end of one call-home stream: buffered, coalesced writes; stop/kill from the client."""
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self.transport: asyncio.Transport | None = None
+        self._pending: list[bytes] = []
+        self._flush_scheduled = False
+        self._paused = False
+        self._drain: asyncio.Future | None = None
+        self._decoder = FrameDecoder()
+        self.finished = False
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def connect(cls, info: dict, context: Context, timeout: float = 10.0) -> "TcpSink":
+        host, _, port = str(info["address"]).rpartition(":")
+        host = host.strip("[]")
+        loop = asyncio.get_running_loop()
+        _, sink = await asyncio.wait_for(loop.create_connection(lambda: cls(context), host, int(port)), timeout)
+        sink.write(encode_handshake(str(info["subject"])))
+        return sink
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        _nodelay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except FrameError:
+            self.context.kill()
+            return
+        for header, _body in frames:
+            if header:
+                ctl = _loads(header)
+                if ctl == "stop":
+                    self.context.stop_generating()
+                elif ctl == "kill":
+                    self.context.kill()
+
+    def eof_received(self) -> bool:
+        if not self.finished:
+            self.context.kill()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        if not self.finished:
+            self.context.kill()  # the client went away: nobody reads what we would produce
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # writing
+    def write(self, frame: bytes) -> None:
+        self._pending.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._pending:
+            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(data)
+
+    @property
+    def must_drain(self) -> bool:
+        return self._paused
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is over its high-water mark (backpressure)."""
+        while self._paused and not self.closed:
+            self._drain = self._loop.create_future()
+            await self._drain
+        self._drain = None
+
+    def send_prologue(self, error: str | None = None) -> None:
+        self.write(FRAME_PROLOGUE_OK if error is None else encode_prologue_error(error))
+
+    def finish(self) -> None:
+        """Completion marker + sentinel, flush, close our side."""
+        if self.finished:
+            return
+        self.finished = True
+        self._pending.append(FRAME_COMPLETE)
+        self._pending.append(FRAME_SENTINEL)
+        self._flush()
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close without the completion marker (the client then reports an incomplete stream)."""
+        self.finished = True
+        self._flush()
+        if self.transport is not None:
+            self.transport.close()
+
+
+__all__ = ["TcpResponseServer", "TcpSink", "advertise_host", "TRANSPORT_NAME", "encode_frame"]

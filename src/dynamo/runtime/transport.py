@@ -1,0 +1,178 @@
+"""What both response transports share: the request envelope, stream-message encoding, and the
+client-side state of one response stream.
+
+Request (client -> worker, one NATS request per stream): a two-part frame whose header is the control
+JSON ``{"id", "request_type": "single_in", "response_type": "many_out", "connection_info":
+{"transport", "info": "<JSON string>"}}`` and whose body is the request JSON (spec 7.4). The worker acks
+with an empty reply at once, then streams the response to where ``connection_info`` says.
+
+Response stream (worker -> client), each a frame:
+  header-only ``{"subject", "stream_type": "response"}``   handshake (TCP only: says which stream)
+  header-only ``{"error": null | "<msg>"}``                  prologue: did the handler start?
+  data-only   ``{"data": <Annotated>, "complete_final": false}``  one per item
+  data-only   ``{"complete_final": true}``                  the completion marker
+  header-only ``"sentinel"``                                 end of stream
+Control (client -> worker): header-only ``"stop"`` or ``"kill"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import deque
+from typing import Any, Callable
+
+import orjson
+
+from .annotated import Annotated
+from .codec import encode_frame
+from .errors import EngineError, StreamIncompleteError
+
+# ---------------------------------------------------------------------------------- encoding
+
+_ITEM_PREFIX = b'{"data":{"data":'
+_ITEM_SUFFIX = b'},"complete_final":false}'
+_dumps = orjson.dumps
+_pack_prefix = struct.Struct(">QQQ").pack
+
+FRAME_COMPLETE = encode_frame(body=b'{"complete_final":true}')
+FRAME_SENTINEL = encode_frame(header=b'"sentinel"')
+FRAME_PROLOGUE_OK = encode_frame(header=b'{"error":null}')
+FRAME_STOP = encode_frame(header=b'"stop"')
+FRAME_KILL = encode_frame(header=b'"kill"')
+FRAME_HEARTBEAT = encode_frame(header=b'"heartbeat"')
+CONTROL_FRAMES = {"stop": FRAME_STOP, "kill": FRAME_KILL}
+
+
+def encode_item(item: Any) -> bytes:
+    """One stream item as a data frame. Plain values are wrapped as ``Annotated{data: item}``."""
+    if isinstance(item, Annotated):
+        body = b'{"data":' + _dumps(item.to_dict()) + _ITEM_SUFFIX
+    else:
+        body = _ITEM_PREFIX + _dumps(item) + _ITEM_SUFFIX
+    return _pack_prefix(0, len(body), 0) + body  # encode_frame inlined: this runs once per item
+
+
+def encode_error_item(message: str) -> bytes:
+    return encode_item(Annotated.from_error(message))
+
+
+def encode_prologue_error(message: str) -> bytes:
+    return encode_frame(header=_dumps({"error": message}))
+
+
+def encode_handshake(subject: str) -> bytes:
+    return encode_frame(header=_dumps({"subject": subject, "stream_type": "response"}))
+
+
+def encode_request(request_id: str, connection_info: dict, body: bytes) -> bytes:
+    control = {
+        "id": request_id,
+        "request_type": "single_in",
+        "response_type": "many_out",
+        "connection_info": {
+            "transport": connection_info["transport"],
+            "info": _dumps(connection_info["info"]).decode(),
+        },
+    }
+    return encode_frame(_dumps(control), body, with_checksum=True)
+
+
+def parse_request_control(header: bytes) -> tuple[str, str, dict]:
+    """(request id, transport name, connection info dict) from a request frame's header."""
+    control = orjson.loads(header)
+    conn = control.get("connection_info") or {}
+    info = conn.get("info") or "{}"
+    return str(control.get("id") or ""), conn.get("transport", ""), orjson.loads(info) if isinstance(info, str) else info
+
+
+# ---------------------------------------------------------------------------------- client side
+
+
+class StreamState:
+    """Client-side state of one response stream, fed by a transport, drained by a ResponseStream.
+
+    Transports append raw Annotated dicts to ``items`` and call ``wake()`` once per batch, so a burst of
+    items costs one future wake-up rather than one per item.
+    """
+
+    __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
+                 "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish")
+
+    def __init__(self, request_id: str, instance_id: int | None) -> None:
+        self.request_id = request_id
+        self.instance_id = instance_id
+        self.items: deque[dict] = deque()
+        self.finished = False
+        self.error: BaseException | None = None
+        self.connected = False
+        self.key = ""
+        self._waiter: asyncio.Future | None = None
+        self._sender: Callable[[str], None] | None = None
+        self._control_backlog: list[str] = []
+        self.last_seen = 0.0
+        self.on_finish: Callable[["StreamState"], None] | None = None
+
+    # fed by the transport
+    def attach(self, sender: Callable[[str], None]) -> None:
+        """The worker is connected; ``sender("stop"|"kill")`` reaches it from now on."""
+        self.connected = True
+        self._sender = sender
+        for kind in self._control_backlog:
+            sender(kind)
+        self._control_backlog.clear()
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def complete(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._done()
+        self.wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            self.error = exc
+            self._done()
+        self.wake()
+
+    def fail_incomplete(self) -> None:
+        self.fail(StreamIncompleteError())
+
+    def _done(self) -> None:
+        self._sender = None
+        if self.on_finish is not None:
+            self.on_finish(self)
+
+    # used by the consumer
+    def send_control(self, kind: str) -> None:
+        if self.finished:
+            return
+        if self._sender is not None:
+            self._sender(kind)
+        else:
+            self._control_backlog.append(kind)
+
+    async def next_raw(self) -> dict:
+        """The next raw Annotated dict; raises StopAsyncIteration at a clean end, or the stream's error."""
+        while True:
+            if self.items:
+                return self.items.popleft()
+            if self.finished:
+                if self.error is not None:
+                    raise self.error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+def raise_if_error(ann: dict) -> None:
+    if ann.get("event") == "error":
+        raise EngineError(Annotated.from_dict(ann).error_message())

