@@ -54,7 +54,33 @@ def _echo_core(cfg: Any, card: ModelCard) -> Engine:
     return EchoCoreEngine()
 
 
+def extra_engine_args(cfg: Any) -> dict[str, Any]:
+    """The --extra-engine-args JSON object (already validated by the flag parser), or {}."""
+    import json
+
+    path = getattr(cfg, "extra_engine_args", None)
+    return json.loads(path.read_text()) if path else {}
+
+
+def _llamacpp(cfg: Any, card: ModelCard) -> Engine:
+    require_package("llamacpp")
+    if card.gguf_path is None:
+        raise UserError("out=llamacpp needs a GGUF file: --model-path should refer to a GGUF file "
+                        "(llama.cpp does not load safetensors)")
+    from dynamo.engines.llamacpp import DEFAULT_MAX_CTX_PER_SEQ, LlamaCppEngine
+
+    if getattr(cfg, "context_length", None) is None and card.context_length > DEFAULT_MAX_CTX_PER_SEQ:
+        log.info("using a context of %d tokens per sequence (the model allows %d; raise it with --context-length)",
+                 DEFAULT_MAX_CTX_PER_SEQ, card.context_length)
+        card.context_length = DEFAULT_MAX_CTX_PER_SEQ
+    ctx_len = card.context_length or DEFAULT_MAX_CTX_PER_SEQ
+    card.context_length = ctx_len
+    return LlamaCppEngine(card.gguf_path, context_length=ctx_len, args=extra_engine_args(cfg),
+                          verbose=getattr(cfg, "verbosity", 0) >= 2)
+
+
 FACTORIES: dict[str, EngineFactory] = {
+    "llamacpp": _llamacpp,
     "echo_full": _echo_full,
     "echo_core": _echo_core,
 }

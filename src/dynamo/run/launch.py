@@ -45,8 +45,11 @@ def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
     )
 
 
-def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
+async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
     engine = create_engine(engine_name, cfg, card)
+    start = getattr(engine, "start", None)
+    if start is not None:
+        await start()  # engines load weights here, off the event loop
     name = card.display_name
     if engine.kind == "core":
         return CorePipeline(name, card, engine)
@@ -90,7 +93,7 @@ async def run(cfg: RunConfig) -> int:
         from dynamo.inputs.endpoint import run_worker
 
         return await run_worker(cfg, card, engine_name, stop)
-    model = build_served_model(cfg, card, engine_name)
+    model = await build_served_model(cfg, card, engine_name)
     try:
         return await _run_input(cfg, model, engine_name, stop)
     finally:
