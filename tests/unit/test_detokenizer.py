@@ -1,0 +1,85 @@
+"""Incremental detokenisation of byte-level BPE: streamed text equals the full decode, with no U+FFFD."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dynamo.llm.detokenizer import IncrementalDetokenizer
+from dynamo.llm.tokenizer import Tokenizer
+from tests.support.tiny_model import MULTIBYTE_SAMPLES
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path) -> Tokenizer:
+    return Tokenizer((tiny_model / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+TEXTS = [
+    "Hello world, how are you?",
+    "emoji 🙂 and 🚀!",
+    "z🦀z 😀😀 ẞ",  # characters the tokenizer never saw: one byte per token
+    " 日本語のテキスト",
+    "  two leading spaces and\nnew lines\n\n",
+    *MULTIBYTE_SAMPLES,
+]
+
+
+def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None) -> list[str]:
+    d = IncrementalDetokenizer(tok, prompt)
+    deltas = [d.step(i) for i in ids]
+    deltas.append(d.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_equals_full_decode(tok: Tokenizer, text: str):
+    ids = tok.encode(text)
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    for delta in deltas:
+        assert "\ufffd" not in delta, f"replacement character streamed in {delta!r}"
+
+
+def test_multibyte_character_split_over_tokens_is_held_until_complete(tok: Tokenizer):
+    ids = tok.encode("🦀")
+    assert len(ids) > 1, "the test needs a character that spans several tokens"
+    deltas = stream(tok, ids)
+    assert deltas[:-2] == [""] * (len(ids) - 1)  # nothing shown while incomplete
+    assert "".join(deltas) == "🦀"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_after_a_prompt_leading_spaces_are_kept(tok: Tokenizer, text: str):
+    prompt = tok.encode("<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    deltas = stream(tok, ids, prompt)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_prompt_ending_mid_character_does_not_corrupt_output(tok: Tokenizer):
+    # the detokenizer seeds its window with the prompt's tail; a tail that starts inside a
+    # multi-byte character must not leak into the generated text
+    prompt = tok.encode("日本語のテキスト")
+    out = "".join(stream(tok, tok.encode(" and more"), prompt))
+    assert out == " and more"
+
+
+def test_special_tokens_are_rendered(tok: Tokenizer):
+    ids = tok.encode("<|im_start|>assistant\nhi<|im_end|>")
+    assert "".join(stream(tok, ids)) == "<|im_start|>assistant\nhi<|im_end|>"
+
+
+def test_incomplete_character_at_end_is_flushed(tok: Tokenizer):
+    ids = tok.encode("🦀")[:-1]
+    d = IncrementalDetokenizer(tok)
+    assert [d.step(i) for i in ids] == [""] * len(ids)
+    assert d.flush() != ""  # whatever there is (U+FFFD) is given back at the end, not lost silently
+
+
+def test_long_stream_keeps_working_past_the_window_trim(tok: Tokenizer):
+    text = "The quick brown fox jumps over the lazy dog. 🙂 " * 20
+    ids = tok.encode(text)
+    assert "".join(stream(tok, ids)) == text

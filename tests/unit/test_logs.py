@@ -1,0 +1,81 @@
+"""DYN_LOG filters (RUST_LOG-like) and the -v / -vv levels."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dynamo.run.logs import TRACE, parse_filter, setup_logging
+
+
+@pytest.mark.parametrize(
+    "spec,default,targets",
+    [
+        ("", None, {}),
+        ("debug", logging.DEBUG, {}),
+        ("WARN", logging.WARNING, {}),
+        ("info,dynamo.llm.http=debug", logging.INFO, {"dynamo.llm.http": logging.DEBUG}),
+        ("error, dynamo.run = trace", logging.ERROR, {"dynamo.run": TRACE}),
+        # Rust-style targets of the original map onto our modules
+        ("dynamo_llm::http::service=debug", None, {"dynamo.llm.http.service": logging.DEBUG}),
+        ("dynamo_runtime=warn", None, {"dynamo.runtime": logging.WARNING}),
+        # a bare target enables everything for it
+        ("dynamo.llm", None, {"dynamo.llm": TRACE}),
+        ("info,dynamo.llm=off", logging.INFO, {"dynamo.llm": logging.CRITICAL + 10}),
+        # junk levels are ignored rather than fatal
+        ("loud,dynamo.x=shouty", None, {"loud": TRACE}),
+    ],
+)
+def test_parse_filter(spec, default, targets):
+    assert parse_filter(spec) == (default, targets)
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    names = ["dynamo", "dynamo.llm", "dynamo.llm.http", "dynamo.run"]
+    saved_levels = {n: logging.getLogger(n).level for n in names}
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in saved[1]:
+        root.addHandler(h)
+    root.setLevel(saved[0])
+    for n, lvl in saved_levels.items():
+        logging.getLogger(n).setLevel(lvl)
+
+
+def test_default_is_info(monkeypatch, restore_logging):
+    monkeypatch.delenv("DYN_LOG", raising=False)
+    setup_logging(0)
+    log = logging.getLogger("dynamo.llm.http")
+    assert log.isEnabledFor(logging.INFO)
+    assert not log.isEnabledFor(logging.DEBUG)
+
+
+def test_v_is_debug_and_vv_is_trace(monkeypatch, restore_logging):
+    monkeypatch.delenv("DYN_LOG", raising=False)
+    setup_logging(1)
+    assert logging.getLogger("dynamo.run").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("dynamo.run").isEnabledFor(TRACE)
+    setup_logging(2)
+    assert logging.getLogger("dynamo.run").isEnabledFor(TRACE)
+
+
+def test_dyn_log_filters_per_module(monkeypatch, restore_logging):
+    monkeypatch.setenv("DYN_LOG", "warn,dynamo.llm.http=debug")
+    setup_logging(0)
+    assert logging.getLogger("dynamo.llm.http.service").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("dynamo.run").isEnabledFor(logging.INFO)
+    assert logging.getLogger("dynamo.run").isEnabledFor(logging.WARNING)
+
+
+def test_logs_go_to_stderr(monkeypatch, restore_logging, capsys):
+    monkeypatch.delenv("DYN_LOG", raising=False)
+    setup_logging(0)
+    logging.getLogger("dynamo.run").info("hello from the test")
+    captured = capsys.readouterr()
+    assert "hello from the test" in captured.err
+    assert "hello from the test" not in captured.out
