@@ -20,6 +20,7 @@ from .etcd import EtcdClient, KeyValue, PrefixWatch
 from .lease import LeaseKeeper
 from .nats_conn import connect_nats
 from .names import lease_hex
+from .nats_stream import NatsResponseReceiver, NatsSinkHub
 from .tcp import TcpResponseServer
 from .transport import StreamState
 
@@ -76,7 +77,8 @@ class DistributedRuntime:
         self._shutdown = asyncio.Event()
         self._closed = False
         self._services: dict[str, Any] = {}
-        self._tcp_server: TcpResponseServer | None = None
+        self._receiver: TcpResponseServer | NatsResponseReceiver | None = None
+        self._nats_hub: NatsSinkHub | None = None
         self._shutdown_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -158,9 +160,12 @@ class DistributedRuntime:
     async def _close_connections(self) -> None:
         if self._lease is not None:
             await self._lease.stop()
-        if self._tcp_server is not None:
-            await self._tcp_server.close()
-            self._tcp_server = None
+        if self._receiver is not None:
+            await self._receiver.close()
+            self._receiver = None
+        if self._nats_hub is not None:
+            await self._nats_hub.close()
+            self._nats_hub = None
         for service in list(self._services.values()):
             try:
                 await service.stop()
@@ -183,19 +188,31 @@ class DistributedRuntime:
 
     # ------------------------------------------------------------------ transport plumbing
 
-    async def _response_receiver(self) -> TcpResponseServer:
+    async def _response_receiver(self) -> TcpResponseServer | NatsResponseReceiver:
+        """This process's receiver of response streams (created on first use; kind per settings)."""
         if self._closed:
             raise DynamoRuntimeError("runtime is closed")
-        server = self._tcp_server
-        if server is None or not server.address:
-            if server is None:
-                server = self._tcp_server = TcpResponseServer(self.settings.tcp_host)
-            await server.start()
-        return server
+        receiver = self._receiver
+        if receiver is None:
+            if self.settings.response_transport == "nats":
+                receiver = NatsResponseReceiver(self.nats)
+            else:
+                receiver = TcpResponseServer(self.settings.tcp_host)
+            self._receiver = receiver
+        if not receiver.address:
+            await receiver.start()
+        return receiver
 
     def _sink_openers(self) -> dict:
-        return {}
+        """Worker side: how to open a response stream for each transport a client may ask for."""
+
+        async def open_nats(transport: str, info: dict, context: Any) -> Any:
+            if self._nats_hub is None:
+                self._nats_hub = NatsSinkHub(self.nats)
+            return await self._nats_hub.open(transport, info, context)
+
+        return {"nats": open_nats}
 
     def _on_instance_gone(self, instance_id: int, states: list[StreamState]) -> None:
-        if self._tcp_server is not None and states:
-            self._tcp_server.on_instance_gone(states)
+        if self._receiver is not None and states:
+            self._receiver.on_instance_gone(states)

@@ -1,0 +1,248 @@
+"""NATS response streams: the alternative to TCP call-home (``DYN_RESPONSE_TRANSPORT=nats``).
+
+The worker publishes the same frames as over TCP, coalesced per event-loop turn, to a per-request
+subject under the client's wildcard subscription. NATS gives no connection to watch, so liveness is
+explicit: the worker sends a heartbeat frame when it has been quiet for HEARTBEAT seconds, and the
+client fails a stream that has been silent for LIVENESS seconds or whose instance key vanished from
+etcd. ``stop``/``kill`` go to a per-worker control subject announced in the prologue.
+
+Kept because it was measured against TCP (docs/runtime.md, "Transport") and works without the worker
+being able to dial the client; TCP is the default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import orjson
+from nats.aio.client import Client as NatsClient
+
+from .codec import FrameDecoder
+from .context import Context
+from .errors import EngineError
+from .transport import FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_SENTINEL, StreamState, encode_frame
+
+log = logging.getLogger(__name__)
+
+TRANSPORT_NAME = "nats"
+HEARTBEAT = 1.5
+LIVENESS = 6.0
+FRAME_ABORT = encode_frame(header=b'"abort"')
+_loads = orjson.loads
+
+
+def _split(payload: bytes) -> list[tuple[bytes, bytes]]:
+    return FrameDecoder().feed(payload)
+
+
+class NatsResponseReceiver:
+    """Client side: one wildcard subscription for every response stream of this process."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self.prefix = f"_DYN_RESP.{uuid.uuid4().hex}"
+        self.streams: dict[str, StreamState] = {}
+        self._sub = None
+        self._task: asyncio.Task | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        if self._sub is not None:
+            return
+        self._sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1_000_000,
+                                            pending_bytes_limit=1 << 30)
+        await self.nc.flush()
+        self._task = asyncio.get_running_loop().create_task(self._liveness())
+        self.address = self.prefix
+
+    def register(self, state: StreamState) -> dict:
+        key = uuid.uuid4().hex
+        state.key = key
+        state.last_seen = time.monotonic()
+        self.streams[key] = state
+        return {"transport": TRANSPORT_NAME, "info": {"subject": f"{self.prefix}.{key}", "context": state.request_id}}
+
+    def unregister(self, state: StreamState) -> None:
+        self.streams.pop(state.key, None)
+
+    def after_send(self, state: StreamState, handshake_timeout: float) -> None:
+        state.last_seen = time.monotonic()
+
+    def on_instance_gone(self, states: list[StreamState]) -> None:
+        for state in states:
+            state.fail_incomplete()
+
+    async def _on_msg(self, msg) -> None:
+        key = msg.subject.rpartition(".")[2]
+        state = self.streams.get(key)
+        if state is None:
+            return
+        state.last_seen = time.monotonic()
+        for header, body in _split(msg.data):
+            if body:
+                m = _loads(body)
+                ann = m.get("data")
+                if ann is not None:
+                    if not state.finished:
+                        state.items.append(ann)
+                elif m.get("complete_final"):
+                    state.complete()
+            elif header:
+                ctl = _loads(header)
+                if isinstance(ctl, dict):
+                    if ctl.get("error"):
+                        state.fail(EngineError(str(ctl["error"])))
+                    control = ctl.get("control")
+                    if control and not state.connected:
+                        state.attach(self._sender(control, key))
+                elif ctl == "abort":
+                    state.fail_incomplete()
+        state.wake()
+
+    def _sender(self, control_subject: str, key: str):
+        nc = self.nc
+
+        def send(kind: str) -> None:
+            payload = orjson.dumps({"key": key, "ctl": kind})
+            asyncio.get_running_loop().create_task(nc.publish(control_subject, payload))
+
+        return send
+
+    async def _liveness(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            cutoff = time.monotonic() - LIVENESS
+            for state in list(self.streams.values()):
+                if state.last_seen < cutoff and not state.finished:
+                    state.fail_incomplete()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for state in list(self.streams.values()):
+            state.fail_incomplete()
+        self.streams.clear()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+            self._sub = None
+
+
+class NatsSinkHub:
+    """Worker side: the control subscription and heartbeats shared by every NATS sink of a runtime."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self.control_subject = f"_DYN_CTL.{uuid.uuid4().hex}"
+        self.sinks: dict[str, "NatsSink"] = {}
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(self.control_subject, cb=self._on_control)
+            self._task = asyncio.get_running_loop().create_task(self._heartbeats())
+
+    async def open(self, transport: str, info: dict, context: Context) -> "NatsSink":
+        await self.start()
+        sink = NatsSink(self, str(info["subject"]), context)
+        self.sinks[sink.key] = sink
+        return sink
+
+    async def _on_control(self, msg) -> None:
+        ctl = _loads(msg.data)
+        sink = self.sinks.get(ctl.get("key", ""))
+        if sink is not None:
+            if ctl.get("ctl") == "kill":
+                sink.context.kill()
+            elif ctl.get("ctl") == "stop":
+                sink.context.stop_generating()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT / 2)
+            cutoff = time.monotonic() - HEARTBEAT
+            for sink in list(self.sinks.values()):
+                if sink.last_sent < cutoff:
+                    sink.write(FRAME_HEARTBEAT)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class NatsSink:
+    """Worker end of one NATS response stream (same interface as TcpSink)."""
+
+    must_drain = False
+
+    def __init__(self, hub: NatsSinkHub, subject: str, context: Context) -> None:
+        self.hub = hub
+        self.subject = subject
+        self.key = subject.rpartition(".")[2]
+        self.context = context
+        self.finished = False
+        self.last_sent = time.monotonic()
+        self._pending: list[bytes] = []
+        self._outbox: list[bytes] = []
+        self._flush_scheduled = False
+        self._sender: asyncio.Task | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, frame: bytes) -> None:
+        self._pending.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        self._outbox.append(b"".join(self._pending))
+        self._pending.clear()
+        self.last_sent = time.monotonic()
+        if self._sender is None or self._sender.done():
+            self._sender = self._loop.create_task(self._send_all())
+
+    async def _send_all(self) -> None:
+        publish = self.hub.nc.publish
+        while self._outbox:
+            data = self._outbox.pop(0)
+            try:
+                await publish(self.subject, data)
+            except Exception as exc:  # noqa: BLE001 - NATS gone: the client's liveness check fires
+                log.debug("publish failed: %s", exc)
+                return
+
+    async def drain(self) -> None:
+        return None
+
+    def send_prologue(self, error: str | None = None) -> None:
+        self.write(encode_frame(header=orjson.dumps({"error": error, "control": self.hub.control_subject})))
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._pending += [FRAME_COMPLETE, FRAME_SENTINEL]
+        self._flush()
+        self.hub.sinks.pop(self.key, None)
+
+    def abort(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._pending.append(FRAME_ABORT)
+        self._flush()
+        self.hub.sinks.pop(self.key, None)
