@@ -47,7 +47,7 @@ CONTROL_FRAMES = {"stop": FRAME_STOP, "kill": FRAME_KILL}
 def encode_item(item: Any) -> bytes:
     """One stream item as a data frame. Plain values are wrapped as ``Annotated{data: item}``."""
     if isinstance(item, Annotated):
-        body = b'{"data":' + _dumps(item.to_dict()) + _ITEM_SUFFIX
+        body = b'{"data":' + _dumps(item.to_dict()) + b',"complete_final":false}'
     else:
         body = _ITEM_PREFIX + _dumps(item) + _ITEM_SUFFIX
     return _pack_prefix(0, len(body), 0) + body  # encode_frame inlined: this runs once per item

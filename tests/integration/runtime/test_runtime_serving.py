@@ -1,0 +1,306 @@
+"""Serving and calling endpoints between runtimes in this process (real etcd + NATS)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dynamo.runtime import (
+    Annotated,
+    EngineError,
+    InstanceNotFoundError,
+    NoInstancesError,
+    NoRespondersError,
+    RuntimeConnectionError,
+    DistributedRuntime,
+)
+from dynamo.runtime.config import RuntimeSettings, EtcdSettings, NatsSettings
+from dynamo.runtime.instance import Instance
+from dynamo.runtime.names import EndpointId
+
+TRANSPORTS = ["tcp", "nats"]
+
+
+async def echo(request):
+    for i in range(request.get("n", 3)):
+        yield {"i": i, "echo": request.get("text")}
+
+
+async def collect(stream):
+    return [item async for item in stream]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_echo_all_client_modes(make_runtime, ns, serve, transport):
+    worker = await make_runtime()
+    caller = await make_runtime(response_transport=transport)
+    endpoint = worker.namespace(ns).component("backend").endpoint("generate")
+    await endpoint.component.create_service()
+    await serve(endpoint, echo)
+
+    client = await caller.namespace(ns).component("backend").endpoint("generate").client()
+    assert await client.wait_for_instances(5) == [worker.instance_id]
+    assert client.instance_ids() == [endpoint.lease_id()]
+    expected = [{"i": 0, "echo": "hi"}, {"i": 1, "echo": "hi"}]
+    req = {"n": 2, "text": "hi"}
+    assert await collect(client.random(req)) == expected
+    assert await collect(client.round_robin(req)) == expected
+    assert await collect(client.direct(req, worker.instance_id)) == expected
+    assert await collect(client.generate(req)) == expected
+    assert await collect(await client.generate(req)) == expected  # the original binding's await style
+    annotated = await collect(client.generate(req, annotated=True))
+    assert all(isinstance(a, Annotated) for a in annotated) and annotated[0].data() == expected[0]
+
+
+async def test_instance_record_and_subject(make_runtime, ns, serve):
+    worker = await make_runtime()
+    endpoint = worker.namespace(ns).component("Back End").endpoint("gen")
+    await serve(endpoint, echo)
+    hex_id = f"{worker.instance_id:x}"
+    kv = await worker.etcd.get(f"instances/{ns}/Back End/gen:{hex_id}")
+    assert kv is not None and kv.lease == worker.instance_id
+    inst = Instance.from_json(kv.value)
+    assert inst.subject == f"{ns.lower()}_back_end.gen-{hex_id}"
+    assert inst.instance_id == worker.instance_id
+
+
+async def test_round_robin_spreads_over_two_instances(make_runtime, ns, serve):
+    seen = []
+
+    def handler_for(name):
+        async def handler(request):
+            seen.append(name)
+            yield {"worker": name}
+        return handler
+
+    w1, w2 = await make_runtime(), await make_runtime()
+    await serve(w1.namespace(ns).component("b").endpoint("g"), handler_for("w1"))
+    await serve(w2.namespace(ns).component("b").endpoint("g"), handler_for("w2"))
+    caller = await make_runtime()
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    for _ in range(50):
+        if len(client.instance_ids()) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(client.instance_ids()) == sorted([w1.instance_id, w2.instance_id])
+    answers = [(await collect(client.round_robin({})))[0]["worker"] for _ in range(6)]
+    assert answers.count("w1") == 3 and answers.count("w2") == 3
+    assert answers[0] != answers[1]  # alternates
+    direct = await collect(client.direct({}, w2.instance_id))
+    assert direct == [{"worker": "w2"}]
+
+
+async def test_handler_exception_becomes_error_and_worker_keeps_serving(make_runtime, ns, serve):
+    async def flaky(request):
+        yield {"ok": 1}
+        if request.get("fail"):
+            raise RuntimeError("engine exploded")
+        yield {"ok": 2}
+
+    async def fails_at_start(request):
+        raise KeyError("bad request")
+        yield  # pragma: no cover
+
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), flaky)
+    await serve(worker.namespace(ns).component("b").endpoint("g2"), fails_at_start)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    got = []
+    with pytest.raises(EngineError, match="engine exploded"):
+        async for item in client.generate({"fail": True}):
+            got.append(item)
+    assert got == [{"ok": 1}]
+    with pytest.raises(ValueError):  # EngineError is a ValueError, as in the original binding
+        await collect(client.generate({"fail": True}))
+    assert await collect(client.generate({})) == [{"ok": 1}, {"ok": 2}]
+    client2 = await caller.namespace(ns).component("b").endpoint("g2").client()
+    await client2.wait_for_instances(5)
+    with pytest.raises(EngineError, match="bad request"):
+        await collect(client2.generate({}))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("how", ["aclose", "break", "cancel"])
+async def test_client_cancel_stops_handler(make_runtime, ns, serve, transport, how):
+    outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def endless(request):
+        i = 0
+        try:
+            while True:
+                yield {"i": i}
+                i += 1
+                await asyncio.sleep(0.01)
+        except BaseException as exc:  # GeneratorExit or CancelledError: the work is stopped
+            if not outcome.done():
+                outcome.set_result(type(exc).__name__)
+            raise
+
+    worker, caller = await make_runtime(), await make_runtime(response_transport=transport)
+    await serve(worker.namespace(ns).component("b").endpoint("g"), endless)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+
+    if how == "aclose":
+        stream = client.generate({})
+        assert await stream.__anext__() == {"i": 0}
+        await stream.aclose()
+    elif how == "break":
+        async def consume():
+            async for item in client.generate({}):
+                if item["i"] == 2:
+                    break
+        await consume()  # the stream object is dropped with the frame: GC sends the kill
+    else:
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in client.generate({}):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert await asyncio.wait_for(outcome, 5) in ("GeneratorExit", "CancelledError")
+
+
+async def test_context_handler_sees_stop(make_runtime, ns, serve):
+    observed = {}
+
+    async def polite(request, context):
+        observed["id"] = context.id()
+        i = 0
+        while not context.is_stopped():
+            yield {"i": i}
+            i += 1
+            await asyncio.sleep(0.01)
+        observed["stopped"] = context.is_stopped()
+        observed["killed"] = context.is_killed()
+        yield {"final": True}
+
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), polite)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    stream = client.generate({})
+    items = []
+    async for item in stream:
+        items.append(item)
+        if len(items) == 3:
+            stream.stop_generating()
+    assert items[-1] == {"final": True}
+    assert observed["stopped"] is True and observed["killed"] is False
+    assert observed["id"] == stream.id()
+
+
+async def test_concurrent_streams(make_runtime, ns, serve):
+    async def slow_echo(request):
+        for i in range(request["n"]):
+            await asyncio.sleep(0)
+            yield {"i": i}
+
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), slow_echo)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    results = await asyncio.gather(*[collect(client.round_robin({"n": 100})) for _ in range(64)])
+    assert all([r["i"] for r in res] == list(range(100)) for res in results)
+
+
+async def test_no_instances_and_unknown_instance(make_runtime, ns, serve):
+    caller = await make_runtime()
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    with pytest.raises(NoInstancesError) as err:
+        await collect(client.round_robin({}))
+    assert str(err.value) == f'no instances found for endpoint "instances/{ns}/b/g"'
+    with pytest.raises(InstanceNotFoundError, match=f'instance_id=42 not found for endpoint "instances/{ns}/b/g"'):
+        await collect(client.direct({}, 42))
+    with pytest.raises(asyncio.TimeoutError):
+        await client.wait_for_instances(timeout=0.2)
+
+
+async def test_no_responders_marks_instance_down(make_runtime, ns, serve):
+    """An instance key whose subject nobody serves (a worker that just died): NoRespondersError."""
+    caller = await make_runtime()
+    ep = EndpointId(ns, "b", "g")
+    ghost_id = caller.instance_id  # any lease works; use ours so the key is cleaned up with it
+    await caller.etcd.put(ep.instance_key(ghost_id), Instance.for_endpoint(ep, ghost_id).to_json(), lease=True)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    assert await client.wait_for_instances(5) == [ghost_id]
+    with pytest.raises(NoRespondersError) as err:
+        await collect(client.generate({}))
+    assert err.value.instance_id == ghost_id
+    assert client.instance_ids() == []  # reported down until the next watch update
+    with pytest.raises(NoInstancesError):
+        await collect(client.generate({}))
+
+
+async def test_watch_follows_instances_coming_and_going(make_runtime, ns, serve):
+    caller = await make_runtime()
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    assert client.instance_ids() == []
+    worker = await make_runtime()
+    task = await serve(worker.namespace(ns).component("b").endpoint("g"), echo)
+    assert await client.wait_for_instances(5) == [worker.instance_id]
+    worker.shutdown()
+    await asyncio.wait_for(task, 10)
+    for _ in range(100):
+        if not client.instance_ids():
+            break
+        await asyncio.sleep(0.05)
+    assert client.instance_ids() == []
+
+
+async def test_graceful_shutdown_deregisters_then_finishes_inflight(make_runtime, ns, serve):
+    async def slow(request):
+        for i in range(10):
+            await asyncio.sleep(0.05)
+            yield {"i": i}
+
+    worker, caller = await make_runtime(), await make_runtime()
+    serving = await serve(worker.namespace(ns).component("b").endpoint("g"), slow)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    stream = client.generate({})
+    first = await stream.__anext__()
+    worker.shutdown()
+    # deregistered at once ...
+    for _ in range(40):
+        if not await caller.etcd.get_prefix(f"instances/{ns}/"):
+            break
+        await asyncio.sleep(0.05)
+    assert await caller.etcd.get_prefix(f"instances/{ns}/") == []
+    assert not serving.done()  # ... while the in-flight request still runs
+    rest = [item async for item in stream]
+    assert [first] + rest == [{"i": i} for i in range(10)]
+    await asyncio.wait_for(serving, 5)
+
+
+async def test_static_mode(make_runtime, ns, serve):
+    worker = await make_runtime(static=True)
+    caller = await make_runtime(static=True)
+    assert worker.etcd is None and worker.instance_id == 0
+    endpoint = worker.namespace(ns).component("b").endpoint("g")
+    assert endpoint.subject == f"{ns}_b.g"
+    await serve(endpoint, echo)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    assert client.instance_ids() == [0]
+    assert await collect(client.generate({"n": 2, "text": "s"})) == [{"i": 0, "echo": "s"}, {"i": 1, "echo": "s"}]
+
+
+async def test_unreachable_servers_fail_fast(runtime_servers):
+    good_etcd = EtcdSettings([runtime_servers.etcd.url])
+    good_nats = NatsSettings(runtime_servers.nats.url)
+    start = time.monotonic()
+    with pytest.raises(RuntimeConnectionError) as err:
+        await DistributedRuntime.connect(RuntimeSettings(etcd=EtcdSettings(["http://127.0.0.1:1"]), nats=good_nats))
+    assert str(err.value) == "cannot reach etcd at http://127.0.0.1:1: connection refused"
+    with pytest.raises(RuntimeConnectionError) as err:
+        await DistributedRuntime.connect(RuntimeSettings(etcd=good_etcd, nats=NatsSettings("nats://127.0.0.1:1")))
+    assert str(err.value) == "cannot reach NATS at nats://127.0.0.1:1: connection refused"
+    assert time.monotonic() - start < 6
