@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
-    __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "annotations")
+    __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "annotations",
+                 "_callbacks")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
@@ -29,6 +30,11 @@ class Context:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.annotations: dict[str, Any] = {}
+        self._callbacks: list[Any] = []
+
+    def on_stop(self, callback: Any) -> None:
+        """``callback("stop" | "kill")`` when the request is stopped or killed (transports hook in here)."""
+        self._callbacks.append(callback)
 
     @property
     def is_stopped(self) -> bool:
@@ -44,11 +50,20 @@ class Context:
             self._stopped = True
             if self._event is not None:
                 self._event.set()
+            for cb in self._callbacks:
+                cb("stop")
 
     def kill(self) -> None:
         """The consumer is gone: stop at once, nothing more will be read."""
+        if self._killed:
+            return
         self._killed = True
-        self.stop_generating()
+        if not self._stopped:
+            self._stopped = True
+            if self._event is not None:
+                self._event.set()
+        for cb in self._callbacks:
+            cb("kill")
 
     async def stopped(self) -> None:
         """Wait until the request is stopped (for engines that wait on something else meanwhile)."""

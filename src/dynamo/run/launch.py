@@ -147,8 +147,20 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
 
 
 async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
+    """``out=dyn``: models come and go as workers register in etcd."""
+    from dynamo.llm.discovery import start_frontend
+
+    runtime, manager, watcher = await start_frontend(cfg)
     try:
-        from dynamo.llm.discovery import run_frontend
-    except ImportError:
-        raise UserError("out=dyn (distributed serving) is not available in this version yet") from None
-    return await run_frontend(cfg, stop, _serve_http)
+        if cfg.input_kind == "http":
+            return await _serve_http(cfg, manager, stop)
+        if cfg.input_kind == "none":
+            await stop.wait()
+            return 0
+        log.info("Waiting for remote model..")
+        model = await manager.wait_for_any()
+        log.info("Connected to %s", model.name)
+        return await _run_input(cfg, model, "dyn", stop)
+    finally:
+        await watcher.close()
+        await runtime.close()

@@ -1,0 +1,80 @@
+"""``in=dyn://namespace.component.endpoint``: serve an engine as a worker on the distributed runtime.
+
+Order matters for a clean life cycle: the endpoint starts serving (its instance key appears) before the
+model entry is published, so a frontend never routes to a model with no instance; on SIGINT/SIGTERM the
+lease is revoked first (the entry and instance key vanish at once, frontends stop routing here), then
+in-flight requests finish, then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dynamo.errors import UserError
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_type import ModelType
+from dynamo.llm.register import publish_model
+from dynamo.llm.worker_handlers import backend_handler, chat_handler
+
+log = logging.getLogger(__name__)
+
+
+async def connect_runtime() -> Any:
+    from dynamo.runtime import DistributedRuntime, RuntimeConnectionError
+
+    try:
+        return await DistributedRuntime.connect()
+    except RuntimeConnectionError as e:
+        raise UserError(str(e)) from None
+
+
+async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
+    from dynamo.run.launch import build_served_model
+    from dynamo.runtime import EndpointId
+
+    ident = EndpointId.parse(cfg.input)
+    runtime = await connect_runtime()
+    served = None
+    try:
+        endpoint = runtime.namespace(ident.namespace).component(ident.component).endpoint(ident.name)
+        await endpoint.component.create_service()
+        served = await build_served_model(cfg, card, engine_name)
+        engine = served.engine  # type: ignore[attr-defined]
+        attach = getattr(engine, "attach_runtime", None)
+        if attach is not None:  # engines that publish events (mocker: KV events, load metrics)
+            await attach(endpoint)
+        if engine.kind == "core":
+            handler, model_type = backend_handler(card, engine), ModelType.Backend
+        else:
+            handler, model_type = chat_handler(served), ModelType.Chat
+        ready = asyncio.Event()
+        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready))
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait([serving, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            waiter.cancel()
+            serving.result()  # raises why serving failed
+            raise UserError(f"Endpoint service completed unexpectedly for endpoint: {ident}")
+        runtime_config = getattr(engine, "runtime_config", None)
+        await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
+        log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
+                 endpoint.lease_id())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([serving, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            runtime.shutdown()  # revoke the lease: deregister first, then drain in-flight requests
+            await serving
+        else:
+            stopper.cancel()
+            serving.result()
+        return 0
+    finally:
+        if served is not None:
+            close = getattr(served.engine, "close", None)  # type: ignore[attr-defined]
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+        await runtime.close()

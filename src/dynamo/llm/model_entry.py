@@ -1,0 +1,109 @@
+"""Publishing a served model for discovery, and reading it back on a frontend.
+
+A worker writes one entry per (instance, model) under ``models/`` bound to its lease, so the entry
+lives exactly as long as the worker (decisions.md: no card outliving every worker).  The entry carries
+the model card; the tokenizer, which can be megabytes (too big for an etcd value), goes to the NATS
+JetStream object store under its content hash, so every worker of a model shares one copy and a
+frontend on another machine needs no shared disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from dynamo.errors import ModelError
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_type import ModelType
+from dynamo.runtime.names import lease_hex, slugify
+
+log = logging.getLogger(__name__)
+
+MODELS_PREFIX = "models/"
+OBJECT_BUCKET = "dynamo_mdc"
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    namespace: str
+    component: str
+    endpoint: str
+    model_type: ModelType
+    instance_id: int
+    card: dict[str, Any]
+    runtime_config: dict[str, Any] | None = None
+
+    def key(self) -> str:
+        return (f"{MODELS_PREFIX}{self.namespace}/{self.component}/{self.endpoint}/"
+                f"{lease_hex(self.instance_id)}/{slugify(self.name)}")
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({
+            "name": self.name,
+            "endpoint": {"namespace": self.namespace, "component": self.component, "name": self.endpoint},
+            "model_type": self.model_type.value,
+            "instance_id": self.instance_id,
+            "runtime_config": self.runtime_config,
+            "card": self.card,
+        }, option=orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "ModelEntry":
+        obj = orjson.loads(data)
+        ep = obj["endpoint"]
+        return cls(
+            name=obj["name"], namespace=ep["namespace"], component=ep["component"], endpoint=ep["name"],
+            model_type=ModelType.parse(obj["model_type"]), instance_id=int(obj.get("instance_id") or 0),
+            card=obj.get("card") or {}, runtime_config=obj.get("runtime_config"),
+        )
+
+
+async def _object_store(nats: Any) -> Any:
+    js = nats.jetstream()
+    try:
+        return await js.object_store(OBJECT_BUCKET)
+    except Exception:  # not created yet
+        try:
+            return await js.create_object_store(OBJECT_BUCKET)
+        except Exception as e:
+            raise ModelError(
+                f"cannot use the NATS JetStream object store to publish the model card ({e}); "
+                "is nats-server running with JetStream enabled (nats-server -js)?"
+            ) from None
+
+
+async def publish_card(nats: Any, card: ModelCard) -> dict[str, Any]:
+    """The card as it goes into a model entry, with the tokenizer uploaded to the object store."""
+    data = card.to_json()
+    tokenizer = data.pop("tokenizer_json", None)
+    if tokenizer is not None:
+        blob = tokenizer.encode("utf-8")
+        digest = hashlib.sha256(blob).hexdigest()
+        store = await _object_store(nats)
+        try:
+            await store.get_info(digest)
+        except Exception:
+            await store.put(digest, blob)
+            log.debug("uploaded tokenizer of %s (%d bytes) as %s", card.display_name, len(blob), digest)
+        data["tokenizer_object"] = digest
+    return data
+
+
+async def load_card(nats: Any, data: dict[str, Any]) -> ModelCard:
+    """The card of an entry, with its tokenizer fetched from the object store."""
+    data = dict(data)
+    digest = data.pop("tokenizer_object", None)
+    card = ModelCard.from_json(data)
+    if digest:
+        store = await _object_store(nats)
+        result = await store.get(digest)
+        blob = result.data
+        if hashlib.sha256(blob).hexdigest() != digest:
+            raise ModelError(f"tokenizer object {digest} is corrupt")
+        card.tokenizer_json = blob.decode("utf-8")
+    return card

@@ -1,0 +1,21 @@
+"""What kind of requests a registered endpoint takes (spec 8.2)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ModelType(enum.Enum):
+    Backend = "Backend"  # pre-processed token requests; the frontend templates, tokenizes, detokenizes
+    Chat = "Chat"  # OpenAI chat requests in, chat chunks out
+    Completion = "Completion"  # OpenAI completions requests in, completion chunks out
+    Embedding = "Embedding"
+
+    @classmethod
+    def parse(cls, value: "ModelType | str") -> "ModelType":
+        if isinstance(value, ModelType):
+            return value
+        for member in cls:
+            if member.value.lower() == str(value).lower():
+                return member
+        raise ValueError(f"unknown model type {value!r}; one of {[m.value for m in cls]}")

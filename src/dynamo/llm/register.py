@@ -1,0 +1,56 @@
+"""``register_llm``: make a served endpoint discoverable as a model (spec 8.2, 2.4)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_entry import ModelEntry, publish_card
+from dynamo.llm.model_type import ModelType
+
+log = logging.getLogger(__name__)
+
+
+async def register_llm(
+    model_type: ModelType | str,
+    endpoint: Any,
+    model_path: str | None,
+    model_name: str | None = None,
+    context_length: int | None = None,
+    kv_cache_block_size: int | None = None,
+    router_mode: Any = None,
+    migration_limit: int = 0,
+    runtime_config: dict[str, Any] | None = None,
+    user_data: dict[str, Any] | None = None,
+) -> ModelCard:
+    """Resolve ``model_path`` (HF repo id, folder or GGUF) into a card and publish it for ``endpoint``.
+
+    The entry is bound to the process's lease: it disappears when the worker stops or dies.
+    """
+    from dynamo.run.model import resolve_card
+
+    card = await asyncio.to_thread(
+        resolve_card, model_path, name=model_name, context_length=context_length,
+        kv_cache_block_size=kv_cache_block_size, migration_limit=migration_limit,
+    )
+    card.user_data = user_data
+    await publish_model(endpoint, card, ModelType.parse(model_type), runtime_config=runtime_config)
+    return card
+
+
+async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
+                        runtime_config: dict[str, Any] | None = None) -> ModelEntry:
+    runtime = endpoint.runtime
+    if runtime.is_static or runtime.etcd is None:
+        raise RuntimeError("Cannot attach to static endpoint: a static worker is not discoverable")
+    ident = endpoint.id
+    entry = ModelEntry(
+        name=card.display_name, namespace=ident.namespace, component=ident.component, endpoint=ident.name,
+        model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.nats, card),
+        runtime_config=runtime_config,
+    )
+    await runtime.etcd.put(entry.key(), entry.to_json(), lease=True)
+    log.info("registered model %s (%s) at %s", card.display_name, model_type.value, ident)
+    return entry

@@ -1,0 +1,171 @@
+"""Engines that forward requests to workers on the distributed runtime.
+
+``RemoteCoreEngine`` sends pre-processed requests to Backend workers and yields their token items; it
+picks the worker through a :class:`RouterPolicy` and, when a worker dies mid-stream or does not answer,
+moves the request to another worker up to the card's ``migration_limit`` times (spec 7.10): the
+resumed request carries the prompt plus the tokens already generated, and a smaller ``max_tokens``.
+``RemoteChatEngine`` forwards OpenAI requests to Chat workers unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Protocol
+
+from dynamo.errors import EngineError as LlmEngineError
+from dynamo.errors import RequestError
+from dynamo.llm.engine import Context
+from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.runtime import (
+    Context as RtContext,
+    EngineError as RtEngineError,
+    InstanceNotFoundError,
+    NoInstancesError,
+    NoRespondersError,
+    StreamIncompleteError,
+)
+
+log = logging.getLogger(__name__)
+
+INSTANCE_WAIT_S = 5.0  # how long a request waits for a worker to appear before a 503
+
+
+class RouterPolicy(Protocol):
+    def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any: ...
+
+    def finished(self, request_id: str) -> None: ...
+
+    def first_token(self, request_id: str) -> None: ...
+
+
+class SimpleRouter:
+    """round-robin or random over the endpoint's live instances."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any:
+        body = request.to_dict()
+        if request.backend_instance_id is not None:
+            return client.direct(body, request.backend_instance_id, context=rt_ctx)
+        if self.mode == "random":
+            return client.random(body, context=rt_ctx)
+        return client.round_robin(body, context=rt_ctx)
+
+    def finished(self, request_id: str) -> None:
+        pass
+
+    def first_token(self, request_id: str) -> None:
+        pass
+
+
+def _link(ctx: Context, rt_ctx: RtContext) -> None:
+    ctx.on_stop(lambda kind: rt_ctx.kill() if kind == "kill" else rt_ctx.stop_generating())
+
+
+async def _ensure_instances(client: Any) -> None:
+    if client.instance_ids():
+        return
+    try:
+        await client.wait_for_instances(timeout=INSTANCE_WAIT_S)
+    except asyncio.TimeoutError:
+        raise RequestError("No worker is serving this model right now; try again shortly", status=503) from None
+
+
+class RemoteCoreEngine:
+    kind = "core"
+
+    def __init__(self, client: Any, router: RouterPolicy, *, migration_limit: int = 0):
+        self.client = client
+        self.router = router
+        self.migration_limit = migration_limit
+
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        attempts_left = self.migration_limit
+        rt_ctx = RtContext(context.id)
+        _link(context, rt_ctx)
+        first = True
+        try:
+            while True:
+                await _ensure_instances(self.client)
+                try:
+                    stream = self.router.open(self.client, request, rt_ctx)
+                    await stream.start()
+                except NoRespondersError as e:
+                    if attempts_left > 0:
+                        attempts_left -= 1
+                        log.warning("request %s: %s; retrying on another worker", context.id, e)
+                        continue
+                    raise LlmEngineError(str(e)) from None
+                except NoInstancesError:
+                    raise RequestError("No worker is serving this model right now; try again shortly",
+                                       status=503) from None
+                except InstanceNotFoundError as e:
+                    raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
+                try:
+                    async for item in stream:
+                        out = EngineOutput.from_dict(item)
+                        if first:
+                            first = False
+                            self.router.first_token(context.id)
+                        if attempts_left > 0 and out.token_ids:
+                            # keep the request resumable: prompt + what was generated, fewer tokens to go
+                            request.token_ids = request.token_ids + out.token_ids
+                            sc = request.stop_conditions
+                            if sc.max_tokens is not None:
+                                sc.max_tokens = max(0, sc.max_tokens - len(out.token_ids))
+                        yield out
+                        if out.finish_reason is not None:
+                            return
+                    return
+                except StreamIncompleteError as e:
+                    if attempts_left > 0 and not context.is_stopped:
+                        attempts_left -= 1
+                        log.warning("request %s: worker %s went away mid-stream; migrating (%d attempt(s) left)",
+                                    context.id, stream.instance_id, attempts_left)
+                        continue
+                    if self.migration_limit > 0:
+                        raise LlmEngineError("Migration limit exhausted: " + str(e)) from None
+                    raise LlmEngineError(str(e)) from None
+                except RtEngineError as e:
+                    raise LlmEngineError(str(e)) from None
+                finally:
+                    await stream.aclose()
+        finally:
+            self.router.finished(context.id)
+
+
+class RemoteChatEngine:
+    """Forwards OpenAI requests (as the client sent them) to Chat/Completion workers, round-robin."""
+
+    kind = "full"
+    wants_raw_request = True
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None
+                       ) -> AsyncIterator[dict[str, Any]]:
+        request = raw if raw is not None else request
+        await _ensure_instances(self.client)
+        rt_ctx = RtContext(context.id)
+        _link(context, rt_ctx)
+        try:
+            stream = self.client.round_robin(request, context=rt_ctx)
+            await stream.start()
+        except (NoInstancesError, NoRespondersError):
+            raise RequestError("No worker is serving this model right now; try again shortly", status=503) from None
+        try:
+            async for chunk in stream:
+                usage = chunk.get("usage") if isinstance(chunk, dict) else None
+                if usage:
+                    context.prompt_tokens = usage.get("prompt_tokens", 0)
+                    context.completion_tokens = usage.get("completion_tokens", 0)
+                elif isinstance(chunk, dict) and chunk.get("choices"):
+                    context.completion_tokens += 1
+                yield chunk
+        except RtEngineError as e:
+            raise LlmEngineError(str(e)) from None
+        finally:
+            await stream.aclose()

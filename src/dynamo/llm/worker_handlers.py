@@ -1,0 +1,87 @@
+"""Request handlers a worker serves on its endpoint, one per kind of engine (spec 3.1 "Worker").
+
+A core engine is served as a Backend: the worker detokenizes and applies stop conditions itself (its
+items carry ``text``), so a frontend only templates and tokenizes, and detokenization load spreads over
+the workers.  A full engine is served as Chat: OpenAI chat requests in, chunks out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from dynamo.llm.backend import PostProcessor
+from dynamo.llm.engine import Context, Engine
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.protocols.common import PreprocessedRequest
+from dynamo.llm.tokenizer import Tokenizer
+
+
+def link_contexts(runtime_ctx: Any, ctx: Context) -> None:
+    """Forward stop/kill from the transport's context to the engine's."""
+    if runtime_ctx is None:
+        return
+
+    def forward(kind: str) -> None:
+        if kind == "kill":
+            ctx.kill()
+        else:
+            ctx.stop_generating()
+
+    runtime_ctx.add_callback(forward)
+    if runtime_ctx.is_killed():
+        ctx.kill()
+    elif runtime_ctx.is_stopped():
+        ctx.stop_generating()
+
+
+def backend_handler(card: ModelCard, engine: Engine):
+    tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
+
+    async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        req = PreprocessedRequest.from_dict(request)
+        ctx = Context(context.id() if context is not None else None)
+        link_contexts(context, ctx)
+        gen = engine.generate(req, ctx)
+        if tokenizer is None:  # no tokenizer: tokens only, the frontend detokenizes
+            try:
+                async for out in gen:
+                    yield out.to_dict()
+            finally:
+                await gen.aclose()
+            return
+        post = PostProcessor(tokenizer, req)
+        try:
+            async for out in gen:
+                text, reason = post.process(out)
+                yield {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
+                if reason is not None:
+                    return
+            tail = post.end()
+            yield {"token_ids": [], "text": tail, "finish_reason": post.finished}
+        finally:
+            ctx.stop_generating()
+            await gen.aclose()
+
+    return generate
+
+
+def chat_handler(served: Any):
+    """``served`` is a FullPipeline (or any ServedModel); requests are OpenAI chat request dicts."""
+    from dynamo.llm.chunks import Annotation
+    from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
+
+    async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        ctx = Context(context.id() if context is not None else None)
+        link_contexts(context, ctx)
+        if "messages" in request:
+            stream = served.chat(parse_chat_request(request), request, ctx)
+        else:
+            stream = served.completions(parse_completion_request(request), request, ctx)
+        try:
+            async for chunk in stream:
+                if not isinstance(chunk, Annotation):
+                    yield chunk
+        finally:
+            await stream.aclose()
+
+    return generate
