@@ -66,7 +66,15 @@ class KeyValueStore:
 
 
 class DistributedRuntime:
-    def __init__(self, settings: RuntimeSettings | None = None, *, static: bool = False) -> None:
+    def __init__(self, settings: RuntimeSettings | asyncio.AbstractEventLoop | None = None,
+                 static: bool = False) -> None:
+        """Not connected yet: use ``await DistributedRuntime.connect()``, or ``await rt.start()``.
+
+        ``DistributedRuntime(loop, static)`` (the original binding's argument order) is accepted; the
+        loop argument is ignored because the runtime always uses the running loop.
+        """
+        if isinstance(settings, asyncio.AbstractEventLoop):
+            settings = None
         self.settings = settings or RuntimeSettings.from_env()
         self.is_static = static
         self.etcd_client: EtcdClient | None = None
@@ -97,6 +105,12 @@ class DistributedRuntime:
     @classmethod
     async def from_settings(cls, **kwargs: Any) -> "DistributedRuntime":
         return await cls.connect(**kwargs)
+
+    async def start(self) -> "DistributedRuntime":
+        """Connect a runtime built with the constructor (``connect()`` does both steps)."""
+        if self.nats is None:
+            await self._open()
+        return self
 
     async def _open(self) -> None:
         try:

@@ -105,7 +105,8 @@ class TcpResponseServer:
                 self.pending.pop(state.key, None)
                 state.fail_incomplete()
 
-        asyncio.get_running_loop().call_later(handshake_timeout, check)
+        if not state.connected and not state.finished:
+            state.timer = asyncio.get_running_loop().call_later(handshake_timeout, check)
 
     def on_instance_gone(self, states: list[StreamState]) -> None:
         """An instance's key vanished. Connected TCP streams need nothing: a dead worker's socket

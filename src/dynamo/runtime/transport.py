@@ -97,7 +97,7 @@ class StreamState:
     """
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
-                 "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish")
+                 "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer")
 
     def __init__(self, request_id: str, instance_id: int | None) -> None:
         self.request_id = request_id
@@ -112,12 +112,16 @@ class StreamState:
         self._control_backlog: list[str] = []
         self.last_seen = 0.0
         self.on_finish: Callable[["StreamState"], None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # handshake deadline, cancelled on connect
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:
         """The worker is connected; ``sender("stop"|"kill")`` reaches it from now on."""
         self.connected = True
         self._sender = sender
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         for kind in self._control_backlog:
             sender(kind)
         self._control_backlog.clear()
@@ -145,6 +149,9 @@ class StreamState:
 
     def _done(self) -> None:
         self._sender = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.on_finish is not None:
             self.on_finish(self)
 

@@ -304,3 +304,51 @@ async def test_unreachable_servers_fail_fast(runtime_servers):
         await DistributedRuntime.connect(RuntimeSettings(etcd=good_etcd, nats=NatsSettings("nats://127.0.0.1:1")))
     assert str(err.value) == "cannot reach NATS at nats://127.0.0.1:1: connection refused"
     assert time.monotonic() - start < 6
+
+
+async def test_nats_pubsub_and_object_store(make_runtime, ns):
+    """What the LLM layer builds on: plain pub/sub for events, JetStream object store for model files."""
+    rt = await make_runtime()
+    component = rt.namespace(ns).component("backend")
+    subject = component.event_subject("kv_events")
+    assert subject == f"namespace.{ns}.component.backend.kv_events"
+    sub = await rt.nats.subscribe(subject)
+    await rt.nats.publish(subject, b'{"event": 1}')
+    msg = await sub.next_msg(timeout=5)
+    assert msg.data == b'{"event": 1}'
+    js = rt.nats.jetstream()
+    store = await js.create_object_store(f"{ns}-bucket")
+    await store.put("tokenizer.json", b"{}")
+    assert (await store.get("tokenizer.json")).data == b"{}"
+    await js.delete_object_store(f"{ns}-bucket")
+
+
+async def test_constructor_then_start(runtime_env):
+    """``DistributedRuntime(loop, False)`` as in the original binding, then ``await rt.start()``."""
+    rt = DistributedRuntime(asyncio.get_running_loop(), False)
+    await rt.start()
+    try:
+        assert rt.instance_id > 0 and rt.instance_hex == f"{rt.instance_id:x}"
+        assert await rt.etcd.create(f"probe/{rt.instance_hex}", {"a": 1}, lease=True)
+    finally:
+        await rt.close()
+
+
+async def test_lease_bound_entry_seen_by_watcher_and_removed_on_close(make_runtime, ns):
+    """The pattern for model entries: written with the primary lease, watched by a frontend."""
+    frontend = await make_runtime()
+    worker = await make_runtime()
+    watch = await frontend.etcd.watch_prefix(f"{ns}/models")
+    try:
+        assert watch.initial == []
+        key = f"{ns}/models/{worker.instance_hex}"
+        assert await worker.etcd.create(key, {"name": "m"}, lease=True) is True
+        ev = await asyncio.wait_for(watch.__anext__(), 5)
+        assert (ev.kind, ev.key, ev.json(), ev.lease) == ("put", key, {"name": "m"}, worker.instance_id)
+        await worker.etcd.put(f"{ns}/mdc/m", {"card": 1})  # lease=False: persists
+        await worker.close()  # graceful: the lease is revoked, its keys go at once
+        ev = await asyncio.wait_for(watch.__anext__(), 5)
+        assert (ev.kind, ev.key) == ("delete", key)
+        assert (await frontend.etcd.get(f"{ns}/mdc/m")).json() == {"card": 1}
+    finally:
+        await watch.close()
