@@ -52,6 +52,7 @@ class HttpService:
         self.app.router.add_get("/metrics", self.prometheus)
         self._runner: web.AppRunner | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._contexts: set[Context] = set()
         self.port: int | None = None
 
     # -- lifecycle
@@ -72,8 +73,15 @@ class HttpService:
         for site in list(self._runner.sites):
             await site.stop()
         if self._inflight:
-            log.info("waiting up to %.0fs for %d in-flight request(s)", grace, len(self._inflight))
-            await asyncio.wait(list(self._inflight), timeout=grace)
+            log.info("waiting up to %gs for %d in-flight request(s)", grace, len(self._inflight))
+            _, pending = await asyncio.wait(list(self._inflight), timeout=grace)
+            if pending:
+                # out of patience: stop the engines, so each stream still ends with its finish chunk and
+                # [DONE] (a unary request gets what was generated) instead of a cut connection
+                log.info("ending %d request(s) still in flight", len(pending))
+                for ctx in list(self._contexts):
+                    ctx.stop_generating()
+                await asyncio.wait(pending, timeout=2.0)
         await self._runner.cleanup()
         self._runner = None
 
@@ -116,6 +124,7 @@ class HttpService:
         task = asyncio.current_task()
         if task is not None:
             self._inflight.add(task)
+        self._contexts.add(ctx)
         ok = False
         try:
             if isinstance(req, ChatCompletionRequest):
@@ -140,6 +149,7 @@ class HttpService:
             raise
         finally:
             rm.done(ok)
+            self._contexts.discard(ctx)
             if task is not None:
                 self._inflight.discard(task)
 
