@@ -265,7 +265,9 @@ class ResponseStream:
         conn = receiver.register(state)
         frame = encode_request(ctx.id(), conn, _encode_request(self._request))
         try:
-            await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
+            ack = await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
+            if ack.data:  # a draining worker refuses: as good as gone
+                raise nats.errors.NoRespondersError
         except nats.errors.NoRespondersError:
             receiver.unregister(state)
             client.report_instance_down(instance_id)
@@ -307,7 +309,12 @@ class ResponseStream:
         items = state.items
         try:
             while True:
-                ann = items.popleft() if items else await state.next_raw()
+                if items:
+                    ann = items.popleft()
+                    if state.paused and len(items) < state.LOW_WATER:
+                        state.resume()
+                else:
+                    ann = await state.next_raw()
                 if "event" in ann and ann["event"] == "error":
                     raise EngineError(Annotated.from_dict(ann).error_message())
                 if self._annotated:

@@ -126,6 +126,7 @@ class EtcdClient:
         self._endpoints = list(self.settings.endpoints)
         self._session: aiohttp.ClientSession | None = None
         self._token: str | None = None
+        self._watches: set[PrefixWatch] = set()
 
     @property
     def endpoint(self) -> str:
@@ -160,6 +161,9 @@ class EtcdClient:
         raise RuntimeConnectionError("; ".join(errors))
 
     async def close(self) -> None:
+        """Close the session and end every watch made from this client (their iterators stop)."""
+        for watch in list(self._watches):
+            await watch.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -290,7 +294,9 @@ class EtcdClient:
         ``async for ev in client.watch_prefix("models"): ...``; or ``w = await client.watch_prefix(p)``
         to have the listing in ``w.initial`` before iterating. Close with ``await w.close()``.
         """
-        return PrefixWatch(self, prefix)
+        watch = PrefixWatch(self, prefix)
+        self._watches.add(watch)
+        return watch
 
     async def _open_watch_stream(self, prefix: str, start_revision: int) -> aiohttp.ClientResponse:
         if self._session is None:
@@ -370,6 +376,7 @@ class PrefixWatch:
 
     async def close(self) -> None:
         self._closed = True
+        self._client._watches.discard(self)
         if self._task is not None:
             self._task.cancel()
             try:

@@ -28,6 +28,8 @@ from .transport import encode_error_item, encode_item, parse_request_control
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
+YIELD_EVERY = 64  # items written without the loop turning before the pump yields once
+REFUSED = b'{"error":"instance shutting down"}'
 
 
 def handler_takes_context(handler: Handler) -> bool:
@@ -94,7 +96,8 @@ class Ingress:
             await request.respond(b"")
             return
         if not self.accepting:
-            return  # no ack: the client times out / retries elsewhere
+            await request.respond(REFUSED)  # the client treats it like "no responders"
+            return
         await request.respond(b"")  # ack at once; the response comes over the stream
         task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body))
         self.inflight.add(task)
@@ -158,6 +161,7 @@ class Ingress:
     async def _pump(agen: Any, sink: Any) -> None:
         write = sink.write
         encode = encode_item
+        burst = 0
         async for item in agen:
             try:
                 frame = encode(item)
@@ -166,6 +170,12 @@ class Ingress:
             write(frame)
             if sink.must_drain:
                 await sink.drain()
+            burst += 1
+            if burst >= YIELD_EVERY:
+                # A handler that never awaits would hold the loop for its whole stream: let the
+                # flush and other requests run now and then (one extra loop turn per 64 items).
+                burst = 0
+                await asyncio.sleep(0)
 
     async def drain(self, timeout: float | None) -> None:
         """Stop accepting, wait up to ``timeout`` for in-flight requests, cancel the rest."""

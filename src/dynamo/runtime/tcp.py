@@ -175,6 +175,8 @@ class _CallHomeProtocol(asyncio.Protocol):
                 elif ctl == "sentinel":
                     self.transport.close()
         if state is not None:
+            if len(state.items) > state.HIGH_WATER and not state.finished:
+                state.pause(self.transport.pause_reading, self.transport.resume_reading)
             state.wake()
 
     def send_control(self, kind: str) -> None:

@@ -97,7 +97,11 @@ class StreamState:
     """
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
-                 "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer")
+                 "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
+                 "_resume")
+
+    HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
+    LOW_WATER = 512
 
     def __init__(self, request_id: str, instance_id: int | None) -> None:
         self.request_id = request_id
@@ -113,6 +117,8 @@ class StreamState:
         self.last_seen = 0.0
         self.on_finish: Callable[["StreamState"], None] | None = None
         self.timer: asyncio.TimerHandle | None = None  # handshake deadline, cancelled on connect
+        self.paused = False
+        self._resume: Callable[[], None] | None = None
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:
@@ -125,6 +131,23 @@ class StreamState:
         for kind in self._control_backlog:
             sender(kind)
         self._control_backlog.clear()
+
+    def pause(self, pause_reading: Callable[[], None], resume_reading: Callable[[], None]) -> None:
+        """The consumer is behind: stop reading from the transport until it catches up."""
+        if not self.paused:
+            self.paused = True
+            self._resume = resume_reading
+            pause_reading()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            resume, self._resume = self._resume, None
+            if resume is not None:
+                try:
+                    resume()
+                except Exception:  # noqa: BLE001 - transport already closed
+                    pass
 
     def wake(self) -> None:
         waiter = self._waiter
@@ -168,6 +191,8 @@ class StreamState:
         """The next raw Annotated dict; raises StopAsyncIteration at a clean end, or the stream's error."""
         while True:
             if self.items:
+                if self.paused and len(self.items) < self.LOW_WATER:
+                    self.resume()
                 return self.items.popleft()
             if self.finished:
                 if self.error is not None:

@@ -352,3 +352,28 @@ async def test_lease_bound_entry_seen_by_watcher_and_removed_on_close(make_runti
         assert (await frontend.etcd.get(f"{ns}/mdc/m")).json() == {"card": 1}
     finally:
         await watch.close()
+
+
+async def test_slow_consumer_backpressures_the_handler(make_runtime, ns, serve):
+    produced = [0]
+    blob = "x" * 1000
+
+    async def firehose(request):
+        for i in range(request["n"]):
+            produced[0] = i + 1
+            yield {"i": i, "blob": blob}
+
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), firehose)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    total = 30000
+    stream = client.generate({"n": total})
+    assert (await stream.__anext__())["i"] == 0
+    await asyncio.sleep(1.0)  # the consumer stalls; unbounded buffering would let the handler finish
+    assert produced[0] < 25000
+    count = 1
+    async for item in stream:
+        assert item["i"] == count
+        count += 1
+    assert count == total
