@@ -79,10 +79,24 @@ def _llamacpp(cfg: Any, card: ModelCard) -> Engine:
                           verbose=getattr(cfg, "verbosity", 0) >= 2)
 
 
+def _pystr(cfg: Any, card: ModelCard) -> Engine:
+    from dynamo.engines.python import create_pystr
+
+    return create_pystr(cfg, card)
+
+
+def _pytok(cfg: Any, card: ModelCard) -> Engine:
+    from dynamo.engines.python import create_pytok
+
+    return create_pytok(cfg, card)
+
+
 FACTORIES: dict[str, EngineFactory] = {
     "llamacpp": _llamacpp,
     "echo_full": _echo_full,
     "echo_core": _echo_core,
+    "pystr": _pystr,
+    "pytok": _pytok,
 }
 
 

@@ -114,7 +114,8 @@ class FullPipeline:
     """An engine that takes OpenAI requests and yields OpenAI chunks itself (echo_full, pystr, mistralrs).
 
     Usage is appended when the client asked for it and the engine did not send one; the engine reports
-    counts through ``ctx`` when it knows them.
+    counts through ``ctx`` when it knows them.  An engine with ``wants_raw_request = True`` (pystr) also
+    gets the request dict exactly as the client sent it: ``generate(req, ctx, raw=raw)``.
     """
 
     def __init__(self, name: str, card: ModelCard, engine: Engine, tokenizer: Tokenizer | None = None):
@@ -122,19 +123,24 @@ class FullPipeline:
         self.card = card
         self.engine = engine
         self.tokenizer = tokenizer
+        self._pass_raw = bool(getattr(engine, "wants_raw_request", False))
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        return self._stream(req, ChatChunks(req.model, ctx.id), ctx)
+        return self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        return self._stream(req, CompletionChunks(req.model, ctx.id), ctx)
+        return self._stream(req, raw, CompletionChunks(req.model, ctx.id), ctx)
 
     async def _stream(
-        self, req: ChatCompletionRequest | CompletionRequest, chunks: ChatChunks | CompletionChunks, ctx: Context
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        raw: dict[str, Any],
+        chunks: ChatChunks | CompletionChunks,
+        ctx: Context,
     ) -> AsyncIterator[StreamItem]:
         want_usage = include_usage(req)
         saw_usage = False
-        gen = self.engine.generate(req, ctx)
+        gen = self.engine.generate(req, ctx, raw=raw) if self._pass_raw else self.engine.generate(req, ctx)  # type: ignore[call-arg]
         try:
             async for chunk in gen:
                 if want_usage and chunk.get("usage"):

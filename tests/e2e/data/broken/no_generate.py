@@ -1,0 +1,2 @@
+async def generate_tokens(request):
+    yield {}

@@ -1,0 +1,2 @@
+async def generate(request):
+    return {"choices": []}
