@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dynamo.engines.registry import create_engine, engine_installed
-from dynamo.errors import UserError
+from dynamo.errors import ModelError, UserError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
@@ -83,12 +83,23 @@ async def run(cfg: RunConfig) -> int:
     if cfg.engine == "dyn":
         return await _run_frontend(cfg, stop)
 
-    card = await asyncio.to_thread(
-        resolve_card, cfg.model, name=cfg.model_name, model_config=cfg.model_config,
-        context_length=cfg.context_length, kv_cache_block_size=cfg.kv_cache_block_size,
-        migration_limit=cfg.migration_limit,
-    )
+    try:
+        card = await asyncio.to_thread(
+            resolve_card, cfg.model, name=cfg.model_name, model_config=cfg.model_config,
+            context_length=cfg.context_length, kv_cache_block_size=cfg.kv_cache_block_size,
+            migration_limit=cfg.migration_limit,
+        )
+    except ModelError:
+        # a pystr engine loads its own model: any existing path is its business, not ours
+        if cfg.engine != "pystr" or cfg.model is None or not Path(cfg.model).exists():
+            raise
+        card = ModelCard.placeholder(cfg.model_name or Path(cfg.model).name)
     engine_name = choose_engine(cfg, card)
+    log.debug(
+        "model %r: engine %s, context length %d, kv block size %d, eos ids %s, chat template %s",
+        card.display_name, engine_name, card.context_length, card.kv_cache_block_size, card.eos_token_ids,
+        "yes" if card.chat_template else "no",
+    )
     if cfg.input_kind == "endpoint":
         from dynamo.inputs.endpoint import run_worker
 
