@@ -142,7 +142,8 @@ class EtcdClient:
             ssl_ctx = ssl.create_default_context(cafile=self.settings.ca_file)
             if self.settings.cert_file:
                 ssl_ctx.load_cert_chain(self.settings.cert_file, self.settings.key_file)
-        connector = aiohttp.TCPConnector(limit=64, ssl=ssl_ctx if ssl_ctx else False)
+        # no connection cap: every watch holds one streaming connection for its lifetime
+        connector = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx else False)
         self._session = aiohttp.ClientSession(connector=connector)
         errors: list[str] = []
         for _ in range(len(self._endpoints)):

@@ -81,7 +81,15 @@ class TcpResponseServer:
             if self._server is not None:
                 return
             loop = asyncio.get_running_loop()
-            self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
+            try:
+                self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
+            except OSError as exc:
+                if self.host == "127.0.0.1":
+                    raise
+                # e.g. a host name resolving to an address this machine no longer has
+                log.warning("cannot listen on %s (%s); using 127.0.0.1 for response streams", self.host, exc)
+                self.host = "127.0.0.1"
+                self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
             port = self._server.sockets[0].getsockname()[1]
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.address = f"{host}:{port}"

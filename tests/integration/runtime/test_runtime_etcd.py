@@ -86,3 +86,15 @@ async def test_unreachable_etcd_fails_fast():
         await client.connect()
     assert time.monotonic() - start < 5
     assert str(err.value) == "cannot reach etcd at http://127.0.0.1:1: connection refused"
+
+
+async def test_many_watches_do_not_starve_requests(etcd, ns):
+    """Each watch holds a streaming HTTP connection; plain requests must still go through."""
+    watches = [await etcd.watch_prefix(f"{ns}/many/{i}") for i in range(80)]
+    try:
+        await asyncio.wait_for(etcd.put(f"{ns}/many/3/x", b"v"), 5)
+        ev = await asyncio.wait_for(watches[3].__anext__(), 5)
+        assert ev.key == f"{ns}/many/3/x"
+    finally:
+        for w in watches:
+            await w.close()
