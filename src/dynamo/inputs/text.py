@@ -1,7 +1,7 @@
 """``in=text`` (interactive chat with history) and ``in=stdin`` (one prompt from stdin, one answer).
 
 On a terminal the prompt is a prompt_toolkit line editor (history with the arrow keys); Ctrl-C or Ctrl-D
-at the prompt ends the session, Ctrl-C during an answer stops that answer.  When stdin is not a
+at the prompt ends the session, and so does Ctrl-C during an answer (the engine is stopped, exit code 0).  When stdin is not a
 terminal, ``in=text`` reads one user turn per line, which makes scripted conversations possible.
 """
 
@@ -100,7 +100,10 @@ def _terminal_reader():
     session: PromptSession[str] = PromptSession(history=InMemoryHistory())
 
     async def read() -> str | None:
-        return await session.prompt_async("User › ")
+        # handle_sigint=False: prompt_toolkit would otherwise replace the loop's SIGINT handler (ours) and
+        # not put it back, so a Ctrl-C during a later answer would be swallowed.  Ctrl-C at the prompt is
+        # a key press in raw mode and still ends the session (KeyboardInterrupt).
+        return await session.prompt_async("User › ", handle_sigint=False)
 
     return read
 
