@@ -186,6 +186,26 @@ def test_core_max_completion_tokens(core: openai.OpenAI):
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 2)
 
 
+def test_core_min_tokens_lets_generation_run_past_an_early_eos(core: openai.OpenAI):
+    r = core.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                     extra_body={"min_tokens": 25})
+    # the first <|im_end|> came before min_tokens, so it is ordinary text; the next one stops
+    assert r.choices[0].message.content == SYSTEM + "<|im_start|>user\nHi"
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_core_stop_token_ids_are_hidden(core: openai.OpenAI):
+    r = core.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [1]}, max_tokens=50)
+    assert r.choices[0].message.content == ""  # the very first token is <|im_start|> (id 1)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_core_completions_echo(core: openai.OpenAI):
+    r = core.completions.create(model="tiny-chat", prompt="abc def", echo=True)
+    assert r.choices[0].text == "abc defabc def"
+
+
 def test_core_root_level_ignore_eos(core: openai.OpenAI):
     r = core.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
                                      extra_body={"ignore_eos": True})

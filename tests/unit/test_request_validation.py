@@ -104,6 +104,16 @@ def test_other_limits(fields):
     bad_chat(**fields)
 
 
+def test_min_tokens_above_max_tokens():
+    err = bad_chat(min_tokens=10, max_tokens=5)
+    assert "min_tokens (10) must be less than or equal to max_tokens (5)" in str(err)
+    assert "max_tokens (3)" in str(bad_chat(min_tokens=10, max_tokens=50, max_completion_tokens=3))
+    with pytest.raises(RequestError):
+        parse_completion_request({"model": "m", "prompt": "x", "min_tokens": 3, "max_tokens": 2})
+    parse_chat_request({"model": "m", "messages": MSG, "min_tokens": 5, "max_tokens": 5})
+    parse_chat_request({"model": "m", "messages": MSG, "min_tokens": 5})
+
+
 def test_guided_decoding_one_kind_only():
     err = bad_chat(guided_json={"type": "object"}, nvext={"guided_regex": "x"})
     assert "Only one of json, regex, choice, or grammar" in str(err)

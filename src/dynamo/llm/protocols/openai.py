@@ -113,6 +113,7 @@ def parse_chat_request(raw: Any) -> ChatCompletionRequest:
         raise RequestError("max_completion_tokens must be at least 1", param="max_completion_tokens")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+    _check_min_max(req)
     return req
 
 
@@ -132,7 +133,17 @@ def parse_completion_request(raw: Any) -> CompletionRequest:
                 param="prompt",
             )
     _validate_common(req)
+    _check_min_max(req)
     return req
+
+
+def _check_min_max(req: "ChatCompletionRequest | CompletionRequest") -> None:
+    max_tokens = max_tokens_of(req)
+    if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
 
 
 def _convert(raw: Any, cls: type) -> Any:
