@@ -263,33 +263,37 @@ class ResponseStream:
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
         conn = receiver.register(state)
-        frame = encode_request(ctx.id(), conn, _encode_request(self._request))
-        try:
-            ack = await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
-            if ack.data:  # a draining worker refuses: as good as gone
-                raise nats.errors.NoRespondersError
-        except nats.errors.NoRespondersError:
-            receiver.unregister(state)
-            client.report_instance_down(instance_id)
-            raise NoRespondersError(subject, instance_id) from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            receiver.unregister(state)
-            raise DynamoRuntimeError(f"no acknowledgement from {subject} within {ACK_TIMEOUT:.0f}s") from None
-        except BaseException:
-            receiver.unregister(state)
-            raise
-        self._state = state
 
         def finished(s: StreamState) -> None:
             receiver.unregister(s)
             ctx.remove_callback(s.send_control)
             client._untrack(s)
 
+        # All bookkeeping before the request leaves: a fast worker may finish the whole stream
+        # before we have even processed its ack.
         state.on_finish = finished
         client._track(state)
         if ctx.is_stopped():
-            state.send_control("kill" if ctx.is_killed() else "stop")
+            state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
+        frame = encode_request(ctx.id(), conn, _encode_request(self._request))
+        try:
+            ack = await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
+            if ack.data:  # a draining worker refuses: as good as gone
+                raise nats.errors.NoRespondersError
+        except nats.errors.NoRespondersError:
+            client.report_instance_down(instance_id)
+            error: BaseException = NoRespondersError(subject, instance_id)
+            state.fail(error)
+            raise error from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            error = DynamoRuntimeError(f"no acknowledgement from {subject} within {ACK_TIMEOUT:.0f}s")
+            state.fail(error)
+            raise error from None
+        except BaseException as exc:
+            state.fail(exc)
+            raise
+        self._state = state
         receiver.after_send(state, HANDSHAKE_TIMEOUT)
 
     def __await__(self):

@@ -377,3 +377,34 @@ async def test_slow_consumer_backpressures_the_handler(make_runtime, ns, serve):
         assert item["i"] == count
         count += 1
     assert count == total
+
+
+@pytest.mark.slow
+async def test_losing_etcd_past_the_ttl_shuts_the_runtime_down(nats_server):
+    from tests.support.servers import EtcdServer
+
+    with EtcdServer() as private_etcd:
+        settings = RuntimeSettings(etcd=EtcdSettings([private_etcd.url]), nats=NatsSettings(nats_server.url),
+                                   lease_ttl=3)
+        rt = await DistributedRuntime.connect(settings)
+        try:
+            private_etcd.kill()
+            await asyncio.wait_for(rt.wait_for_shutdown(), 10)
+            assert rt.is_shutting_down
+        finally:
+            await rt.close()
+
+
+async def test_finished_streams_leave_no_bookkeeping(make_runtime, ns, serve):
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), echo)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    for _ in range(20):
+        await collect(client.generate({"n": 1}))
+    stream = client.generate({"n": 50})
+    await stream.__anext__()
+    await stream.aclose()
+    await asyncio.sleep(0.1)
+    assert client._active == {}
+    assert caller._receiver.pending == {}
