@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.proc import run_cli
+from tests.support.proc import cli_command, cli_env, run_cli
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
@@ -80,6 +83,34 @@ def test_dyn_log_filters_by_module():
     assert "DEBUG dynamo.run" not in p.stderr
 
 
+@pytest.mark.parametrize("mode", ["in=stdin", "in=text"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_while_waiting_for_stdin_exits(mode, sig):
+    # stdin is a pipe nobody writes to: the process must still go when told to
+    proc = subprocess.Popen(cli_command() + [mode, "out=echo_full", "-v"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    try:
+        # the debug line about the model is logged after the signal handlers are in place
+        deadline = time.monotonic() + 20
+        seen = b""
+        while b"engine echo_full" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.readline()
+        assert b"engine echo_full" in seen, seen
+        proc.send_signal(sig)
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+    rest = proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.returncode not in (-signal.SIGTERM, -signal.SIGINT)  # handled, not killed by the signal
+    assert b"Traceback" not in seen + rest
+    assert b"Fatal Python error" not in rest
+
+
 # -- text ------------------------------------------------------------------------------------------
 
 
@@ -139,6 +170,19 @@ def test_batch_results_are_written_in_completion_order(tmp_path: Path):
     rows = [json.loads(line) for line in (tmp_path / "output.jsonl").read_text().splitlines()]
     assert [r["text"] for r in rows] == ["s", "long " * 30]
     assert [r["response"] for r in rows] == ["s", "long " * 30]
+
+
+def test_batch_failed_prompt_is_recorded_and_the_rest_still_run(tmp_path: Path, tiny_model: Path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"text": "hi"}, {"text": "a prompt far too long for the window " * 3}])
+    p = run_cli([f"in=batch:{src}", "out=echo_core", str(tiny_model), "--context-length", "45"])
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr
+    rows = {r["text"]: r for r in map(json.loads, (tmp_path / "output.jsonl").read_text().splitlines())}
+    assert rows["hi"]["finish_reason"] == "length"  # max_tokens defaults to what is left of the 45
+    assert rows["hi"]["tokens_in"] + rows["hi"]["tokens_out"] == 45
+    failed = rows["a prompt far too long for the window " * 3]
+    assert "maximum context length is 45 tokens" in failed["error"]
+    assert "Ran 1 of 2 prompts" in p.stderr
 
 
 def test_batch_output_replaces_an_old_output_file(tmp_path: Path):

@@ -1,16 +1,23 @@
 """``in=text`` (interactive chat with history) and ``in=stdin`` (one prompt from stdin, one answer).
 
 On a terminal the prompt is a prompt_toolkit line editor (history with the arrow keys); Ctrl-C or Ctrl-D
-at the prompt ends the session, and so does Ctrl-C during an answer (the engine is stopped, exit code 0).  When stdin is not a
-terminal, ``in=text`` reads one user turn per line, which makes scripted conversations possible.
+at the prompt ends the session, and so does Ctrl-C during an answer (the engine is stopped, exit code 0).
+When stdin is not a terminal, ``in=text`` reads one user turn per line, which makes scripted conversations
+possible.
+
+Piped stdin is read with ``os.read`` in a daemon thread: a read blocked on a pipe nobody writes to must
+not keep the process alive after Ctrl-C or SIGTERM (the default executor is joined at exit, and a thread
+inside ``sys.stdin.read`` holds the stream's lock that interpreter shutdown wants).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
-from typing import Any
+import threading
+from typing import Any, Callable, TypeVar
 
 from dynamo.errors import EngineError, RequestError
 from dynamo.llm.chunks import chunk_text
@@ -19,6 +26,76 @@ from dynamo.llm.pipeline import ServedModel
 from dynamo.inputs.chat_request import chat_request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run a blocking call in a thread that never delays exit (unlike the loop's default executor)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(deliver, result, exc)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="stdin-reader", daemon=True).start()
+    return await fut
+
+
+class StdinReader:
+    """Reads file descriptor 0 (pipe, file or terminal) without the ``sys.stdin`` object."""
+
+    def __init__(self, fd: int = 0):
+        self._fd = fd
+        self._buf = b""
+        self._eof = False
+
+    def _read_chunk(self) -> bytes:
+        try:
+            return os.read(self._fd, 1 << 16)
+        except OSError:  # closed or unreadable stdin reads as end of input
+            return b""
+
+    async def _fill(self) -> bool:
+        chunk = await _in_daemon_thread(self._read_chunk)
+        if not chunk:
+            self._eof = True
+            return False
+        self._buf += chunk
+        return True
+
+    async def read_all(self) -> str:
+        while not self._eof:
+            await self._fill()
+        data, self._buf = self._buf, b""
+        return _decode(data)
+
+    async def readline(self) -> str | None:
+        """The next line without its line ending, or None at the end of input."""
+        while b"\n" not in self._buf and not self._eof:
+            await self._fill()
+        if not self._buf:
+            return None
+        line, _, self._buf = self._buf.partition(b"\n")
+        return _decode(line).removesuffix("\r")
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
 async def answer(model: ServedModel, messages: list[dict[str, Any]], *, ignore_eos: bool, out: Any = None) -> str:
@@ -43,8 +120,7 @@ async def answer(model: ServedModel, messages: list[dict[str, Any]], *, ignore_e
 
 
 async def run_stdin(model: ServedModel, *, ignore_eos: bool) -> int:
-    loop = asyncio.get_running_loop()
-    prompt = await loop.run_in_executor(None, sys.stdin.read)
+    prompt = await StdinReader().read_all()
     if not prompt.strip():
         print("Error: nothing on stdin to send", file=sys.stderr)
         return 1
@@ -109,12 +185,4 @@ def _terminal_reader():
 
 
 def _pipe_reader():
-    loop = asyncio.get_running_loop()
-
-    async def read() -> str | None:
-        line = await loop.run_in_executor(None, sys.stdin.readline)
-        if not line:
-            return None
-        return line.rstrip("\n")
-
-    return read
+    return StdinReader().readline
