@@ -11,6 +11,7 @@ installed entry point; ``DYN_TOKEN_ECHO_DELAY_MS`` defaults to 0 to keep the sui
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["DynamoRun", "run_cli", "cli_command", "free_port", "cli_env"]
+__all__ = ["DynamoRun", "DynamoWorker", "run_cli", "cli_command", "free_port", "cli_env"]
 
 
 def free_port() -> int:
@@ -188,3 +189,143 @@ def in_thread(fn, *args, **kwargs) -> threading.Thread:
     t = threading.Thread(target=fn, args=args, kwargs=kwargs, daemon=True)
     t.start()
     return t
+
+
+class DynamoWorker:
+    """A background process that is not an HTTP server: a ``dynamo-run in=dyn://... out=...`` worker
+    (the default), or any ``command`` (e.g. a Python worker script using ``dynamo.runtime``).
+
+    ``start()`` returns once the worker logged that it serves (``worker dyn://... serving <model> as
+    <type> (instance <hex>)``), which also gives :attr:`instance_hex`; with ``ready=None`` (a custom
+    command that logs nothing) it returns at once.  stderr goes to a file that can be read at any time
+    (:meth:`stderr_text`), e.g. to see which requests a worker served at debug level.  Stop it with
+    :meth:`terminate` (SIGTERM, no wait), :meth:`kill` (SIGKILL: a crash) or :meth:`stop`.
+    """
+
+    READY = re.compile(r"worker (?P<endpoint>\S+) serving (?P<model>.+) as (?P<type>\w+) \(instance (?P<hex>[0-9a-f]+)\)")
+
+    def __init__(
+        self,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        delay_ms: float | int = 0,
+        command: Sequence[str] | None = None,
+        ready: "re.Pattern[str] | None | str" = "default",
+        startup_timeout: float = 30.0,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.args = list(args)
+        self._command = list(command) if command is not None else None
+        self.env = cli_env(env, delay_ms=delay_ms)
+        self.ready = self.READY if ready == "default" else (re.compile(ready) if isinstance(ready, str) else ready)
+        self.startup_timeout = startup_timeout
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stderr = tempfile.TemporaryFile()
+        self.returncode: int | None = None
+        self.ready_match: "re.Match[str] | None" = None
+
+    def command(self) -> list[str]:
+        if self._command is not None:
+            return self._command + self.args
+        return cli_command() + self.args
+
+    def start(self, wait: bool = True) -> "DynamoWorker":
+        """Start the process; with ``wait`` also :meth:`wait_ready`."""
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> "DynamoWorker":
+        """Block until the ready line appears in stderr (raise with the log if it exits or times out)."""
+        assert self.proc is not None, "start() first"
+        if self.ready is None or self.ready_match is not None:
+            return self
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            match = self.ready.search(self.stderr_text())
+            if match:
+                self.ready_match = match
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.command()} exited with {self.proc.returncode} before serving:\n"
+                                   f"{self.stderr_text()}")
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"{self.command()} not serving after {self.startup_timeout}s:\n{self.stderr_text()}")
+
+    @property
+    def instance_hex(self) -> str:
+        """The worker's instance id (its etcd lease) in hex, as in keys and subjects."""
+        assert self.ready_match is not None and "hex" in self.ready.groupindex, "no instance id known"
+        return self.ready_match.group("hex")
+
+    @property
+    def instance_id(self) -> int:
+        value = int(self.instance_hex, 16)
+        return value - (1 << 64) if value >= (1 << 63) else value
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read().decode("utf-8", errors="replace")
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Send SIGTERM (or ``sig``) without waiting."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: nothing is cleaned up, the lease expires by itself) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc is not None:
+            self.returncode = self.proc.returncode
+
+    def wait(self, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        self.returncode = self.proc.wait(timeout)
+        return self.returncode
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not exit in ``timeout``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"{self.command()} ignored SIGTERM for {timeout}s:\n{self.stderr_text()}")
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def __enter__(self) -> "DynamoWorker":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

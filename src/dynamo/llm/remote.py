@@ -1,10 +1,14 @@
 """Engines that forward requests to workers on the distributed runtime.
 
 ``RemoteCoreEngine`` sends pre-processed requests to Backend workers and yields their token items; it
-picks the worker through a :class:`RouterPolicy` and, when a worker dies mid-stream or does not answer,
-moves the request to another worker up to the card's ``migration_limit`` times (spec 7.10): the
-resumed request carries the prompt plus the tokens already generated, and a smaller ``max_tokens``.
-``RemoteChatEngine`` forwards OpenAI requests to Chat workers unchanged.
+picks the worker through a :class:`RouterPolicy` and, when a worker dies mid-stream, moves the request
+to another worker up to the card's ``migration_limit`` times (spec 7.10): the resumed request carries the
+prompt plus the tokens already generated, and a smaller ``max_tokens``.  ``RemoteChatEngine`` forwards
+OpenAI requests to Chat workers unchanged.
+
+Both send a request that found *no responder* (the instance died and its lease has not expired yet) to
+another instance whatever the migration limit (the original does so only while migration attempts
+remain): nothing reached a worker, so it is always safe, and requests keep succeeding right after a crash.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from dynamo.runtime import (
 log = logging.getLogger(__name__)
 
 INSTANCE_WAIT_S = 5.0  # how long a request waits for a worker to appear before a 503
+# A request that found no responder on an instance's subject never reached a worker (the instance died
+# and its lease has not expired yet): it is sent to another instance, without using a migration attempt.
+MAX_NO_RESPONDER_RETRIES = 8
+NO_WORKER_MESSAGE = "No worker is serving this model right now; try again shortly"
 
 
 class RouterPolicy(Protocol):
@@ -70,7 +78,7 @@ async def _ensure_instances(client: Any) -> None:
     try:
         await client.wait_for_instances(timeout=INSTANCE_WAIT_S)
     except asyncio.TimeoutError:
-        raise RequestError("No worker is serving this model right now; try again shortly", status=503) from None
+        raise RequestError(NO_WORKER_MESSAGE, status=503) from None
 
 
 class RemoteCoreEngine:
@@ -86,6 +94,7 @@ class RemoteCoreEngine:
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
         first = True
+        no_responders = 0
         try:
             while True:
                 await _ensure_instances(self.client)
@@ -93,14 +102,14 @@ class RemoteCoreEngine:
                     stream = self.router.open(self.client, request, rt_ctx)
                     await stream.start()
                 except NoRespondersError as e:
-                    if attempts_left > 0:
-                        attempts_left -= 1
-                        log.warning("request %s: %s; retrying on another worker", context.id, e)
+                    # the client marked that instance down; nothing reached a worker, so retrying is safe
+                    no_responders += 1
+                    if no_responders <= MAX_NO_RESPONDER_RETRIES:
+                        log.info("request %s: %s; sending it to another worker", context.id, e)
                         continue
-                    raise LlmEngineError(str(e)) from None
+                    raise RequestError(NO_WORKER_MESSAGE, status=503) from None
                 except NoInstancesError:
-                    raise RequestError("No worker is serving this model right now; try again shortly",
-                                       status=503) from None
+                    raise RequestError(NO_WORKER_MESSAGE, status=503) from None
                 except InstanceNotFoundError as e:
                     raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
                 try:
@@ -148,14 +157,23 @@ class RemoteChatEngine:
     async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:
         request = raw if raw is not None else request
-        await _ensure_instances(self.client)
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
-        try:
-            stream = self.client.round_robin(request, context=rt_ctx)
-            await stream.start()
-        except (NoInstancesError, NoRespondersError):
-            raise RequestError("No worker is serving this model right now; try again shortly", status=503) from None
+        no_responders = 0
+        while True:
+            await _ensure_instances(self.client)
+            try:
+                stream = self.client.round_robin(request, context=rt_ctx)
+                await stream.start()
+                break
+            except NoRespondersError as e:
+                no_responders += 1  # as in RemoteCoreEngine: the instance is marked down, try another
+                if no_responders <= MAX_NO_RESPONDER_RETRIES:
+                    log.info("request %s: %s; sending it to another worker", context.id, e)
+                    continue
+                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+            except NoInstancesError:
+                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
         try:
             async for chunk in stream:
                 usage = chunk.get("usage") if isinstance(chunk, dict) else None

@@ -7,6 +7,7 @@ the workers.  A full engine is served as Chat: OpenAI chat requests in, chunks o
 
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 from dynamo.llm.backend import PostProcessor
@@ -14,6 +15,8 @@ from dynamo.llm.engine import Context, Engine
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def link_contexts(runtime_ctx: Any, ctx: Context) -> None:
@@ -41,6 +44,7 @@ def backend_handler(card: ModelCard, engine: Engine):
         req = PreprocessedRequest.from_dict(request)
         ctx = Context(context.id() if context is not None else None)
         link_contexts(context, ctx)
+        log.debug("request %s: %d prompt tokens", ctx.id, len(req.token_ids))
         gen = engine.generate(req, ctx)
         if tokenizer is None:  # no tokenizer: tokens only, the frontend detokenizes
             try:
@@ -73,6 +77,7 @@ def chat_handler(served: Any):
     async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         ctx = Context(context.id() if context is not None else None)
         link_contexts(context, ctx)
+        log.debug("request %s", ctx.id)
         if "messages" in request:
             stream = served.chat(parse_chat_request(request), request, ctx)
         else:

@@ -1,0 +1,561 @@
+"""Distributed serving end to end: a frontend (``in=http out=dyn``) and workers (``in=dyn://...``) as real
+``dynamo-run`` processes, finding each other through a real etcd and talking over a real nats-server.
+
+The servers, the frontend and most workers are started once for the module (the workers in parallel);
+each test uses its own namespace and model name, so tests do not see each other's workers.  Which worker
+served a request is read from the workers' logs: at debug level a worker logs ``request <id>`` for each
+request, and the tests set the id with an ``x-request-id`` header.
+
+Lease expiry takes 10 s (the TTL): the kill -9 test crashes its worker early in the module and the check
+that the crashed worker's keys and instance are gone runs last, so the wait overlaps the other tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support.proc import DynamoRun, DynamoWorker, cli_env, free_port, run_cli
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.timeout(120)
+
+DATA = Path(__file__).parent / "data"
+LEASE_TTL_S = 10.0
+WORKER_LOG = {"DYN_LOG": "info,dynamo.llm.worker_handlers=debug"}
+LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
+
+
+# -- small helpers -------------------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def etcd_get_prefix(etcd: EtcdServer, prefix: str) -> dict[str, tuple[dict, int]]:
+    """``{key: (json value, lease id)}`` for every key under ``prefix`` (etcd's JSON gateway)."""
+    resp = httpx.post(f"{etcd.url}/v3/kv/range", json={"key": _b64(prefix), "range_end": _prefix_end(prefix)},
+                      timeout=5)
+    resp.raise_for_status()
+    out = {}
+    for kv in resp.json().get("kvs", []):
+        value = base64.b64decode(kv.get("value", "")).decode()
+        out[base64.b64decode(kv["key"]).decode()] = (json.loads(value) if value else None, int(kv.get("lease", 0)))
+    return out
+
+
+def etcd_put(etcd: EtcdServer, key: str, value: str) -> None:
+    httpx.post(f"{etcd.url}/v3/kv/put", json={"key": _b64(key), "value": _b64(value)}, timeout=5).raise_for_status()
+
+
+def etcd_delete(etcd: EtcdServer, key: str) -> None:
+    httpx.post(f"{etcd.url}/v3/kv/deleterange", json={"key": _b64(key)}, timeout=5).raise_for_status()
+
+
+def model_ids(frontend: DynamoRun) -> set[str]:
+    resp = httpx.get(frontend.api_url + "/models", timeout=5)
+    assert resp.status_code == 200, resp.text
+    return {m["id"] for m in resp.json()["data"]}
+
+
+def health_instances(frontend: DynamoRun, endpoint: str) -> set[int]:
+    """Instance ids /health lists for ``endpoint`` (``dyn://ns.comp.ep``)."""
+    resp = httpx.get(frontend.base_url + "/health", timeout=5)
+    return {i["instance_id"] for i in resp.json().get("instances", []) if i["endpoint"] == endpoint}
+
+
+def wait_for_model(frontend: DynamoRun, name: str, endpoint: str, instances: int, timeout: float = 15.0) -> None:
+    wait_until(lambda: name in model_ids(frontend) and len(health_instances(frontend, endpoint)) >= instances,
+               timeout, f"model {name} with {instances} instance(s) of {endpoint} on the frontend")
+
+
+def client_for(frontend: DynamoRun, timeout: float = 30.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=frontend.api_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def request_id(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:12]}"
+
+
+def served_by(workers: list[DynamoWorker], rid: str) -> list[DynamoWorker]:
+    """The workers whose debug log shows request ``rid``."""
+    needle = f"request {rid}"
+    return [w for w in workers if needle in w.stderr_text()]
+
+
+def chat(client: openai.OpenAI, model: str, content: str, *, stream: bool, rid: str | None = None,
+         **kwargs: Any) -> tuple[str, str | None]:
+    """(text, finish_reason) of one chat completion."""
+    headers = {"x-request-id": rid} if rid else None
+    messages = [{"role": "user", "content": content}]
+    if not stream:
+        resp = client.chat.completions.create(model=model, messages=messages, extra_headers=headers, **kwargs)
+        return resp.choices[0].message.content or "", resp.choices[0].finish_reason
+    parts, reason = [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                extra_headers=headers, **kwargs):
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            reason = choice.finish_reason or reason
+    return "".join(parts), reason
+
+
+def sse_events(response: httpx.Response) -> Iterator[str]:
+    """The ``data:`` payloads of an SSE response, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening on it."""
+    return free_port()
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[EtcdServer, NatsServer]]:
+    with EtcdServer() as etcd, NatsServer() as nats:
+        yield etcd, nats
+
+
+@pytest.fixture(scope="module")
+def rt_env(servers) -> dict[str, str]:
+    etcd, nats = servers
+    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+
+
+@pytest.fixture(scope="module")
+def frontend(rt_env) -> Iterator[DynamoRun]:
+    with DynamoRun("out=dyn", env=rt_env) as fe:
+        yield fe
+
+
+class Fleet(dict):
+    """name -> started worker; all stopped at the end of the module."""
+
+
+@pytest.fixture(scope="module")
+def fleet(rt_env, tiny_model: Path) -> Iterator[Fleet]:
+    """The module's long-lived workers, started in parallel."""
+    model = str(tiny_model)
+    env = {**rt_env, **WORKER_LOG}
+    specs: dict[str, tuple[list[str], float]] = {
+        # data parallel: two instances of one endpoint (the brief's names)
+        "rr1": (["in=dyn://test.backend.generate", "out=echo_core", model, "--model-name", "rr"], 1),
+        "rr2": (["in=dyn://test.backend.generate", "out=echo_core", model, "--model-name", "rr"], 1),
+        # one of these is killed -9
+        "crash1": (["in=dyn://crash.backend.generate", "out=echo_core", model, "--model-name", "crash"], 1),
+        "crash2": (["in=dyn://crash.backend.generate", "out=echo_core", model, "--model-name", "crash"], 1),
+        # two pipelines; b's name is defaulted (dyn://test -> NS.test.E)
+        "a": (["in=dyn://alpha.backend.generate", "out=echo_core", model, "--model-name", "a"], 1),
+        "b": (["in=dyn://test", "out=echo_core", model, "--model-name", "b"], 1),
+        # a full engine: registers as Chat
+        "e": (["in=dyn://full.frontend.generate", "out=echo_full", "--model-name", "e"], 1),
+        # migration: slow echo, two workers that allow 3 migrations, one that allows none
+        "mig1": (["in=dyn://mig.backend.generate", "out=echo_core", model, "--model-name", "mig",
+                  "--migration-limit", "3"], 50),
+        "mig2": (["in=dyn://mig.backend.generate", "out=echo_core", model, "--model-name", "mig",
+                  "--migration-limit", "3"], 50),
+        "nomig": (["in=dyn://nomig.backend.generate", "out=echo_core", model, "--model-name", "nomig"], 50),
+        # SIGTERM with a stream in flight
+        "term": (["in=dyn://term.backend.generate", "out=echo_core", model, "--model-name", "term"], 30),
+    }
+    workers = Fleet()
+    try:
+        for name, (args, delay) in specs.items():
+            workers[name] = DynamoWorker(*args, env=env, delay_ms=delay).start(wait=False)
+        for w in workers.values():
+            w.wait_ready()
+        yield workers
+    finally:
+        for w in workers.values():
+            w.kill()
+
+
+# -- discovery, health, round-robin --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_workers_listed_and_healthy(frontend, fleet):
+    rr = [fleet["rr1"], fleet["rr2"]]
+    wait_for_model(frontend, "rr", "dyn://test.backend.generate", 2)
+    assert health_instances(frontend, "dyn://test.backend.generate") == {w.instance_id for w in rr}
+    assert all(w.ready_match["type"] == "Backend" for w in rr)
+    health = httpx.get(frontend.base_url + "/health", timeout=5).json()
+    assert health["status"] == "healthy" and "rr" in health["models"]
+
+
+@pytest.mark.slow
+def test_requests_spread_round_robin(frontend, fleet):
+    rr = [fleet["rr1"], fleet["rr2"]]
+    wait_for_model(frontend, "rr", "dyn://test.backend.generate", 2)
+    client = client_for(frontend)
+    order = []
+    for i in range(8):
+        rid = request_id(f"rr{i}")
+        text, reason = chat(client, "rr", "Hello distributed world", stream=bool(i % 2), rid=rid)
+        # echo_core echoes the templated prompt and stops at its first end-of-turn token
+        assert text.startswith("<|im_start|>system") and reason == "stop", (text, reason)
+        who = wait_until(lambda: served_by(rr, rid), 5, f"a worker logging request {rid}")
+        assert len(who) == 1
+        order.append(rr.index(who[0]))
+    assert sorted(order) == [0, 0, 0, 0, 1, 1, 1, 1], order
+    assert all(order[i] != order[i + 1] for i in range(len(order) - 1)), f"not round-robin: {order}"
+
+
+@pytest.mark.slow
+def test_completions_through_frontend(frontend, fleet):
+    wait_for_model(frontend, "rr", "dyn://test.backend.generate", 2)
+    client = client_for(frontend)
+    resp = client.completions.create(model="rr", prompt="one two three", max_tokens=50)
+    assert resp.choices[0].text == "one two three"  # raw prompt (no template), echoed token by token
+    chunks = list(client.completions.create(model="rr", prompt="four five", stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "four five"
+
+
+@pytest.mark.slow
+def test_router_mode_random_uses_both_workers(rt_env, fleet):
+    rr = [fleet["rr1"], fleet["rr2"]]
+    with DynamoRun("out=dyn", "--router-mode", "random", env=rt_env) as fe:
+        wait_for_model(fe, "rr", "dyn://test.backend.generate", 2)
+        client = client_for(fe)
+        rids = [request_id(f"rand{i}") for i in range(16)]
+        for rid in rids:
+            chat(client, "rr", "hi", stream=True, rid=rid)
+        counts = [0, 0]
+        for rid in rids:
+            who = wait_until(lambda: served_by(rr, rid), 5, f"a worker logging request {rid}")
+            counts[rr.index(who[0])] += 1
+    # all 16 on one worker has probability 2**-15
+    assert counts[0] > 0 and counts[1] > 0, counts
+
+
+# -- kill -9 ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crashed(frontend, fleet, servers) -> dict[str, Any]:
+    """crash1 killed -9 while crash2 keeps serving; records when (the lease check runs at the end)."""
+    wait_for_model(frontend, "crash", "dyn://crash.backend.generate", 2)
+    victim = fleet["crash1"]
+    victim.kill()
+    return {"victim": victim, "survivor": fleet["crash2"], "killed_at": time.monotonic()}
+
+
+@pytest.mark.slow
+def test_kill9_service_carries_on(frontend, crashed):
+    client = client_for(frontend, timeout=10)
+    survivor = crashed["survivor"]
+    failures = []
+    start = time.monotonic()
+    for i in range(8):
+        rid = request_id(f"crash{i}")
+        try:
+            text, reason = chat(client, "crash", "still there?", stream=bool(i % 2), rid=rid)
+            assert reason == "stop" and text
+            assert served_by([survivor], rid)
+        except openai.APIError as e:
+            failures.append(f"request {i}: {e}")
+    assert not failures, failures
+    assert time.monotonic() - start < 5, "requests after the crash were slow"
+    # the transport saw the dead instance fail: it is no longer offered (at the latest after the lease)
+    assert "crash" in model_ids(frontend)
+
+
+# -- SIGTERM: deregister at once, finish in-flight work, exit 0; last worker gone -> 404 ----------------
+
+
+@pytest.mark.slow
+def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, servers):
+    etcd, _ = servers
+    worker = fleet["term"]
+    wait_for_model(frontend, "term", "dyn://term.backend.generate", 1)
+    lease = worker.instance_id
+    keys = etcd_get_prefix(etcd, "models/term/")
+    assert keys and all(lease_id == lease for _, lease_id in keys.values())
+    assert etcd_get_prefix(etcd, "instances/term/")
+
+    client = client_for(frontend)
+    stream = client.chat.completions.create(
+        model="term", messages=[{"role": "user", "content": LONG_PROMPT}], stream=True, max_tokens=40,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    received = [first]
+    for _ in range(3):
+        received.append(next(chunks))
+    worker.terminate()
+    signalled = time.monotonic()
+    # deregistered at once: the model entry and the instance key are gone, the frontend drops the model
+    wait_until(lambda: not etcd_get_prefix(etcd, "models/term/") and not etcd_get_prefix(etcd, "instances/term/"),
+               1.5, "the worker's keys to be deleted")
+    wait_until(lambda: "term" not in model_ids(frontend), 1.5, "the model to leave /v1/models")
+    # ... but the stream in flight finishes normally
+    received.extend(chunks)
+    reasons = [c.choices[0].finish_reason for c in received if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"], reasons
+    text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
+    assert text.startswith("<|im_start|>system")
+    assert worker.wait(10) == 0, worker.stderr_text()
+    assert time.monotonic() - signalled < 8
+
+    # no worker serves it any more: a clear 404, quickly
+    start = time.monotonic()
+    with pytest.raises(openai.NotFoundError) as info:
+        chat(client_for(frontend, timeout=10), "term", "anyone?", stream=False)
+    assert time.monotonic() - start < 2
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.slow
+def test_model_entry_without_instances_gives_503(frontend, fleet, servers):
+    """A model whose entry exists but with no live instance behind it: 503 quickly, not a hang."""
+    etcd, _ = servers
+    wait_for_model(frontend, "a", "dyn://alpha.backend.generate", 1)
+    (key, (entry, _)), = etcd_get_prefix(etcd, "models/alpha/").items()
+    ghost = dict(entry, name="ghost", endpoint={"namespace": "ghost", "component": "backend", "name": "generate"})
+    ghost_key = "models/ghost/backend/generate/1/ghost"
+    etcd_put(etcd, ghost_key, json.dumps(ghost))
+    try:
+        wait_until(lambda: "ghost" in model_ids(frontend), 5, "the ghost model to be listed")
+        start = time.monotonic()
+        resp = httpx.post(frontend.api_url + "/chat/completions", timeout=30, json={
+            "model": "ghost", "messages": [{"role": "user", "content": "hi"}]})
+        elapsed = time.monotonic() - start
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["message"]
+        assert elapsed < 7, f"503 took {elapsed:.1f}s"
+    finally:
+        etcd_delete(etcd, ghost_key)
+    wait_until(lambda: "ghost" not in model_ids(frontend), 5, "the ghost model to be removed")
+
+
+# -- two pipelines, defaulted names, full engines -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_models_on_one_frontend(frontend, fleet):
+    wait_for_model(frontend, "a", "dyn://alpha.backend.generate", 1)
+    wait_for_model(frontend, "b", "dyn://NS.test.E", 1)  # in=dyn://test: namespace and endpoint defaulted
+    assert {"a", "b"} <= model_ids(frontend)
+    assert health_instances(frontend, "dyn://alpha.backend.generate") == {fleet["a"].instance_id}
+    assert health_instances(frontend, "dyn://NS.test.E") == {fleet["b"].instance_id}
+    client = client_for(frontend)
+    for model in ("a", "b"):
+        rid = request_id(model)
+        text, reason = chat(client, model, f"to {model}", stream=True, rid=rid, extra_body={"ignore_eos": True})
+        assert f"to {model}" in text and reason == "stop"
+        assert served_by([fleet["a"], fleet["b"]], rid) == [fleet[model]]
+
+
+@pytest.mark.slow
+def test_full_engine_worker_registers_as_chat(frontend, fleet, servers):
+    etcd, _ = servers
+    wait_for_model(frontend, "e", "dyn://full.frontend.generate", 1)
+    (entry, lease), = etcd_get_prefix(etcd, "models/full/").values()
+    assert entry["model_type"] == "Chat" and entry["name"] == "e" and lease == fleet["e"].instance_id
+    client = client_for(frontend)
+    text, reason = chat(client, "e", "echo me fully", stream=True)
+    assert (text, reason) == ("echo me fully", "stop")
+    text, reason = chat(client, "e", "and unary", stream=False)
+    assert (text, reason) == ("and unary", "stop")
+    resp = client.completions.create(model="e", prompt="a completion")
+    assert resp.choices[0].text == "a completion"
+
+
+# -- the seeds' Python worker --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_seed_python_worker_served_by_frontend(frontend, rt_env, tiny_model, servers):
+    etcd, _ = servers
+    worker = DynamoWorker(str(tiny_model), command=[sys.executable, str(DATA / "seed_dyn_worker.py")],
+                          env=rt_env, ready=None).start()
+    try:
+        wait_for_model(frontend, "tiny-chat", "dyn://namespace.component.endpoint", 1)
+        (entry, _), = etcd_get_prefix(etcd, "models/namespace/component/endpoint/").values()
+        assert entry["model_type"] == "Backend"
+        client = client_for(frontend)
+        text, reason = chat(client, "tiny-chat", "seeds say hello", stream=True, extra_body={"ignore_eos": True})
+        assert "seeds say hello" in text and reason == "stop"
+        text, reason = chat(client, "tiny-chat", "unary too", stream=False, extra_body={"ignore_eos": True})
+        assert "unary too" in text
+        # without ignore_eos the frontend's post-processing stops at the template's first end of turn
+        text, reason = chat(client, "tiny-chat", "zebra", stream=False)
+        assert text.startswith("<|im_start|>system") and "zebra" not in text and reason == "stop"
+        worker.terminate()
+        assert worker.wait(10) == 0, worker.stderr_text()
+        wait_until(lambda: "tiny-chat" not in model_ids(frontend), 2, "the model to go with its worker")
+    finally:
+        worker.kill()
+
+
+# -- migration ---------------------------------------------------------------------------------------
+
+
+def _stream_and_kill(frontend: DynamoRun, model: str, workers: list[DynamoWorker], after_chunks: int
+                     ) -> tuple[list[dict], DynamoWorker, bool]:
+    """Stream a slow echo; after ``after_chunks`` content chunks kill -9 the worker serving it.
+
+    Returns (the parsed data events, the victim, whether the stream ended with [DONE]).
+    """
+    rid = request_id(model)
+    body = {"model": model, "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True,
+            "max_tokens": 40, "ignore_eos": True}
+    events: list[dict] = []
+    victim = None
+    done = False
+    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
+                      headers={"x-request-id": rid}) as resp:
+        assert resp.status_code == 200
+        for data in sse_events(resp):
+            if data == "[DONE]":
+                done = True
+                continue
+            events.append(json.loads(data))
+            content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+            if victim is None and len(content) >= after_chunks:
+                serving = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")
+                victim = serving[0]
+                victim.kill()
+    assert victim is not None, "stream ended before the worker could be killed"
+    return events, victim, done
+
+
+@pytest.mark.slow
+def test_migration_continues_stream_on_other_worker(frontend, fleet):
+    workers = [fleet["mig1"], fleet["mig2"]]
+    wait_for_model(frontend, "mig", "dyn://mig.backend.generate", 2)
+    start = time.monotonic()
+    events, victim, done = _stream_and_kill(frontend, "mig", workers, after_chunks=8)
+    assert done
+    assert not [e for e in events if "error" in e], events
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert finishes == ["length"], finishes  # max_tokens=40 counted over both workers
+    other = workers[1 - workers.index(victim)]
+    rid_line = f"request {events[0]['id'].removeprefix('chatcmpl-')}"
+    assert rid_line in other.stderr_text(), "the stream did not move to the other worker"
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.slow
+def test_no_migration_gives_error_event_and_clean_end(frontend, fleet):
+    wait_for_model(frontend, "nomig", "dyn://nomig.backend.generate", 1)
+    events, victim, done = _stream_and_kill(frontend, "nomig", [fleet["nomig"]], after_chunks=5)
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["message"], events
+    assert "error" in events[-1]  # nothing after the error but [DONE]
+    assert done, "the stream did not end cleanly with [DONE]"
+
+
+# -- text and batch inputs in front of workers ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model) -> Iterator[dict[str, str]]:
+    """Separate servers with a single echo_full worker: in=text/batch out=dyn serve the first model found."""
+    with EtcdServer() as etcd, NatsServer() as nats:
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+        with DynamoWorker("in=dyn://solo.backend.generate", "out=echo_full", "--model-name", "solo", env=env):
+            yield env
+
+
+@pytest.mark.slow
+def test_text_input_against_worker(solo):
+    result = run_cli(["in=text", "out=dyn"], input="hello over the network\nsecond turn\n", env=solo, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "hello over the network" in result.stdout and "second turn" in result.stdout
+
+
+@pytest.mark.slow
+def test_batch_input_against_worker(solo, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["first prompt", "second prompt", "third prompt"]
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = run_cli([f"in=batch:{prompts}", "out=dyn"], env=solo, timeout=30)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "output.jsonl").read_text().splitlines()]
+    assert sorted(r["response"] for r in records) == sorted(texts)
+    assert all(r["finish_reason"] == "stop" for r in records)
+
+
+# -- unreachable etcd / NATS ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["frontend", "worker"])
+@pytest.mark.parametrize("down", ["etcd", "nats"])
+def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
+    port = closed_port()
+    env = dict(rt_env)
+    if down == "etcd":
+        env["ETCD_ENDPOINTS"] = address = f"http://127.0.0.1:{port}"
+    else:
+        env["NATS_SERVER"] = address = f"nats://127.0.0.1:{port}"
+    args = (["in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(free_port())] if role == "frontend"
+            else ["in=dyn://down.backend.generate", "out=echo_core", str(tiny_model)])
+    start = time.monotonic()
+    result = run_cli(args, env=env, timeout=20)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 8, f"took {elapsed:.1f}s to give up"
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    naming = [line for line in lines if f"127.0.0.1:{port}" in line]
+    assert len(naming) == 1, result.stderr
+    assert len(lines) <= 2, result.stderr  # the error, at most one log line before it
+
+
+# -- last: the crashed worker's lease has expired --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill9_keys_and_instance_vanish_after_lease(frontend, crashed, servers):
+    etcd, _ = servers
+    victim, survivor = crashed["victim"], crashed["survivor"]
+    dead = victim.instance_hex
+    remaining = LEASE_TTL_S + 3 - (time.monotonic() - crashed["killed_at"])
+
+    def gone() -> bool:
+        keys = list(etcd_get_prefix(etcd, "instances/crash/")) + list(etcd_get_prefix(etcd, "models/crash/"))
+        return not any(dead in k for k in keys)
+
+    wait_until(gone, max(remaining, 0.5), "the crashed worker's keys to expire with its lease", interval=0.2)
+    assert health_instances(frontend, "dyn://crash.backend.generate") == {survivor.instance_id}
+    keys = etcd_get_prefix(etcd, "models/crash/")
+    assert keys and all(lease == survivor.instance_id for _, lease in keys.values())
+    assert "crash" in model_ids(frontend)
