@@ -91,10 +91,17 @@ def _pytok(cfg: Any, card: ModelCard) -> Engine:
     return create_pytok(cfg, card)
 
 
+def _mocker(cfg: Any, card: ModelCard) -> Engine:
+    from dynamo.engines.mocker import create_mocker
+
+    return create_mocker(cfg, card)
+
+
 FACTORIES: dict[str, EngineFactory] = {
     "llamacpp": _llamacpp,
     "echo_full": _echo_full,
     "echo_core": _echo_core,
+    "mocker": _mocker,
     "pystr": _pystr,
     "pytok": _pytok,
 }

@@ -1,0 +1,21 @@
+"""KV-aware routing: block hashing, the radix-tree indexer, the approximate indexer, the cost-based
+scheduler and :class:`KvRouter`, which ties them together.  See docs/routing.md."""
+
+from dynamo.llm.kv_router.hashing import (
+    KV_HASH_SEED,
+    block_hash,
+    compute_block_hashes,
+    compute_hashes,
+    compute_seq_hashes,
+    sequence_hash,
+)
+from dynamo.llm.kv_router.indexer import ApproxKvIndexer, KvIndexer, RadixTree
+from dynamo.llm.kv_router.protocols import EventError, KvEvent, kv_event, parse_kv_event, removed_data, stored_data
+from dynamo.llm.kv_router.router import KvRouter, RoutingDecision
+from dynamo.llm.kv_router.scheduler import ActiveSequences
+
+__all__ = [
+    "KV_HASH_SEED", "block_hash", "compute_block_hashes", "compute_hashes", "compute_seq_hashes",
+    "sequence_hash", "ApproxKvIndexer", "KvIndexer", "RadixTree", "EventError", "KvEvent", "kv_event",
+    "parse_kv_event", "removed_data", "stored_data", "KvRouter", "RoutingDecision", "ActiveSequences",
+]

@@ -1,0 +1,224 @@
+"""``out=mocker``: a simulated vLLM worker with no weights (spec 6.3).
+
+It schedules, caches and times requests like a vLLM engine (scheduler.py, kv_manager.py) and streams
+random tokens from the model's vocabulary, so the serving path and, above all, KV-aware routing can be
+exercised and benchmarked at scale on a laptop.
+
+Wiring (all optional, transport-free):
+
+* ``engine.worker_id``: the id put in KV events and metrics (the worker's instance / lease id);
+* ``engine.publish_kv_event(event)``: called with each KV event, already wrapped
+  ``{"worker_id", "event": {"event_id", "data": {"stored"|"removed": ...}}}`` (only with prefix caching);
+* ``engine.publish_metrics(msg)``: called with ``{"worker_id", "data": <ForwardPassMetrics>}`` after a
+  step that changed a rank's active blocks or waiting count;
+* ``engine.load_metrics(dp_rank=0)``: the current ForwardPassMetrics of a rank (the ``load_metrics``
+  endpoint's stats payload).
+
+Requests: ``max_tokens`` absent means the rest of the context window, at most
+``DEFAULT_MAX_TOKENS``; exactly ``max_tokens`` tokens are produced, the last item carrying
+``finish_reason: "length"``.  A stopped context ends the stream with ``"cancelled"``.  The data-parallel
+rank comes from an annotation ``dp_rank:<n>``; without one, the rank holding the longest cached prefix
+of the prompt, then the least busy rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Any, AsyncIterator, Iterable
+
+from dynamo.engines.mocker.args import MockerArgs
+from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
+from dynamo.errors import EngineError, RequestError, UserError
+from dynamo.llm.kv_router.hashing import compute_hashes
+from dynamo.llm.kv_router.protocols import kv_event, removed_data, stored_data
+from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 8192
+_MASK64 = (1 << 64) - 1
+
+
+class MockerEngine:
+    kind = "core"
+
+    def __init__(self, args: MockerArgs | dict[str, Any] | None = None, *, vocab_size: int,
+                 special_ids: Iterable[int] = (), context_length: int = 0, worker_id: int = 0,
+                 publish_kv_event: Publisher | None = None, publish_metrics: Publisher | None = None,
+                 seed: int | None = None):
+        self.args = args if isinstance(args, MockerArgs) else MockerArgs.from_dict(args)
+        self.args.check()
+        self.vocab_size = int(vocab_size)
+        self.special_ids = frozenset(int(i) for i in special_ids)
+        if self.vocab_size - len({i for i in self.special_ids if 0 <= i < self.vocab_size}) < 1:
+            raise UserError("the mocker needs a vocabulary with at least one non-special token")
+        self.context_length = context_length
+        self.worker_id = worker_id
+        self.publish_kv_event = publish_kv_event
+        self.publish_metrics = publish_metrics
+        self.rng = random.Random(seed)
+        self._event_ids = itertools.count(self.rng.getrandbits(32))
+        self._request_ids = itertools.count()
+        self.schedulers = [
+            Scheduler(self.args, dp_rank=r, seed=self.rng.getrandbits(64),
+                      on_stored=self._on_stored, on_removed=self._on_removed, on_metrics=self._on_metrics)
+            for r in range(self.args.dp_size)
+        ]
+        self._started = False
+
+    def attach(self, worker_id: int, *, publish_kv_event: Publisher | None = None,
+               publish_metrics: Publisher | None = None) -> None:
+        """Set the worker id and the publishers in one call (before serving requests)."""
+        self.worker_id = worker_id
+        self.publish_kv_event = publish_kv_event
+        self.publish_metrics = publish_metrics
+
+    @property
+    def runtime_config(self) -> dict[str, Any]:
+        """What a router may want to know about this worker's capacity (per data-parallel rank)."""
+        return {"total_kv_blocks": self.args.num_gpu_blocks, "max_num_seqs": self.args.max_num_seqs,
+                "max_num_batched_tokens": self.args.max_num_batched_tokens,
+                "kv_cache_block_size": self.args.block_size, "dp_size": self.args.dp_size}
+
+    # -- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not self._started:
+            self._started = True
+            for s in self.schedulers:
+                s.start()
+            log.info("mocker: %s", ", ".join(f"{k}={v}" for k, v in self.args.to_dict().items()))
+
+    async def close(self) -> None:
+        for s in self.schedulers:
+            await s.close()
+        self._started = False
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, request: PreprocessedRequest, context: Any) -> AsyncIterator[EngineOutput]:
+        if not self._started:
+            await self.start()
+        prompt = list(request.token_ids)
+        max_tokens = self._max_tokens(request, len(prompt))
+        if max_tokens <= 0:
+            yield EngineOutput(finish_reason="length")
+            return
+        sched = self.schedulers[self._dp_rank(request, prompt)]
+        avoid = self.special_ids | frozenset(request.eos_token_ids or ()) | frozenset(
+            request.stop_conditions.stop_token_ids_hidden or ())
+        req = MockRequest(
+            request_id=str(getattr(context, "id", None) or next(self._request_ids)),
+            tokens=prompt, prompt_len=len(prompt), max_tokens=max_tokens,
+            next_token=self._token_source(avoid), ctx=context,
+        )
+        sched.enqueue(req)
+        try:
+            while True:
+                item = await req.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            req.cancelled = True  # a no-op if it finished; otherwise the scheduler drops it next step
+            sched.wake()
+
+    def _max_tokens(self, request: PreprocessedRequest, prompt_len: int) -> int:
+        mt = request.stop_conditions.max_tokens
+        room = self.context_length - prompt_len if self.context_length else None
+        if room is not None and room <= 0:
+            raise RequestError(f"the prompt has {prompt_len} tokens, which fills the model's context "
+                               f"length of {self.context_length}", param="messages")
+        if mt is None:
+            return min(room, DEFAULT_MAX_TOKENS) if room is not None else DEFAULT_MAX_TOKENS
+        return mt
+
+    def _dp_rank(self, request: PreprocessedRequest, prompt: list[int]) -> int:
+        n = len(self.schedulers)
+        for a in request.annotations or ():
+            if isinstance(a, str) and a.startswith("dp_rank:"):
+                try:
+                    rank = int(a.split(":", 1)[1])
+                except ValueError:
+                    raise RequestError(f"bad annotation {a!r}: dp_rank must be an integer") from None
+                if not 0 <= rank < n:
+                    raise RequestError(f"dp_rank {rank} is out of range: this worker has dp_size {n}")
+                return rank
+        if n == 1:
+            return 0
+        # the rank that already caches most of this prompt, then the least busy one
+        _, seq = compute_hashes(prompt, self.args.block_size)
+
+        def score(r: int) -> tuple[int, int]:
+            s = self.schedulers[r]
+            return (-s.kv.cached_prefix(seq), len(s.waiting) + s.num_running)
+
+        return min(range(n), key=score)
+
+    def _token_source(self, avoid: frozenset[int]):  # type: ignore[no-untyped-def]
+        rng, vocab = self.rng, self.vocab_size
+
+        def next_token() -> int:
+            for _ in range(64):
+                t = rng.randrange(vocab)
+                if t not in avoid:
+                    return t
+            allowed = [t for t in range(vocab) if t not in avoid]  # a vocabulary that is mostly special
+            if not allowed:
+                raise EngineError("every token of the vocabulary is a special or stop token")
+            return rng.choice(allowed)
+
+        return next_token
+
+    # -- events and metrics --------------------------------------------------------------------
+    def _wrap(self, data: Any) -> dict[str, Any]:
+        return kv_event(self.worker_id, next(self._event_ids) & _MASK64, data)
+
+    def _on_stored(self, parent: int | None, blocks: list[tuple[int, int]]) -> None:
+        emit(self.publish_kv_event, self._wrap(stored_data(parent, blocks)), "KV event")
+
+    def _on_removed(self, block_hashes: list[int]) -> None:
+        emit(self.publish_kv_event, self._wrap(removed_data(block_hashes)), "KV event")
+
+    def _on_metrics(self, sched: Scheduler) -> None:
+        emit(self.publish_metrics, {"worker_id": self.worker_id, "data": sched.metrics()}, "load metrics")
+
+    def load_metrics(self, dp_rank: int = 0) -> dict[str, Any]:
+        """ForwardPassMetrics of one data-parallel rank (the ``load_metrics`` stats payload)."""
+        return self.schedulers[dp_rank].metrics()
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return [s.metrics() for s in self.schedulers]
+
+
+def create_mocker(cfg: Any, card: Any) -> MockerEngine:
+    """The ``out=mocker`` factory: arguments from ``--extra-engine-args``, vocabulary from the card."""
+    from dynamo.engines.registry import extra_engine_args
+    from dynamo.llm.tokenizer import Tokenizer
+
+    if not card.has_tokenizer:
+        raise UserError("out=mocker needs a tokenizer for the frontend's pre-processing: pass --model-path "
+                        "<a Hugging Face folder or repo id> (no weights are loaded)")
+    raw = extra_engine_args(cfg)
+    if not raw:
+        log.info("out=mocker: no --extra-engine-args, using the defaults")
+    args = MockerArgs.from_dict(raw)
+    # the router hashes with the card's block size: keep the two equal unless both were given
+    flag_block_size = getattr(cfg, "kv_cache_block_size", None)
+    if "block_size" in raw:
+        if flag_block_size is None:
+            card.kv_cache_block_size = args.block_size
+        elif flag_block_size != args.block_size:
+            log.warning("mocker block_size %d differs from --kv-cache-block-size %d: KV routing will not "
+                        "find this worker's cached prefixes", args.block_size, flag_block_size)
+    elif flag_block_size is not None:
+        args = MockerArgs(**{**args.to_dict(), "block_size": flag_block_size})
+    else:
+        card.kv_cache_block_size = args.block_size
+    tok = Tokenizer(card.tokenizer_json)
+    return MockerEngine(args, vocab_size=tok.vocab_size, special_ids=tok.special_ids,
+                        context_length=card.context_length or 0)

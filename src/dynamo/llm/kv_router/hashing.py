@@ -1,0 +1,89 @@
+"""KV block hashing (spec 7.9), bit-compatible with the original and any engine that speaks its format.
+
+* **Local block hash**: the token ids are cut into *complete* blocks of ``block_size`` (a partial tail
+  is ignored); each block's ids are written as little-endian u32 and hashed with xxh3-64, seed 1337.
+* **Sequence hash**: ``h0 = local0``; ``hi = xxh3_64(LE64(h(i-1)) || LE64(local_i), seed=1337)``.  It
+  names a block *and everything before it*, so two sequences share a sequence hash only if they share
+  the whole prefix up to and including that block.
+
+The radix-tree indexer is keyed by local hashes (a path from the root *is* the prefix); engines name
+their blocks by sequence hash in KV events (``block_hash``) and send the local hash as ``tokens_hash``.
+All hashes are unsigned 64-bit integers.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from typing import Iterable, Sequence
+
+import xxhash
+
+KV_HASH_SEED = 1337
+MASK64 = (1 << 64) - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_PAIR = struct.Struct("<QQ")
+
+
+def hash_bytes(data: bytes | memoryview) -> int:
+    """xxh3-64 with the KV seed."""
+    return _xxh3(data, seed=KV_HASH_SEED)
+
+
+def block_hash(tokens: Sequence[int]) -> int:
+    """The local hash of one block of token ids (any length; callers pass complete blocks)."""
+    return _xxh3(_le_u32(tokens), seed=KV_HASH_SEED)
+
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _le_u32(tokens: Sequence[int]) -> bytes:
+    try:
+        a = array(_U32, tokens)
+    except OverflowError:
+        raise ValueError("token ids must fit in an unsigned 32-bit integer") from None
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Local hashes of the complete blocks of ``token_ids`` (the partial tail is ignored)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    n_blocks = len(token_ids) // block_size
+    if n_blocks == 0:
+        return []
+    # one conversion for the whole prompt, then hash slices of it
+    data = _le_u32(token_ids[: n_blocks * block_size])
+    step = block_size * 4
+    h = _xxh3
+    return [h(data[i:i + step], KV_HASH_SEED) for i in range(0, n_blocks * step, step)]
+
+
+def sequence_hash(parent: int | None, local: int) -> int:
+    """The sequence hash of a block whose local hash is ``local`` and whose predecessor is ``parent``."""
+    if parent is None:
+        return local
+    return _xxh3(_PAIR.pack(parent, local), seed=KV_HASH_SEED)
+
+
+def compute_seq_hashes(local_hashes: Iterable[int], parent: int | None = None) -> list[int]:
+    """Chained sequence hashes of consecutive blocks; ``parent`` is the sequence hash before the first."""
+    out: list[int] = []
+    prev = parent
+    h, pack, seed = _xxh3, _PAIR.pack, KV_HASH_SEED
+    for local in local_hashes:
+        prev = local if prev is None else h(pack(prev, local), seed)
+        out.append(prev)
+    return out
+
+
+def compute_hashes(token_ids: Sequence[int], block_size: int) -> tuple[list[int], list[int]]:
+    """(local hashes, sequence hashes) of the complete blocks of ``token_ids``."""
+    local = compute_block_hashes(token_ids, block_size)
+    return local, compute_seq_hashes(local)

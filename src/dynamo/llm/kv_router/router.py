@@ -1,0 +1,197 @@
+"""``KvRouter``: the indexer (where prefixes are cached) plus the scheduler (what each worker is busy
+with) behind three calls the frontend makes per request: ``select`` before sending it,
+``on_first_token`` when its first item arrives, ``on_finished`` when its stream ends.
+
+Transport-free: KV events come in through :meth:`KvRouter.apply_event`; what the router has to say goes
+out through optional publisher callbacks (publisher.py): the hit-rate event after each decision and,
+for router replica sync, the active-sequence events, which peers feed to
+:meth:`KvRouter.apply_active_sequence_event`.  Everything runs on one event loop, without locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import orjson
+
+from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.llm.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
+from dynamo.llm.kv_router.protocols import KvEvent
+from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.kv_router.scheduler import ActiveSequences, WorkerCost, compute_costs, select_worker
+
+log = logging.getLogger(__name__)
+
+WorkerId = int
+
+
+class RoutingDecision(NamedTuple):
+    worker_id: WorkerId
+    overlap_blocks: int
+
+
+class KvRouter:
+    """KV-aware worker selection for one model (one block size)."""
+
+    def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
+                 use_kv_events: bool = True, *, approx_ttl: float = DEFAULT_APPROX_TTL_S,
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 publish_hit_rate: Publisher | None = None,
+                 publish_active_sequence: Publisher | None = None,
+                 router_id: str | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        if overlap_score_weight < 0:
+            raise ValueError("overlap_score_weight must be >= 0")
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        self.block_size = block_size
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self.use_kv_events = use_kv_events
+        self.indexer: KvIndexer | ApproxKvIndexer = (
+            KvIndexer() if use_kv_events else ApproxKvIndexer(ttl=approx_ttl, clock=clock))
+        self.rng = random.Random(seed)
+        self.publish_hit_rate = publish_hit_rate
+        self.publish_active_sequence = publish_active_sequence
+        self.router_id = router_id or str(uuid.uuid4())
+        self.trackers: dict[WorkerId, ActiveSequences] = {}
+        self._owner: dict[str, WorkerId] = {}  # request id -> worker it was routed to
+        self.last_costs: list[WorkerCost] = []  # of the last decision, for logs and tests
+
+    # -- per request ---------------------------------------------------------------------------
+    def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
+               request_id: str | None = None) -> RoutingDecision:
+        """Pick a worker for a prompt.  With ``request_id`` the request is tracked as in flight on the
+        chosen worker until :meth:`on_finished`; without it the call is a pure query."""
+        candidates = list(dict.fromkeys(workers))
+        if not candidates:
+            raise ValueError("no workers to route to")
+        local = compute_block_hashes(token_ids, self.block_size)
+        seq = compute_seq_hashes(local)
+        overlaps = self.indexer.find_matches(local)
+        blocks = self._request_blocks(seq, len(token_ids))
+        costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
+                              self.overlap_score_weight, self.trackers)
+        choice = select_worker(costs, self.temperature, self.rng)
+        self.last_costs = costs
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s", len(token_ids),
+                      choice.worker_id, choice.overlap_blocks,
+                      {f"{c.worker_id:x}": round(c.logit, 2) for c in costs})
+        if isinstance(self.indexer, ApproxKvIndexer):
+            self.indexer.process_routing_decision(choice.worker_id, local, seq)
+        if request_id is not None:
+            prefill = len(token_ids) - choice.overlap_blocks * self.block_size
+            self._add(request_id, choice.worker_id, blocks, prefill)
+            emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
+                "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
+                               "overlap": choice.overlap_blocks}}), "active sequence event")
+        emit(self.publish_hit_rate, {"worker_id": choice.worker_id, "isl_blocks": len(local),
+                                     "overlap_blocks": choice.overlap_blocks}, "kv hit rate event")
+        return RoutingDecision(choice.worker_id, choice.overlap_blocks)
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], worker_id: WorkerId,
+                    overlap_blocks: int = 0) -> None:
+        """Track a request routed without :meth:`select` (e.g. ``backend_instance_id`` was given)."""
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        blocks = self._request_blocks(seq, len(token_ids))
+        self._add(request_id, worker_id, blocks, len(token_ids) - overlap_blocks * self.block_size)
+        emit(self.publish_active_sequence, self._seq_event(request_id, worker_id, {
+            "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids), "overlap": overlap_blocks}}),
+            "active sequence event")
+
+    def on_first_token(self, request_id: str) -> None:
+        """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
+        worker = self._owner.get(request_id)
+        if worker is not None and self.trackers[worker].mark_prefill_completed(request_id):
+            emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
+                 "active sequence event")
+
+    def on_finished(self, request_id: str) -> None:
+        """The request's stream ended (any way): its blocks no longer count against the worker."""
+        worker = self._owner.pop(request_id, None)
+        if worker is None:
+            return
+        tracker = self.trackers.get(worker)
+        if tracker is not None:
+            tracker.free(request_id)
+        emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
+
+    # -- inputs from the outside ---------------------------------------------------------------
+    def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
+        """One KV event from a worker (raw JSON or parsed).  Ignored when not using KV events."""
+        if isinstance(self.indexer, ApproxKvIndexer):
+            return False
+        return self.indexer.apply_event(event)
+
+    def apply_active_sequence_event(self, event: bytes | str | dict[str, Any]) -> bool:
+        """An add/mark/free update from a peer router (replica sync).  Our own echoes are ignored."""
+        try:
+            if not isinstance(event, dict):
+                event = orjson.loads(event)
+            assert isinstance(event, dict)
+            if event.get("router_id") == self.router_id:
+                return False
+            request_id = str(event["request_id"])
+            worker = int(event["worker_id"])
+            data = event["data"]
+            if isinstance(data, dict) and "AddRequest" in data:
+                add = data["AddRequest"]
+                blocks = [int(b) for b in add["token_sequence"]]
+                prefill = int(add["isl"]) - int(add.get("overlap", 0)) * self.block_size
+                self._add(request_id, worker, blocks, prefill)
+            elif data == "MarkPrefillCompleted":
+                if worker in self.trackers:
+                    self.trackers[worker].mark_prefill_completed(request_id)
+            elif data == "Free":
+                self._owner.pop(request_id, None)
+                if worker in self.trackers:
+                    self.trackers[worker].free(request_id)
+            else:
+                raise ValueError(f"unknown data {data!r}")
+            return True
+        except (KeyError, TypeError, ValueError, AssertionError, orjson.JSONDecodeError) as e:
+            log.warning("bad active-sequence event skipped: %s", e)
+            return False
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """A worker left: forget its cached blocks and the requests tracked on it."""
+        self.indexer.remove_worker(worker_id)
+        tracker = self.trackers.pop(worker_id, None)
+        if tracker is not None:
+            for rid in tracker.requests:
+                self._owner.pop(rid, None)
+
+    # -- queries -------------------------------------------------------------------------------
+    def find_matches(self, token_ids: Sequence[int]) -> OverlapScores:
+        """Cached prefix length, in blocks, of ``token_ids`` per worker."""
+        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size))
+
+    def worker_load(self, worker_id: WorkerId) -> dict[str, int]:
+        t = self.trackers.get(worker_id)
+        if t is None:
+            return {"active_blocks": 0, "active_tokens": 0, "active_requests": 0}
+        return {"active_blocks": t.active_blocks, "active_tokens": t.active_tokens,
+                "active_requests": len(t.requests)}
+
+    # -- internals -----------------------------------------------------------------------------
+    def _request_blocks(self, seq_hashes: list[int], isl: int) -> list[int]:
+        if isl % self.block_size:
+            # the partial tail is private to the request: a random name nobody else will share
+            return seq_hashes + [self.rng.getrandbits(64)]
+        return seq_hashes
+
+    def _add(self, request_id: str, worker: WorkerId, blocks: Sequence[int], prefill: int) -> None:
+        old = self._owner.get(request_id)
+        if old is not None and old != worker and old in self.trackers:
+            self.trackers[old].free(request_id)
+        self._owner[request_id] = worker
+        self.trackers.setdefault(worker, ActiveSequences()).add_request(request_id, blocks, prefill)
+
+    def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
+        return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}
