@@ -42,9 +42,13 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
         await endpoint.component.create_service()
         served = await build_served_model(cfg, card, engine_name)
         engine = served.engine  # type: ignore[attr-defined]
-        attach = getattr(engine, "attach_runtime", None)
-        if attach is not None:  # engines that publish events (mocker: KV events, load metrics)
-            await attach(endpoint)
+        attach = getattr(engine, "attach", None)
+        if attach is not None:  # engines that publish KV events and load metrics (mocker)
+            from dynamo.llm.kv_routing import serve_load_metrics, worker_event_publishers
+
+            publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
+            attach(endpoint.lease_id(), publish_kv_event=publish_kv_event, publish_metrics=publish_metrics)
+            await serve_load_metrics(endpoint, engine)
         if engine.kind == "core":
             handler, model_type = backend_handler(card, engine), ModelType.Backend
         else:
