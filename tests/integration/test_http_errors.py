@@ -108,3 +108,12 @@ def test_echo_full_needs_a_user_message_last(full_server: DynamoRun):
         assert_openai_error(r, 400, "expected User message")
         r = http.post("/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "ok"}]})
         assert r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_body_over_the_limit_is_413_json(full_server: DynamoRun):
+    big = b'{"model": "echo", "messages": [{"role": "user", "content": "' + b"x" * (33 * 1024 * 1024) + b'"}]}'
+    with httpx.Client(base_url=full_server.base_url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "too large")
+        r = http.post("/v1/completions", json={"model": "echo", "prompt": "still here"})
+        assert r.json()["choices"][0]["text"] == "still here"

@@ -177,3 +177,10 @@ def test_metrics_prefix_from_environment():
         assert not any(n.startswith("dynamo_frontend") for n in names)
         assert sample(m, "my_app_requests_total", model="echo", endpoint="completions",
                       request_type="unary", status="success") == 1
+
+
+def test_invalid_echo_delay_falls_back_with_a_warning():
+    with DynamoRun("out=echo_full", "--model-name", "echo", env={"DYN_TOKEN_ECHO_DELAY_MS": "fast"}) as srv:
+        r = httpx.post(srv.api_url + "/completions", json={"model": "echo", "prompt": "still works"})
+        assert r.json()["choices"][0]["text"] == "still works"
+        assert "DYN_TOKEN_ECHO_DELAY_MS" in srv.stderr_text()
