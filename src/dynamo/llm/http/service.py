@@ -133,7 +133,8 @@ class HttpService:
                 stream = model.completions(req, raw, ctx)
             stream = _metered(stream, ctx, rm)
             if streaming:
-                resp = await self._stream_sse(request, stream, ctx)
+                resp, ok = await self._stream_sse(request, stream, ctx)
+                return resp
             else:
                 fold = fold_chat if isinstance(req, ChatCompletionRequest) else fold_completion
                 try:
@@ -153,7 +154,10 @@ class HttpService:
             if task is not None:
                 self._inflight.discard(task)
 
-    async def _stream_sse(self, request: web.Request, stream: AsyncIterator[Any], ctx: Context) -> web.StreamResponse:
+    async def _stream_sse(
+        self, request: web.Request, stream: AsyncIterator[Any], ctx: Context
+    ) -> tuple[web.StreamResponse, bool]:
+        """Stream ``stream`` as SSE; returns the response and whether the stream completed without error."""
         # the first item before committing to 200: start-up failures get a real status code
         try:
             first = await stream.__anext__()
@@ -162,11 +166,13 @@ class HttpService:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
         dumps = orjson.dumps
+        ok = False
         try:
             if first is not None:
                 await resp.write(_sse(first, dumps))
                 async for item in stream:
                     await resp.write(_sse(item, dumps))
+            ok = True
         except (EngineError, RequestError) as e:
             log.warning("request %s failed mid-stream: %s", ctx.id, e)
             status = e.status if isinstance(e, RequestError) else 500
@@ -174,12 +180,15 @@ class HttpService:
         except (ConnectionResetError, ConnectionError):
             ctx.kill()
             log.debug("request %s: client went away", ctx.id)
-            return resp
+            return resp, False
+        except Exception as e:  # our bug: the headers are out, so end the stream cleanly rather than cut it
+            log.exception("request %s: internal error mid-stream", ctx.id)
+            await resp.write(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
         finally:
             await stream.aclose()
         await resp.write(_DONE)
         await resp.write_eof()
-        return resp
+        return resp, ok
 
 
 def _sse(item: Any, dumps: Callable[[Any], bytes]) -> bytes:
