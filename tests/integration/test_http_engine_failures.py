@@ -149,3 +149,71 @@ async def test_failed_streams_count_as_errors(service: HttpService):
             if s.name == "test_frontend_requests_total":
                 status[s.labels["model"]] = s.labels["status"]
     assert status == {"fails-mid-stream": "error", "works": "success"}
+
+
+class EndlessCoreEngine:
+    """A token engine that never finishes on its own; records how its work ended."""
+
+    kind = "core"
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.ended: list[str] = []
+
+    async def generate(self, request: Any, context: Context) -> AsyncIterator[Any]:
+        import asyncio
+
+        from dynamo.llm.protocols.common import EngineOutput
+
+        self.started += 1
+        try:
+            while not context.is_stopped:
+                await asyncio.sleep(0.005)
+                yield EngineOutput(token_ids=[300])
+            self.ended.append("stopped")
+        except GeneratorExit:
+            self.ended.append("closed")
+            raise
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_client_going_away_stops_the_engine(tiny_model, stream: bool):
+    import asyncio
+
+    from dynamo.llm.model_card import load_hf_folder
+    from dynamo.llm.pipeline import CorePipeline
+
+    engine = EndlessCoreEngine()
+    manager = ModelManager()
+    manager.add(CorePipeline("tiny-chat", load_hf_folder(tiny_model), engine))
+    svc = HttpService(manager, metrics=FrontendMetrics("test_endless"))
+    await svc.start("127.0.0.1", 0)
+    try:
+        body = {"model": "tiny-chat", "prompt": "go on forever", "stream": stream}
+        async with httpx.AsyncClient(base_url=url(svc), timeout=30) as client:
+            if stream:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data:"):
+                        pass
+            else:
+                task = asyncio.create_task(client.post("/v1/completions", json=body))
+                for _ in range(500):
+                    if engine.started:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        for _ in range(500):
+            if engine.ended:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.started == 1
+        assert engine.ended, "the engine kept generating after the client left"
+    finally:
+        await svc.stop(grace=1)
