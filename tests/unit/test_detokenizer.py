@@ -83,3 +83,35 @@ def test_long_stream_keeps_working_past_the_window_trim(tok: Tokenizer):
     text = "The quick brown fox jumps over the lazy dog. 🙂 " * 20
     ids = tok.encode(text)
     assert "".join(stream(tok, ids)) == text
+
+
+@pytest.fixture(scope="module")
+def sp_tok() -> Tokenizer:
+    """A SentencePiece-style tokenizer (Metaspace ``▁`` word marks, byte fallback), as Llama 2 / Mistral use:
+    decoding a word token on its own drops its leading space, so naive per-token decoding glues words."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tests.support.tiny_model import CORPUS
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    hf.train_from_iterator(CORPUS.splitlines(), trainer=trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                                           show_progress=False))
+    return Tokenizer(hf.to_str())
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "emoji 🙂 and 🚀!", "z🦀z 😀 ẞ"])
+def test_sentencepiece_word_spaces_survive_streaming(sp_tok: Tokenizer, text: str):
+    ids = sp_tok.encode(text)
+    naive = "".join(sp_tok.decode([i]) for i in ids)
+    assert naive != text  # per-token decoding glues the words: what the streaming decoder must avoid
+    deltas = stream(sp_tok, ids)
+    assert "".join(deltas) == sp_tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    # after a prompt, the first word keeps its space too
+    after = "".join(stream(sp_tok, ids, sp_tok.encode("Say something")))
+    assert after == " " + text
