@@ -82,6 +82,14 @@ def test_wrong_content_type_is_415(http: httpx.Client):
     assert_still_serving(http)
 
 
+def test_json_body_with_a_curl_default_content_type_is_accepted(http: httpx.Client):
+    # `curl -d '{...}'` sends application/x-www-form-urlencoded
+    r = http.post("/v1/completions", content=b'{"model": "tiny-chat", "prompt": "curl"}',
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "curl"
+
+
 @pytest.mark.parametrize("method,path", [("GET", "/v1/chat/completions"), ("GET", "/v1/completions"),
                                          ("PUT", "/v1/chat/completions"), ("POST", "/v1/models"),
                                          ("DELETE", "/health")])
