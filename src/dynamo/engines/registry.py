@@ -91,6 +91,15 @@ def _pytok(cfg: Any, card: ModelCard) -> Engine:
     return create_pytok(cfg, card)
 
 
+def _mistralrs(cfg: Any, card: ModelCard) -> Engine:
+    require_package("mistralrs")
+    if card.gguf_path is None and card.path is None:
+        raise UserError("out=mistralrs needs a model: a GGUF file, a Hugging Face folder or a repo id")
+    from dynamo.engines.mistralrs import MistralRsEngine
+
+    return MistralRsEngine(card, args=extra_engine_args(cfg), verbose=getattr(cfg, "verbosity", 0))
+
+
 def _json_engine_args(cfg: Any) -> dict[str, Any]:
     """--extra-engine-args as a JSON object, whatever the file's name (vllm, sglang); a bad file is a UserError."""
     import json
@@ -136,6 +145,7 @@ def _mocker(cfg: Any, card: ModelCard) -> Engine:
 
 FACTORIES: dict[str, EngineFactory] = {
     "llamacpp": _llamacpp,
+    "mistralrs": _mistralrs,
     "echo_full": _echo_full,
     "echo_core": _echo_core,
     "vllm": _vllm,

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard
@@ -41,36 +45,173 @@ def is_gguf(path: Path) -> bool:
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file (tensors are not read)."""
+    """All key/value metadata of a GGUF file, after checking the file is whole.
+
+    Our own bounded parser rather than ``gguf.GGUFReader``: every length and count is checked against
+    the file size before anything is read or allocated, so a corrupt file fails at once with a message
+    saying what is wrong (GGUFReader may raise odd exceptions, or try to allocate absurd arrays), and a
+    truncated file (an interrupted download) is caught here rather than deep inside an engine.
+    """
     if not is_gguf(path):
         raise ModelError(f"{path}: not a GGUF file (bad magic); expected a .gguf model or a model folder")
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        meta = {}
-        for key, fld in reader.fields.items():
-            try:
-                meta[key] = fld.contents()
-            except Exception:  # a field type the reader cannot render: we do not need it
-                continue
-        return meta
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _GGUFParser(data).parse(path)
     except ModelError:
         raise
-    except Exception as e:
-        raise ModelError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: corrupt GGUF file: arrays nested too deeply") from None
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: cannot read GGUF file ({e})") from None
 
 
-def load_gguf(path: Path, *, name: str | None = None) -> ModelCard:
+class _Corrupt(Exception):
+    pass
+
+
+# GGUF value types -> struct format (scalars)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAX_COUNT = 1 << 32  # no real file has more keys, tensors or array items than this
+
+
+class _GGUFParser:
+    def __init__(self, data: Any):
+        self.data = data
+        self.size = len(data)
+        self.pos = 4
+        self.endian = "<"
+
+    def _take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise _Corrupt(f"needs {n} bytes at offset {self.pos} but the file has {self.size}")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def _scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        return struct.unpack(self.endian + fmt, self._take(size))[0]
+
+    def _count(self, what: str) -> int:
+        n = self._scalar("Q")
+        if n > _MAX_COUNT or n > self.size:
+            raise _Corrupt(f"implausible {what} count {n}")
+        return n
+
+    def _string(self) -> str:
+        n = self._scalar("Q")
+        if n > self.size - self.pos:
+            raise _Corrupt(f"a string of {n} bytes at offset {self.pos - 8} runs past the end of the file")
+        return self._take(n).decode("utf-8", errors="replace")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self._scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype = self._scalar("I")
+            n = self._count("array item")
+            if etype in _SCALARS:
+                fmt = _SCALARS[etype]
+                raw = self._take(n * struct.calcsize(fmt))
+                return np.frombuffer(raw, dtype=_NP[fmt].newbyteorder(self.endian)).tolist()
+            if etype == _STRING:
+                return [self._string() for _ in range(n)]
+            if etype == _ARRAY:
+                return [self._value(_ARRAY) for _ in range(n)]
+            raise _Corrupt(f"unknown array item type {etype}")
+        raise _Corrupt(f"unknown value type {vtype}")
+
+    def parse(self, path: Path) -> dict[str, Any]:
+        try:
+            version = self._scalar("I")
+            if version not in (2, 3):
+                swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+                if swapped in (2, 3):
+                    self.endian, version = ">", swapped
+                else:
+                    raise ModelError(f"{path}: corrupt GGUF file: unsupported GGUF version {version} "
+                                     "(expected 2 or 3)")
+            n_tensors = self._count("tensor")
+            n_kv = self._count("metadata key")
+            meta: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = self._string()
+                meta[key] = self._value(self._scalar("I"))
+            tensors = []
+            for _ in range(n_tensors):
+                name = self._string()
+                n_dims = self._scalar("I")
+                if n_dims > 8:
+                    raise _Corrupt(f"tensor {name!r} has {n_dims} dimensions")
+                dims = [self._scalar("Q") for _ in range(n_dims)]
+                ttype = self._scalar("I")
+                offset = self._scalar("Q")
+                tensors.append((name, dims, ttype, offset))
+        except _Corrupt as e:
+            raise ModelError(f"{path}: corrupt or truncated GGUF file: {e}") from None
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            alignment = 32
+        data_start = -(-self.pos // alignment) * alignment
+        end = data_start
+        for name, dims, ttype, offset in tensors:
+            end = max(end, data_start + offset + _tensor_bytes(path, name, dims, ttype))
+        if end > self.size:
+            raise ModelError(
+                f"{path}: truncated GGUF file: its tensors need {end} bytes but the file has {self.size} "
+                "(an interrupted download or copy?)"
+            )
+        return meta
+
+
+_NP = {"B": np.dtype("u1"), "b": np.dtype("i1"), "H": np.dtype("u2"), "h": np.dtype("i2"), "I": np.dtype("u4"),
+       "i": np.dtype("i4"), "f": np.dtype("f4"), "?": np.dtype("?"), "Q": np.dtype("u8"), "q": np.dtype("i8"),
+       "d": np.dtype("f8")}
+
+
+def _tensor_bytes(path: Path, name: str, dims: list[int], ttype: int) -> int:
+    import gguf
+
+    try:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise ModelError(f"{path}: tensor {name!r} has an unknown data type {ttype} (corrupt file, or a newer "
+                         "GGUF type than this gguf package knows)") from None
+    n = 1
+    for d in dims:
+        n *= d
+    return n // block * type_size
+
+
+def load_gguf(path: Path, *, name: str | None = None, need_tokenizer: bool = True) -> ModelCard:
+    """Card from a GGUF file.  ``need_tokenizer=False`` (``--model-config`` gives the tokenizer) lets a
+    vocabulary type we cannot convert pass instead of failing."""
     path = path.resolve()
     meta = read_metadata(path)
+    try:
+        return _card(meta, path, name, need_tokenizer)
+    except ModelError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise ModelError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _card(meta: dict[str, Any], path: Path, name: str | None, need_tokenizer: bool) -> ModelCard:
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelError(f"{path}: GGUF file has no general.architecture")
+    if not isinstance(arch, str) or not arch.strip():
+        raise ModelError(f"{path}: GGUF file has no general.architecture (not a model file?)")
     tokens = meta.get("tokenizer.ggml.tokens")
     tokenizer_json = None
     if isinstance(tokens, list) and tokens:
-        tokenizer_json = build_tokenizer_json(meta, path)
+        try:
+            tokenizer_json = build_tokenizer_json(meta, path)
+        except ModelError:
+            if need_tokenizer:
+                raise
+            log.info("GGUF vocabulary not converted; the tokenizer comes from --model-config")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if isinstance(eos, int) else []
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -82,6 +223,10 @@ def load_gguf(path: Path, *, name: str | None = None) -> ModelCard:
         for key, tid in (("bos_token", bos), ("eos_token", eos), ("unk_token", meta.get("tokenizer.ggml.unknown_token_id"))):
             if isinstance(tid, int) and 0 <= tid < len(tokens):
                 special[key] = tokens[tid]
+    template = meta.get("tokenizer.chat_template")
+    context_length = meta.get(f"{arch}.context_length") or 0
+    if not isinstance(context_length, int) or context_length < 0:
+        raise ModelError(f"{path}: corrupt GGUF metadata: {arch}.context_length is {context_length!r}")
     return ModelCard(
         display_name=name or path.stem,
         path=path,
@@ -89,8 +234,8 @@ def load_gguf(path: Path, *, name: str | None = None) -> ModelCard:
                 "gguf": {k: v for k, v in meta.items() if k.startswith(arch + ".")}},
         tokenizer_json=tokenizer_json,
         tokenizer_config=special,
-        chat_template=meta.get("tokenizer.chat_template"),
-        context_length=int(meta.get(f"{arch}.context_length") or 0),
+        chat_template=template if isinstance(template, str) else None,
+        context_length=context_length,
         eos_token_ids=eos_ids,
         bos_token_id=int(bos) if isinstance(bos, int) else None,
         gguf_path=path,
@@ -99,6 +244,11 @@ def load_gguf(path: Path, *, name: str | None = None) -> ModelCard:
 
 def build_tokenizer_json(meta: dict[str, Any], path: Path) -> str:
     kind = meta.get("tokenizer.ggml.model")
+    for key, typ in (("tokenizer.ggml.tokens", str), ("tokenizer.ggml.merges", str),
+                     ("tokenizer.ggml.token_type", int), ("tokenizer.ggml.scores", (int, float))):
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, typ) for v in value)):
+            raise ModelError(f"{path}: corrupt GGUF metadata: {key} is not a list of {getattr(typ, '__name__', 'numbers')}")
     if kind == "gpt2":
         return _byte_level_bpe(meta)
     if kind == "llama":

@@ -1,7 +1,10 @@
 """Download a model from the Hugging Face hub into the standard HF cache (spec 1.6).
 
-Uses ``huggingface_hub`` (progress bars, ``HF_TOKEN``, ``HF_HUB_OFFLINE``, ``HF_ENDPOINT``, cache hits)
-and skips files a server does not need.  Every failure becomes one line naming the repo and the cause.
+Uses ``huggingface_hub.snapshot_download``, so everything its users expect works: the cache under
+``HF_HOME`` / ``HF_HUB_CACHE`` (a second run reuses it), ``HF_TOKEN`` for gated and private repos,
+``HF_HUB_OFFLINE=1`` (cache only), ``HF_ENDPOINT`` (a mirror), and a progress bar on a terminal.
+Files a server does not need (README, licence, images, ``original/`` checkpoints) are skipped.
+Every failure becomes one line that names the repo and the cause.
 """
 
 from __future__ import annotations
@@ -20,17 +23,26 @@ WEIGHT_PATTERNS = ["*.bin", "*.safetensors", "*.h5", "*.msgpack", "*.ckpt.index"
 
 def download(repo_id: str, *, weights: bool = True, revision: str | None = None) -> Path:
     """The local snapshot folder of ``repo_id``, downloading what is missing."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     ignore = IGNORE_PATTERNS + ([] if weights else WEIGHT_PATTERNS)
-    log.info("fetching %s from Hugging Face (cached files are reused)", repo_id)
+    endpoint = constants.ENDPOINT
+    offline = constants.HF_HUB_OFFLINE
+    if offline:
+        log.info("looking for %s in the local Hugging Face cache (HF_HUB_OFFLINE is set)", repo_id)
+    else:
+        log.info("fetching %s from %s (cached files are reused)", repo_id, endpoint)
+    not_found = (f"Hugging Face model '{repo_id}' does not exist on {endpoint} (or it is private: set HF_TOKEN). "
+                 "Is this a valid Hugging Face ID, or a local path with a typo?")
     try:
         path = snapshot_download(repo_id, revision=revision, ignore_patterns=ignore)
     except GatedRepoError:
@@ -38,26 +50,54 @@ def download(repo_id: str, *, weights: bool = True, revision: str | None = None)
             f"Hugging Face model '{repo_id}' is gated: accept its licence on the hub and set HF_TOKEN"
         ) from None
     except RepositoryNotFoundError:
-        raise ModelError(
-            f"Hugging Face model '{repo_id}' does not exist (or is private: set HF_TOKEN). "
-            "Is this a valid Hugging Face ID, or a local path with a typo?"
-        ) from None
+        raise ModelError(not_found) from None
     except RevisionNotFoundError:
-        raise ModelError(f"Hugging Face model '{repo_id}': revision {revision!r} not found") from None
-    except LocalEntryNotFoundError:
+        raise ModelError(f"Hugging Face model '{repo_id}': revision {revision or 'main'!r} not found") from None
+    except RemoteEntryNotFoundError as e:
+        raise ModelError(f"cannot fetch '{repo_id}': a file it lists is missing on the hub ({_first_line(e)})") from None
+    except HFValidationError:
+        raise ModelError(f"'{repo_id}' is not a valid Hugging Face repo id (expected org/name) "
+                         "and no such file or directory exists") from None
+    except LocalEntryNotFoundError as e:
+        cause = _root_cause(e)
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if status == 404:  # a hub or mirror that answers a plain 404 for a missing repo
+            raise ModelError(not_found) from None
+        if offline:
+            raise ModelError(
+                f"'{repo_id}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                "HF_HUB_OFFLINE is set: run once with network access, or unset HF_HUB_OFFLINE"
+            ) from None
+        if "incomplete" in str(e):
+            raise ModelError(f"cannot fetch '{repo_id}': the hub at {endpoint} cannot be reached and the cached "
+                             "copy is incomplete") from None
+        why = _first_line(cause) if cause is not e else "no response"
         raise ModelError(
-            f"cannot fetch '{repo_id}': the Hugging Face hub cannot be reached and the model is not in "
-            "the local cache (HF_HUB_OFFLINE or no network)"
+            f"cannot fetch '{repo_id}': the Hugging Face hub at {endpoint} cannot be reached ({why}) and the "
+            "model is not in the local cache"
         ) from None
     except HfHubHTTPError as e:
-        raise ModelError(f"cannot fetch '{repo_id}' from Hugging Face: {_first_line(e)}") from None
+        raise ModelError(f"cannot fetch '{repo_id}' from {endpoint}: {_first_line(e)}") from None
     except OSError as e:
-        raise ModelError(f"cannot fetch '{repo_id}' from Hugging Face: {_first_line(e)}") from None
+        raise ModelError(f"cannot fetch '{repo_id}' from {endpoint}: {_first_line(e)}") from None
+    except Exception as e:  # httpx errors that are not OSError (proxy, protocol)
+        raise ModelError(f"cannot fetch '{repo_id}' from {endpoint}: {type(e).__name__}: {_first_line(e)}") from None
     local = Path(path)
-    if not any(local.iterdir()):
+    if not local.is_dir() or not any(local.iterdir()):
         raise ModelError(f"Hugging Face model '{repo_id}' contains no downloadable files")
+    log.info("using %s", local)
     return local
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def _root_cause(e: BaseException) -> BaseException:
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__

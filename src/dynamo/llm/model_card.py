@@ -102,6 +102,9 @@ def load_hf_folder(path: Path, *, name: str | None = None) -> ModelCard:
     path = path.resolve()
     if not path.is_dir():
         raise ModelError(f"{path}: not a directory")
+    if not any(path.iterdir()):
+        raise ModelError(f"{path}: empty folder; expected a Hugging Face model folder (config.json, "
+                         "tokenizer.json, weights) or a GGUF file")
     tokenizer_file = path / "tokenizer.json"
     config = _read_json(path / "config.json", required=False)
     if not tokenizer_file.is_file():

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dynamo.engines.registry import create_engine, engine_installed
+from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_manager import ModelManager
@@ -38,10 +38,10 @@ def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
             log.info("Using default engine: %s. Use out=<engine> to choose another.", name)
             return name
     kind = "a GGUF file" if card.gguf_path is not None else "a Hugging Face folder"
+    installs = "; ".join(f"out={name}: pip install {OPTIONAL_PACKAGES[name][1]}" for name in order)
     raise UserError(
-        f"no engine installed that can serve {kind}: install one of "
-        + ", ".join(order)
-        + " (e.g. pip install llama-cpp-python), or pass out=echo_core to test the pipeline"
+        f"no engine installed that can serve {kind}. Install one ({installs}), "
+        "or pass out=echo_core to test the pipeline"
     )
 
 

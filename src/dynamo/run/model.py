@@ -11,6 +11,8 @@ from dynamo.llm.model_card import ModelCard, load_hf_folder
 def looks_like_repo_id(arg: str) -> bool:
     if arg.startswith("hf://"):
         return True
+    if arg.lower().endswith(".gguf"):  # a model file that is not there, not a repo
+        return False
     parts = arg.split("/")
     return len(parts) == 2 and all(parts) and not arg.startswith((".", "/", "~"))
 
@@ -23,18 +25,24 @@ def resolve_card(model: str | None, *, name: str | None, model_config: str | Non
     else:
         path = Path(model).expanduser()
         if path.is_dir():
-            card = load_hf_folder(path, name=name)
+            gguf = _lone_gguf(path)
+            card = _load_gguf(gguf, name=name, need_tokenizer=not model_config) if gguf else load_hf_folder(path, name=name)
         elif path.is_file():
-            card = _load_gguf(path, name=name)
+            card = _load_gguf(path, name=name, need_tokenizer=not model_config)
         elif path.exists():
             raise ModelError(f"{model}: not a file or directory")
         elif looks_like_repo_id(model):
             from dynamo.llm.hub import download
 
-            local = download(model.removeprefix("hf://"))
-            card = load_hf_folder(local, name=name or model.removeprefix("hf://"))
+            repo = model.removeprefix("hf://")
+            local = download(repo)
+            gguf = _lone_gguf(local)
+            card = (_load_gguf(gguf, name=name or repo, need_tokenizer=not model_config) if gguf
+                    else load_hf_folder(local, name=name or repo))
         else:
-            raise ModelError(f"{model}: no such file or directory (and not a Hugging Face repo id like org/name)")
+            hint = "" if model.lower().endswith(".gguf") or model.startswith((".", "/", "~")) else \
+                " (and not a Hugging Face repo id like org/name)"
+            raise ModelError(f"{model}: no such file or directory{hint}")
         if model_config:
             # tokenizer, template and config from the folder; the weights stay where they are
             override = load_hf_folder(Path(model_config).expanduser(), name=card.display_name)
@@ -55,9 +63,29 @@ def resolve_card(model: str | None, *, name: str | None, model_config: str | Non
     return card
 
 
-def _load_gguf(path: Path, *, name: str | None) -> ModelCard:
+def _lone_gguf(folder: Path) -> Path | None:
+    """The GGUF file of a folder that holds one and is not a Hugging Face checkout (None otherwise)."""
+    if (folder / "config.json").is_file() or (folder / "tokenizer.json").is_file():
+        return None
+    ggufs = sorted(p for p in folder.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
+        raise ModelError(f"{folder}: a folder of {len(ggufs)} GGUF files ({names}): pass the one to serve")
+    return None
+
+
+def _load_gguf(path: Path, *, name: str | None, need_tokenizer: bool = True) -> ModelCard:
+    from dynamo.llm.gguf_card import GGUF_MAGIC, load_gguf
+
     try:
-        from dynamo.llm.gguf_card import load_gguf
-    except ImportError:  # pragma: no cover - gguf support lands with the llama.cpp engine
-        raise ModelError(f"{path}: GGUF files are not supported by this version") from None
-    return load_gguf(path, name=name)
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read the model file ({e.strerror or e})") from None
+    if head != GGUF_MAGIC:
+        kind = "an empty file" if not head else "not a GGUF file (no GGUF magic)"
+        raise ModelError(f"{path}: {kind}; the model must be a GGUF file, a Hugging Face model folder "
+                         "or a Hugging Face repo id")
+    return load_gguf(path, name=name, need_tokenizer=need_tokenizer)
