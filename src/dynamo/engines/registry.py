@@ -50,7 +50,7 @@ def _echo_core(cfg: Any, card: ModelCard) -> Engine:
     from dynamo.engines.echo import EchoCoreEngine
 
     if not card.has_tokenizer:
-        raise UserError("out=echo_core need to find the tokenizer. Pass flag --model-path <path>")
+        raise UserError("out=echo_core needs a tokenizer. Pass flag --model-path <path>")
     return EchoCoreEngine()
 
 

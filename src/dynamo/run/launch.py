@@ -153,8 +153,21 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
     service = HttpService(manager)
     await service.start(cfg.http_host, cfg.http_port)
     await stop.wait()
-    await service.stop(grace=float(os.environ.get("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT", "5")))
+    await service.stop(grace=_shutdown_grace())
     return 0
+
+
+def _shutdown_grace() -> float:
+    """Seconds in-flight HTTP requests get to finish on SIGINT/SIGTERM (DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT)."""
+    raw = os.environ.get("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT", "5")
+    try:
+        value = float(raw)
+        if value >= 0:
+            return value
+    except ValueError:
+        pass
+    log.warning("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT=%r is not a number of seconds; using 5", raw)
+    return 5.0
 
 
 async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
