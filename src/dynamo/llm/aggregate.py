@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from dynamo.llm.chunks import Annotation
+from dynamo.llm.chunks import Annotation, chunk_text
 from dynamo.llm.engine import Context
 
 
-async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
+async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], str, str | None, dict[str, Any] | None]:
+    """(first chunk, the text, the last finish reason, the usage) of a chat or completions stream."""
     parts: list[str] = []
     finish: str | None = None
-    head: dict[str, Any] | None = None
+    head: dict[str, Any] = {}
     usage = None
     async for chunk in stream:
         if isinstance(chunk, Annotation):
@@ -19,13 +20,17 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
         head = head or chunk
         if chunk.get("usage"):
             usage = chunk["usage"]
+        text = chunk_text(chunk)
+        if text:
+            parts.append(text)
         for choice in chunk.get("choices") or ():
-            content = (choice.get("delta") or {}).get("content")
-            if content:
-                parts.append(content)
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
-    head = head or {}
+    return head, "".join(parts), finish, usage
+
+
+async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
+    head, text, finish, usage = await _fold(stream)
     return {
         "id": head.get("id", f"chatcmpl-{ctx.id}"),
         "object": "chat.completion",
@@ -34,7 +39,7 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(parts)},
+                "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": finish or "stop",
             }
@@ -44,28 +49,13 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
 
 
 async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
-    parts: list[str] = []
-    finish: str | None = None
-    head: dict[str, Any] | None = None
-    usage = None
-    async for chunk in stream:
-        if isinstance(chunk, Annotation):
-            continue
-        head = head or chunk
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            if choice.get("text"):
-                parts.append(choice["text"])
-            if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-    head = head or {}
+    head, text, finish, usage = await _fold(stream)
     return {
         "id": head.get("id", f"cmpl-{ctx.id}"),
         "object": "text_completion",
         "created": head.get("created", 0),
         "model": head.get("model", model),
-        "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish or "stop"}],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish or "stop"}],
         "usage": usage or _usage(ctx),
     }
 
