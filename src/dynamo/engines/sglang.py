@@ -28,17 +28,24 @@ import itertools
 import logging
 import os
 import signal
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.engines.token_engine_common import (
+    common_sampling_params,
+    engine_start_errors,
+    guided_decoding,
+    one_line,
+    relay_outputs,
+    stop_finish_reason,
+)
+from dynamo.errors import EngineError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (
     FINISH_CANCELLED,
-    FINISH_EOS,
     FINISH_LENGTH,
-    FINISH_STOP,
     EngineOutput,
     PreprocessedRequest,
 )
@@ -46,11 +53,6 @@ from dynamo.llm.protocols.common import (
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install sglang (SGLang needs an NVIDIA GPU with CUDA)"
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
-    return text or type(e).__name__
 
 
 def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -99,26 +101,13 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         params["max_new_tokens"] = int(sc.max_tokens)
     if sc.min_tokens:
         params["min_new_tokens"] = int(sc.min_tokens)
-    ignore_eos = bool(sc.ignore_eos)
-    if ignore_eos:
-        params["ignore_eos"] = True
-    stop_ids: list[int] = []
-    for tok in ([] if ignore_eos else list(request.eos_token_ids or [])) + list(sc.stop_token_ids_hidden or []):
-        if tok not in stop_ids:
-            stop_ids.append(int(tok))
-    if stop_ids:
-        params["stop_token_ids"] = stop_ids
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(so, name)
-        if value is not None:
-            params[name] = float(value)
-    if so.top_k is not None and so.top_k > 0:
+    params.update(common_sampling_params(request, "sglang"))
+    if so.top_k is not None and so.top_k > 0:  # SGLang's default (-1) is all tokens: leave it
         params["top_k"] = int(so.top_k)
     if so.seed is not None:
         params["sampling_seed"] = int(so.seed)
-    if so.n is not None and so.n > 1:
-        raise UserError("out=sglang serves one choice per request (n > 1 is not supported)")
-    guided = so.guided_decoding or {}
+    # SGLang takes one constraint, under its own names: the first of json, regex, grammar, choice
+    guided = guided_decoding(so.guided_decoding) or {}
     if guided.get("json") is not None:
         schema = guided["json"]
         import json
@@ -147,10 +136,7 @@ def finish_reason(reason: Any, eos_token_ids: list[int] | tuple[int, ...]) -> An
         reason = {"type": reason}
     kind = reason.get("type")
     if kind == "stop":
-        matched = reason.get("matched")
-        if matched is None or (isinstance(matched, int) and matched in eos_token_ids):
-            return FINISH_EOS
-        return FINISH_STOP
+        return stop_finish_reason(reason.get("matched"), eos_token_ids)
     if kind == "length":
         return FINISH_LENGTH
     if kind == "abort":
@@ -200,18 +186,12 @@ class SglangEngine:
         try:
             import sglang
         except ImportError as e:
-            raise UserError(f"out=sglang cannot import SGLang ({_one_line(e)}): {INSTALL_HINT}") from None
+            raise UserError(f"out=sglang cannot import SGLang ({one_line(e)}): {INSTALL_HINT}") from None
         log.info("starting SGLang for %s", self.card.display_name)
         where = f"--extra-engine-args {self.extra_path}: " if self.extra_path else ""
-        try:
+        with engine_start_errors("SGLang", where):
             # built on the event loop's thread: SGLang installs its signal handlers only from the main thread
             self._engine = sglang.Engine(**self.args)
-        except TypeError as e:
-            raise UserError(f"{where}SGLang rejected its engine arguments: {_one_line(e)}") from None
-        except ValueError as e:
-            raise UserError(f"{where}SGLang cannot use these engine arguments: {_one_line(e)}") from None
-        except RuntimeError as e:
-            raise ModelError(f"SGLang engine failed to start: {_one_line(e)}") from None
         tm = getattr(self._engine, "tokenizer_manager", None)
         if tm is not None:
             _keep_our_sigterm(tm)
@@ -240,38 +220,14 @@ class SglangEngine:
             raise EngineError(str(e)) from None
         rid = f"{context.id}-{next(self._ids)}"
         converter = OutputConverter(request.eos_token_ids or self.card.eos_token_ids, incremental=self.incremental)
-        done = False
-
-        def abort(_why: str = "stop") -> None:
-            if not done:
-                engine.tokenizer_manager.abort_request(rid)
-
-        loop = asyncio.get_running_loop()
-        context.on_stop(lambda why: loop.call_soon_threadsafe(abort, why))
         stream = await engine.async_generate(input_ids=list(request.token_ids), sampling_params=params,
                                              stream=True, rid=rid)
-        try:
-            async for item in stream:
-                out = converter.convert(item)
-                if out.finish_reason is not None:
-                    done = True
-                yield out
-                if done:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise EngineError(f"SGLang: {_one_line(e)}") from e
-        finally:
-            if not done:
-                done = True
-                try:
-                    engine.tokenizer_manager.abort_request(rid)
-                except Exception:
-                    pass
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+        # abort: by request id, through the tokenizer manager (a plain call)
+        async with aclosing(relay_outputs(stream, converter.convert, context,
+                                          lambda: engine.tokenizer_manager.abort_request(rid), engine="SGLang",
+                                          log=log, tag="sglang", request_id=rid)) as items:
+            async for item in items:
+                yield item
 
 
 def _keep_our_sigterm(tokenizer_manager: Any) -> None:

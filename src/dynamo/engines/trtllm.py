@@ -26,17 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.engines.token_engine_common import (
+    apply_base_gpu_id,
+    common_sampling_params,
+    completion_finish_reason,
+    cuda_visible_devices,  # noqa: F401  (``trtllm.cuda_visible_devices``: --base-gpu-id works as for out=vllm)
+    engine_start_errors,
+    engine_eos_ids,
+    gpus_per_node,
+    one_line,
+    relay_outputs,
+)
+from dynamo.errors import EngineError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_LENGTH,
     FINISH_STOP,
     EngineOutput,
     PreprocessedRequest,
@@ -46,11 +54,6 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install tensorrt-llm (TensorRT-LLM needs an NVIDIA GPU with CUDA)"
 BACKENDS = ("pytorch", "tensorrt", "_autodeploy")
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
-    return text or type(e).__name__
 
 
 def load_extra_args(path: Path | None) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def load_extra_args(path: Path | None) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise UserError(f"--extra-engine-args {path}: not a text file") from None
     except yaml.YAMLError as e:
-        raise UserError(f"--extra-engine-args {path}: not valid YAML: {_one_line(e)}") from None
+        raise UserError(f"--extra-engine-args {path}: not valid YAML: {one_line(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -97,7 +100,7 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
     num_nodes = int(getattr(cfg, "num_nodes", 1) or 1)
     args: dict[str, Any] = {"model": model, "skip_tokenizer_init": True, "tensor_parallel_size": tp}
     if num_nodes > 1:
-        args["gpus_per_node"] = max(1, -(-tp // num_nodes))
+        args["gpus_per_node"] = gpus_per_node(tp, num_nodes)
     if getattr(cfg, "context_length", None) is not None:
         args["max_seq_len"] = int(cfg.context_length)
     if getattr(cfg, "kv_cache_block_size", None) is not None:
@@ -114,21 +117,6 @@ def split_backend(args: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return str(backend), rest
 
 
-def cuda_visible_devices(base_gpu_id: int, count: int, current: str | None) -> str | None:
-    """Like ``out=vllm``: the GPUs from ``base_gpu_id`` on, or a slice of an existing list; None: no change."""
-    if base_gpu_id <= 0:
-        return None
-    count = max(count, 1)
-    if current is not None and current.strip():
-        devices = [d.strip() for d in current.split(",") if d.strip()]
-        chosen = devices[base_gpu_id:base_gpu_id + count]
-        if len(chosen) < count:
-            raise UserError(f"--base-gpu-id {base_gpu_id} with {count} GPU(s) needs more GPUs than "
-                            f"CUDA_VISIBLE_DEVICES={current} lists")
-        return ",".join(chosen)
-    return ",".join(str(i) for i in range(base_gpu_id, base_gpu_id + count))
-
-
 def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
     """``tensorrt_llm.SamplingParams`` keyword arguments for a pre-processed request.
 
@@ -142,25 +130,17 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         params["max_tokens"] = int(sc.max_tokens)
     if sc.min_tokens:
         params["min_tokens"] = int(sc.min_tokens)
-    ignore_eos = bool(sc.ignore_eos)
-    eos = [] if ignore_eos else [int(t) for t in request.eos_token_ids or []]
-    if ignore_eos:
-        params["ignore_eos"] = True
+    params.update(common_sampling_params(request, "trtllm"))
+    eos = engine_eos_ids(request)
     if eos:
         params["end_id"] = eos[0]
         params["pad_id"] = eos[0]
     else:
         params["end_id"] = -1  # nothing ends the sequence but length and stop tokens
-    stop_ids: list[int] = []
-    for tok in eos[1:] + [int(t) for t in sc.stop_token_ids_hidden or []]:
-        if tok not in stop_ids and tok != params.get("end_id"):
-            stop_ids.append(tok)
+    # the end_id ends the sequence already: not a stop token as well
+    stop_ids = [tok for tok in params.pop("stop_token_ids", []) if tok != params["end_id"]]
     if stop_ids:
         params["stop_token_ids"] = stop_ids
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(so, name)
-        if value is not None:
-            params[name] = float(value)
     if so.top_k is not None and so.top_k > 0:
         params["top_k"] = int(so.top_k)
     if so.temperature is not None and so.temperature <= 0:
@@ -170,8 +150,6 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         params.pop("top_p", None)
     if so.seed is not None:
         params["seed"] = int(so.seed)
-    if so.n is not None and so.n > 1:
-        raise UserError("out=trtllm serves one choice per request (n > 1 is not supported)")
     if oo.logprobs is not None:
         params["logprobs"] = int(oo.logprobs)
     return params
@@ -179,19 +157,10 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
 
 def finish_reason(reason: Any, stop_reason: Any, eos_token_ids: list[int] | tuple[int, ...]) -> Any:
     """TensorRT-LLM's ``CompletionOutput.finish_reason``/``stop_reason`` -> ours."""
-    if reason is None:
-        return None
-    if reason == "stop":
-        if stop_reason is None or (isinstance(stop_reason, int) and stop_reason in eos_token_ids):
-            return FINISH_EOS
-        return FINISH_STOP
-    if reason == "length":
-        return FINISH_LENGTH
-    if reason == "cancelled":
-        return FINISH_CANCELLED
     if reason == "timeout":
         return {"error": "TensorRT-LLM: the request timed out"}
-    return {"error": f"TensorRT-LLM finished the request with reason {reason!r}"}
+    return completion_finish_reason(reason, stop_reason, eos_token_ids, cancelled="cancelled",
+                                    engine="TensorRT-LLM")
 
 
 def convert_output(result: Any, eos_token_ids: list[int] | tuple[int, ...]) -> EngineOutput:
@@ -236,12 +205,10 @@ class TrtllmEngine:
         try:
             import tensorrt_llm  # noqa: F401
         except ImportError as e:
-            raise UserError(f"out=trtllm cannot import TensorRT-LLM ({_one_line(e)}): {INSTALL_HINT}") from None
-        visible = cuda_visible_devices(int(getattr(self.cfg, "base_gpu_id", 0) or 0),
-                                       int(self.args.get("gpus_per_node") or self.args.get("tensor_parallel_size") or 1),
-                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
+            raise UserError(f"out=trtllm cannot import TensorRT-LLM ({one_line(e)}): {INSTALL_HINT}") from None
+        visible = apply_base_gpu_id(int(getattr(self.cfg, "base_gpu_id", 0) or 0),
+                                    int(self.args.get("gpus_per_node") or self.args.get("tensor_parallel_size") or 1))
         if visible is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
             log.info("trtllm: --base-gpu-id %s: CUDA_VISIBLE_DEVICES=%s", self.cfg.base_gpu_id, visible)
         from tensorrt_llm import SamplingParams
 
@@ -249,14 +216,8 @@ class TrtllmEngine:
         LLM = _llm_class(self.backend)
         where = f"--extra-engine-args {self.extra_path}: " if self.extra_path else ""
         log.info("starting TensorRT-LLM (%s backend) for %s", self.backend, self.card.display_name)
-        try:
+        with engine_start_errors("TensorRT-LLM", where):
             self._llm = await asyncio.to_thread(lambda: LLM(**self.args))
-        except TypeError as e:
-            raise UserError(f"{where}TensorRT-LLM rejected its engine arguments: {_one_line(e)}") from None
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
-            raise UserError(f"{where}TensorRT-LLM cannot use these engine arguments: {_one_line(e)}") from None
-        except RuntimeError as e:
-            raise ModelError(f"TensorRT-LLM engine failed to start: {_one_line(e)}") from None
         max_seq_len = getattr(getattr(self._llm, "args", None), "max_seq_len", None)
         if max_seq_len:
             self.card.context_length = int(max_seq_len)
@@ -279,36 +240,15 @@ class TrtllmEngine:
         except UserError as e:
             raise EngineError(str(e)) from None
         except (TypeError, ValueError) as e:
-            raise EngineError(f"TensorRT-LLM rejected the sampling parameters: {_one_line(e)}") from None
+            raise EngineError(f"TensorRT-LLM rejected the sampling parameters: {one_line(e)}") from None
         eos = request.eos_token_ids or self.card.eos_token_ids
         result = llm.generate_async(list(request.token_ids), sampling_params=params, streaming=True)
-        done = False
-
-        def abort(_why: str = "stop") -> None:
-            if not done:
-                result.abort()
-
-        loop = asyncio.get_running_loop()
-        context.on_stop(lambda why: loop.call_soon_threadsafe(abort, why))
-        try:
-            async for step in result:
-                out = convert_output(step, eos)
-                if out.finish_reason is not None:
-                    done = True
-                yield out
-                if done:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise EngineError(f"TensorRT-LLM: {_one_line(e)}") from e
-        finally:
-            if not done:
-                done = True
-                try:
-                    result.abort()
-                except Exception:
-                    pass
+        # abort: the request's own GenerationResult.abort() (a plain call)
+        async with aclosing(relay_outputs(result, lambda step: convert_output(step, eos), context, result.abort,
+                                          engine="TensorRT-LLM", log=log, tag="trtllm",
+                                          request_id=context.id)) as items:
+            async for item in items:
+                yield item
 
 
 def create(cfg: Any, card: ModelCard, extra_path: Path | None) -> TrtllmEngine:

@@ -43,16 +43,25 @@ import asyncio
 import itertools
 import logging
 import os
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, MutableMapping
 
+from dynamo.engines.token_engine_common import (
+    apply_base_gpu_id,
+    common_sampling_params,
+    completion_finish_reason,
+    cuda_visible_devices,  # noqa: F401  (``vllm.cuda_visible_devices``: what --base-gpu-id selects)
+    gpus_per_node,
+    guided_decoding,
+    one_line,
+    relay_outputs,
+)
 from dynamo.errors import EngineError, ModelError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (
     FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_LENGTH,
     FINISH_STOP,
     EngineOutput,
     PreprocessedRequest,
@@ -109,28 +118,6 @@ def split_host_port(addr: str, default_port: int) -> tuple[str, int]:
     return host, value
 
 
-def cuda_visible_devices(base_gpu_id: int, count: int, current: str | None) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` selecting ``count`` GPUs from ``base_gpu_id`` on, or None to leave it as is.
-
-    With ``CUDA_VISIBLE_DEVICES`` already set to a list, ``base_gpu_id`` indexes into that list.
-    """
-    if base_gpu_id <= 0:
-        return None
-    count = max(count, 1)
-    if current is not None and current.strip():
-        devices = [d.strip() for d in current.split(",") if d.strip()]
-        chosen = devices[base_gpu_id:base_gpu_id + count]
-        if len(chosen) < count:
-            raise UserError(f"--base-gpu-id {base_gpu_id} with {count} GPU(s) needs more GPUs than "
-                            f"CUDA_VISIBLE_DEVICES={current} lists")
-        return ",".join(chosen)
-    return ",".join(str(i) for i in range(base_gpu_id, base_gpu_id + count))
-
-
-def gpus_per_node(tensor_parallel_size: int, num_nodes: int) -> int:
-    return max(1, -(-tensor_parallel_size // max(num_nodes, 1)))
-
-
 def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None, *,
                 cpu: bool = False) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` keyword arguments for this run (flags, then ``--extra-engine-args``)."""
@@ -175,57 +162,25 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         params["max_tokens"] = None  # vLLM: as many as fit in max_model_len
     if sc.min_tokens:
         params["min_tokens"] = int(sc.min_tokens)
-    ignore_eos = bool(sc.ignore_eos)
-    if ignore_eos:
-        params["ignore_eos"] = True
-    stop_ids: list[int] = []
-    for tok in ([] if ignore_eos else list(request.eos_token_ids or [])) + list(sc.stop_token_ids_hidden or []):
-        if tok not in stop_ids:
-            stop_ids.append(int(tok))
-    if stop_ids:
-        params["stop_token_ids"] = stop_ids
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(so, name)
-        if value is not None:
-            params[name] = float(value)
+    params.update(common_sampling_params(request, "vllm"))
     if so.top_k is not None:
         params["top_k"] = int(so.top_k) if so.top_k > 0 else 0  # vLLM: 0 (or -1) means all tokens
     if so.seed is not None:
         params["seed"] = int(so.seed)
-    if so.n is not None and so.n > 1:
-        raise UserError("out=vllm serves one choice per request (n > 1 is not supported)")
     if oo.logprobs is not None:
         params["logprobs"] = int(oo.logprobs)
     if oo.prompt_logprobs is not None:
         params["prompt_logprobs"] = int(oo.prompt_logprobs)
-    guided = structured_outputs(so.guided_decoding)
+    guided = guided_decoding(so.guided_decoding)
     if guided is not None:
-        params["structured_outputs"] = guided
+        params["structured_outputs"] = guided  # ``StructuredOutputsParams`` kwargs, as they are named
     return params
-
-
-def structured_outputs(guided: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Our ``guided_decoding`` dict (json/regex/grammar/choice) -> ``StructuredOutputsParams`` kwargs."""
-    if not guided:
-        return None
-    out = {k: guided[k] for k in ("json", "regex", "grammar", "choice") if guided.get(k) is not None}
-    return out or None
 
 
 def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int] | tuple[int, ...]) -> Any:
     """vLLM's ``finish_reason``/``stop_reason`` -> ours (``eos``/``stop``/``length``/``cancelled``/error)."""
-    if reason is None:
-        return None
-    if reason == "stop":
-        # stop_reason None: the model's EOS; an int: a stop token id (ours include the EOS ids)
-        if stop_reason is None or (isinstance(stop_reason, int) and stop_reason in eos_token_ids):
-            return FINISH_EOS
-        return FINISH_STOP
-    if reason == "length":
-        return FINISH_LENGTH
-    if reason == "abort":
-        return FINISH_CANCELLED
-    return {"error": f"vLLM finished the request with reason {reason!r}"}
+    # stop_reason None: the model's EOS; an int: a stop token id (ours include the EOS ids)
+    return completion_finish_reason(reason, stop_reason, eos_token_ids, cancelled="abort", engine="vLLM")
 
 
 def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False) -> EngineOutput:
@@ -250,12 +205,6 @@ def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, l
         if choice.cumulative_logprob is not None:
             item.cum_log_probs = float(choice.cumulative_logprob)
     return item
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line (vLLM's and pydantic's messages span several)."""
-    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
-    return text or type(e).__name__
 
 
 def _is_cpu_only() -> bool:
@@ -298,12 +247,11 @@ class VllmEngine:
         for key, value in env_defaults(environ, cpu=cpu, verbosity=int(getattr(self.cfg, "verbosity", 0))).items():
             environ[key] = value
             log.debug("vllm: %s=%s", key, value)
-        visible = cuda_visible_devices(int(getattr(self.cfg, "base_gpu_id", 0) or 0),
-                                       gpus_per_node(int(self.cfg.tensor_parallel_size or 1),
-                                                     int(getattr(self.cfg, "num_nodes", 1) or 1)),
-                                       environ.get("CUDA_VISIBLE_DEVICES"))
+        visible = apply_base_gpu_id(int(getattr(self.cfg, "base_gpu_id", 0) or 0),
+                                    gpus_per_node(int(self.cfg.tensor_parallel_size or 1),
+                                                  int(getattr(self.cfg, "num_nodes", 1) or 1)),
+                                    environ)
         if visible is not None:
-            environ["CUDA_VISIBLE_DEVICES"] = visible
             log.info("vllm: --base-gpu-id %s: CUDA_VISIBLE_DEVICES=%s", self.cfg.base_gpu_id, visible)
 
     def _start_blocking(self) -> None:
@@ -402,47 +350,15 @@ class VllmEngine:
         want_logprobs = request.output_options.logprobs is not None
         rid = f"{context.id}-{next(self._ids)}"
         llm = self._llm
-        state = {"done": False, "aborted": False}
-        loop = asyncio.get_running_loop()
-
-        def abort() -> None:
-            if state["done"] or state["aborted"]:
-                return
-            state["aborted"] = True
-            log.debug("vllm: aborting request %s", rid)
-            loop.create_task(llm.abort(rid))
-
-        context.on_stop(lambda _why: loop.call_soon_threadsafe(abort))
-        if context.is_stopped:
+        if context.is_stopped:  # stopped before it started: vLLM never sees it
             return
         stream = llm.generate(make_prompt(list(request.token_ids)), params, rid)
-        produced = 0
-        try:
-            async for out in stream:
-                item = convert_output(out, eos, logprobs=want_logprobs)
-                produced += len(item.token_ids)
-                if item.finish_reason is not None:
-                    state["done"] = True
-                    if item.finish_reason == FINISH_CANCELLED:
-                        log.debug("vllm: request %s aborted after %d tokens", rid, produced)
+        # errors: EngineDeadError, EngineGenerateError, a rejected request; abort: the coroutine AsyncLLM.abort
+        async with aclosing(relay_outputs(stream, lambda out: convert_output(out, eos, logprobs=want_logprobs),
+                                          context, lambda: llm.abort(rid), engine="vLLM", log=log, tag="vllm",
+                                          request_id=rid)) as items:
+            async for item in items:
                 yield item
-                if state["done"]:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # EngineDeadError, EngineGenerateError, a rejected request
-            raise EngineError(f"vLLM: {one_line(e) if str(e) else type(e).__name__}") from e
-        finally:
-            if not state["done"]:
-                state["done"] = True
-                if not state["aborted"]:
-                    state["aborted"] = True
-                    log.debug("vllm: aborting request %s after %d tokens (consumer stopped)", rid, produced)
-                    try:
-                        await asyncio.shield(llm.abort(rid))
-                    except Exception:  # the engine is gone: nothing left to abort
-                        pass
-                await stream.aclose()
 
 
 def _nvidia_gpu_present() -> bool:

@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from dynamo.errors import UserError
 
@@ -123,13 +124,22 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message}. Run 'dynamo-run --help' for usage.")
 
 
-def _positive(name: str, lo: int = 1, hi: int | None = None):
-    def conv(text: str) -> int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _bounded(name: str, parse: Callable[[str], _Number], kind: str, lo: _Number | None,
+             hi: _Number | None) -> Callable[[str], _Number]:
+    """An argparse ``type=`` converter: ``parse`` the text, then check ``lo <= value <= hi`` (None: no bound).
+
+    Our own messages name the flag and what it accepts ("--num-nodes must be at least 1, got 0");
+    argparse's would only say "invalid conv value".
+    """
+    def conv(text: str) -> _Number:
         try:
-            value = int(text)
+            value = parse(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
             bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
         return value
@@ -137,17 +147,14 @@ def _positive(name: str, lo: int = 1, hi: int | None = None):
     return conv
 
 
-def _float(name: str, lo: float | None = None):
-    def conv(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if lo is not None and value < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be at least {lo}, got {value}")
-        return value
+def _int(name: str, lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
+    """An integer flag, at least ``lo`` (1 unless said) and at most ``hi``."""
+    return _bounded(name, int, "an integer", lo, hi)
 
-    return conv
+
+def _float(name: str, lo: float | None = None) -> Callable[[str], float]:
+    """A number flag, at least ``lo`` when given."""
+    return _bounded(name, float, "a number", lo, None)
 
 
 def _bool(text: str) -> bool:
@@ -157,10 +164,6 @@ def _bool(text: str) -> bool:
     if low in ("false", "0", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _port(text: str) -> int:
-    return _positive("--http-port", 0, 65535)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,21 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="the name clients use for the model (default: repo id, folder or file name)")
     p.add_argument("--model-config", help="HF folder to take the tokenizer, template and config from (e.g. for a GGUF)")
     p.add_argument("--http-host", default="0.0.0.0", help="address for in=http to listen on (default 0.0.0.0)")
-    p.add_argument("--http-port", type=_port, default=8080, help="port for in=http (default 8080)")
-    p.add_argument("--context-length", type=_positive("--context-length"), help="override the model's context length (worker side)")
-    p.add_argument("--kv-cache-block-size", type=_positive("--kv-cache-block-size"), help="KV cache block size in tokens (default 16; worker side)")
-    p.add_argument("--tensor-parallel-size", type=_positive("--tensor-parallel-size", 1, 256), default=1, help="GPUs per model instance (vllm/sglang/trtllm)")
-    p.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1, help="nodes in a multi-node engine (sglang/vllm/trtllm)")
-    p.add_argument("--node-rank", type=_positive("--node-rank", 0), default=0, help="this node's rank in a multi-node engine")
+    p.add_argument("--http-port", type=_int("--http-port", 0, 65535), default=8080, help="port for in=http (default 8080)")
+    p.add_argument("--context-length", type=_int("--context-length"), help="override the model's context length (worker side)")
+    p.add_argument("--kv-cache-block-size", type=_int("--kv-cache-block-size"), help="KV cache block size in tokens (default 16; worker side)")
+    p.add_argument("--tensor-parallel-size", type=_int("--tensor-parallel-size", 1, 256), default=1, help="GPUs per model instance (vllm/sglang/trtllm)")
+    p.add_argument("--num-nodes", type=_int("--num-nodes"), default=1, help="nodes in a multi-node engine (sglang/vllm/trtllm)")
+    p.add_argument("--node-rank", type=_int("--node-rank", 0), default=0, help="this node's rank in a multi-node engine")
     p.add_argument("--leader-addr", help="host:port of the multi-node leader (rank 0)")
-    p.add_argument("--base-gpu-id", type=_positive("--base-gpu-id", 0), default=0, help="first GPU to use (sglang)")
+    p.add_argument("--base-gpu-id", type=_int("--base-gpu-id", 0), default=0, help="first GPU to use (sglang)")
     p.add_argument("--extra-engine-args", help="JSON (YAML for trtllm) file merged into the engine's arguments")
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="how out=dyn picks a worker (default round-robin)")
     p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=1.0, help="KV router: weight of prefill cost vs decode load (default 1.0)")
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
-    p.add_argument("--migration-limit", type=_positive("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies (worker side, default 0)")
-    p.add_argument("--batch-concurrency", type=_positive("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
+    p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies (worker side, default 0)")
+    p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action="version", version=f"dynamo-run {_version()}")
     return p
