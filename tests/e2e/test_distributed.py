@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import socket
 import sys
 import time
 import uuid
@@ -27,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker, cli_env, free_port, run_cli
+from tests.support.proc import DynamoRun, DynamoWorker, free_port, run_cli
 from tests.support.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
