@@ -35,6 +35,7 @@ from dynamo.llm.protocols.openai import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+LISTEN_BACKLOG = 1024  # a burst of hundreds of new connections must not overflow the accept queue
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
@@ -61,7 +62,7 @@ class HttpService:
                                      shutdown_timeout=5.0)
         await self._runner.setup()
         sock = _listen_socket(host, port)
-        site = web.SockSite(self._runner, sock)
+        site = web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG)
         await site.start()
         self.port = sock.getsockname()[1]
         log.info("OpenAI-compatible HTTP service listening on http://%s:%d", host, self.port)
@@ -164,7 +165,13 @@ class HttpService:
         except StopAsyncIteration:
             first = None
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, ConnectionError):
+            ctx.kill()
+            await stream.aclose()  # type: ignore[attr-defined]
+            log.debug("request %s: client went away before the response started", ctx.id)
+            return resp, False
         dumps = orjson.dumps
         ok = False
         try:
@@ -270,6 +277,6 @@ def _listen_socket(host: str, port: int) -> socket.socket:
         from dynamo.errors import UserError
 
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
