@@ -53,6 +53,9 @@ request's text at levels > 1 is compared with the same prompt's text at level 1 
 are reported with the character position of the first difference (batched matmuls can differ in the last
 bits; report, don't hide).
 
+Finally (unless ``--no-raw``) it times ``llama_decode`` alone in this process, without any server, for
+1 and all cores' threads and each batch size: the ceiling any llama.cpp server can reach on this machine.
+
 Prints a table with the ratio ours / llama_cpp.server and writes everything (settings, every request's
 timings and text) to ``benchmarks/results/llamacpp_compare-<time>.json`` and the servers' output to
 ``benchmarks/results/server-llamacpp-<name>-<time>.log`` (both gitignored).
@@ -132,6 +135,73 @@ def eog_tokens(gguf: Path) -> list[int]:
         return [t for t in range(L.llama_vocab_n_tokens(vocab)) if L.llama_vocab_is_eog(vocab, t)]
     finally:
         L.llama_model_free(model)
+
+
+def raw_decode(gguf: Path, batches: list[int], threads: list[int], reps: int = 3, steps: int = 10,
+               prompt: int = 30) -> dict[str, Any]:
+    """The ceiling without any server: time ``llama_decode`` in this process for B sequences decoding
+    together (one token each per step) and for their prompt (B x ``prompt`` tokens in one batch), with each
+    thread count; thread counts and batch sizes are interleaved ``reps`` times, medians reported."""
+    import ctypes
+
+    import llama_cpp as L
+
+    cb = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(cb, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    n_seq = max(batches)
+    cp.n_ctx = 1024 * n_seq
+    cp.n_seq_max = n_seq
+    cp.kv_unified = False  # as the engine runs it
+    cp.n_threads = cp.n_threads_batch = threads[0]
+    cp.no_perf = True
+    ctx = L.llama_init_from_model(model, cp)
+    mem = L.llama_get_memory(ctx)
+    batch = L.llama_batch_init(max(512, n_seq * prompt), 0, 1)
+
+    def put(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+
+    step_s: dict[tuple[int, int], list[float]] = {}
+    prefill_s: dict[tuple[int, int], list[float]] = {}
+    try:
+        for _ in range(reps):
+            for b in batches:
+                for nt in threads:
+                    L.llama_set_n_threads(ctx, nt, nt)
+                    L.llama_memory_clear(mem, True)
+                    n = 0
+                    for seq in range(b):
+                        for j in range(prompt):
+                            put(n, 100 + j, j, seq, j == prompt - 1)
+                            n += 1
+                    batch.n_tokens = n
+                    t = time.perf_counter()
+                    assert L.llama_decode(ctx, batch) == 0
+                    prefill_s.setdefault((nt, b), []).append((time.perf_counter() - t) / n)
+                    times = []
+                    for k in range(steps):
+                        for seq in range(b):
+                            put(seq, 200 + k, prompt + k, seq, True)
+                        batch.n_tokens = b
+                        t = time.perf_counter()
+                        assert L.llama_decode(ctx, batch) == 0
+                        times.append(time.perf_counter() - t)
+                    step_s.setdefault((nt, b), []).append(statistics.median(times))
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    out = {}
+    for (nt, b), v in step_s.items():
+        step = statistics.median(v)
+        out[f"threads={nt} batch={b}"] = {"step_ms": step * 1e3, "decode_tokens_per_s": b / step,
+                                          "prefill_tokens_per_s": 1 / statistics.median(prefill_s[(nt, b)])}
+    return out
 
 
 # ----------------------------------------------------------------------------- servers
@@ -511,6 +581,8 @@ def main() -> None:
                     help="run each server this many times, alternating (ours, theirs, ours, ...); the table "
                          "shows medians: use it on a busy machine")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    ap.add_argument("--no-raw", action="store_true",
+                    help="skip the in-process llama_decode ceiling measurement (about 15 s, after the servers)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
     args = ap.parse_args()
 
@@ -579,6 +651,16 @@ def main() -> None:
         results["answers_identical"] = same
         print(f"canonical greedy answers identical across servers: {same}")
     print("\n" + ("medians of " + str(args.repeat) + " runs\n" if args.repeat > 1 else "") + table(summary, levels))
+    if not args.no_raw:
+        threads = sorted({1, os.cpu_count() or 1})
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[:3]
+        raw = raw_decode(gguf, sorted({1, *levels}), threads)
+        results["raw_decode"] = {"loadavg_before": load, "results": raw}
+        print(f"\nllama_decode alone, no server (the ceiling; load average before {' '.join(load)}):")
+        for k, v in raw.items():
+            print(f"  {k}: step {v['step_ms']:.2f} ms = {v['decode_tokens_per_s']:.0f} tokens/s decoding, "
+                  f"prompt {v['prefill_tokens_per_s']:.0f} tokens/s")
     out = args.out or RESULTS / f"llamacpp_compare-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
