@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RouterConfig:
     mode: str = "round-robin"
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
     router_temperature: float = 0.0
     use_kv_events: bool = True
 
@@ -39,7 +39,7 @@ class _Served:
 
 
 class ModelWatcher:
-    def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig):
+    def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None):
         self.runtime = runtime
         self.manager = manager
         self.router_config = router
@@ -49,6 +49,12 @@ class ModelWatcher:
         self._task: asyncio.Task[None] | None = None
         self._watch: Any = None
         manager.instances = self.instances
+        # per-worker load gauges on the HTTP service's /metrics (its FrontendMetrics), if it has one
+        self.worker_metrics: Any = None
+        if metrics is not None:
+            from dynamo.llm.worker_metrics import WorkerMetrics
+
+            self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix)
 
     async def start(self) -> None:
         self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
@@ -69,6 +75,8 @@ class ModelWatcher:
                 await close()
         for client in self._clients.values():
             await client.close()
+        if self.worker_metrics is not None:
+            await self.worker_metrics.close()
 
     def instances(self) -> list[dict[str, Any]]:
         out = []
@@ -97,6 +105,8 @@ class ModelWatcher:
             log.warning("skipping malformed model entry %s: %s", key, e)
             return
         self._entries[key] = entry
+        if self.worker_metrics is not None:
+            await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name)
         served = self._served.get(entry.name)
         if served is not None:
             served.entries.add(key)
@@ -139,6 +149,8 @@ class ModelWatcher:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        if self.worker_metrics is not None:
+            self.worker_metrics.remove_worker(entry.instance_id, entry.name)
         served = self._served.get(entry.name)
         if served is None:
             return
@@ -155,8 +167,9 @@ class ModelWatcher:
             log.info("removed model %s: no worker serves it any more", entry.name)
 
 
-async def start_frontend(cfg: Any) -> tuple[Any, ModelManager, ModelWatcher]:
-    """Connect the runtime and start following models; the caller serves the manager."""
+async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:
+    """Connect the runtime and start following models; the caller serves the manager.  With ``metrics``
+    (the HTTP service's FrontendMetrics) the workers' load is exported there too."""
     from dynamo.inputs.endpoint import connect_runtime
 
     runtime = await connect_runtime()
@@ -164,7 +177,7 @@ async def start_frontend(cfg: Any) -> tuple[Any, ModelManager, ModelWatcher]:
     watcher = ModelWatcher(runtime, manager, RouterConfig(
         mode=cfg.router_mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,
         router_temperature=cfg.router_temperature, use_kv_events=cfg.use_kv_events,
-    ))
+    ), metrics=metrics)
     try:
         await watcher.start()
     except BaseException:

@@ -31,7 +31,7 @@ USAGE = (
     "[--model-config <hf folder>] [--context-length N] [--kv-cache-block-size 16] "
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
-    "[--kv-overlap-score-weight 1.0] [--router-temperature 0.0] [--use-kv-events true|false] "
+    "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
     "[--migration-limit 0] [-v|-vv] [-- <python engine args>]"
 )
 
@@ -91,7 +91,7 @@ class RunConfig:
     base_gpu_id: int = 0
     extra_engine_args: Path | None = None
     router_mode: str = "round-robin"
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = 2.0  # the original: 1.0 (docs/routing.md, "Benchmark")
     router_temperature: float = 0.0
     use_kv_events: bool = True
     migration_limit: int = 0
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-gpu-id", type=_int("--base-gpu-id", 0), default=0, help="first GPU to use (sglang)")
     p.add_argument("--extra-engine-args", help="JSON (YAML for trtllm) file merged into the engine's arguments")
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="how out=dyn picks a worker (default round-robin)")
-    p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=1.0, help="KV router: weight of prefill cost vs decode load (default 1.0)")
+    p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=2.0, help="KV router: weight of prefill cost vs decode load (default 2.0)")
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
     p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies (worker side, default 0)")

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
@@ -16,6 +17,9 @@ from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
 from dynamo.run.flags import RunConfig
 from dynamo.run.model import resolve_card
+
+if TYPE_CHECKING:
+    from dynamo.llm.http.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +151,11 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
     raise UserError(f"in={cfg.input} is not supported")
 
 
-async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event) -> int:
+async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
+                      metrics: "FrontendMetrics | None" = None) -> int:
     from dynamo.llm.http.service import HttpService
 
-    service = HttpService(manager)
+    service = HttpService(manager, metrics=metrics)
     await service.start(cfg.http_host, cfg.http_port)
     await stop.wait()
     await service.stop(grace=_shutdown_grace())
@@ -174,10 +179,15 @@ async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
     """``out=dyn``: models come and go as workers register in etcd."""
     from dynamo.llm.discovery import start_frontend
 
-    runtime, manager, watcher = await start_frontend(cfg)
+    metrics = None
+    if cfg.input_kind == "http":  # the workers' load goes on the service's /metrics
+        from dynamo.llm.http.metrics import FrontendMetrics
+
+        metrics = FrontendMetrics()
+    runtime, manager, watcher = await start_frontend(cfg, metrics)
     try:
         if cfg.input_kind == "http":
-            return await _serve_http(cfg, manager, stop)
+            return await _serve_http(cfg, manager, stop, metrics)
         if cfg.input_kind == "none":
             await stop.wait()
             return 0

@@ -28,6 +28,7 @@ def metrics_prefix() -> str:
 class FrontendMetrics:
     def __init__(self, prefix: str | None = None):
         p = prefix or metrics_prefix()
+        self.prefix = p  # for metrics added by others (dynamo.llm.worker_metrics)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{p}_requests", "Requests handled", ["model", "endpoint", "request_type", "status"], registry=r)

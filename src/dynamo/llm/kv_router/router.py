@@ -80,9 +80,10 @@ class KvRouter:
         choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s", len(token_ids),
-                      choice.worker_id, choice.overlap_blocks,
-                      {f"{c.worker_id:x}": round(c.logit, 2) for c in costs})
+            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s",
+                      len(token_ids), choice.worker_id, choice.overlap_blocks,
+                      {f"{c.worker_id:x}": round(c.logit, 2) for c in costs},
+                      {f"{c.worker_id:x}": c.overlap_blocks for c in costs})
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
         if request_id is not None:

@@ -1,0 +1,629 @@
+#!/usr/bin/env python3
+"""Router benchmark: round-robin vs random vs KV-aware routing in front of mocker workers.
+
+One command::
+
+    .venv/bin/python benchmarks/router/run.py                       # the default sweep (~15 minutes)
+    .venv/bin/python benchmarks/router/run.py --prefix-ratios 0.9 --modes round-robin,kv --duration 20
+
+It starts etcd and nats-server (tests/support/servers.py), builds the tiny test model folder (a real
+tokenizer, no weights), and then, for every prefix ratio and every router mode, starts ``--workers``
+fresh mocker workers (``dynamo-run in=dyn://<ns>.mocker.generate out=mocker``, so their caches start
+cold) and a fresh frontend (``dynamo-run in=http out=dyn --router-mode <mode>``), drives the workload of
+workload.py against it and stops them all.
+
+Modes: ``round-robin``, ``random``, ``kv``, ``kv-approx`` (``kv`` with ``--use-kv-events false``).  A mode
+may carry router flags after a ``+``: ``kv+w=1`` (``--kv-overlap-score-weight 1``, the original's default;
+ours is 2), ``kv+t=0.5`` (``--router-temperature 0.5``), combinable: ``kv+w=4+t=0.1``.  Each run (one
+mode at one prefix ratio) takes about a minute: ~5 s to start, 40 s of arrivals, the last turns.
+
+Measured per run (by the client, after a ``--warmup`` of seconds whose requests are excluded):
+
+* TTFT: request written -> first SSE chunk with non-empty content; p50 / p99;
+* ITL: gaps between consecutive content chunks of a request (0 for chunks that arrived together), p50/p99;
+* throughput: output tokens (``usage.completion_tokens``) and requests per second of wall time, from the
+  first request sent to the last stream ended;
+* prefix-cache hit rate: each worker's last ``gpu_prefix_cache_hit_rate`` from its load metrics on NATS
+  ``namespace.<ns>.kv_metrics`` (the mean, over its block allocations, of cached / prompt blocks),
+  averaged over workers weighted by their request counts; for kv modes also the router's own estimate,
+  sum(overlap_blocks) / sum(isl_blocks) of the ``namespace.<ns>.kv-hit-rate`` events;
+* spread: requests per worker, counted from each worker's log (run with
+  ``DYN_LOG=info,dynamo.llm.worker_handlers=debug``, a worker logs one ``request <id>: <n> prompt
+  tokens`` line per request it serves), shown as counts and as max/mean.
+
+Results: a table on stdout, everything in ``benchmarks/results/router-<time>.json``, the TTFT p50 plot
+in ``--plot`` (default docs/routing-ttft.png), and with ``--markdown FILE`` the tables as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import orjson  # noqa: E402
+
+from loadgen import _Proto, pct  # noqa: E402
+from tests.support.proc import DynamoRun, DynamoWorker  # noqa: E402
+from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
+from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
+from workload import Conversation, WorkloadConfig, build  # noqa: E402
+
+MODEL = "tiny-chat"
+REQUEST_LINE = re.compile(rb"request \S+: (\d+) prompt tokens")
+PREEMPT_LINE = re.compile(rb"pre-empting request")
+
+
+# ----------------------------------------------------------------------------------------- client
+
+class Req:
+    """One streaming request's measurements (fed by loadgen's raw HTTP/1.1 protocol)."""
+
+    __slots__ = ("t0", "first", "last", "gaps", "events", "usage", "done", "buf")
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.first: float | None = None
+        self.last = 0.0
+        self.gaps: list[float] = []
+        self.events = 0
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+        self.buf = b""
+
+    def feed(self, payload: bytes, now: float) -> None:
+        data = self.buf + payload
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.buf = data
+            return
+        self.buf = data[cut + 2:]
+        n = 0
+        for line in data[:cut].split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            body = line[5:].strip()
+            if body == b"[DONE]":
+                self.done = True
+                continue
+            obj = orjson.loads(body)
+            for ch in obj.get("choices") or ():
+                if (ch.get("delta") or {}).get("content"):
+                    n += 1
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+        if n:
+            if self.first is None:
+                self.first = now
+            else:
+                self.gaps.append(now - self.last)
+            self.gaps.extend([0.0] * (n - 1))
+            self.events += n
+            self.last = now
+
+
+class Client:
+    def __init__(self, port: int):
+        self.port = port
+        self.idle: list[_Proto] = []
+
+    async def chat(self, body: dict[str, Any], timeout: float = 180.0) -> tuple[Req, int, str]:
+        loop = asyncio.get_running_loop()
+        raw = orjson.dumps(body)
+        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                   "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                   f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
+        proto = None
+        while self.idle:
+            p = self.idle.pop()
+            if not p.lost:
+                proto = p
+                break
+        t0 = time.perf_counter()
+        req = Req(t0)
+        if proto is None:
+            _, proto = await loop.create_connection(lambda: _Proto(loop), "127.0.0.1", self.port)
+        try:
+            status = await asyncio.wait_for(proto.start(request, req), timeout)
+        except BaseException:
+            proto.transport.close()
+            raise
+        err = proto.err_body.decode("utf-8", "replace") if status != 200 else ""
+        if proto.keep_alive and not proto.lost:
+            self.idle.append(proto)
+        else:
+            proto.transport.close()
+        return req, status, err
+
+    def close(self) -> None:
+        for p in self.idle:
+            p.transport.close()
+        self.idle.clear()
+
+
+@dataclass
+class Record:
+    cid: int
+    turn: int
+    group: int
+    sent: float  # seconds since the run started
+    status: int
+    error: str = ""
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    duration: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
+
+
+async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig) -> tuple[list[Record], float, float]:
+    client = Client(port)
+    records: list[Record] = []
+    start = time.perf_counter()
+
+    async def one(c: Conversation) -> None:
+        await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
+        for turn in range(cfg.turns):
+            if turn:
+                await asyncio.sleep(c.thinks[turn - 1])
+            body = {"model": MODEL, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            sent = time.perf_counter()
+            try:
+                req, status, err = await client.chat(body)
+            except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
+                return
+            rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
+            rec.ttft = None if req.first is None else req.first - req.t0
+            rec.gaps = req.gaps
+            rec.duration = time.perf_counter() - sent
+            if req.usage:
+                rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
+                rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
+                details = req.usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    rec.cached_tokens = int(details["cached_tokens"])
+            if status == 200 and not req.done:
+                rec.error = "stream ended without [DONE]"
+            records.append(rec)
+            if status != 200 or rec.error:
+                return
+
+    await asyncio.gather(*(one(c) for c in convs))
+    end = time.perf_counter()
+    client.close()
+    return records, start, end
+
+
+# ----------------------------------------------------------------------------------------- one run
+
+def parse_mode(mode: str) -> tuple[list[str], str]:
+    """Frontend flags for a mode name such as ``kv-approx+w=2``."""
+    base, *opts = mode.split("+")
+    if base == "kv-approx":
+        flags = ["--router-mode", "kv", "--use-kv-events", "false"]
+    elif base in ("kv", "round-robin", "random"):
+        flags = ["--router-mode", base]
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    for o in opts:
+        key, _, value = o.partition("=")
+        if key == "w":
+            flags += ["--kv-overlap-score-weight", value]
+        elif key == "t":
+            flags += ["--router-temperature", value]
+        else:
+            raise SystemExit(f"unknown mode option {o!r} in {mode!r} (w=<weight>, t=<temperature>)")
+    return flags, base
+
+
+def wait_for_workers(base_url: str, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                last = json.loads(resp.read())
+        except Exception as e:  # 503 until the model appears
+            last = str(e)
+        if isinstance(last, dict) and MODEL in last.get("models", []) and len(last.get("instances", [])) >= n:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"frontend did not see {n} workers in {timeout}s: {last}")
+
+
+class NatsWatch:
+    """The workers' last load metrics and the router's hit-rate events of one namespace."""
+
+    def __init__(self, url: str, namespace: str):
+        self.url = url
+        self.ns = namespace
+        self.metrics: dict[int, dict[str, Any]] = {}
+        self.isl_blocks = 0
+        self.overlap_blocks = 0
+        self.decisions = 0
+        self.decisions_per_worker: dict[int, int] = {}
+        self.nc: Any = None
+
+    async def start(self) -> None:
+        import nats
+
+        self.nc = await nats.connect(self.url)
+
+        async def on_metrics(msg: Any) -> None:
+            m = orjson.loads(msg.data)
+            self.metrics[int(m["worker_id"])] = m["data"]
+
+        async def on_hit(msg: Any) -> None:
+            m = orjson.loads(msg.data)
+            self.decisions += 1
+            self.isl_blocks += int(m["isl_blocks"])
+            self.overlap_blocks += int(m["overlap_blocks"])
+            w = int(m["worker_id"])
+            self.decisions_per_worker[w] = self.decisions_per_worker.get(w, 0) + 1
+
+        await self.nc.subscribe(f"namespace.{self.ns}.kv_metrics", cb=on_metrics)
+        await self.nc.subscribe(f"namespace.{self.ns}.kv-hit-rate", cb=on_hit)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            await self.nc.drain()
+
+
+def summarize(records: list[Record], start: float, end: float, warmup: float) -> dict[str, Any]:
+    ok = [r for r in records if r.status == 200 and not r.error]
+    measured = [r for r in ok if r.sent >= warmup]
+    ttft = [r.ttft for r in measured if r.ttft is not None]
+    gaps = [g for r in measured for g in r.gaps]
+    span = end - start
+    out_tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "error_samples": sorted({f"{r.status} {r.error}" for r in records if r not in ok})[:5],
+        "measured": len(measured),
+        "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
+        "ttft_mean_ms": _ms(statistics.fmean(ttft)) if ttft else None,
+        "itl_p50_ms": _ms(pct(gaps, 50)), "itl_p99_ms": _ms(pct(gaps, 99)),
+        "ttft_p50_by_turn_ms": {
+            t: _ms(pct([r.ttft for r in measured if r.turn == t and r.ttft is not None], 50))
+            for t in sorted({r.turn for r in measured})},
+        "span_s": round(span, 2),
+        "tokens_per_s": round(out_tokens / span, 1) if span > 0 else None,
+        "requests_per_s": round(len(ok) / span, 2) if span > 0 else None,
+        "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
+        "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
+                           if any(r.cached_tokens is not None for r in ok) else None),
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 1)
+
+
+def worker_requests(worker: DynamoWorker) -> tuple[int, int, int]:
+    """(requests served, their prompt tokens, pre-emptions) from a worker's debug log lines."""
+    raw = worker.stderr_text().encode()
+    counts = [int(m.group(1)) for m in REQUEST_LINE.finditer(raw)]
+    return len(counts), sum(counts), len(PREEMPT_LINE.findall(raw))
+
+
+def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadConfig, args: argparse.Namespace,
+            servers: dict[str, str], model_dir: Path, run_index: int) -> dict[str, Any]:
+    flags, base = parse_mode(mode)
+    ns = f"rbench{os.getpid()}x{run_index}"
+    engine_args = model_dir.parent / f"mocker-{run_index}.json"
+    engine_args.write_text(json.dumps({
+        "num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
+        "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens}))
+    worker_env = {**servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.mocker.scheduler=debug"}
+    workers = [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model_dir),
+                            "--extra-engine-args", str(engine_args), env=worker_env, startup_timeout=90)
+               for _ in range(args.workers)]
+    frontend = None
+    watch = NatsWatch(servers["NATS_SERVER"], ns)
+    load_before = os.getloadavg()
+    try:
+        for w in workers:
+            w.start(wait=False)
+        for w in workers:
+            w.wait_ready()
+        fe_env = {**servers}
+        if args.logs:
+            fe_env["DYN_LOG"] = "info,dynamo.llm.kv_router.router=debug"  # one "kv route:" line per decision
+        frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
+        frontend.start()
+        wait_for_workers(frontend.base_url, args.workers)
+
+        async def go() -> tuple[list[Record], float, float]:
+            await watch.start()
+            try:
+                res = await drive(frontend.port, convs, cfg)
+                await asyncio.sleep(0.5)  # the last load metrics
+                return res
+            finally:
+                await watch.close()
+
+        records, start, end = asyncio.run(go())
+    finally:
+        if frontend is not None:
+            try:
+                frontend.stop()
+            except Exception as e:
+                print(f"  frontend stop: {e}", file=sys.stderr)
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            try:
+                w.stop()
+            except Exception as e:
+                print(f"  worker stop: {e}", file=sys.stderr)
+    load_after = os.getloadavg()
+    if args.logs:
+        logs = Path(args.logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        tag = f"{run_index:02d}-{mode}-{ratio:g}"
+        if frontend is not None:
+            (logs / f"{tag}-frontend.log").write_text(frontend.stderr_text())
+        for i, w in enumerate(workers):
+            (logs / f"{tag}-worker{i}.log").write_text(w.stderr_text())
+        (logs / f"{tag}-records.json").write_text(json.dumps([asdict(r) for r in records]))
+    summary = summarize(records, start, end, args.warmup)
+    per_worker = []
+    for w in workers:
+        n, tokens, preempted = worker_requests(w)
+        m = watch.metrics.get(w.instance_id) or watch.metrics.get(int(w.instance_hex, 16)) or {}
+        kv = m.get("kv_stats") or {}
+        per_worker.append({"worker": w.instance_hex, "requests": n, "prompt_tokens": tokens,
+                           "hit_rate": kv.get("gpu_prefix_cache_hit_rate"),
+                           "preemptions": preempted})
+    total = sum(p["requests"] for p in per_worker)
+    hit = (sum(p["requests"] * (p["hit_rate"] or 0.0) for p in per_worker) / total) if total else None
+    counts = [p["requests"] for p in per_worker]
+    summary.update({
+        "mode": mode, "prefix_ratio": ratio, "namespace": ns,
+        "hit_rate": None if hit is None else round(hit, 3),
+        "router_hit_rate": round(watch.overlap_blocks / watch.isl_blocks, 3) if watch.isl_blocks else None,
+        "router_decisions": watch.decisions,
+        "worker_requests": counts,
+        "spread_max_over_mean": round(max(counts) / (total / len(counts)), 2) if total else None,
+        "preemptions": sum(p["preemptions"] for p in per_worker),
+        "per_worker": per_worker,
+        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
+    })
+    if summary["errors"] and args.verbose:
+        print(f"  errors: {summary['error_samples']}", file=sys.stderr)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------- output
+
+COLUMNS = [("prefix", "prefix_ratio", "{:.2f}"), ("mode", "mode", "{}"), ("req", "ok", "{}"),
+           ("err", "errors", "{}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"), ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
+           ("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
+           ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),
+           ("hit", "hit_rate", "{:.2f}"), ("router hit", "router_hit_rate", "{:.2f}"),
+           ("per worker", "worker_requests", "{}"), ("max/mean", "spread_max_over_mean", "{:.2f}"),
+           ("vs rr", "ttft_vs_rr", "{:.2f}"), ("load", "load", "{}")]
+
+
+def _cell(row: dict[str, Any], key: str, spec: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "-"
+    if isinstance(v, list):
+        return "/".join(str(x) for x in v)
+    return spec.format(v)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        # compared with round-robin of the same stack (ours, or Dynamo 1.6's for d16: modes)
+        base = "d16:round-robin" if r["mode"].startswith("d16:") else "round-robin"
+        rr = next((x for x in rows if x["prefix_ratio"] == r["prefix_ratio"] and x["mode"] == base), None)
+        if rr and rr.get("ttft_p50_ms") and r.get("ttft_p50_ms") is not None:
+            r["ttft_vs_rr"] = r["ttft_p50_ms"] / rr["ttft_p50_ms"]
+        r["load"] = f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f}"
+
+
+def text_table(rows: list[dict[str, Any]]) -> str:
+    cells = [[c[0] for c in COLUMNS]] + [[_cell(r, k, s) for _, k, s in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(_cell(r, k, s) for _, k, s in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    ratios = sorted({r["prefix_ratio"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.6), dpi=110)
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        ys = []
+        for ratio in ratios:
+            r = next((x for x in rows if x["mode"] == mode and x["prefix_ratio"] == ratio), None)
+            ys.append(r["ttft_p50_ms"] if r and r.get("ttft_p50_ms") is not None else 0)
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(ratios))]
+        bars = ax.bar(xs, ys, width, label=LABELS.get(mode, mode))
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(ratios)), [f"{r:g}" for r in ratios])
+    ax.set_xlabel("prefix ratio (shared system prompt / first-turn prompt)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title(title, fontsize=9)
+    top = max((r.get("ttft_p50_ms") or 0) for r in rows) or 1
+    ax.set_ylim(0, top * 1.4)
+    ax.legend(fontsize=8, ncol=2, loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+LABELS = {"kv": "kv (overlap weight 2, our default)", "kv+w=1": "kv, overlap weight 1 (the original's default)",
+          "kv-approx": "kv, --use-kv-events false"}
+
+
+def plot_title(a: dict[str, Any], meta: dict[str, Any]) -> str:
+    return (f"{a['workers']} mocker workers x {a['num_gpu_blocks']} KV blocks of {a['block_size']}, {a['groups']} groups, "
+            f"first turn {a['isl']} tokens, {a['turns']} turns, {a['rate']:g} req/s, {a['osl']} output tokens\n"
+            f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+        return rev + ("+dirty(src)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    d = WorkloadConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--modes", default="round-robin,random,kv,kv-approx,kv+w=1")
+    p.add_argument("--prefix-ratios", default="0,0.5,0.9")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--groups", type=int, default=d.groups, help="system prompts (groups of users)")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns per conversation")
+    p.add_argument("--isl", type=int, default=d.isl, help="tokens of a first turn (system + user message)")
+    p.add_argument("--turn-tokens", type=int, default=d.turn_tokens, help="tokens of each later user message")
+    p.add_argument("--osl", type=int, default=d.osl, help="output tokens per request (max_tokens)")
+    p.add_argument("--rate", type=float, default=d.rate, help="requests/s (Poisson; conversations at rate/turns)")
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds during which conversations start")
+    p.add_argument("--think-time", type=float, default=d.think_time, help="mean pause before a follow-up turn, s")
+    p.add_argument("--warmup", type=float, default=5.0, help="requests sent in the first seconds are not measured")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-gpu-blocks", type=int, default=768, help="mocker KV cache per worker, in blocks")
+    p.add_argument("--block-size", type=int, default=64, help="mocker and router block size, tokens")
+    p.add_argument("--speedup-ratio", type=float, default=1.0, help="mocker time scale")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--frontend-args", default="", help="extra frontend flags, e.g. '--kv-overlap-score-weight 2'")
+    p.add_argument("--plot", default=str(ROOT / "docs" / "routing-ttft.png"), help="PNG path ('' for none)")
+    p.add_argument("--markdown", default="", help="also write the table as Markdown to this file")
+    p.add_argument("--json", default="", help="results file (default benchmarks/results/router-<time>.json)")
+    p.add_argument("--logs", default="", help="write every process's log and the per-request records to this folder "
+                   "(the frontend then logs each KV routing decision)")
+    p.add_argument("--dynamo16", default="", metavar="VENV",
+                   help="a virtualenv with ai-dynamo 1.6.1 (see dynamo16.py): enables modes d16:round-robin, "
+                        "d16:random, d16:kv (options as for ours: d16:kv+w=2)")
+    p.add_argument("--replot", default="", metavar="JSON",
+                   help="only redraw the plot (and --markdown) from a results file of an earlier run")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        rows, meta = saved["rows"], saved["meta"]
+        add_ratios(rows)
+        if args.plot:
+            plot(rows, Path(args.plot), plot_title(meta["args"], meta))
+            print(f"plot: {args.plot}")
+        if args.markdown:
+            Path(args.markdown).write_text(markdown_table(rows) + "\n")
+        return 0
+    args.frontend_args = args.frontend_args.split()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m.startswith("d16:"):
+            if not args.dynamo16:
+                raise SystemExit(f"mode {m} needs --dynamo16 VENV")
+        else:
+            parse_mode(m)
+    ratios = [float(x) for x in args.prefix_ratios.split(",")]
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": git_revision(), "command": " ".join(sys.argv),
+            "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "args": {k: v for k, v in vars(args).items()}}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp, EtcdServer() as etcd, NatsServer() as nats:
+        servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+        from tokenizers import Tokenizer
+
+        model_dir = build_tiny_hf_model(Path(tmp), with_weights=False, max_position_embeddings=131072)
+        if any(m.startswith("d16:") for m in modes):
+            from dynamo16 import pad_vocab
+
+            pad_vocab(model_dir)  # so that Dynamo's mocker's token ids decode to text
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        run_index = 0
+        for ratio in ratios:
+            cfg = WorkloadConfig(prefix_ratio=ratio, isl=args.isl, groups=args.groups, turns=args.turns,
+                                 turn_tokens=args.turn_tokens, osl=args.osl, rate=args.rate,
+                                 duration=args.duration, think_time=args.think_time, seed=args.seed)
+            convs = build(cfg, tokenizer)
+            for mode in modes:
+                run_index += 1
+                t = time.monotonic()
+                print(f"prefix ratio {ratio:g}, {mode}: {len(convs)} conversations x {cfg.turns} turns ...",
+                      file=sys.stderr, flush=True)
+                if mode.startswith("d16:"):
+                    from dynamo16 import run_one_d16
+
+                    row = run_one_d16(mode, ratio, convs, cfg, args, servers, model_dir, run_index, drive, summarize)
+                else:
+                    row = run_one(mode, ratio, convs, cfg, args, servers, model_dir, run_index)
+                rows.append(row)
+                print(f"  TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
+                      f"hit {row['hit_rate']}, workers {row['worker_requests']}, errors {row['errors']} "
+                      f"({time.monotonic() - t:.0f} s, load {row['loadavg_after'][0]:.1f})", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(text_table(rows))
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"router-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print(f"results: {out}")
+    if args.plot:
+        plot(rows, Path(args.plot), plot_title(vars(args), meta))
+        print(f"plot: {args.plot}")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(rows) + "\n")
+        print(f"markdown: {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The router benchmark's workload: groups of users sharing a system prompt, multi-turn conversations.
+
+Everything is decided up front from a seed, so every router mode gets exactly the same prompts in the
+same order at the same offsets (only the follow-up turns depend on when the previous answer ended):
+
+* ``groups`` system prompts of ``round(prefix_ratio * isl)`` tokens each (none at ratio 0: the chat
+  template's short default system prompt, less than one KV block, is then the only shared text);
+* conversations start at Poisson times (rate ``rate / turns``, open loop: a start never waits for the
+  server) during ``duration`` seconds; each belongs to a random group;
+* turn 1 is the group's system prompt plus a unique user message, ``isl`` tokens in all;
+* turn k > 1 resends the whole history: the previous messages, the assistant's answer to turn k-1 and a
+  new user message of ``turn_tokens`` tokens.  The answer in the history is a fixed synthetic text of
+  ``osl`` tokens, not the mocker's output (random token ids, which would make the prompts differ between
+  modes); it is sent ``think_time`` seconds (exponential mean) after the previous turn's stream ended.
+
+Token counts are exact for the message texts (byte-level BPE does not merge across the spaces between
+words, so the tokens of a text are the sum of its words' tokens); the chat template adds a few.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass
+class WorkloadConfig:
+    prefix_ratio: float = 0.9
+    isl: int = 4096  # tokens of a first turn (system + user), before the chat template
+    groups: int = 32
+    turns: int = 3
+    turn_tokens: int = 256  # tokens of each later user message
+    osl: int = 64  # max_tokens of every request (and tokens of the synthetic answer in the history)
+    rate: float = 6.0  # requests per second on average (conversations start at rate / turns)
+    duration: float = 40.0  # seconds during which conversations start
+    think_time: float = 1.0  # mean seconds between an answer and the next turn
+    seed: int = 0
+
+
+@dataclass
+class Conversation:
+    cid: int
+    group: int
+    start: float  # offset of turn 1 from the start of the run, seconds
+    users: list[str] = field(default_factory=list)  # user message of each turn
+    answers: list[str] = field(default_factory=list)  # synthetic answer of each turn but the last
+    thinks: list[float] = field(default_factory=list)  # pause before each turn after the first
+    system: str | None = None
+
+    def messages(self, turn: int) -> list[dict[str, str]]:
+        """The chat messages of turn ``turn`` (0-based): the history, then the new user message."""
+        msgs: list[dict[str, str]] = []
+        if self.system is not None:
+            msgs.append({"role": "system", "content": self.system})
+        for k in range(turn):
+            msgs.append({"role": "user", "content": self.users[k]})
+            msgs.append({"role": "assistant", "content": self.answers[k]})
+        msgs.append({"role": "user", "content": self.users[turn]})
+        return msgs
+
+
+class TextMaker:
+    """Random texts of an exact number of tokens for one tokenizer."""
+
+    def __init__(self, tokenizer: Any, rng: random.Random, pool: int = 4000):
+        self.rng = rng
+        words = {"".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 9))) for _ in range(pool)}
+        self.words: list[tuple[str, int]] = []
+        for w in sorted(words):
+            n = len(tokenizer.encode(" " + w, add_special_tokens=False).ids)
+            self.words.append((w, n))
+        self.singles = [w for w, n in self.words if n == 1]
+        assert self.singles, "tokenizer has no one-token words"
+
+    def text(self, tokens: int) -> str:
+        out: list[str] = []
+        left = tokens
+        while left > 0:
+            w, n = self.rng.choice(self.words)
+            if n > left:
+                w, n = self.rng.choice(self.singles), 1
+            out.append(w)
+            left -= n
+        return " ".join(out)
+
+
+def build(cfg: WorkloadConfig, tokenizer: Any) -> list[Conversation]:
+    rng = random.Random(cfg.seed)
+    maker = TextMaker(tokenizer, random.Random(cfg.seed + 1))
+    sys_tokens = int(round(cfg.prefix_ratio * cfg.isl))
+    systems = [maker.text(sys_tokens) if sys_tokens > 0 else None for _ in range(cfg.groups)]
+    conv_rate = cfg.rate / max(1, cfg.turns)
+    convs: list[Conversation] = []
+    t = rng.expovariate(conv_rate)
+    while t < cfg.duration:
+        c = Conversation(len(convs), rng.randrange(cfg.groups), t)
+        c.system = systems[c.group]
+        c.users.append(maker.text(max(1, cfg.isl - sys_tokens)))
+        for _ in range(1, cfg.turns):
+            c.answers.append(maker.text(cfg.osl))
+            c.users.append(maker.text(cfg.turn_tokens))
+            c.thinks.append(rng.expovariate(1.0 / cfg.think_time) if cfg.think_time > 0 else 0.0)
+        convs.append(c)
+        t += rng.expovariate(conv_rate)
+    return convs
