@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo.aio import cancel_and_wait
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.model_type import ModelType
@@ -61,12 +62,8 @@ class ModelWatcher:
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._watch is not None:
             await self._watch.close()
         for served in self._served.values():

@@ -14,7 +14,7 @@ class ModelManager:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self._created: dict[str, int] = {}
-        self._changed = asyncio.Event() if _has_loop() else None
+        self._changed: asyncio.Event | None = None  # created by the first waiter (needs a running loop)
         # a distributed frontend reports its workers here for /health
         self.instances: Callable[[], list[dict[str, Any]]] | None = None
 
@@ -59,10 +59,3 @@ class ModelManager:
         if self._changed is not None:
             self._changed.set()
 
-
-def _has_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False

@@ -92,8 +92,7 @@ class CorePipeline:
                     yield chunks.delta(tail)
                 reason = post.finished
         finally:
-            if reason is not None or not ctx.is_stopped:
-                ctx.stop_generating()
+            ctx.stop_generating()  # idempotent: tells the engine we are done, whatever ended the loop
             await gen.aclose()
         yield chunks.delta(None, reason)
         if with_usage:

@@ -17,6 +17,7 @@ import msgspec
 import nats.errors
 import orjson
 
+from dynamo.aio import cancel_and_wait
 from .annotated import Annotated
 from .context import Context
 from .errors import (
@@ -141,13 +142,8 @@ class Client:
         return await asyncio.wait_for(wait(), timeout) if timeout is not None else await wait()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._watch is not None:
             await self._watch.close()
             self._watch = None

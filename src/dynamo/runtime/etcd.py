@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Literal
 import aiohttp
 import orjson
 
+from dynamo.aio import cancel_and_wait
 from .config import EtcdSettings
 from .errors import DynamoRuntimeError, RuntimeConnectionError
 
@@ -378,13 +379,8 @@ class PrefixWatch:
     async def close(self) -> None:
         self._closed = True
         self._client._watches.discard(self)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._queue.put_nowait(None)
 
     async def __aenter__(self) -> "PrefixWatch":

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Callable
 
+from dynamo.aio import cancel_and_wait
 from .etcd import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,5 @@ class LeaseKeeper:
 
     async def stop(self) -> None:
         """Stop refreshing (the lease then expires on its own after the TTL)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dynamo.aio import cancel_and_wait
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.kv_manager import Block, KvManager
 from dynamo.errors import EngineError
@@ -132,13 +133,8 @@ class Scheduler:
             self._metrics_timer.cancel()
             self._metrics_timer = None
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         err = EngineError("mocker engine is shutting down")
         for req in [*self.waiting, *self.prefill, *self.decode]:
             req.out.put_nowait(err)
