@@ -115,3 +115,39 @@ def test_sentencepiece_word_spaces_survive_streaming(sp_tok: Tokenizer, text: st
     # after a prompt, the first word keeps its space too
     after = "".join(stream(sp_tok, ids, sp_tok.encode("Say something")))
     assert after == " " + text
+
+
+def test_unknown_id_mid_stream_loses_no_text(tok: Tokenizer):
+    # an engine emitting an id past the vocabulary (a padded lm_head) must not wedge the stream
+    before, after = tok.encode("Hello world"), tok.encode(", how are you?")
+    d = IncrementalDetokenizer(tok)
+    out = [d.step(i) for i in [*before, tok.vocab_size + 7, *after]]
+    out.append(d.flush())
+    assert "".join(out) == "Hello world, how are you?"
+
+
+class _FailingStream:
+    """Stands in for a DecodeStream whose Rust side raises (e.g. a decoder it cannot stream)."""
+
+    def __init__(self, fail_after: int) -> None:
+        self.left = fail_after
+        self.real = None
+
+    def step(self, hf, token_id):  # noqa: ANN001 - mirrors DecodeStream.step
+        if self.left == 0:
+            raise Exception("decoder cannot stream")
+        self.left -= 1
+        return self.real.step(hf, token_id)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("fail_after", [0, 3])
+def test_fallback_after_decode_stream_error_gives_the_same_text(tok: Tokenizer, text: str, fail_after: int):
+    prompt = tok.encode("<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, prompt)
+    failing = _FailingStream(fail_after)
+    failing.real, d._stream = d._stream, failing  # type: ignore[assignment]
+    deltas = [d.step(i) for i in ids] + [d.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)

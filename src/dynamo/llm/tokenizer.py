@@ -32,5 +32,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def hf(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (for ``DecodeStream``)."""
+        return self._tok
+
     def count(self, text: str) -> int:
         return len(self.encode(text)) if text else 0
