@@ -79,3 +79,46 @@ def test_logs_go_to_stderr(monkeypatch, restore_logging, capsys):
     captured = capsys.readouterr()
     assert "hello from the test" in captured.err
     assert "hello from the test" not in captured.out
+
+
+def _emit(monkeypatch, capsys, env: dict[str, str]) -> str:
+    import logging as _logging
+
+    from dynamo.run.logs import setup_logging
+
+    for k in ("DYN_LOGGING_JSONL", "DYN_LOG_USE_LOCAL_TZ", "DYN_LOG"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    setup_logging(0)
+    try:
+        _logging.getLogger("dynamo.test").warning("hello %s", "there")
+    finally:
+        for h in list(_logging.getLogger().handlers):
+            _logging.getLogger().removeHandler(h)
+    return capsys.readouterr().err.strip()
+
+
+def test_text_logs_have_iso8601_utc_microsecond_timestamps(monkeypatch, capsys):
+    import re
+
+    line = _emit(monkeypatch, capsys, {})
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z WARNING dynamo\.test: hello there$", line), line
+
+
+def test_jsonl_logs_carry_time_level_target_message_file_line(monkeypatch, capsys):
+    import json
+    import re
+
+    rec = json.loads(_emit(monkeypatch, capsys, {"DYN_LOGGING_JSONL": "1"}))
+    assert rec["level"] == "WARNING" and rec["target"] == "dynamo.test" and rec["message"] == "hello there"
+    assert rec["file"].endswith("test_logs.py") and isinstance(rec["line"], int)
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$", rec["time"])
+
+
+def test_local_timezone_timestamps_carry_an_offset(monkeypatch, capsys):
+    import json
+    import re
+
+    rec = json.loads(_emit(monkeypatch, capsys, {"DYN_LOGGING_JSONL": "1", "DYN_LOG_USE_LOCAL_TZ": "1"}))
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}[+-]\d\d:\d\d$", rec["time"]), rec["time"]

@@ -2,7 +2,9 @@
 
 ``DYN_LOG`` is a comma list of ``level`` or ``target=level`` items, e.g. ``info,dynamo.llm.http=debug``.
 Rust-style ``dynamo_llm::http`` targets are accepted and mapped to our module names.
-``DYN_LOGGING_JSONL=1`` writes one JSON object per line.
+``DYN_LOGGING_JSONL=1`` writes one JSON object per line (time, level, target, message, file, line, and
+the exception when there is one).  Timestamps are ISO-8601 with microseconds in UTC (``...Z``), as
+Dynamo writes them; ``DYN_LOG_USE_LOCAL_TZ=1`` uses local time with its offset instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import logging
 import os
 import sys
-import time
+from datetime import datetime, timezone
 
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
@@ -48,10 +50,35 @@ def parse_filter(spec: str) -> tuple[int | None, dict[str, int]]:
     return default, targets
 
 
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def format_time(created: float, local: bool = False) -> str:
+    """``2026-11-22T15:30:36.123456Z`` (UTC) or ``2026-11-22T16:30:36.123456+01:00`` (local)."""
+    if local:
+        return datetime.fromtimestamp(created).astimezone().isoformat(timespec="microseconds")
+    return datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class _TextFormatter(logging.Formatter):
+    def __init__(self, local: bool) -> None:
+        super().__init__("%(asctime)s %(levelname)-5s %(name)s: %(message)s")
+        self._local = local
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return format_time(record.created, self._local)
+
+
 class _JsonFormatter(logging.Formatter):
+    def __init__(self, local: bool) -> None:
+        super().__init__()
+        self._local = local
+
     def format(self, record: logging.LogRecord) -> str:
-        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
-               "level": record.levelname, "target": record.name, "message": record.getMessage()}
+        out = {"time": format_time(record.created, self._local), "level": record.levelname,
+               "target": record.name, "message": record.getMessage(), "file": record.pathname,
+               "line": record.lineno}
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out)
@@ -67,10 +94,11 @@ def setup_logging(verbosity: int = 0) -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("DYN_LOGGING_JSONL", "").lower() in ("1", "true"):
-        handler.setFormatter(_JsonFormatter())
+    local = _truthy("DYN_LOG_USE_LOCAL_TZ")
+    if _truthy("DYN_LOGGING_JSONL"):
+        handler.setFormatter(_JsonFormatter(local))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(_TextFormatter(local))
     root.addHandler(handler)
     # our own code follows the chosen level; libraries stay at warning unless debug/trace is asked for
     level = default if default is not None else logging.INFO
