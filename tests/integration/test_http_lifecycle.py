@@ -151,19 +151,22 @@ def test_shutdown_lets_a_short_stream_finish(tiny_model: Path, sig):
     assert finish == "stop"
 
 
-def test_shutdown_ends_a_long_stream_cleanly_after_the_grace_period(tiny_model: Path):
-    srv = DynamoRun("out=echo_core", str(tiny_model), delay_ms=50,
-                    env={"DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT": "0.2"}).start()
+@pytest.mark.parametrize("grace_var", ["DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT_SECS", "DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT"])
+def test_shutdown_ends_a_long_stream_cleanly_after_the_grace_period(tiny_model: Path, grace_var: str):
+    srv = DynamoRun("out=echo_core", str(tiny_model), delay_ms=50, env={grace_var: "0.2"}).start()
     try:
         body = {"model": "tiny-chat", "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True,
                 "nvext": {"ignore_eos": True}}
         t, lines, first, errors = stream_in_thread(srv.api_url + "/chat/completions", body)
         assert first.wait(10)
+        t0 = time.monotonic()
         srv.terminate()
         assert srv.wait(20) == 0, srv.stderr_text()
+        stopped_after = time.monotonic() - t0
         t.join(10)
     finally:
         srv.stop()
+    assert stopped_after < 4, "the 0.2 s grace was not applied (default: 5 s)"
     assert not errors, errors  # no cut connection
     assert lines[-1] == "[DONE]"
     text, finish = text_of(lines)

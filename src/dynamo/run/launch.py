@@ -163,15 +163,20 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
 
 
 def _shutdown_grace() -> float:
-    """Seconds in-flight HTTP requests get to finish on SIGINT/SIGTERM (DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT)."""
-    raw = os.environ.get("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT", "5")
-    try:
-        value = float(raw)
-        if value >= 0:
-            return value
-    except ValueError:
-        pass
-    log.warning("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT=%r is not a number of seconds; using 5", raw)
+    """Seconds in-flight HTTP requests get to finish on SIGINT/SIGTERM: ``DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT_SECS``
+    (Dynamo 1.x's name), else ``DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT`` (ours before), default 5."""
+    for name in ("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT_SECS", "DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT"):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+            if value >= 0:
+                return value
+        except ValueError:
+            pass
+        log.warning("%s=%r is not a number of seconds; using 5", name, raw)
+        return 5.0
     return 5.0
 
 
