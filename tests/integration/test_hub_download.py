@@ -271,3 +271,22 @@ def test_progress_bar_on_a_terminal(tiny_repo: Path, tmp_path: Path) -> None:
     err = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0, err
     assert "Fetching 5 files" in err and "100%" in err, err
+
+
+def test_only_one_weight_format_is_fetched(tiny_repo: Path, tmp_path: Path) -> None:
+    # a repo that carries its weights three times (as many do): only the safetensors are downloaded
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    (repo / "pytorch_model.bin").write_bytes(b"\0" * 4096)
+    (repo / "consolidated.safetensors").write_bytes(b"\0" * 4096)
+    (repo / "model-q4.gguf").write_bytes(b"GGUF" + b"\0" * 4092)
+    home = tmp_path / "hf"
+    with FakeHub({"org/tiny-model": repo}) as hub:
+        p = run_cli(["in=stdin", "out=echo_core", "org/tiny-model"], input="hello there",
+                    env=_hf_env(hub.url, home), timeout=60)
+        assert p.returncode == 0, p.stderr
+        fetched = [r for r in hub.requests if "/resolve/" in r]
+    assert any(r.endswith("/model.safetensors") for r in fetched), fetched
+    assert not any(r.endswith(("pytorch_model.bin", "consolidated.safetensors", ".gguf")) for r in fetched), fetched

@@ -3,7 +3,10 @@
 Uses ``huggingface_hub.snapshot_download``, so everything its users expect works: the cache under
 ``HF_HOME`` / ``HF_HUB_CACHE`` (a second run reuses it), ``HF_TOKEN`` for gated and private repos,
 ``HF_HUB_OFFLINE=1`` (cache only), ``HF_ENDPOINT`` (a mirror), and a progress bar on a terminal.
-Files a server does not need (README, licence, images, ``original/`` checkpoints) are skipped.
+Files a server does not need (README, licence, images, ``original/`` checkpoints) are skipped, and of the
+weights only one format is fetched, in vLLM's order of preference: safetensors, else ``.bin``, else
+``.pt``/``.pth`` (a repo often carries the same weights two or three times; Mistral's also as
+``consolidated.safetensors``).
 Every failure becomes one line that names the repo and the cause.
 """
 
@@ -19,6 +22,23 @@ log = logging.getLogger(__name__)
 IGNORE_PATTERNS = [".gitattributes", "LICENSE", "LICENSE.txt", "README.md", "USE_POLICY.md",
                    "*.png", "*.jpg", "*.jpeg", "*.PNG", "*.JPG", "*.JPEG", "original/*"]
 WEIGHT_PATTERNS = ["*.bin", "*.safetensors", "*.h5", "*.msgpack", "*.ckpt.index", "*.pt", "*.pth", "*.gguf"]
+# one weight format is enough: the first of these with a match in the repo
+_WEIGHT_PREFERENCE = [["*.safetensors"], ["*.bin"], ["*.pt", "*.pth"]]
+
+
+def weight_ignore_patterns(files: list[str]) -> list[str]:
+    """Patterns that skip every weight format but the preferred one present in ``files``."""
+    from fnmatch import fnmatch
+
+    names = [f.rsplit("/", 1)[-1] for f in files]
+    for group in _WEIGHT_PREFERENCE:
+        if any(fnmatch(n, pat) for n in names for pat in group):
+            skip = [p for p in WEIGHT_PATTERNS if p not in group]
+            if group == ["*.safetensors"] and any(n.startswith("model") and n.endswith(".safetensors")
+                                                  for n in names):
+                skip.append("consolidated*.safetensors")  # Mistral's second copy of the same weights
+            return skip
+    return []
 
 
 def download(repo_id: str, *, weights: bool = True, revision: str | None = None) -> Path:
@@ -44,6 +64,8 @@ def download(repo_id: str, *, weights: bool = True, revision: str | None = None)
     not_found = (f"Hugging Face model '{repo_id}' does not exist on {endpoint} (or it is private: set HF_TOKEN). "
                  "Is this a valid Hugging Face ID, or a local path with a typo?")
     try:
+        if weights and not offline:
+            ignore += _weight_filter(repo_id, revision)
         path = snapshot_download(repo_id, revision=revision, ignore_patterns=ignore)
     except GatedRepoError:
         raise ModelError(
@@ -87,6 +109,17 @@ def download(repo_id: str, *, weights: bool = True, revision: str | None = None)
         raise ModelError(f"Hugging Face model '{repo_id}' contains no downloadable files")
     log.info("using %s", local)
     return local
+
+
+def _weight_filter(repo_id: str, revision: str | None) -> list[str]:
+    """Best effort: when the listing fails, ``snapshot_download`` reports the cause in its own words."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repo_id, revision=revision)
+    except Exception:  # noqa: BLE001
+        return []
+    return weight_ignore_patterns([s.rfilename for s in info.siblings or []])
 
 
 def _root_cause(e: BaseException) -> BaseException:
