@@ -10,7 +10,7 @@ The user's file provides ``async def generate(request)``, an async generator:
   ``stop_conditions``, ``sampling_options``, ``eos_token_ids``, ...); it yields ``{"token_ids": [...]}``
   dicts (``finish_reason`` optional) and our post-processor detokenises and applies the stop conditions.
 
-Loading (once, at start-up): ``sys.argv`` is set as the seeds document it (:func:`engine_argv`), the
+Loading (once, at start-up, in ``start()``, off the server's event loop): ``sys.argv`` is set as the seeds document it (:func:`engine_argv`), the
 file's directory goes first on ``sys.path``, the file runs as ``__main__`` (so an
 ``if __name__ == "__main__":`` block runs), then an optional ``initialize(args)`` hook is called with
 ``sys.argv[1:]`` (awaited if it is a coroutine function).  A file that fails to load, has no async
@@ -344,7 +344,15 @@ class _PythonEngine:
         self.label = f"out={self.mode}:{file_arg}"
         self.argv = argv
         self._thread = _EngineThread(f"{self.mode}-engine")
-        self._generate = self._thread.start(lambda loop: _load(self.label, file_arg, argv, loop))
+        self._generate: Callable[[Any], Any] | None = None
+
+    async def start(self) -> None:
+        """Load the file (and run ``initialize``) on the engine's thread, waiting for it in another thread:
+        a load that takes minutes must not stall this loop, whose lease keep-alive, NATS pings and
+        health answers go on meanwhile."""
+        file_arg, argv = self.file, self.argv
+        self._generate = await asyncio.to_thread(
+            self._thread.start, lambda loop: _load(self.label, file_arg, argv, loop))
         log.info("%s loaded", self.label)
 
     async def _run(self, request: Any, convert: Callable[[Any], Any]) -> AsyncIterator[Any]:
@@ -358,6 +366,8 @@ class _PythonEngine:
             except RuntimeError:  # our loop is closed: nobody is listening
                 pass
 
+        if self._generate is None:
+            raise EngineError(f"{self.label}: the engine is not started")
         pump = _Pump(self._generate, request, convert, send)
         self._thread.call_soon(pump.start)
         finished = False

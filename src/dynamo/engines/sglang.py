@@ -40,6 +40,7 @@ from dynamo.engines.token_engine_common import (
     relay_outputs,
     stop_finish_reason,
 )
+from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.errors import EngineError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
@@ -190,8 +191,9 @@ class SglangEngine:
         log.info("starting SGLang for %s", self.card.display_name)
         where = f"--extra-engine-args {self.extra_path}: " if self.extra_path else ""
         with engine_start_errors("SGLang", where):
-            # built on the event loop's thread: SGLang installs its signal handlers only from the main thread
-            self._engine = sglang.Engine(**self.args)
+            # built in a thread so the loop (lease keep-alive, NATS) keeps running during a long load; the
+            # signal handlers SGLang installs meanwhile are installed on the main thread for it
+            self._engine = await run_off_loop_with_signals(lambda: sglang.Engine(**self.args))
         tm = getattr(self._engine, "tokenizer_manager", None)
         if tm is not None:
             _keep_our_sigterm(tm)

@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 async def connect_runtime() -> Any:
-    from dynamo.runtime import DistributedRuntime, RuntimeConnectionError
+    from dynamo.runtime import DistributedRuntime, RuntimeConfigError, RuntimeConnectionError
 
     try:
         return await DistributedRuntime.connect()
-    except RuntimeConnectionError as e:
+    except (RuntimeConnectionError, RuntimeConfigError) as e:
         raise UserError(str(e)) from None
 
 

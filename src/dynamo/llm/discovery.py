@@ -2,7 +2,8 @@
 
 A model appears when its first worker registers and disappears when its last one goes (each worker's
 entry is bound to its lease, so a dead worker's entry vanishes when the lease expires; the transport
-notices sooner and routes around it).  Backend models get our pre/post-processing with the card's
+notices sooner and routes around it).  A name registered on several endpoints is served from all of
+their instances.  Backend models get our pre/post-processing with the card's
 tokenizer and template in front of a :class:`RemoteCoreEngine`; Chat/Completion models are forwarded.
 """
 
@@ -14,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
+from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
 from dynamo.llm.remote import RemoteChatEngine, RemoteCoreEngine, SimpleRouter
+from dynamo.runtime.names import component_event_subject
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +37,30 @@ class RouterConfig:
 @dataclass
 class _Served:
     name: str
-    endpoint_key: tuple[str, str, str]
-    entries: set[str] = field(default_factory=set)
+    model_type: ModelType
+    client: ModelClient
+    endpoints: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)  # endpoint -> entry keys
     router: Any = None
+
+    @property
+    def entries(self) -> set[str]:
+        return {key for keys in self.endpoints.values() for key in keys}
 
 
 class ModelWatcher:
+    """Keeps the ModelManager in step with ``models/`` in etcd.
+
+    Rules: a model name is served from the union of the live instances of every endpoint that registered
+    it (:class:`ModelClient`); the first entry seen decides the model's type and card, and an entry of
+    another type under the same name is ignored with a warning. An entry that cannot be added (its card
+    cannot be loaded, etcd or NATS failed meanwhile) is retried with backoff for as long as it exists.
+    While etcd is down nothing changes here (the watches retry by themselves), so requests keep going to
+    the workers already known.
+    """
+
+    RETRY_FIRST = 1.0  # seconds before the first retry of an entry that failed to load; doubles
+    RETRY_CAP = 30.0
+
     def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None):
         self.runtime = runtime
         self.manager = manager
@@ -49,6 +70,9 @@ class ModelWatcher:
         self._clients: dict[tuple[str, str, str], Any] = {}
         self._task: asyncio.Task[None] | None = None
         self._watch: Any = None
+        self._lock = asyncio.Lock()  # watch events and retries change the state one at a time
+        self._retries: dict[str, asyncio.Task[None]] = {}
+        self._type_warned: set[str] = set()
         manager.instances = self.instances
         # per-worker load gauges on the HTTP service's /metrics (its FrontendMetrics), if it has one
         self.worker_metrics: Any = None
@@ -64,6 +88,9 @@ class ModelWatcher:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        for task in list(self._retries.values()):
+            await cancel_and_wait(task)
+        self._retries.clear()
         if self._watch is not None:
             await self._watch.close()
         for served in self._served.values():
@@ -80,20 +107,16 @@ class ModelWatcher:
         for (ns, comp, ep), client in self._clients.items():
             for iid in client.instance_ids():
                 out.append({"endpoint": f"dyn://{ns}.{comp}.{ep}", "instance_id": iid,
-                            "models": [s.name for s in self._served.values() if s.endpoint_key == (ns, comp, ep)]})
+                            "models": [s.name for s in self._served.values() if (ns, comp, ep) in s.endpoints]})
         return out
 
     async def _run(self) -> None:
         async for event in self._watch:
-            try:
+            async with self._lock:
                 if event.kind == "put":
                     await self._on_put(event.key, event.value)
                 else:
                     await self._on_delete(event.key)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # one bad entry must not stop discovery
-                log.error("error handling model entry %s: %s", event.key, e)
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:
@@ -102,21 +125,45 @@ class ModelWatcher:
             log.warning("skipping malformed model entry %s: %s", key, e)
             return
         self._entries[key] = entry
-        if self.worker_metrics is not None:
-            await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name)
-        served = self._served.get(entry.name)
-        if served is not None:
-            served.entries.add(key)
-            return
-        ep_key = (entry.namespace, entry.component, entry.endpoint)
+        self._cancel_retry(key)
+        try:
+            await self._add(key, entry)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad entry must not stop discovery: retry it
+            self._schedule_retry(key, entry, e)
+
+    async def _client_for(self, ep_key: tuple[str, str, str]) -> Any:
         client = self._clients.get(ep_key)
         if client is None:
-            endpoint = self.runtime.namespace(entry.namespace).component(entry.component).endpoint(entry.endpoint)
-            client = await endpoint.client()
+            ns, comp, ep = ep_key
+            client = await self.runtime.namespace(ns).component(comp).endpoint(ep).client()
             self._clients[ep_key] = client
+        return client
+
+    async def _add(self, key: str, entry: ModelEntry) -> None:
+        if self.worker_metrics is not None:
+            await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name)
+        ep_key = (entry.namespace, entry.component, entry.endpoint)
+        served = self._served.get(entry.name)
+        if served is not None:
+            if entry.model_type is not served.model_type:
+                if key not in self._type_warned:
+                    self._type_warned.add(key)
+                    log.warning("model %s: ignoring %s's %s entry; the model is served as %s", entry.name,
+                                "dyn://%s.%s.%s" % ep_key, entry.model_type.value, served.model_type.value)
+                return
+            if ep_key not in served.endpoints:
+                served.client.add(await self._client_for(ep_key))
+                await self._extend_router(served, entry)
+                log.info("model %s: also served by dyn://%s.%s.%s (requests go to the instances of %d endpoints)",
+                         entry.name, *ep_key, len(served.endpoints) + 1)
+            served.endpoints.setdefault(ep_key, set()).add(key)
+            return
+        client = ModelClient([await self._client_for(ep_key)])
         card = await load_card(self.runtime.nats, entry.card)
         card.display_name = entry.name
-        served = _Served(entry.name, ep_key, {key})
+        served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
         if entry.model_type is ModelType.Backend:
             served.router = await self._make_router(entry, card, client)
             engine = RemoteCoreEngine(client, served.router, migration_limit=card.migration_limit)
@@ -124,15 +171,58 @@ class ModelWatcher:
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
             model = FullPipeline(entry.name, card, RemoteChatEngine(client))
         else:
-            log.warning("model %s: %s models are not served by this frontend", entry.name, entry.model_type.value)
-            return
-        # a second entry for the same name may have arrived while we loaded the card
-        if entry.name in self._served:
-            self._served[entry.name].entries.add(key)
+            if key not in self._type_warned:
+                self._type_warned.add(key)
+                log.warning("model %s: %s models are not served by this frontend", entry.name, entry.model_type.value)
             return
         self._served[entry.name] = served
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
+
+    async def _extend_router(self, served: _Served, entry: ModelEntry) -> None:
+        """A KV router also follows the KV events of another component serving the model."""
+        policy = served.router
+        kv = getattr(policy, "router", None)
+        subscribe = getattr(policy, "subscribe", None)
+        if kv is None or subscribe is None:
+            return
+        if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
+            return
+        if self.router_config.use_kv_events:
+            await subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"), kv.apply_event)
+        await subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
+                        kv.apply_active_sequence_event)
+
+    def _schedule_retry(self, key: str, entry: ModelEntry, error: BaseException, attempt: int = 0) -> None:
+        delay = min(self.RETRY_FIRST * (2 ** attempt), self.RETRY_CAP)
+        (log.warning if attempt == 0 else log.debug)(
+            "model %s (%s): cannot add it yet (%s); retrying in %.0fs", entry.name, key, error, delay)
+
+        async def retry() -> None:
+            await asyncio.sleep(delay)
+            async with self._lock:
+                if self._retries.get(key) is not asyncio.current_task():
+                    return
+                del self._retries[key]
+                if self._entries.get(key) is not entry:
+                    return  # deleted or replaced meanwhile
+                try:
+                    await self._add(key, entry)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    self._schedule_retry(key, entry, e, attempt + 1)
+                    return
+                if entry.name in self._served:
+                    log.info("model %s (%s): added after %d retr%s", entry.name, key, attempt + 1,
+                             "y" if attempt == 0 else "ies")
+
+        self._retries[key] = asyncio.create_task(retry(), name=f"model-retry:{key}")
+
+    def _cancel_retry(self, key: str) -> None:
+        task = self._retries.pop(key, None)
+        if task is not None:
+            task.cancel()
 
     async def _make_router(self, entry: ModelEntry, card: Any, client: Any) -> Any:
         cfg = self.router_config
@@ -143,6 +233,8 @@ class ModelWatcher:
         return await make_kv_router(self.runtime, entry, card, client, cfg)
 
     async def _on_delete(self, key: str) -> None:
+        self._cancel_retry(key)
+        self._type_warned.discard(key)
         entry = self._entries.pop(key, None)
         if entry is None:
             return
@@ -151,11 +243,20 @@ class ModelWatcher:
         served = self._served.get(entry.name)
         if served is None:
             return
-        served.entries.discard(key)
+        ep_key = (entry.namespace, entry.component, entry.endpoint)
+        keys = served.endpoints.get(ep_key)
+        if keys is None or key not in keys:
+            return
+        keys.discard(key)
         instance_gone = getattr(served.router, "remove_worker", None)
         if instance_gone is not None:
             instance_gone(entry.instance_id)
-        if not served.entries:
+        if not keys:
+            del served.endpoints[ep_key]
+            client = self._clients.get(ep_key)
+            if client is not None and served.endpoints:
+                served.client.remove(client)
+        if not served.endpoints:
             del self._served[entry.name]
             self.manager.remove(entry.name)
             close = getattr(served.router, "close", None)

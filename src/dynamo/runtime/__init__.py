@@ -31,6 +31,7 @@ from .errors import (
     LeaseLostError,
     NoInstancesError,
     NoRespondersError,
+    RuntimeConfigError,
     RuntimeConnectionError,
     ServiceAlreadyExistsError,
     StreamIncompleteError,
@@ -44,7 +45,7 @@ __all__ = [
     "Annotated", "Client", "Component", "Context", "DistributedRuntime", "DynamoRuntimeError", "EndpointId",
     "Endpoint", "EngineError", "EtcdClient", "EtcdSettings", "Instance", "InstanceNotFoundError",
     "KeyValue", "KeyValueStore", "LeaseLostError", "Namespace", "NatsSettings", "NoInstancesError",
-    "NoRespondersError", "PrefixWatch", "ResponseStream", "RuntimeConnectionError", "RuntimeSettings",
+    "NoRespondersError", "PrefixWatch", "ResponseStream", "RuntimeConfigError", "RuntimeConnectionError", "RuntimeSettings",
     "STREAM_INCOMPLETE_MESSAGE", "ServiceAlreadyExistsError", "StreamIncompleteError", "WatchEvent",
     "dynamo_worker", "lease_hex", "parse_lease_hex", "run_worker", "slugify",
 ]

@@ -133,7 +133,7 @@ class Endpoint:
         try:
             if not runtime.is_static:
                 key = self.id.instance_key(lease)
-                created = await runtime.etcd_client.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease)
+                created = await runtime.etcd.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease=True)
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
             log.info("serving %s on subject %s", self.id, self.id.subject(lease))
@@ -145,7 +145,7 @@ class Endpoint:
             await _stop_nats_endpoint(service, nats_endpoint)
             if key is not None:
                 try:
-                    await runtime.etcd_client.delete(key)
+                    await runtime.etcd.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway
                     log.debug("deleting %s failed: %s", key, exc)
             timeout = runtime.settings.graceful_shutdown_timeout if graceful_shutdown else 0

@@ -8,9 +8,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .errors import RuntimeConfigError
+
 DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
 DEFAULT_NATS_SERVER = "nats://localhost:4222"
 DEFAULT_LEASE_TTL = 10
+# After etcd comes back, a watch re-lists; keys missing from that listing are reported deleted only after
+# this many seconds (live workers re-publish within ~2 s of etcd's return; see PrefixWatch).
+DEFAULT_RESYNC_GRACE = 5.0
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT = 30.0
 
 
@@ -27,6 +32,7 @@ class EtcdSettings:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    resync_grace: float = DEFAULT_RESYNC_GRACE
 
     @classmethod
     def from_env(cls) -> "EtcdSettings":
@@ -39,7 +45,22 @@ class EtcdSettings:
             ca_file=_env("ETCD_AUTH_CA"),
             cert_file=_env("ETCD_AUTH_CLIENT_CERT"),
             key_file=_env("ETCD_AUTH_CLIENT_KEY"),
+            resync_grace=_float_env("DYN_ETCD_RESYNC_GRACE", DEFAULT_RESYNC_GRACE, minimum=0.0),
         )
+
+
+def _float_env(name: str, default: float, *, minimum: float) -> float:
+    """A number from the environment; a bad value is a clear error, not a silent default."""
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RuntimeConfigError(f"{name}={raw!r} is not a number") from None
+    if value < minimum:
+        raise RuntimeConfigError(f"{name}={raw!r} must be at least {minimum:g}")
+    return value
 
 
 def _normalise_etcd_url(text: str) -> str:
@@ -88,6 +109,7 @@ class RuntimeSettings:
         return cls(
             etcd=EtcdSettings.from_env(),
             nats=NatsSettings.from_env(),
+            lease_ttl=int(_float_env("DYN_LEASE_TTL", DEFAULT_LEASE_TTL, minimum=1)),
             graceful_shutdown_timeout=float(timeout) if timeout else DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT,
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),

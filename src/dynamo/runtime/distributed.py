@@ -1,5 +1,10 @@
 """DistributedRuntime: one process's connections (etcd + NATS), its primary lease (= instance id),
-and its shutdown signal.
+the keys bound to that lease, and its shutdown signal.
+
+Every key written under the primary lease through the runtime (instance records by ``serve_endpoint``,
+model entries by ``register_llm``, anything a user puts with ``lease=True``) is remembered, so that when
+etcd comes back without them (the lease expired during an outage, etcd was wiped or restored from an old
+snapshot) the runtime writes them again; see :mod:`dynamo.runtime.lease`.
 
 Create with ``runtime = await DistributedRuntime.connect()`` (or let ``@dynamo_worker`` do it);
 ``runtime.shutdown()`` starts a graceful shutdown; ``await runtime.close()`` finishes it.
@@ -16,7 +21,7 @@ from nats.aio.client import Client as NatsClient
 from .component import Namespace
 from .config import RuntimeSettings
 from .errors import DynamoRuntimeError
-from .etcd import EtcdClient, KeyValue, PrefixWatch
+from .etcd import EtcdClient, KeyValue, PrefixWatch, _to_bytes
 from .lease import LeaseKeeper
 from .nats_conn import connect_nats
 from .names import lease_hex
@@ -41,12 +46,21 @@ class KeyValueStore:
         return int(lease or 0)
 
     async def put(self, key: str, value: Any, *, lease: bool | int = False) -> int:
-        """Write (overwrite) ``key``; returns the revision."""
-        return await self.client.put(key, value, self._lease(lease))
+        """Write (overwrite) ``key``; returns the revision. Under the primary lease it is re-published
+        if etcd loses it."""
+        lease_id = self._lease(lease)
+        raw = _to_bytes(value)
+        self._runtime._track_key(key, raw, lease_id)
+        return await self.client.put(key, raw, lease_id)
 
     async def create(self, key: str, value: Any, *, lease: bool | int = False) -> bool:
         """Create-if-absent; True if created, False if the key already existed (left untouched)."""
-        return await self.client.create(key, value, self._lease(lease))
+        lease_id = self._lease(lease)
+        raw = _to_bytes(value)
+        created = await self.client.create(key, raw, lease_id)
+        if created:
+            self._runtime._track_key(key, raw, lease_id)
+        return created
 
     async def get(self, key: str) -> KeyValue | None:
         return await self.client.get(key)
@@ -55,9 +69,12 @@ class KeyValueStore:
         return await self.client.get_prefix(prefix)
 
     async def delete(self, key: str) -> int:
+        self._runtime._lease_keys.pop(key, None)
         return await self.client.delete(key)
 
     async def delete_prefix(self, prefix: str) -> int:
+        for key in [k for k in self._runtime._lease_keys if k.startswith(prefix)]:
+            del self._runtime._lease_keys[key]
         return await self.client.delete_prefix(prefix)
 
     def watch_prefix(self, prefix: str) -> PrefixWatch:
@@ -82,6 +99,9 @@ class DistributedRuntime:
         self.nats: NatsClient = None  # type: ignore[assignment]
         self.primary_lease_id = 0
         self._lease: LeaseKeeper | None = None
+        # key -> value of every key written under the primary lease, in writing order (instance keys
+        # before the model entries that point at them): what is re-published after etcd lost them
+        self._lease_keys: dict[str, bytes] = {}
         self._shutdown = asyncio.Event()
         self._closed = False
         self._services: dict[str, Any] = {}
@@ -121,7 +141,7 @@ class DistributedRuntime:
             self.nats = await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}")
             if not self.is_static:
                 assert self.etcd_client is not None
-                self._lease = LeaseKeeper(self.etcd_client, self.settings.lease_ttl, on_lost=self._lease_lost)
+                self._lease = LeaseKeeper(self.etcd_client, self.settings.lease_ttl, on_restored=self._republish)
                 self.primary_lease_id = await self._lease.start()
         except BaseException:
             await self._close_connections()
@@ -154,9 +174,28 @@ class DistributedRuntime:
     async def wait_for_shutdown(self) -> None:
         await self._shutdown.wait()
 
-    def _lease_lost(self) -> None:
-        log.error("primary lease %s lost (etcd unreachable past its TTL); shutting down", self.instance_hex)
-        self.shutdown()
+    def _track_key(self, key: str, value: bytes, lease_id: int) -> None:
+        if lease_id and lease_id == self.primary_lease_id:
+            self._lease_keys[key] = value
+        else:
+            self._lease_keys.pop(key, None)  # overwritten without our lease: no longer ours to restore
+
+    @property
+    def lease_keys(self) -> dict[str, bytes]:
+        """The keys this process keeps registered under its primary lease (a copy)."""
+        return dict(self._lease_keys)
+
+    async def _republish(self, reason: str) -> int:
+        """Write back every key of the primary lease that etcd lost or holds differently; how many were
+        written. Never while shutting down: a worker going away must stay deregistered."""
+        assert self.etcd_client is not None
+        written = 0
+        for key, value in list(self._lease_keys.items()):
+            if self._shutdown.is_set():
+                break
+            if key in self._lease_keys and await self.etcd_client.put_if_changed(key, value, self.primary_lease_id):
+                written += 1
+        return written
 
     async def close(self) -> None:
         """Shut down (if not yet) and release everything: lease revoked, connections closed."""

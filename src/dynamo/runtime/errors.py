@@ -18,6 +18,10 @@ class RuntimeConnectionError(DynamoRuntimeError, ConnectionError):
     """etcd or NATS cannot be reached; the message is one line naming the address."""
 
 
+class RuntimeConfigError(DynamoRuntimeError, ValueError):
+    """A runtime setting from the environment is malformed; the message names the variable."""
+
+
 class LeaseLostError(DynamoRuntimeError):
     """The primary lease expired or was revoked, so this instance is no longer registered."""
 

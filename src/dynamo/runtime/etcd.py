@@ -5,8 +5,12 @@ grpcio + protobuf (~22 MB) whose generated etcd descriptors clash with other etc
 process, and etcd is not on the request hot path: only registration, leases and watches go through it.
 
 Only what the runtime needs is here: range/put/txn(create-if-absent)/delete, lease grant/keep-alive/
-revoke, and prefix watches with get-then-watch (no gap) and transparent re-watch after a broken stream
-or compaction.
+revoke, and prefix watches with get-then-watch (no gap) that survive etcd outages: a broken stream is
+re-opened with backoff after a fresh listing (so compaction, a wiped etcd or one restored from an older
+snapshot, where the revision goes backwards, are all caught up by emitting the difference).
+
+Connectivity is tracked per client: the first failure after a success logs one warning, the first
+success after a failure logs one info line, whatever made the call (a watch, a keep-alive, a put).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import asyncio
 import base64
 import logging
 import os
+import random
 import ssl
+import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
 import aiohttp
 import orjson
@@ -105,6 +111,24 @@ class EtcdError(DynamoRuntimeError):
     """etcd answered with an error (not a connectivity problem)."""
 
 
+class _AuthExpired(EtcdError):
+    """etcd refused our token (expired, or etcd restarted and forgot it): authenticate again."""
+
+
+def _is_auth_error(status: int, text: str) -> bool:
+    lowered = text.lower()
+    return status == 401 or "invalid auth token" in lowered or '"grpc_code":16' in lowered.replace(" ", "")
+
+
+def backoff_delays(first: float = 0.25, cap: float = 2.0) -> "Iterator[float]":
+    """Retry delays: ``first`` doubling up to ``cap``, each with +-20 % jitter (so a fleet that lost etcd
+    at the same moment does not hammer it in step when it returns)."""
+    delay = first
+    while True:
+        yield delay * random.uniform(0.8, 1.2)
+        delay = min(delay * 2, cap)
+
+
 def _describe(exc: BaseException) -> str:
     """A short lowercase reason for a connection failure, e.g. 'connection refused'."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -128,23 +152,44 @@ class EtcdClient:
         self._session: aiohttp.ClientSession | None = None
         self._token: str | None = None
         self._watches: set[PrefixWatch] = set()
+        self._down_since: float | None = None  # monotonic time of the first failure of an outage
+        self._connected = False  # before connect() succeeds a failure is connect()'s to report
+        self._auth_lock = asyncio.Lock()
 
     @property
     def endpoint(self) -> str:
         """The etcd URL currently in use."""
         return self._endpoints[0]
 
+    @property
+    def reachable(self) -> bool:
+        """False from the first failed call of an outage until the next call that succeeds."""
+        return self._down_since is None
+
+    def _note_down(self, reason: str) -> None:
+        if self._down_since is None and self._connected:
+            self._down_since = time.monotonic()
+            log.warning("etcd unreachable (%s); serving goes on with what is known, retrying", reason)
+
+    def _note_up(self) -> None:
+        if self._down_since is not None:
+            down_for = time.monotonic() - self._down_since
+            self._down_since = None
+            log.info("etcd at %s reachable again after %.1fs", self.endpoint, down_for)
+
     # ------------------------------------------------------------------ connection
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """Verify the server's certificate, against ETCD_AUTH_CA if given, else the system trust store."""
+        ctx = ssl.create_default_context(cafile=self.settings.ca_file)
+        if self.settings.cert_file:
+            ctx.load_cert_chain(self.settings.cert_file, self.settings.key_file)
+        return ctx
 
     async def connect(self) -> None:
         """Open the HTTP session and check that some endpoint answers; raise RuntimeConnectionError otherwise."""
-        ssl_ctx: ssl.SSLContext | None = None
-        if self.settings.ca_file or self.settings.cert_file:
-            ssl_ctx = ssl.create_default_context(cafile=self.settings.ca_file)
-            if self.settings.cert_file:
-                ssl_ctx.load_cert_chain(self.settings.cert_file, self.settings.key_file)
         # no connection cap: every watch holds one streaming connection for its lifetime
-        connector = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx else False)
+        connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl_context())
         self._session = aiohttp.ClientSession(connector=connector)
         errors: list[str] = []
         for _ in range(len(self._endpoints)):
@@ -152,6 +197,7 @@ class EtcdClient:
             try:
                 await self._authenticate()
                 await self._post("/v3/kv/range", {"key": _b64(b"\0")}, timeout=CONNECT_TIMEOUT, retry=False)
+                self._connected = True
                 return
             except RuntimeConnectionError as exc:
                 errors.append(str(exc))
@@ -181,6 +227,12 @@ class EtcdClient:
         result = await self._post("/v3/auth/authenticate", body, retry=False)
         self._token = result.get("token")
 
+    async def _reauthenticate(self, stale: str | None) -> None:
+        """A fresh token, unless another task already replaced ``stale`` meanwhile."""
+        async with self._auth_lock:
+            if self._token == stale or self._token is None:
+                await self._authenticate()
+
     async def _post(self, path: str, body: dict, *, timeout: float = REQUEST_TIMEOUT, retry: bool = True) -> dict:
         """POST a JSON body to the current endpoint; fail over to the next endpoint once on connect errors."""
         attempts = len(self._endpoints) if retry else 1
@@ -198,8 +250,9 @@ class EtcdClient:
         if self._session is None:
             raise EtcdError("etcd client is not connected")
         headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = self._token
+        token = self._token
+        if token:
+            headers["Authorization"] = token
         try:
             async with self._session.post(
                 url, data=orjson.dumps(body), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
@@ -208,12 +261,19 @@ class EtcdClient:
                 status = resp.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
             base = url.split("/v3/")[0]
-            raise RuntimeConnectionError(f"cannot reach etcd at {base}: {_describe(exc)}") from None
-        result = orjson.loads(raw) if raw else {}
+            reason = f"cannot reach etcd at {base}: {_describe(exc)}"
+            self._note_down(reason)
+            raise RuntimeConnectionError(reason) from None
+        self._note_up()
+        try:
+            result = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError:
+            result = {"message": raw.decode(errors="replace")[:200]}
         if status != 200:
             message = result.get("message") or result.get("error") or raw.decode(errors="replace")
-            if status == 401 and self.settings.username and "/auth/" not in url:
-                await self._authenticate()  # token expired: once more with a fresh one
+            if (self.settings.username and "/auth/" not in url
+                    and _is_auth_error(status, raw.decode(errors="replace"))):
+                await self._reauthenticate(token)  # token expired or etcd restarted: once more, fresh token
                 return await self._post_once(url, body, timeout)
             raise EtcdError(f"etcd error {status}: {message}")
         return result
@@ -269,16 +329,41 @@ class EtcdClient:
 
     # ------------------------------------------------------------------ leases
 
-    async def grant_lease(self, ttl: int) -> int:
-        result = await self._post("/v3/lease/grant", {"TTL": str(ttl), "ID": "0"})
+    async def grant_lease(self, ttl: int, lease_id: int = 0) -> int:
+        """Grant a lease; ``lease_id`` asks for that id (0: etcd picks). Returns the id.
+
+        Asking for a known id is how an instance keeps its identity after etcd lost its lease: the id is
+        in its keys and NATS subjects. EtcdError if that id is in use.
+        """
+        result = await self._post("/v3/lease/grant", {"TTL": str(ttl), "ID": str(lease_id)})
         if result.get("error"):
             raise EtcdError(f"lease grant failed: {result['error']}")
         return int(result["ID"])
 
+    async def keep_alive(self, lease_id: int) -> tuple[int, int]:
+        """Refresh a lease: (TTL, store revision). TTL 0 means etcd does not know the lease (expired,
+        revoked, or etcd was wiped)."""
+        result = (await self._post("/v3/lease/keepalive", {"ID": str(lease_id)})).get("result") or {}
+        return int(result.get("TTL", 0)), int((result.get("header") or {}).get("revision", 0))
+
     async def keep_alive_once(self, lease_id: int) -> int:
         """Refresh a lease; returns its TTL, or 0 if etcd no longer knows it (expired or revoked)."""
-        result = await self._post("/v3/lease/keepalive", {"ID": str(lease_id)})
-        return int((result.get("result") or {}).get("TTL", 0))
+        return (await self.keep_alive(lease_id))[0]
+
+    async def put_if_changed(self, key: str, value: bytes, lease: int) -> bool:
+        """Write ``key`` unless it already holds ``value`` under ``lease`` (so no watcher sees an event
+        for nothing). True if it wrote."""
+        raw = _b64(key.encode())
+        body = {
+            "compare": [
+                {"key": raw, "target": "VALUE", "result": "EQUAL", "value": _b64(value)},
+                {"key": raw, "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
+            ],
+            "success": [],
+            "failure": [{"request_put": {"key": raw, "value": _b64(value), "lease": str(lease)}}],
+        }
+        result = await self._post("/v3/kv/txn", body)
+        return not result.get("succeeded", False)
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease (deleting its keys). An unknown lease is not an error."""
@@ -296,7 +381,7 @@ class EtcdClient:
         ``async for ev in client.watch_prefix("models"): ...``; or ``w = await client.watch_prefix(p)``
         to have the listing in ``w.initial`` before iterating. Close with ``await w.close()``.
         """
-        watch = PrefixWatch(self, prefix)
+        watch = PrefixWatch(self, prefix, resync_grace=self.settings.resync_grace)
         self._watches.add(watch)
         return watch
 
@@ -306,8 +391,9 @@ class EtcdClient:
         raw = prefix.encode()
         create = {"key": _b64(raw), "range_end": _b64(prefix_range_end(raw)), "start_revision": str(start_revision)}
         headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = self._token
+        token = self._token
+        if token:
+            headers["Authorization"] = token
         url = self.endpoint + "/v3/watch"
         try:
             resp = await self._session.post(
@@ -316,10 +402,16 @@ class EtcdClient:
             )
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
             self._rotate()
-            raise RuntimeConnectionError(f"cannot reach etcd at {url[:-9]}: {_describe(exc)}") from None
+            reason = f"cannot reach etcd at {url[:-9]}: {_describe(exc)}"
+            self._note_down(reason)
+            raise RuntimeConnectionError(reason) from None
+        self._note_up()
         if resp.status != 200:
             text = await resp.text()
             resp.release()
+            if self.settings.username and _is_auth_error(resp.status, text):
+                await self._reauthenticate(token)
+                raise _AuthExpired(f"etcd watch refused the token ({resp.status}); re-authenticated")
             raise EtcdError(f"etcd watch error {resp.status}: {text}")
         return resp
 
@@ -329,20 +421,35 @@ class _Compacted(Exception):
 
 
 class PrefixWatch:
-    """A running get-then-watch on a prefix. See :meth:`EtcdClient.watch_prefix`."""
+    """A running get-then-watch on a prefix. See :meth:`EtcdClient.watch_prefix`.
 
-    RETRY_DELAY = 0.5
+    It never ends by itself: when the stream breaks (etcd restarting, unreachable, compacted, token
+    expired) it retries with backoff, and each time it gets through it first lists the prefix again and
+    emits the difference from what it had emitted, then watches from that listing's revision. So a wiped
+    etcd, or one restored from an older snapshot (the revision went backwards, where watching from our
+    old revision would wait for changes that never come), is caught up like compaction is. Deletions
+    found that way are held back ``resync_grace`` seconds, cancelled if the key comes back meanwhile:
+    after a wipe, live workers re-publish their keys within a few seconds, and a consumer must not drop
+    a model they still serve. Deletions seen live are emitted at once.
+    """
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    RETRY_FIRST = 0.25
+    RETRY_CAP = 2.0
+
+    def __init__(self, client: EtcdClient, prefix: str, *, resync_grace: float = 0.0) -> None:
         self._client = client
         self.prefix = prefix
+        self.resync_grace = resync_grace
         self.initial: list[KeyValue] = []
         self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue()
-        self._known: dict[str, int] = {}  # key -> mod_revision, to re-sync after compaction
+        # key -> (value, lease) as last emitted, to emit only the difference after a re-list
+        self._known: dict[str, tuple[bytes, int]] = {}
+        self._pending_deletes: dict[str, asyncio.TimerHandle] = {}
         self._revision = 0
         self._task: asyncio.Task | None = None
         self._started = False
         self._closed = False
+        self.resyncs = 0  # how many re-lists ran (tests and diagnostics)
 
     async def start(self) -> "PrefixWatch":
         """Do the initial listing and start watching from the revision right after it."""
@@ -353,7 +460,7 @@ class PrefixWatch:
         self.initial = kvs
         self._revision = revision
         for kv in kvs:
-            self._known[kv.key] = kv.mod_revision
+            self._known[kv.key] = (kv.value, kv.lease)
             self._queue.put_nowait(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease, initial=True))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"etcd-watch:{self.prefix}")
         return self
@@ -381,6 +488,9 @@ class PrefixWatch:
         self._client._watches.discard(self)
         await cancel_and_wait(self._task)
         self._task = None
+        for handle in self._pending_deletes.values():
+            handle.cancel()
+        self._pending_deletes.clear()
         self._queue.put_nowait(None)
 
     async def __aenter__(self) -> "PrefixWatch":
@@ -390,18 +500,42 @@ class PrefixWatch:
         await self.close()
 
     async def _run(self) -> None:
-        """Keep a watch stream open from ``_revision + 1``; re-open after errors, re-list after compaction."""
+        """Keep a watch stream open from ``_revision + 1``; after any break, re-list then re-watch."""
+        delays = backoff_delays(self.RETRY_FIRST, self.RETRY_CAP)
+        need_resync = False
+        failing = False
         while not self._closed:
             try:
+                if need_resync:
+                    await self._resync()
+                    need_resync = False
+                    if failing:
+                        log.info("etcd watch on %s re-established", self.prefix)
+                        failing = False
+                    delays = backoff_delays(self.RETRY_FIRST, self.RETRY_CAP)
                 await self._stream_once()
+                need_resync = True  # etcd ended the stream (it is stopping): catch up when it is back
             except asyncio.CancelledError:
                 raise
             except _Compacted:
-                await self._resync()
+                need_resync = True
+                continue  # etcd is up: re-list at once
+            except _AuthExpired as exc:
+                need_resync = True
+                log.info("%s", exc)
                 continue
-            except Exception as exc:  # connection dropped, etcd restarting...
-                log.debug("etcd watch on %s broke (%s); re-watching", self.prefix, exc)
-            await asyncio.sleep(self.RETRY_DELAY)
+            except RuntimeConnectionError as exc:
+                need_resync = True
+                log.debug("etcd watch on %s: %s; retrying", self.prefix, exc)  # the client logged the outage
+            except Exception as exc:  # noqa: BLE001 - an error answer, a broken stream, a bug: never die
+                need_resync = True
+                if not failing:
+                    failing = True
+                    log.warning("etcd watch on %s broke (%s); re-listing and re-watching with backoff",
+                                self.prefix, exc, exc_info=not isinstance(exc, (EtcdError, aiohttp.ClientError)))
+                else:
+                    log.debug("etcd watch on %s still failing: %s", self.prefix, exc)
+            await asyncio.sleep(next(delays))
 
     async def _stream_once(self) -> None:
         resp = await self._client._open_watch_stream(self.prefix, self._revision + 1)
@@ -421,34 +555,64 @@ class PrefixWatch:
 
     def _handle_message(self, msg: dict) -> None:
         if "error" in msg:
-            raise EtcdError(f"etcd watch error: {msg['error']}")
+            text = orjson.dumps(msg["error"]).decode()
+            if self._client.settings.username and _is_auth_error(0, text):
+                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused; re-authenticating")
+            raise EtcdError(f"etcd watch error: {text}")
         result = msg.get("result") or {}
         if int(result.get("compact_revision", 0) or 0) > 0:
             raise _Compacted()
         if result.get("canceled"):
-            raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
+            reason = str(result.get("cancel_reason", ""))
+            if self._client.settings.username and _is_auth_error(0, reason):
+                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused; re-authenticating")
+            raise EtcdError(f"etcd watch canceled: {reason}")
         for ev in result.get("events") or ():
             kv = ev.get("kv") or {}
             key = _unb64(kv.get("key")).decode()
             rev = int(kv.get("mod_revision", 0))
+            self._cancel_pending_delete(key)
             if ev.get("type") == "DELETE":
                 self._known.pop(key, None)
                 self._queue.put_nowait(WatchEvent("delete", key, b"", rev))
             else:
-                self._known[key] = rev
-                self._queue.put_nowait(WatchEvent("put", key, _unb64(kv.get("value")), rev, int(kv.get("lease", 0))))
+                value, lease = _unb64(kv.get("value")), int(kv.get("lease", 0))
+                self._known[key] = (value, lease)
+                self._queue.put_nowait(WatchEvent("put", key, value, rev, lease))
             self._revision = max(self._revision, rev)
 
+    def _cancel_pending_delete(self, key: str) -> None:
+        handle = self._pending_deletes.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+
     async def _resync(self) -> None:
-        """After compaction we may have missed changes: list again and emit the difference."""
+        """List again and emit the difference from what was emitted (missed changes, wipe, restore)."""
         kvs, revision = await self._client.get_prefix_with_revision(self.prefix)
+        self.resyncs += 1
+        if revision < self._revision:
+            log.warning("etcd revision went backwards (%d -> %d; etcd was wiped or restored from a snapshot): "
+                        "re-listed %s", self._revision, revision, self.prefix)
         current = {kv.key: kv for kv in kvs}
-        for key in list(self._known):
-            if key not in current:
-                del self._known[key]
-                self._queue.put_nowait(WatchEvent("delete", key, b"", revision))
+        gone = [key for key in self._known if key not in current and key not in self._pending_deletes]
+        for key in gone:
+            if self.resync_grace > 0:
+                loop = asyncio.get_running_loop()
+                self._pending_deletes[key] = loop.call_later(self.resync_grace, self._expire, key, revision)
+            else:
+                self._emit_delete(key, revision)
         for key, kv in current.items():
-            if self._known.get(key) != kv.mod_revision:
-                self._known[key] = kv.mod_revision
+            self._cancel_pending_delete(key)
+            if self._known.get(key) != (kv.value, kv.lease):
+                self._known[key] = (kv.value, kv.lease)
                 self._queue.put_nowait(WatchEvent("put", key, kv.value, kv.mod_revision, kv.lease))
         self._revision = revision
+
+    def _expire(self, key: str, revision: int) -> None:
+        self._pending_deletes.pop(key, None)
+        if not self._closed and key in self._known:
+            self._emit_delete(key, revision)
+
+    def _emit_delete(self, key: str, revision: int) -> None:
+        self._known.pop(key, None)
+        self._queue.put_nowait(WatchEvent("delete", key, b"", revision))

@@ -1,0 +1,110 @@
+"""One model's workers across every endpoint that serves it.
+
+A model name may be registered by workers on more than one endpoint (``dyn://ns.a.generate`` and
+``dyn://ns.b.generate``, e.g. two pools or a migration between deployments). The frontend serves that
+name from the **union** of their live instances: :class:`ModelClient` looks like one runtime
+:class:`~dynamo.runtime.Client` to the routers (``instance_ids``, ``round_robin``, ``random``,
+``direct``, ``wait_for_instances``) and hands each request to the endpoint client that owns the chosen
+instance. With a single endpoint (the usual case) it simply delegates, so behaviour is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random as _random
+from typing import Any
+
+from dynamo.runtime import Client, Context, ResponseStream
+
+
+class ModelClient:
+    def __init__(self, clients: list[Client] | None = None) -> None:
+        self._clients: list[Client] = list(clients or [])
+        self._counter = 0
+
+    # -- membership ------------------------------------------------------------------------------
+
+    @property
+    def clients(self) -> list[Client]:
+        return list(self._clients)
+
+    def add(self, client: Client) -> None:
+        if client not in self._clients:
+            self._clients.append(client)
+
+    def remove(self, client: Client) -> None:
+        if client in self._clients and len(self._clients) > 1:  # keep one: requests still need a home
+            self._clients.remove(client)
+
+    @property
+    def runtime(self) -> Any:
+        return self._clients[0].runtime
+
+    @property
+    def endpoint_id(self) -> Any:
+        return self._clients[0].endpoint_id
+
+    # -- instances -------------------------------------------------------------------------------
+
+    def instance_ids(self) -> list[int]:
+        if len(self._clients) == 1:
+            return self._clients[0].instance_ids()
+        ids: set[int] = set()
+        for client in self._clients:
+            ids.update(client.instance_ids())
+        return sorted(ids)
+
+    def instances(self) -> list[Any]:
+        return [inst for client in self._clients for inst in client.instances()]
+
+    def report_instance_down(self, instance_id: int) -> None:
+        for client in self._clients:
+            client.report_instance_down(instance_id)
+
+    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
+        """Wait until some endpoint has an instance; asyncio.TimeoutError after ``timeout``."""
+        if len(self._clients) == 1:
+            return await self._clients[0].wait_for_instances(timeout)
+        if self.instance_ids():
+            return self.instance_ids()
+        waiters = [asyncio.ensure_future(c.wait_for_instances()) for c in self._clients]
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        if not done:
+            raise asyncio.TimeoutError
+        return self.instance_ids()
+
+    def _owner(self, instance_id: int) -> Client:
+        for client in self._clients:
+            if instance_id in client.instance_ids():
+                return client
+        return self._clients[0]  # unknown id: that client raises InstanceNotFoundError
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def direct(self, request: Any, instance_id: int, *, context: Context | None = None,
+               annotated: bool = False) -> ResponseStream:
+        return self._owner(instance_id).direct(request, instance_id, context=context, annotated=annotated)
+
+    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
+        if len(self._clients) == 1:
+            return self._clients[0].round_robin(request, context=context, annotated=annotated)
+        ids = self.instance_ids()
+        if not ids:  # let the first client raise NoInstancesError
+            return self._clients[0].round_robin(request, context=context, annotated=annotated)
+        chosen = ids[self._counter % len(ids)]
+        self._counter += 1
+        return self.direct(request, chosen, context=context, annotated=annotated)
+
+    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
+        if len(self._clients) == 1:
+            return self._clients[0].random(request, context=context, annotated=annotated)
+        ids = self.instance_ids()
+        if not ids:
+            return self._clients[0].random(request, context=context, annotated=annotated)
+        return self.direct(request, _random.choice(ids), context=context, annotated=annotated)
+
+    generate = random
