@@ -131,6 +131,25 @@ class _ServerProcess:
     def _cleanup(self) -> None:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    def crash(self) -> None:
+        """SIGKILL at once, keeping the data directory (for :meth:`restart`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, *, wipe: bool = False) -> "_ServerProcess":
+        """Start again on the same ports after :meth:`crash` (a crash first if still running), with the
+        data it had, or none with ``wipe`` (a lost or replaced server). Blocks until it answers."""
+        self.crash()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        return self.start()
+
+    @property
+    def data_dir(self) -> Path:
+        return self.tmpdir / "data"
+
     def __enter__(self):
         if self.proc is None:
             self.start()
@@ -145,21 +164,24 @@ class EtcdServer(_ServerProcess):
 
     name = "etcd"
 
-    def __init__(self, startup_timeout: float = 20.0) -> None:
+    def __init__(self, startup_timeout: float = 20.0, extra_args: list[str] | None = None,
+                 scheme: str = "http") -> None:
         super().__init__(startup_timeout)
         self.client_port = free_port()
         self.peer_port = free_port()
+        self.extra_args = list(extra_args or [])
+        self.scheme = scheme  # "https" needs --cert-file/--key-file in extra_args
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
     def command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             etcd_binary(),
             "--name", "default",
-            "--data-dir", str(self.tmpdir / "data"),
+            "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.url,
             "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer,
@@ -167,9 +189,16 @@ class EtcdServer(_ServerProcess):
             "--initial-cluster", f"default={peer}",
             "--unsafe-no-fsync",  # test data only; keeps a 2-core machine quick
             "--log-level", "warn",
+            *self.extra_args,
         ]
 
     def is_ready(self) -> bool:
+        if self.scheme == "https":  # the test's CA is not the system's: only check that it listens
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                    return True
+            except OSError:
+                return False
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                 return b'"true"' in resp.read()
@@ -194,7 +223,7 @@ class NatsServer(_ServerProcess):
     def command(self) -> list[str]:
         cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
         if self.jetstream:
-            cmd += ["-js", "--store_dir", str(self.tmpdir / "js")]
+            cmd += ["-js", "--store_dir", str(self.data_dir)]
         return cmd
 
     def is_ready(self) -> bool:

@@ -524,9 +524,11 @@ class PrefixWatch:
                 need_resync = True
                 log.info("%s", exc)
                 continue
-            except RuntimeConnectionError as exc:
+            except (RuntimeConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                    asyncio.TimeoutError, OSError) as exc:
+                # etcd went away (the client logs the outage once) or cut the stream while stopping
                 need_resync = True
-                log.debug("etcd watch on %s: %s; retrying", self.prefix, exc)  # the client logged the outage
+                log.debug("etcd watch on %s: %s; retrying", self.prefix, exc)
             except Exception as exc:  # noqa: BLE001 - an error answer, a broken stream, a bug: never die
                 need_resync = True
                 if not failing:

@@ -12,7 +12,8 @@ a partition, or etcd was wiped or restored from an older snapshot) the keeper gr
 the same id**, so the instance id, subjects and keys stay what they were, and asks its owner to
 re-publish the keys bound to it (``on_restored``). After any outage, or when the store revision went
 backwards, the owner is asked to check its keys too: a restored snapshot may hold the lease but not
-every key. One warning when the outage starts, one info line when it ends.
+every key. The outage itself is logged by the etcd client (one warning, one info line when it ends);
+the keeper adds an info line when it had to grant the lease again or re-publish keys.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from typing import Awaitable, Callable
 
 from dynamo.aio import cancel_and_wait
-from .errors import DynamoRuntimeError
+from .errors import DynamoRuntimeError, RuntimeConnectionError
 from .etcd import EtcdClient, backoff_delays
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LeaseKeeper:
         interval = period
         delays = backoff_delays(self.RETRY_FIRST, cap)
         failing_since: float | None = None
+        failing_loudly = False
         last_revision = 0
         while not self._revoked:
             await asyncio.sleep(interval)
@@ -73,17 +75,18 @@ class LeaseKeeper:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down, slow or refusing: keep serving, retry
+                # an unreachable etcd is logged once by the client (warning, then info when it is back)
+                loud = failing_since is None and not isinstance(exc, RuntimeConnectionError)
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    log.warning("lease %x: keep-alive failed (%s); still serving, retrying with backoff",
-                                self.lease_id, exc)
-                else:
-                    log.debug("lease %x: keep-alive still failing: %s", self.lease_id, exc)
+                    failing_loudly = loud
+                (log.warning if loud else log.debug)(
+                    "lease %x: keep-alive failed (%s); still serving, retrying with backoff", self.lease_id, exc)
                 interval = next(delays)
                 continue
             if failing_since is not None:
-                log.info("lease %x: etcd answers again after %.1fs; registration checked",
-                         self.lease_id, time.monotonic() - failing_since)
+                (log.info if failing_loudly else log.debug)(
+                    "lease %x: keep-alive works again after %.1fs", self.lease_id, time.monotonic() - failing_since)
                 failing_since = None
             interval = period
             delays = backoff_delays(self.RETRY_FIRST, cap)

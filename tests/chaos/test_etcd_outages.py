@@ -1,0 +1,283 @@
+"""etcd outages, end to end: a frontend (``in=http out=dyn``) and ``echo_core`` workers as real processes,
+a real etcd that is killed with SIGKILL and brought back with its data or without (wiped), a real
+nats-server that stays up.
+
+The lease TTL is 2 s here (``DYN_LEASE_TTL``) and every outage lasts 5 s, so each outage outlives every
+lease. Throughout, client threads send chat requests through the frontend (streaming and not); the tests
+assert that none fails, that every worker is still running with the same instance id and its keys back
+in etcd, that the model stays listed, and that a worker started after an outage is discovered. The
+figures (requests, failures, recovery times) are printed on one ``FIGURES`` line per test
+(``pytest tests/chaos -m chaos -s``) and copied into docs/reliability.md.
+
+The tests run in file order on one module-wide fleet: keep-data outage, wiped outage, new worker,
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.support.proc import DynamoRun, DynamoWorker
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
+
+LEASE_TTL = 2
+OUTAGE_S = 5.0
+ENDPOINT = "dyn://chaos.backend.generate"
+MODEL = "chaos-model"
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def etcd_keys(etcd: EtcdServer, prefix: str) -> dict[str, int]:
+    """``{key: lease}`` under ``prefix``; {} if etcd does not answer."""
+    end = bytearray(prefix.encode())
+    end[-1] += 1
+    try:
+        resp = httpx.post(f"{etcd.url}/v3/kv/range",
+                          json={"key": _b64(prefix), "range_end": base64.b64encode(bytes(end)).decode()}, timeout=2)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in resp.json().get("kvs", [])}
+
+
+def health_instances(frontend: DynamoRun) -> set[int]:
+    try:
+        body = httpx.get(frontend.base_url + "/health", timeout=2).json()
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return set()
+    return {i["instance_id"] for i in body.get("instances", []) if i["endpoint"] == ENDPOINT}
+
+
+def model_listed(frontend: DynamoRun) -> bool:
+    resp = httpx.get(frontend.api_url + "/models", timeout=2)
+    return resp.status_code == 200 and MODEL in {m["id"] for m in resp.json()["data"]}
+
+
+def registered(etcd: EtcdServer, workers: list[DynamoWorker]) -> bool:
+    """Every worker's instance key and model entry are in etcd under its own (unchanged) lease."""
+    instances = etcd_keys(etcd, "instances/chaos/backend/generate:")
+    models = etcd_keys(etcd, "models/chaos/backend/generate/")
+    for w in workers:
+        lease = w.instance_id
+        if instances.get(f"instances/chaos/backend/generate:{w.instance_hex}") != lease:
+            return False
+        if not any(k.startswith(f"models/chaos/backend/generate/{w.instance_hex}/") and v == lease
+                   for k, v in models.items()):
+            return False
+    return True
+
+
+class Load:
+    """Client threads sending requests (completions, chat streams) through the frontend until stopped; counts what failed."""
+
+    def __init__(self, frontend: DynamoRun, threads: int = 3) -> None:
+        self.base = frontend.api_url
+        self.sent = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _one(self, client: httpx.Client, i: int, stream: bool) -> str | None:
+        """None if the request got its full, right answer; else what went wrong. echo_core echoes: a
+        completion gives its prompt back, a chat stream the templated prompt up to the first end of turn."""
+        if not stream:
+            resp = client.post(self.base + "/completions", json={"model": MODEL, "prompt": f"request {i}"})
+            if resp.status_code != 200:
+                return f"{resp.status_code} {resp.text[:200]}"
+            text = resp.json()["choices"][0]["text"]
+            return None if text == f"request {i}" else f"unexpected answer {text[:100]!r}"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"request {i}"}], "stream": True}
+        parts: list[str] = []
+        with client.stream("POST", self.base + "/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return f"{resp.status_code} {resp.read()[:200]!r}"
+            done = False
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return f"error event {chunk['error']}"
+                for choice in chunk.get("choices", []):
+                    parts.append(choice.get("delta", {}).get("content") or "")
+        text = "".join(parts)
+        if not done:
+            return "stream ended without [DONE]"
+        return None if text.startswith("<|im_start|>system") else f"unexpected answer {text[:100]!r}"
+
+    def _run(self, n: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                try:
+                    error = self._one(client, n * 1_000_000 + i, stream=bool(i % 2))
+                except httpx.HTTPError as e:
+                    error = f"{type(e).__name__}: {e}"
+                with self._lock:
+                    self.sent += 1
+                    if error:
+                        self.failed.append(error)
+
+    def wait_for(self, more: int, timeout: float = 20.0) -> None:
+        """Until ``more`` further requests completed (proof that traffic flows right now)."""
+        target = self.sent + more
+        wait_until(lambda: self.sent >= target, timeout, f"{more} more requests to complete")
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    server = EtcdServer()
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def env(etcd: EtcdServer, nats: NatsServer) -> dict[str, str]:
+    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LEASE_TTL": str(LEASE_TTL),
+            "DYN_LOG": "info"}
+
+
+def start_worker(env: dict[str, str], model_dir: Path) -> DynamoWorker:
+    return DynamoWorker(f"in={ENDPOINT}", "out=echo_core", str(model_dir), "--model-name", MODEL, env=env)
+
+
+@pytest.fixture(scope="module")
+def fleet(env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
+    workers = [start_worker(env, tiny_model).start(wait=False) for _ in range(2)]
+    frontend = DynamoRun("out=dyn", env=env)
+    try:
+        frontend.start()
+        for w in workers:
+            w.wait_ready()
+        wait_until(lambda: health_instances(frontend) == {w.instance_id for w in workers} and model_listed(frontend),
+                   15, "both workers on the frontend")
+        yield {"frontend": frontend, "workers": workers, "extra": []}
+    finally:
+        import os
+        if os.environ.get("H1_DEBUG"):
+            print("FRONTEND LOG\n", frontend.stderr_text()[-6000:])
+            print("WORKER LOG\n", workers[0].stderr_text()[-6000:])
+        frontend.kill()
+        for w in workers:
+            w.kill()
+
+
+def outage(etcd: EtcdServer, fleet: dict[str, Any], *, wipe: bool) -> dict[str, Any]:
+    """Kill -9 etcd for OUTAGE_S under load, bring it back; return the figures."""
+    frontend, workers = fleet["frontend"], fleet["workers"]
+    with Load(frontend) as load:
+        load.wait_for(10)
+        etcd.crash()
+        down_at = time.monotonic()
+        load.wait_for(10)  # requests go on while etcd is down...
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))  # ...for as long as the outage lasts
+        during = load.sent
+        etcd.restart(wipe=wipe)
+        back_at = time.monotonic()
+        wait_until(lambda: registered(etcd, workers), 15, "every worker's keys back in etcd")
+        keys_back_s = time.monotonic() - back_at
+        load.wait_for(10)
+        time.sleep(2.0)  # keep the load on a little after the return: the re-lists happen in this window
+    figures = {"wipe": wipe, "sent": load.sent, "sent_during_outage": during, "failed": len(load.failed),
+               "outage_s": round(back_at - down_at, 1), "keys_back_s": round(keys_back_s, 2)}
+    print(f"\nFIGURES etcd outage {json.dumps(figures)}")
+    assert not load.failed, load.failed[:5]
+    for w in workers:
+        assert w.running, f"worker exited with {w.proc.returncode}:\n{w.stderr_text()[-3000:]}"
+    assert frontend.running, frontend.stderr_text()[-3000:]
+    assert model_listed(frontend)
+    assert health_instances(frontend) >= {w.instance_id for w in workers}
+    return figures
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+
+
+def test_outage_longer_than_lease_with_data_kept(etcd, fleet):
+    outage(etcd, fleet, wipe=False)
+    # one warning when it starts, one info line when it ends (not one per retry or per watch)
+    for proc in (fleet["workers"][0], fleet["frontend"]):
+        log = proc.stderr_text()
+        assert log.count("etcd unreachable") == 1, log[-3000:]
+        assert log.count("reachable again after") == 1, log[-3000:]
+        assert "WARNING" not in log.replace("WARNING dynamo.runtime.etcd: etcd unreachable", ""), log[-3000:]
+
+
+def test_outage_with_etcd_wiped(etcd, fleet):
+    figures = outage(etcd, fleet, wipe=True)
+    assert figures["keys_back_s"] < 10
+    log = fleet["workers"][0].stderr_text()
+    assert "granted again with the same id" in log, log[-3000:]
+
+
+def test_worker_started_after_outage_is_discovered(env, etcd, fleet, tiny_model):
+    frontend = fleet["frontend"]
+    late = start_worker(env, tiny_model).start()
+    fleet["workers"].append(late)
+    ready_at = time.monotonic()
+    wait_until(lambda: late.instance_id in health_instances(frontend), 20, "the new worker on the frontend")
+    print(f"\nFIGURES new worker discovered {time.monotonic() - ready_at:.2f}s after it registered")
+
+
+def test_sigterm_after_outage_still_deregisters(etcd, fleet):
+    worker = fleet["workers"].pop()
+    key = f"instances/chaos/backend/generate:{worker.instance_hex}"
+    assert key in etcd_keys(etcd, "instances/")
+    worker.terminate()
+    assert worker.wait(15) == 0, worker.stderr_text()[-3000:]
+    assert key not in etcd_keys(etcd, "instances/")
+    assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "models/"))
+    wait_until(lambda: worker.instance_id not in health_instances(fleet["frontend"]), 5,
+               "the stopped worker gone from the frontend")
