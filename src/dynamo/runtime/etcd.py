@@ -133,6 +133,12 @@ def _describe(exc: BaseException) -> str:
     """A short lowercase reason for a connection failure, e.g. 'connection refused'."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return "timed out"
+    cert_error = getattr(exc, "certificate_error", None)
+    if isinstance(cert_error, ssl.SSLCertVerificationError):
+        detail = cert_error.verify_message or str(cert_error)
+        return f"certificate verify failed: {detail} (ETCD_AUTH_CA names the CA to trust)"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return f"TLS failed: {str(exc).splitlines()[0]}"
     os_err = getattr(exc, "os_error", None) or (exc if isinstance(exc, OSError) else None)
     if isinstance(os_err, OSError):
         if os_err.errno:
@@ -450,6 +456,9 @@ class PrefixWatch:
         self._started = False
         self._closed = False
         self.resyncs = 0  # how many re-lists ran (tests and diagnostics)
+        self._failing = False  # a warning was logged for the current run of failures
+        self._auth_retried = False
+        self._stream_token: str | None = None
 
     async def start(self) -> "PrefixWatch":
         """Do the initial listing and start watching from the revision right after it."""
@@ -503,15 +512,11 @@ class PrefixWatch:
         """Keep a watch stream open from ``_revision + 1``; after any break, re-list then re-watch."""
         delays = backoff_delays(self.RETRY_FIRST, self.RETRY_CAP)
         need_resync = False
-        failing = False
         while not self._closed:
             try:
                 if need_resync:
                     await self._resync()
                     need_resync = False
-                    if failing:
-                        log.info("etcd watch on %s re-established", self.prefix)
-                        failing = False
                     delays = backoff_delays(self.RETRY_FIRST, self.RETRY_CAP)
                 await self._stream_once()
                 need_resync = True  # etcd ended the stream (it is stopping): catch up when it is back
@@ -522,8 +527,15 @@ class PrefixWatch:
                 continue  # etcd is up: re-list at once
             except _AuthExpired as exc:
                 need_resync = True
-                log.info("%s", exc)
-                continue
+                if not self._auth_retried:  # our token went stale (expired, etcd restarted): once more, fresh
+                    self._auth_retried = True
+                    log.debug("%s", exc)
+                    try:
+                        await self._client._reauthenticate(self._stream_token)
+                    except Exception as auth_exc:  # noqa: BLE001 - etcd gone again: the loop retries
+                        log.debug("etcd re-authentication failed: %s", auth_exc)
+                    continue
+                self._note_failure(f"refused with a fresh token too: {exc}", quiet=False)
             except (RuntimeConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
                     asyncio.TimeoutError, OSError) as exc:
                 # etcd went away (the client logs the outage once) or cut the stream while stopping
@@ -531,15 +543,21 @@ class PrefixWatch:
                 log.debug("etcd watch on %s: %s; retrying", self.prefix, exc)
             except Exception as exc:  # noqa: BLE001 - an error answer, a broken stream, a bug: never die
                 need_resync = True
-                if not failing:
-                    failing = True
-                    log.warning("etcd watch on %s broke (%s); re-listing and re-watching with backoff",
-                                self.prefix, exc, exc_info=not isinstance(exc, (EtcdError, aiohttp.ClientError)))
-                else:
-                    log.debug("etcd watch on %s still failing: %s", self.prefix, exc)
+                self._note_failure(str(exc), quiet=False,
+                                   exc_info=not isinstance(exc, (EtcdError, aiohttp.ClientError, ValueError)))
             await asyncio.sleep(next(delays))
 
+    def _note_failure(self, reason: str, *, quiet: bool, exc_info: bool = False) -> None:
+        """One warning for a run of failures (other than etcd being unreachable, which the client logs)."""
+        if self._failing or quiet:
+            log.debug("etcd watch on %s still failing: %s", self.prefix, reason)
+            return
+        self._failing = True
+        log.warning("etcd watch on %s failed (%s); re-listing and re-watching with backoff", self.prefix, reason,
+                    exc_info=exc_info)
+
     async def _stream_once(self) -> None:
+        self._stream_token = self._client._token
         resp = await self._client._open_watch_stream(self.prefix, self._revision + 1)
         try:
             buf = b""
@@ -555,20 +573,31 @@ class PrefixWatch:
         finally:
             resp.release()
 
+    def _auth_refused(self, text: str) -> bool:
+        # a stale token on a watch shows as "invalid auth token" or, for the gateway, "permission denied"
+        lowered = text.lower()
+        return bool(self._client.settings.username) and (
+            _is_auth_error(0, text) or "permission denied" in lowered)
+
     def _handle_message(self, msg: dict) -> None:
         if "error" in msg:
             text = orjson.dumps(msg["error"]).decode()
-            if self._client.settings.username and _is_auth_error(0, text):
-                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused; re-authenticating")
+            if self._auth_refused(text):
+                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused ({text})")
             raise EtcdError(f"etcd watch error: {text}")
         result = msg.get("result") or {}
         if int(result.get("compact_revision", 0) or 0) > 0:
             raise _Compacted()
         if result.get("canceled"):
             reason = str(result.get("cancel_reason", ""))
-            if self._client.settings.username and _is_auth_error(0, reason):
-                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused; re-authenticating")
+            if self._auth_refused(reason):
+                raise _AuthExpired(f"etcd watch on {self.prefix}: token refused ({reason})")
             raise EtcdError(f"etcd watch canceled: {reason}")
+        if result.get("created"):  # etcd accepted the watch: whatever was failing works again
+            self._auth_retried = False
+            if self._failing:
+                self._failing = False
+                log.info("etcd watch on %s works again", self.prefix)
         for ev in result.get("events") or ():
             kv = ev.get("kv") or {}
             key = _unb64(kv.get("key")).decode()

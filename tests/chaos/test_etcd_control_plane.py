@@ -1,0 +1,327 @@
+"""The control plane's fault handling, in process, against real etcd (killed, wiped, restarted, with auth,
+with TLS) and a real nats-server: watches that must not die or miss changes, the lease that must come
+back with the same id and its keys, discovery that retries and serves a model from every endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(_ROOT / "src"))
+
+from dynamo.llm.discovery import ModelWatcher, RouterConfig  # noqa: E402
+from dynamo.llm.model_card import ModelCard  # noqa: E402
+from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
+from dynamo.llm.model_manager import ModelManager  # noqa: E402
+from dynamo.llm.model_type import ModelType  # noqa: E402
+from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
+from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
+from dynamo.runtime.errors import RuntimeConfigError  # noqa: E402
+from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdServer]:
+    """A private etcd: these tests kill it."""
+    with EtcdServer() as server:
+        yield server
+
+
+def settings(etcd: EtcdServer, nats: NatsServer, **etcd_kw: Any) -> RuntimeSettings:
+    return RuntimeSettings(etcd=EtcdSettings([etcd.url], **etcd_kw), nats=NatsSettings(nats.url), lease_ttl=2)
+
+
+async def client_for(etcd: EtcdServer, **kw: Any) -> EtcdClient:
+    c = EtcdClient(EtcdSettings([etcd.url], **kw))
+    await c.connect()
+    return c
+
+
+async def next_event(watch: Any, timeout: float = 10.0) -> WatchEvent:
+    return await asyncio.wait_for(watch.__anext__(), timeout)
+
+
+async def until(predicate: Any, timeout: float, what: str) -> Any:
+    """Await an async predicate turning truthy (polling, with a deadline)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def restart(server: EtcdServer, *, wipe: bool) -> None:
+    await asyncio.to_thread(server.restart, wipe=wipe)
+
+
+# -- watches ---------------------------------------------------------------------------------------------
+
+
+async def test_watch_catches_up_after_etcd_wiped_and_holds_back_deletes(etcd):
+    """After a wipe the store revision starts again near 1: a watch resuming from its old revision would
+    wait forever. It must re-list, report keys that did not come back as deleted (after the grace) and
+    not the ones that did, and follow the new etcd's changes."""
+    writer = await client_for(etcd)
+    for i in range(40):  # push the revision well above what the wiped etcd will have
+        await writer.put("filler", str(i))
+    await writer.put("w/stays", "1")
+    await writer.put("w/goes", "2")
+    reader = await client_for(etcd, resync_grace=2.0)
+    watch = await reader.watch_prefix("w/").start()
+    try:
+        assert {(await next_event(watch)).key for _ in range(2)} == {"w/stays", "w/goes"}
+        await restart(etcd, wipe=True)
+        await writer.put("w/stays", "1")  # its owner re-publishes it (same value): no event needed
+        await writer.put("w/new", "3")
+        events: list[tuple[str, str]] = []
+        while ("delete", "w/goes") not in events:
+            ev = await next_event(watch, 15)
+            events.append((ev.kind, ev.key))
+        assert ("delete", "w/stays") not in events, events
+        # the new etcd's changes arrive, and before the held-back delete
+        assert events.index(("put", "w/new")) < events.index(("delete", "w/goes")), events
+        assert watch.resyncs >= 1
+    finally:
+        await watch.close()
+        await reader.close()
+        await writer.close()
+
+
+async def test_watch_survives_etcd_down_during_resync(etcd, monkeypatch):
+    """The old watch re-listed after compaction outside its error handling: etcd failing right then
+    killed the watch task silently and the consumer never heard of anything again."""
+    client = await client_for(etcd)
+    watch = await client.watch_prefix("r/").start()
+    original_list = client.get_prefix_with_revision
+    original_stream = watch._stream_once
+    failures = {"list": 3, "stream": 1}
+
+    async def flaky_list(prefix: str):
+        if failures["list"] > 0:
+            failures["list"] -= 1
+            raise RuntimeConnectionError("cannot reach etcd at test: connection refused")
+        return await original_list(prefix)
+
+    async def compacted_once():
+        if failures["stream"] > 0:
+            failures["stream"] -= 1
+            from dynamo.runtime.etcd import _Compacted
+
+            raise _Compacted()
+        return await original_stream()
+
+    monkeypatch.setattr(client, "get_prefix_with_revision", flaky_list)
+    monkeypatch.setattr(watch, "_stream_once", compacted_once)
+    watch._task.cancel()  # restart the loop with the patched stream
+    await asyncio.gather(watch._task, return_exceptions=True)
+    watch._task = asyncio.create_task(watch._run())
+
+    writer = await client_for(etcd)
+    await until(lambda: _after(failures["list"] == 0), 10, "the re-list to have failed three times")
+    await writer.put("r/a", "1")
+    ev = await next_event(watch, 10)
+    assert (ev.kind, ev.key) == ("put", "r/a")
+    assert not watch._task.done()
+    await watch.close()
+    await client.close()
+    await writer.close()
+
+
+async def _after(value: Any) -> Any:
+    return value
+
+
+def _enable_auth(etcd: EtcdServer) -> None:
+    import httpx
+
+    for path, body in (("/v3/auth/user/add", {"name": "root", "password": "pw"}),
+                       ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                       ("/v3/auth/enable", {})):
+        httpx.post(etcd.url + path, json=body, timeout=5).raise_for_status()
+
+
+async def test_watch_reauthenticates_after_etcd_restart(etcd):
+    """etcd's simple tokens live in its memory: after a restart every token is refused. Requests and
+    watches must authenticate again instead of failing forever."""
+    _enable_auth(etcd)
+    reader = await client_for(etcd, username="root", password="pw")
+    watch = await reader.watch_prefix("a/").start()
+    await restart(etcd, wipe=False)
+    writer = await client_for(etcd, username="root", password="pw")
+    await writer.put("a/after-restart", "1")
+    ev = await next_event(watch, 15)
+    assert (ev.kind, ev.key) == ("put", "a/after-restart")
+    assert await reader.get("a/after-restart") is not None  # plain requests re-authenticate too
+    await watch.close()
+    await reader.close()
+    await writer.close()
+
+
+# -- TLS -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path) -> Iterator[tuple[EtcdServer, Path]]:
+    """etcd serving https with a certificate from a throw-away CA (made with the openssl CLI)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl CLI not installed")
+    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run = lambda *a: subprocess.run([openssl, *a], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+        "-days", "1", "-subj", "/CN=test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-out", str(cert), "-days", "1", "-extfile", str(ext))
+    with EtcdServer(scheme="https", extra_args=["--cert-file", str(cert), "--key-file", str(key)]) as server:
+        yield server, ca
+
+
+async def test_https_etcd_is_verified_by_default(tls_etcd):
+    server, ca = tls_etcd
+    untrusted = EtcdClient(EtcdSettings([server.url]))
+    with pytest.raises(RuntimeConnectionError, match="certificate verify failed"):
+        await untrusted.connect()
+    trusted = await client_for(server, ca_file=str(ca))
+    await trusted.put("tls/k", "v")
+    assert (await trusted.get("tls/k")).value == b"v"
+    await trusted.close()
+
+
+# -- the lease -------------------------------------------------------------------------------------------
+
+
+async def test_lease_lost_is_granted_again_with_same_id_and_keys_republished(etcd, nats):
+    """etcd forgetting the lease (expired in a partition, wiped, revoked behind our back) must not end
+    the instance: same lease id back, every key written under it back, still serving."""
+    rt = await DistributedRuntime.connect(settings(etcd, nats))
+    try:
+        ns = f"t{uuid.uuid4().hex[:8]}"
+        endpoint = rt.namespace(ns).component("c").endpoint("generate")
+
+        async def handler(request: Any) -> AsyncIterator[Any]:
+            yield {"ok": True}
+
+        ready = asyncio.Event()
+        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready))
+        await asyncio.wait_for(ready.wait(), 10)
+        await rt.etcd.put(f"extra/{ns}", {"mine": 1}, lease=True)
+        lease = rt.instance_id
+        other = await client_for(etcd)
+        await other.revoke_lease(lease)  # every key of the lease goes with it
+
+        async def back() -> bool:
+            kv1, kv2 = await other.get(endpoint.instance_key), await other.get(f"extra/{ns}")
+            return bool(kv1 and kv2 and kv1.lease == lease and kv2.lease == lease)
+
+        await until(back, 10, "the instance key and the extra key back under the same lease")
+        assert not rt.is_shutting_down and not serving.done()
+        assert rt._lease.regrants == 1
+        # and it still serves, on the same subject
+        client = await endpoint.client()
+        await client.wait_for_instances(5)
+        assert [x async for x in client.round_robin({})] == [{"ok": True}]
+        await client.close()
+        await other.close()
+    finally:
+        await rt.close()
+
+
+async def test_shutdown_does_not_republish(etcd, nats):
+    rt = await DistributedRuntime.connect(settings(etcd, nats))
+    key = f"bye/{uuid.uuid4().hex[:8]}"
+    await rt.etcd.put(key, "v", lease=True)
+    rt.shutdown()
+    other = await client_for(etcd)
+    await until(lambda: _none(other.get(key)), 5, "the key gone after shutdown")
+    await asyncio.sleep(rt.settings.lease_ttl)  # a keep-alive cycle would have re-published it by now
+    assert await other.get(key) is None
+    await rt.close()
+    await other.close()
+
+
+async def _none(coro: Any) -> bool:
+    return (await coro) is None
+
+
+def test_bad_lease_ttl_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("DYN_LEASE_TTL", "soon")
+    with pytest.raises(RuntimeConfigError, match="DYN_LEASE_TTL='soon' is not a number"):
+        RuntimeSettings.from_env()
+    monkeypatch.setenv("DYN_LEASE_TTL", "3")
+    assert RuntimeSettings.from_env().lease_ttl == 3
+
+
+# -- discovery -------------------------------------------------------------------------------------------
+
+
+def _card(tiny_model: Path, name: str) -> ModelCard:
+    from dynamo.run.model import resolve_card
+
+    return resolve_card(str(tiny_model), name=name)
+
+
+async def test_model_whose_card_failed_to_load_is_retried(etcd, nats, tiny_model, monkeypatch):
+    """The entry's tokenizer is not in the object store yet (e.g. NATS lost it, or a slow upload): the
+    frontend must add the model once it can, not ignore the entry forever."""
+    monkeypatch.setattr(ModelWatcher, "RETRY_FIRST", 0.2)
+    worker = await DistributedRuntime.connect(settings(etcd, nats))
+    frontend = await DistributedRuntime.connect(settings(etcd, nats))
+    manager = ModelManager()
+    watcher = ModelWatcher(frontend, manager, RouterConfig())
+    try:
+        ns = f"t{uuid.uuid4().hex[:8]}"
+        endpoint = worker.namespace(ns).component("backend").endpoint("generate")
+        name = f"retry-{ns}"
+        card = _card(tiny_model, name)
+        data = card.to_json()
+        blob = data.pop("tokenizer_json").encode()  # this module's NATS has never stored it
+        data["tokenizer_object"] = hashlib.sha256(blob).hexdigest()
+        entry = ModelEntry(name=name, namespace=ns, component="backend", endpoint="generate",
+                           model_type=ModelType.Backend, instance_id=worker.instance_id, card=data)
+        await watcher.start()
+        await worker.etcd.put(entry.key(), entry.to_json(), lease=True)
+        await until(lambda: _after("model-retry:" + entry.key() in {t.get_name() for t in asyncio.all_tasks()}),
+                    5, "the first attempt to fail and a retry to be planned")
+        assert name not in manager.names()
+        await _upload(worker, blob)  # the object appears; the entry itself does not change
+        await until(lambda: _after(name in manager.names()), 10, "the model added by a retry")
+    finally:
+        await watcher.close()
+        await frontend.close()
+        await worker.close()
+
+
+async def _upload(rt: DistributedRuntime, blob: bytes) -> str:
+    js = rt.nats.jetstream()
+    try:
+        store = await js.object_store(OBJECT_BUCKET)
+    except Exception:  # noqa: BLE001
+        store = await js.create_object_store(OBJECT_BUCKET)
+    digest = hashlib.sha256(blob).hexdigest()
+    await store.put(digest, blob)
+    return digest
