@@ -325,3 +325,82 @@ async def _upload(rt: DistributedRuntime, blob: bytes) -> str:
     digest = hashlib.sha256(blob).hexdigest()
     await store.put(digest, blob)
     return digest
+
+
+async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model):
+    """One model name registered on ``ns.a.generate`` and ``ns.b.generate``: the frontend routes over
+    the union of their instances, and keeps serving from one when the other goes."""
+    from dynamo.llm.register import publish_model
+
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    name = f"two-{ns}"
+    card = _card(tiny_model, name)
+    workers, tasks = [], []
+    frontend = await DistributedRuntime.connect(settings(etcd, nats))
+    manager = ModelManager()
+    watcher = ModelWatcher(frontend, manager, RouterConfig())
+    try:
+        for comp in ("a", "b"):
+            rt = await DistributedRuntime.connect(settings(etcd, nats))
+            workers.append(rt)
+            endpoint = rt.namespace(ns).component(comp).endpoint("generate")
+
+            def make_handler(comp: str) -> Any:
+                async def handler(request: Any) -> AsyncIterator[Any]:
+                    yield {"served_by": comp}
+                return handler
+
+            handler = make_handler(comp)
+
+            ready = asyncio.Event()
+            tasks.append(asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready)))
+            await asyncio.wait_for(ready.wait(), 10)
+            await publish_model(endpoint, card, ModelType.Backend)
+        await watcher.start()
+        ids = {rt.instance_id for rt in workers}
+        await until(lambda: _after(name in watcher._served and set(watcher._served[name].client.instance_ids()) == ids),
+                    10, "both endpoints' instances behind the model")
+        client = watcher._served[name].client
+        seen = [item["served_by"] for _ in range(4) async for item in client.round_robin({})]
+        assert sorted(seen) == ["a", "a", "b", "b"], seen
+        health = {i["endpoint"] for i in watcher.instances() if name in i["models"]}
+        assert health == {f"dyn://{ns}.a.generate", f"dyn://{ns}.b.generate"}
+
+        workers[0].shutdown()  # a goes away; b still serves the model
+        await asyncio.wait_for(tasks[0], 10)
+        await until(lambda: _after(client.instance_ids() == [workers[1].instance_id]), 10, "a's instance gone")
+        assert name in manager.names()
+        assert [item["served_by"] async for item in client.round_robin({})] == ["b"]
+    finally:
+        await watcher.close()
+        await frontend.close()
+        for rt in workers:
+            await rt.close()
+
+
+# -- engines that load slowly ----------------------------------------------------------------------------
+
+
+def test_slow_engine_load_does_not_starve_the_lease(etcd, nats, tiny_model):
+    """pytok's load used to run on the event loop: a load longer than the TTL starved the keep-alive
+    and the lease expired under the loading worker (which then had to be re-registered, or, before that
+    existed, shut down). Now the loop stays free: the lease is never lost."""
+    from tests.support.proc import DynamoWorker
+
+    engine = Path(__file__).parent / "data" / "slow_load_engine.py"
+    env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LEASE_TTL": "1", "SLOW_LOAD_S": "3",
+           "DYN_LOG": "debug"}
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    with DynamoWorker(f"in=dyn://{ns}.backend.generate", f"out=pytok:{engine}", str(tiny_model),
+                      "--model-name", "slow", env=env) as worker:
+        log = worker.stderr_text()
+        assert "loaded" in log
+        assert "granted again" not in log and "keep-alive failed" not in log, log[-3000:]
+
+        async def check() -> None:
+            c = await client_for(etcd)
+            kv = await c.get(f"instances/{ns}/backend/generate:{worker.instance_hex}")
+            await c.close()
+            assert kv is not None and kv.lease == worker.instance_id
+
+        asyncio.run(check())
