@@ -153,6 +153,44 @@ async def _after(value: Any) -> Any:
     return value
 
 
+async def test_watch_failures_are_logged_once_per_run_not_at_debug(etcd, monkeypatch, caplog):
+    """A watch etcd keeps refusing used to log only at debug (invisible); now one warning for the run of
+    failures and one info line when it works again, whatever the number of retries."""
+    from dynamo.runtime.etcd import EtcdError
+
+    client = await client_for(etcd)
+    watch = await client.watch_prefix("l/").start()
+    original_stream = watch._stream_once
+    refusals = {"left": 4}
+
+    async def refusing():
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            raise EtcdError("etcd watch canceled: test refusal")
+        return await original_stream()
+
+    monkeypatch.setattr(watch, "_stream_once", refusing)
+    watch._task.cancel()
+    await asyncio.gather(watch._task, return_exceptions=True)
+    caplog.set_level("DEBUG", logger="dynamo.runtime.etcd")
+    watch._task = asyncio.create_task(watch._run())
+    writer = await client_for(etcd)
+    try:
+        await until(lambda: _after(refusals["left"] == 0), 15, "four refusals")
+        await writer.put("l/k", "v")
+        assert (await next_event(watch, 10)).key == "l/k"  # from the re-list, or the new stream
+        await until(lambda: _after(any("works again" in r.getMessage() for r in caplog.records)), 10,
+                    "the watch to be accepted again")
+        records = [(r.levelname, r.getMessage()) for r in caplog.records if "etcd watch on l/" in r.getMessage()]
+        warnings = [m for level, m in records if level == "WARNING"]
+        assert len(warnings) == 1 and "test refusal" in warnings[0], records
+        assert [m for level, m in records if level == "INFO"] == ["etcd watch on l/ works again"], records
+    finally:
+        await watch.close()
+        await client.close()
+        await writer.close()
+
+
 def _enable_auth(etcd: EtcdServer) -> None:
     import httpx
 
