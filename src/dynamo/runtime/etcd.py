@@ -535,7 +535,7 @@ class PrefixWatch:
                     except Exception as auth_exc:  # noqa: BLE001 - etcd gone again: the loop retries
                         log.debug("etcd re-authentication failed: %s", auth_exc)
                     continue
-                self._note_failure(f"refused with a fresh token too: {exc}", quiet=False)
+                self._note_failure(f"refused with a fresh token too: {exc}")
             except (RuntimeConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
                     asyncio.TimeoutError, OSError) as exc:
                 # etcd went away (the client logs the outage once) or cut the stream while stopping
@@ -543,13 +543,12 @@ class PrefixWatch:
                 log.debug("etcd watch on %s: %s; retrying", self.prefix, exc)
             except Exception as exc:  # noqa: BLE001 - an error answer, a broken stream, a bug: never die
                 need_resync = True
-                self._note_failure(str(exc), quiet=False,
-                                   exc_info=not isinstance(exc, (EtcdError, aiohttp.ClientError, ValueError)))
+                self._note_failure(str(exc), exc_info=not isinstance(exc, (EtcdError, aiohttp.ClientError, ValueError)))
             await asyncio.sleep(next(delays))
 
-    def _note_failure(self, reason: str, *, quiet: bool, exc_info: bool = False) -> None:
+    def _note_failure(self, reason: str, *, exc_info: bool = False) -> None:
         """One warning for a run of failures (other than etcd being unreachable, which the client logs)."""
-        if self._failing or quiet:
+        if self._failing:
             log.debug("etcd watch on %s still failing: %s", self.prefix, reason)
             return
         self._failing = True
