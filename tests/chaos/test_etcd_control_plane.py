@@ -365,9 +365,11 @@ async def _upload(rt: DistributedRuntime, blob: bytes) -> str:
     return digest
 
 
-async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model):
+@pytest.mark.parametrize("mode", ["round-robin", "kv"])
+async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model, mode):
     """One model name registered on ``ns.a.generate`` and ``ns.b.generate``: the frontend routes over
-    the union of their instances, and keeps serving from one when the other goes."""
+    the union of their instances, and keeps serving from one when the other goes. A KV router follows
+    both components' events."""
     from dynamo.llm.register import publish_model
 
     ns = f"t{uuid.uuid4().hex[:8]}"
@@ -376,7 +378,7 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
     workers, tasks = [], []
     frontend = await DistributedRuntime.connect(settings(etcd, nats))
     manager = ModelManager()
-    watcher = ModelWatcher(frontend, manager, RouterConfig())
+    watcher = ModelWatcher(frontend, manager, RouterConfig(mode=mode))
     try:
         for comp in ("a", "b"):
             rt = await DistributedRuntime.connect(settings(etcd, nats))
@@ -403,6 +405,10 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
         assert sorted(seen) == ["a", "a", "b", "b"], seen
         health = {i["endpoint"] for i in watcher.instances() if name in i["models"]}
         assert health == {f"dyn://{ns}.a.generate", f"dyn://{ns}.b.generate"}
+        if mode == "kv":  # kv_events and active_sequences_events of both components
+            subjects = {sub.subject for sub in watcher._served[name].router._subs}
+            assert {f"namespace.{ns}.component.{c}.{e}" for c in "ab"
+                    for e in ("kv_events", "active_sequences_events")} <= subjects, subjects
 
         workers[0].shutdown()  # a goes away; b still serves the model
         await asyncio.wait_for(tasks[0], 10)
