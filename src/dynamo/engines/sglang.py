@@ -156,6 +156,7 @@ class OutputConverter:
         self.eos = tuple(eos_token_ids)
         self.incremental = incremental
         self.seen = 0
+        self._cached_reported = False
 
     def convert(self, item: Mapping[str, Any]) -> EngineOutput:
         ids = [int(t) for t in item.get("output_ids") or []]
@@ -163,7 +164,13 @@ class OutputConverter:
             ids, self.seen = ids[self.seen:], max(self.seen, len(ids))
         meta = item.get("meta_info") or {}
         reason = finish_reason(meta.get("finish_reason"), self.eos)
-        return EngineOutput(token_ids=ids, finish_reason=reason)
+        # ``meta_info["cached_tokens"]``: prompt tokens SGLang's radix cache served; reported once
+        cached = meta.get("cached_tokens")
+        if self._cached_reported or isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            cached = None
+        else:
+            self._cached_reported = True
+        return EngineOutput(token_ids=ids, finish_reason=reason, cached_tokens=cached)
 
 
 class SglangEngine:

@@ -148,6 +148,17 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
     return args
 
 
+def kv_events_wanted(cfg: Any, extra: Mapping[str, Any] | None) -> bool:
+    """Publish KV events and load metrics to a KV router: a worker (``in=dyn://``) with prefix caching,
+    unless ``--extra-engine-args`` sets ``kv_events_config`` itself (then vLLM publishes where it says)."""
+    extra = extra or {}
+    if not str(getattr(cfg, "input", "") or "").startswith("dyn://"):
+        return False
+    if extra.get("enable_prefix_caching") is False or "kv_events_config" in extra:
+        return False
+    return True
+
+
 def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments for a pre-processed request (no vLLM types inside).
 
@@ -183,13 +194,20 @@ def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int]
     return completion_finish_reason(reason, stop_reason, eos_token_ids, cancelled="abort", engine="vLLM")
 
 
-def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False) -> EngineOutput:
-    """One vLLM ``RequestOutput`` (DELTA kind: only the new tokens) -> our :class:`EngineOutput`."""
+def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False,
+                   cached_tokens: bool = False) -> EngineOutput:
+    """One vLLM ``RequestOutput`` (DELTA kind: only the new tokens) -> our :class:`EngineOutput`.
+
+    ``cached_tokens``: copy vLLM's ``num_cached_tokens`` (prompt tokens served from its prefix cache; the
+    caller asks for it on the first output only, which is where the usage needs it)."""
+    cached = getattr(output, "num_cached_tokens", None) if cached_tokens else None
+    cached = int(cached) if isinstance(cached, int) and cached >= 0 else None
     if not output.outputs:
-        return EngineOutput(finish_reason=FINISH_CANCELLED if output.finished else None)
+        return EngineOutput(finish_reason=FINISH_CANCELLED if output.finished else None, cached_tokens=cached)
     choice = output.outputs[0]
     item = EngineOutput(token_ids=[int(t) for t in choice.token_ids],
-                        finish_reason=finish_reason(choice.finish_reason, choice.stop_reason, eos_token_ids))
+                        finish_reason=finish_reason(choice.finish_reason, choice.stop_reason, eos_token_ids),
+                        cached_tokens=cached)
     if output.finished and item.finish_reason is None:
         item.finish_reason = FINISH_STOP
     if logprobs and choice.logprobs:
@@ -230,15 +248,81 @@ class VllmEngine:
         self._ids = itertools.count()
         self._eos: tuple[int, ...] = tuple(card.eos_token_ids or ())
         self._types: Any = None
+        # KV events and load metrics for a KV router (a dyn:// worker with prefix caching; vllm_kv.py)
+        self._kv_sub: Any = None  # ZmqKvEventSubscriber
+        self._metrics: Any = None  # SchedulerStatsMetrics
 
     # -- life cycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         self._prepare_environment(os.environ)
         log.info("starting vLLM for %s (the first start takes a minute: imports, engine process, weights)",
                  self.card.display_name)
-        await asyncio.to_thread(self._start_blocking)
+        if not self.follower and kv_events_wanted(self.cfg, self.extra):
+            self._prepare_kv_events()
+        try:
+            await asyncio.to_thread(self._start_blocking)
+        except BaseException:
+            await self._close_kv_events()
+            raise
         if self._llm is not None:
             self._adopt_engine_config()
+            self._start_kv_events()
+
+    # -- KV events and load metrics --------------------------------------------------------------------
+    def _prepare_kv_events(self) -> None:
+        """Bind the events socket and make the metrics logger before vLLM starts (it needs both)."""
+        from dynamo.engines.vllm_kv import KvEventSink, KvEventTranslator, SchedulerStatsMetrics, ZmqKvEventSubscriber
+
+        try:
+            sub = ZmqKvEventSubscriber(KvEventSink(KvEventTranslator(self.card.kv_cache_block_size or 16)))
+            sub.bind()
+        except ImportError:  # pragma: no cover - pyzmq comes with vLLM
+            log.warning("vllm: pyzmq is missing: no KV events for the router")
+            return
+        self._kv_sub = sub
+        self._metrics = SchedulerStatsMetrics(total_blocks=0, max_num_seqs=0,
+                                              loop=asyncio.get_running_loop())
+
+    def _start_kv_events(self) -> None:
+        config = self._llm.vllm_config
+        if self._metrics is not None:
+            self._metrics.total_blocks = int(getattr(config.cache_config, "num_gpu_blocks", 0) or 0)
+            self._metrics.max_num_seqs = int(getattr(config.scheduler_config, "max_num_seqs", 0) or 0)
+        sub = self._kv_sub
+        if sub is None:
+            return
+        if not getattr(config.cache_config, "enable_prefix_caching", True):
+            log.info("vllm: prefix caching is off: no KV events for the router")
+            return
+        # the router hashes with the card's block size, which is vLLM's (adopted above)
+        sub.sink.translator.block_size = int(self.card.kv_cache_block_size)
+        sub.start()
+        log.info("vllm: KV events from %s, block size %d, to the KV router", sub.endpoint,
+                 self.card.kv_cache_block_size)
+
+    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
+        """The worker's instance id and its publishers (inputs/endpoint.py calls this before serving)."""
+        if self._kv_sub is not None:
+            self._kv_sub.sink.worker_id = worker_id
+            self._kv_sub.sink.publish = publish_kv_event
+        if self._metrics is not None:
+            self._metrics.worker_id = worker_id
+            self._metrics.publish = publish_metrics
+
+    def load_metrics(self, dp_rank: int = 0) -> dict[str, Any]:
+        if self._metrics is None:
+            raise EngineError("this vLLM worker does not collect load metrics (it does not serve in=dyn://)")
+        return self._metrics.metrics()
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return [self._metrics.metrics()] if self._metrics is not None else []
+
+    async def _close_kv_events(self) -> None:
+        sub, self._kv_sub = self._kv_sub, None
+        if sub is not None:
+            await sub.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     def _prepare_environment(self, environ: MutableMapping[str, str]) -> None:
         # CPU or GPU decides some defaults; vLLM is not imported yet, so ask torch-free: no GPU visible
@@ -272,6 +356,16 @@ class VllmEngine:
                 return TokensPrompt(prompt_token_ids=ids)
         self._types = (SamplingParams, make_prompt, RequestOutputKind, StructuredOutputsParams)
         kwargs = engine_args(self.cfg, self.card, self.extra, cpu=_is_cpu_only())
+        stat_loggers = None
+        if self._kv_sub is not None:
+            from vllm.config import KVEventsConfig
+
+            # vLLM's engine core connects its PUB socket to ours (an endpoint without '*' is connected to)
+            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                        endpoint=self._kv_sub.endpoint, topic="")
+        if self._metrics is not None and "disable_log_stats" not in self.extra:
+            kwargs["disable_log_stats"] = False  # scheduler stats only flow to stat loggers when on
+            stat_loggers = [self._metrics.factory]
         log.debug("vllm engine args: %s", kwargs)
         where = f"--extra-engine-args {self.extra_path}: " if self.extra else ""
         try:
@@ -284,7 +378,7 @@ class VllmEngine:
             self._start_follower(args)
             return
         try:
-            self._llm = AsyncLLM.from_engine_args(args)
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
         except (TypeError, ValueError) as e:  # configuration checks in create_engine_config
             raise UserError(f"{where}vLLM cannot use these engine arguments: {one_line(e)}") from None
         except RuntimeError as e:  # the engine core process failed (its log is above)
@@ -316,6 +410,7 @@ class VllmEngine:
                  self.card.context_length, self.card.kv_cache_block_size)
 
     async def close(self) -> None:
+        await self._close_kv_events()
         llm, self._llm = self._llm, None
         if llm is not None:
             # stop reading the engine's socket first, or the reader logs a traceback when it closes
@@ -354,9 +449,15 @@ class VllmEngine:
             return
         stream = llm.generate(make_prompt(list(request.token_ids)), params, rid)
         # errors: EngineDeadError, EngineGenerateError, a rejected request; abort: the coroutine AsyncLLM.abort
-        async with aclosing(relay_outputs(stream, lambda out: convert_output(out, eos, logprobs=want_logprobs),
-                                          context, lambda: llm.abort(rid), engine="vLLM", log=log, tag="vllm",
-                                          request_id=rid)) as items:
+        first = [True]
+
+        def convert(out: Any) -> EngineOutput:
+            item = convert_output(out, eos, logprobs=want_logprobs, cached_tokens=first[0])
+            first[0] = False
+            return item
+
+        async with aclosing(relay_outputs(stream, convert, context, lambda: llm.abort(rid), engine="vLLM",
+                                          log=log, tag="vllm", request_id=rid)) as items:
             async for item in items:
                 yield item
 

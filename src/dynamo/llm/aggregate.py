@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from dynamo.llm.chunks import Annotation, chunk_text
+from dynamo.llm.chunks import Annotation, chunk_text, usage_dict
 from dynamo.llm.engine import Context
 
 
@@ -60,9 +60,5 @@ async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) 
     }
 
 
-def _usage(ctx: Context) -> dict[str, int]:
-    return {
-        "prompt_tokens": ctx.prompt_tokens,
-        "completion_tokens": ctx.completion_tokens,
-        "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
-    }
+def _usage(ctx: Context) -> dict[str, Any]:
+    return usage_dict(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)

@@ -44,14 +44,14 @@ class ChatChunks:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
         }
 
 
@@ -72,23 +72,28 @@ class CompletionChunks:
             "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}],
         }
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
         }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object.  ``prompt_tokens_details.cached_tokens`` only when the engine reported a
+    count: an engine that says nothing about its cache is not claimed to have hit nothing."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def chunk_text(chunk: dict[str, Any]) -> str:

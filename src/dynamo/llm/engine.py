@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
-    __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "annotations",
-                 "_callbacks")
+    __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
+                 "annotations", "_callbacks")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
@@ -29,6 +29,8 @@ class Context:
         # filled by the pipeline as it goes; the HTTP layer reads them for metrics and usage
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        # prompt tokens the engine served from its prefix cache; None: the engine did not say
+        self.cached_tokens: int | None = None
         self.annotations: dict[str, Any] = {}
         self._callbacks: list[Any] = []
 

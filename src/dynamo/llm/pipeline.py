@@ -80,6 +80,8 @@ class CorePipeline:
         reason: str | None = None
         try:
             async for out in gen:
+                if out.cached_tokens is not None and ctx.cached_tokens is None:
+                    ctx.cached_tokens = min(out.cached_tokens, ctx.prompt_tokens)
                 text, reason = post.process(out)
                 ctx.completion_tokens = post.generated
                 if text:
@@ -96,7 +98,7 @@ class CorePipeline:
             await gen.aclose()
         yield chunks.delta(None, reason)
         if with_usage:
-            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens)
+            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
 
 
 def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:
@@ -153,4 +155,4 @@ class FullPipeline:
             ctx.stop_generating()
             await gen.aclose()
         if want_usage and not saw_usage:
-            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens)
+            yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)

@@ -57,7 +57,10 @@ def backend_handler(card: ModelCard, engine: Engine):
         try:
             async for out in gen:
                 text, reason = post.process(out)
-                yield {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
+                item: dict[str, Any] = {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
+                if out.cached_tokens is not None:
+                    item["cached_tokens"] = out.cached_tokens
+                yield item
                 if reason is not None:
                     return
             tail = post.end()

@@ -337,12 +337,14 @@ class Scheduler:
             self.kv.promote(req.partial, full)
             req.blocks[-1] = full.id
             req.partial = None
+        # the first token reports the prefix-cache hit of the prompt (usage.prompt_tokens_details)
+        cached = min(req.cached_tokens, req.prompt_len) if req.generated == 1 else None
         if req.finished:
             del self.decode[req]
             self._free(req)
-            out.append((req, EngineOutput(token_ids=[token], finish_reason="length")))
+            out.append((req, EngineOutput(token_ids=[token], finish_reason="length", cached_tokens=cached)))
         else:
-            out.append((req, EngineOutput(token_ids=[token])))
+            out.append((req, EngineOutput(token_ids=[token], cached_tokens=cached)))
 
     def _preempt(self, req: MockRequest) -> None:
         log.debug("mocker dp%d: pre-empting request %s (%d tokens)", self.dp_rank, req.request_id, len(req.tokens))

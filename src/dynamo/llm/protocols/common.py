@@ -77,6 +77,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
 
     ``text`` is set when the tokens were already detokenised (a remote Backend worker did it), in which
     case the frontend passes the item through.  ``finish_reason`` may be a string or ``{"error": msg}``.
+    ``cached_tokens``: how many prompt tokens the engine found in its prefix cache, reported once (on the
+    first item) by engines that know it; it becomes ``usage.prompt_tokens_details.cached_tokens``.  Our own
+    extension: it is omitted from the wire when unset, so the original's workers and frontends ignore it.
     """
 
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -87,6 +90,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     top_logprobs: list[Any] | None = None
     finish_reason: str | dict[str, str] | None = None
     index: int | None = None
+    cached_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
