@@ -271,6 +271,9 @@ def main() -> None:
     rss2 = rss_mb()
     cache.events = []  # the raw events are no longer needed
     book_in_flight(args, cache, router, rng)
+    # the benchmark's own data (prompts, histories) out of the collector's way: a frontend has none of it
+    gc.collect()
+    gc.freeze()
     dec = bench_decisions(args, cache, router, rng, args.profile == "decide")
     out = {"args": vars(args) | {"json": str(args.json) if args.json else None}, "events": ev, "decisions": dec,
            "tree_nodes": nodes, "rss_mb": {"start": rss0, "workload": rss1, "indexed": rss2},

@@ -202,3 +202,32 @@ def test_approx_indexer_heap_stays_bounded():
     for _ in range(5000):
         idx.process_routing_decision(1, LOCAL, SEQ)
     assert len(idx._heap) <= 4 * 4 + 1024 + 4
+
+
+def test_many_workers_and_reused_bits():
+    """More workers than a machine word: the bitmask of holders grows; a removed worker's bit is reused
+    without the newcomer inheriting anything."""
+    idx = KvIndexer()
+    for w in range(200):
+        idx.apply_event(stored(w, PAIRS[: 1 + w % 4]))
+    scores = idx.find_matches(LOCAL)
+    assert len(scores) == 200 and all(scores[w] == 1 + w % 4 for w in range(200))
+    idx.remove_worker(7)
+    idx.apply_event(stored(1000, PAIRS[:1]))  # takes worker 7's bit
+    scores = idx.find_matches(LOCAL)
+    assert 7 not in scores and scores[1000] == 1 and scores[3] == 4
+    # the caller's sequence hashes give the same answer
+    assert idx.find_matches(LOCAL, SEQ) == scores
+
+
+def test_json_fast_path_and_the_full_parser_agree():
+    """A plain stored event skips building a KvEvent; one with signed (i64) hashes goes through the full
+    parser, which reads their u64 bits: both index the same blocks."""
+    signed = [(b - (1 << 64) if b >= 1 << 63 else b, t - (1 << 64) if t >= 1 << 63 else t) for b, t in PAIRS]
+    assert any(b < 0 or t < 0 for b, t in signed)
+    a, b = KvIndexer(), KvIndexer()
+    assert a.apply_event(orjson.dumps(stored(1, PAIRS)))
+    assert b.apply_event(orjson.dumps(stored(1, signed)))
+    assert a.find_matches(LOCAL) == b.find_matches(LOCAL) == {1: 4}
+    assert a.apply_event(orjson.dumps(removed(1, [SEQ[2]])))
+    assert a.find_matches(LOCAL) == {1: 2}

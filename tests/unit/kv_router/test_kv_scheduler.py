@@ -280,3 +280,39 @@ def test_router_add_request_direct():
     assert r.worker_load(9)["active_blocks"] == 2
     r.on_finished("d")
     assert r.worker_load(9)["active_blocks"] == 0
+
+
+# -- the fast paths of a decision ------------------------------------------------------------------
+def test_shared_prefix_agrees_with_counting_every_block():
+    """Request blocks are prefix-closed (sequence hashes, then a private tail): the binary search over
+    them gives what counting each block would, and the heads / block counts stay in step."""
+    rng = random.Random(3)
+    groups = [compute_hashes(list(range(g * 1000, g * 1000 + 40)), BS)[1] for g in range(4)]
+    for trial in range(200):
+        s = ActiveSequences()
+        live = []
+        for i in range(rng.randrange(0, 6)):
+            g = rng.choice(groups)
+            blocks = g[: rng.randrange(0, len(g) + 1)] + [rng.getrandbits(64)]
+            s.add_request(f"r{i}", blocks, 10)
+            live.append(f"r{i}")
+        for rid in rng.sample(live, rng.randrange(0, len(live) + 1)):
+            s.free(rid)
+        g = rng.choice(groups)
+        request = g[: rng.randrange(0, len(g) + 1)] + ([rng.getrandbits(64)] if trial % 2 else [])
+        assert len(request) - s.new_blocks(request) == s.shared_prefix(request)
+        assert s.num_blocks == len(s.block_refs) == s.active_blocks
+        assert set(s.heads) == {r.blocks[0] for r in s.requests.values() if r.blocks}
+        costs = compute_costs([1], {}, request, 16 * len(request), BS, 1.0, {1: s})
+        assert costs[0].decode_blocks == s.new_blocks(request) + s.active_blocks
+
+
+def test_cost_table_reads_like_a_list_of_worker_costs():
+    t = ActiveSequences()
+    t.add_request("x", [7, 8], prefill_tokens=4)
+    costs = compute_costs([1, 2, 3], {2: 2}, [7, 8, 9], 12, BS, 2.0, {1: t})
+    assert len(costs) == 3 and [c.worker_id for c in costs] == [1, 2, 3]
+    assert costs[0] == WorkerCost(1, 0, 16, 1 + 2, 2.0 * 16 / 4 + 3)
+    assert costs[1] == WorkerCost(2, 2, 4, 3, 2.0 * 4 / 4 + 3)
+    assert costs[-1].worker_id == 3 and costs[1:] == [costs[1], costs[2]]
+    assert select_worker(costs, 0.0, random.Random(0)).worker_id == 2

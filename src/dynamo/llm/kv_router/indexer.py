@@ -1,19 +1,24 @@
-"""Which worker holds which prefix: a radix tree of KV blocks fed by the workers' KV events (spec 7.9).
+"""Which worker holds which prefix: an index of KV blocks fed by the workers' KV events (spec 7.9).
 
-A node stands for one block *in its prefix*: the path from the root spells the local block hashes of a
-prefix, and a node's ``workers`` are the workers that hold that block's KV.  Each worker also has a
-lookup from its own external block names (``block_hash`` in events) to nodes, so ``removed`` events and
-``parent_hash`` references can be resolved.
+A block is known by its **sequence hash** (hashing.py), which names the block *and its whole prefix*, so
+a flat map ``sequence hash -> workers holding it`` answers the same questions as a radix tree of local
+hashes (a path from the root spells a prefix; so does a chain of sequence hashes), at a fraction of the
+cost in Python: no node objects, one dict lookup per block.  The indexer computes the sequence hash of
+each stored block itself, from its parent's and the block's ``tokens_hash`` (local hash), whatever the
+engine calls the block; each worker has a lookup from its own external block names (``block_hash`` in
+events) to sequence hashes, so ``removed`` events and ``parent_hash`` references can be resolved.
+
+The workers holding a block are a bitmask (an int, one bit per worker): walking a prompt's blocks is an
+AND per block whatever the number of workers, which keeps a decision fast with a prefix cached on
+hundreds of workers.  Bits are given out as workers appear and reused after a worker is removed.
 
 Differences from the original, on purpose:
 
 * ``find_matches`` counts the *contiguous* prefix a worker holds: a worker that lost block 2 but still
-  has block 3 scores 2 blocks, not 3 (an engine can only reuse a prefix without holes).  Nodes are
+  has block 3 scores 2 blocks, not 3 (an engine can only reuse a prefix without holes).  Blocks are
   walked only while some worker still matches.
-* A node that loses its last worker is pruned only once it has no children either (and then its
-  ancestors, if they are in the same state).  A node that is empty but still has populated children is
-  kept, so an engine that evicted a parent block before its children and stores it again reconnects the
-  subtree instead of orphaning it.  No lookup entry ever points at a detached node.
+* An engine that evicted a parent block before its children, and stores the parent again, has its
+  children count again at once: they are keyed by content, not by a place in a tree.
 
 ``ApproxKvIndexer`` (``--use-kv-events false``) has no events: after each routing decision it assumes
 the request's blocks are cached on the chosen worker for a TTL (120 s), refreshed by each decision that
@@ -24,9 +29,14 @@ from __future__ import annotations
 
 import heapq
 import logging
+import struct
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import orjson
+import xxhash
+
+from dynamo.llm.kv_router.hashing import KV_HASH_SEED, MASK64, compute_seq_hashes
 from dynamo.llm.kv_router.protocols import EventError, KvEvent, StoredBlock, parse_kv_event
 
 log = logging.getLogger(__name__)
@@ -34,118 +44,148 @@ log = logging.getLogger(__name__)
 WorkerId = int
 OverlapScores = dict[WorkerId, int]
 
-
-class _Node:
-    __slots__ = ("key", "parent", "children", "workers")
-
-    def __init__(self, key: int | None, parent: "_Node | None"):
-        self.key = key
-        self.parent = parent
-        self.children: dict[int, _Node] = {}
-        self.workers: set[WorkerId] = set()
-
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return f"_Node(key={self.key}, workers={sorted(self.workers)}, children={len(self.children)})"
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_pair = struct.Struct("<QQ").pack
 
 
 class RadixTree:
-    """The tree and per-worker lookups.  Single-threaded: call it from one event loop."""
+    """The block index and per-worker lookups.  Single-threaded: call it from one event loop.
+
+    (The name is historical: the index used to be a radix tree of local hashes, and is equivalent.)
+    """
 
     def __init__(self) -> None:
-        self.root = _Node(None, None)
-        self._lookup: dict[WorkerId, dict[int, _Node]] = {}
+        self._holders: dict[int, int] = {}  # sequence hash -> bitmask of the workers holding it
+        self._lookup: dict[WorkerId, dict[int, int]] = {}  # worker -> its block name -> sequence hash
+        self._bit: dict[WorkerId, int] = {}  # worker -> its bit (1 << index)
+        self._by_index: list[WorkerId | None] = []
+        self._free: list[int] = []  # indices of removed workers, for reuse
+
+    # -- workers and their bits ----------------------------------------------------------------
+    def _bit_of(self, worker: WorkerId) -> int:
+        bit = self._bit.get(worker)
+        if bit is None:
+            if self._free:
+                i = self._free.pop()
+                self._by_index[i] = worker
+            else:
+                i = len(self._by_index)
+                self._by_index.append(worker)
+            bit = self._bit[worker] = 1 << i
+        return bit
+
+    def _forget(self, worker: WorkerId) -> None:
+        bit = self._bit.pop(worker, None)
+        if bit is not None:
+            i = bit.bit_length() - 1
+            self._by_index[i] = None
+            self._free.append(i)
+
+    def _workers_in(self, mask: int) -> list[WorkerId]:
+        out = []
+        by_index = self._by_index
+        while mask:
+            low = mask & -mask
+            out.append(by_index[low.bit_length() - 1])  # type: ignore[arg-type]
+            mask ^= low
+        return out
 
     # -- events --------------------------------------------------------------------------------
-    def apply_stored(self, worker: WorkerId, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> bool:
+    def apply_stored(self, worker: WorkerId, parent_hash: int | None, blocks: Sequence[StoredBlock] | Sequence[tuple[int, int]]) -> bool:
         """Add ``blocks`` (a chain, the first one a child of ``parent_hash``) for ``worker``.
 
         Returns False (and logs a warning) when ``parent_hash`` is not a block the worker is known to hold.
         """
-        lookup = self._lookup.setdefault(worker, {})
+        lookup = self._lookup.get(worker)
         if parent_hash is None:
-            node = self.root
+            parent = None
         else:
-            found = lookup.get(parent_hash)
-            if found is None:
+            parent = lookup.get(parent_hash) if lookup is not None else None
+            if parent is None:
                 log.warning("KV event from worker %x: stored blocks under unknown parent %d; skipped",
                             worker, parent_hash)
-                if not lookup:
-                    del self._lookup[worker]
                 return False
-            node = found
-        for block in blocks:
-            child = lookup.get(block.block_hash)
-            if child is None or child.parent is not node:
-                if child is not None:
-                    # the engine re-used a name under another parent: forget the old placement
-                    self._drop(worker, child)
-                child = node.children.get(block.tokens_hash)
-                if child is None:
-                    child = _Node(block.tokens_hash, node)
-                    node.children[block.tokens_hash] = child
-                lookup[block.block_hash] = child
-            child.workers.add(worker)
-            node = child
+        if lookup is None:
+            lookup = self._lookup[worker] = {}
+        bit = self._bit_of(worker)
+        holders = self._holders
+        h, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
+        for name, local in blocks:
+            seq = local if parent is None else h(pack(parent, local), seed)
+            old = lookup.get(name)
+            if old != seq:
+                if old is not None:  # the engine re-used a name for other content: forget the old one
+                    self._clear(old, bit)
+                # the same int object for both when the engine names blocks by sequence hash (less memory)
+                lookup[name] = name if name == seq else seq
+            holders[seq] = holders.get(seq, 0) | bit
+            parent = seq
         return True
 
     def apply_removed(self, worker: WorkerId, block_hashes: Iterable[int]) -> None:
         lookup = self._lookup.get(worker)
         unknown = 0
-        for h in block_hashes:
-            node = lookup.pop(h, None) if lookup is not None else None
-            if node is None:
+        bit = self._bit.get(worker, 0)
+        for name in block_hashes:
+            seq = lookup.pop(name, None) if lookup is not None else None
+            if seq is None:
                 unknown += 1
                 continue
-            self._drop(worker, node)
+            self._clear(seq, bit)
         if unknown:
             log.warning("KV event from worker %x: %d removed block(s) were not known; ignored", worker, unknown)
         if lookup is not None and not lookup:
             del self._lookup[worker]
+            self._forget(worker)
+
+    def _clear(self, seq: int, bit: int) -> None:
+        holders = self._holders
+        mask = holders.get(seq, 0) & ~bit
+        if mask:
+            holders[seq] = mask
+        else:
+            holders.pop(seq, None)
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget everything ``worker`` holds (it left, or sent ``cleared``)."""
         lookup = self._lookup.pop(worker, None)
-        if not lookup:
-            return
-        for node in lookup.values():
-            self._drop(worker, node)
+        if lookup:
+            bit = self._bit[worker]
+            for seq in lookup.values():
+                self._clear(seq, bit)
+        self._forget(worker)
 
     clear_worker = remove_worker
 
-    def _drop(self, worker: WorkerId, node: _Node) -> None:
-        node.workers.discard(worker)
-        # prune upwards while nodes hold nothing and lead nowhere
-        while node.parent is not None and not node.workers and not node.children:
-            parent = node.parent
-            if parent.children.get(node.key) is node:  # type: ignore[arg-type]
-                del parent.children[node.key]  # type: ignore[arg-type]
-            node.parent = None
-            node = parent
-
     # -- queries -------------------------------------------------------------------------------
-    def find_matches(self, local_hashes: Sequence[int]) -> OverlapScores:
-        """For each worker, how many leading blocks of ``local_hashes`` it holds (only workers with > 0)."""
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
+        """For each worker, how many leading blocks of ``local_hashes`` it holds (only workers with > 0).
+
+        ``seq_hashes`` (the prompt's sequence hashes, when the caller has them) saves hashing again."""
+        if seq_hashes is None:
+            seq_hashes = compute_seq_hashes(local_hashes)
+        get = self._holders.get
         scores: OverlapScores = {}
-        node = self.root
-        active: set[WorkerId] = set()
+        active = 0
         depth = 0
-        for h in local_hashes:
-            child = node.children.get(h)
-            if child is None:
+        for s in seq_hashes:
+            mask = get(s)
+            if not mask:
                 break
-            workers = child.workers
-            if depth == 0:
-                active = set(workers)
-            elif not active <= workers:
-                for w in active - workers:  # these workers' prefixes end here
-                    scores[w] = depth
-                active &= workers
-            if not active:
-                break
+            if depth:
+                still = active & mask
+                if still != active:  # these workers' prefixes end here
+                    for w in self._workers_in(active ^ still):
+                        scores[w] = depth
+                    active = still
+                    if not active:
+                        return scores
+            else:
+                active = mask
             depth += 1
-            node = child
-        for w in active:
-            scores[w] = depth
+        if active:
+            for w in self._workers_in(active):
+                scores[w] = depth
         return scores
 
     def workers(self) -> list[WorkerId]:
@@ -155,12 +195,8 @@ class RadixTree:
         return len(self._lookup.get(worker, ()))
 
     def node_count(self) -> int:
-        n, stack = 0, [self.root]
-        while stack:
-            node = stack.pop()
-            n += 1
-            stack.extend(node.children.values())
-        return n - 1
+        """Distinct blocks held by at least one worker."""
+        return len(self._holders)
 
 
 class KvIndexer:
@@ -174,6 +210,21 @@ class KvIndexer:
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
         """Apply one wrapped KV event (parsed or raw JSON).  Bad events are logged and skipped (False)."""
         if not isinstance(event, KvEvent):
+            if isinstance(event, (bytes, bytearray, memoryview, str)):
+                try:
+                    event = orjson.loads(event)
+                except orjson.JSONDecodeError as e:
+                    self.events_rejected += 1
+                    log.warning("undecodable KV event skipped: not JSON: %s", e)
+                    return False
+            stored = _plain_stored(event)
+            if stored is not None:  # the common case, without building a KvEvent first
+                ok = self.tree.apply_stored(*stored)
+                if ok:
+                    self.events_applied += 1
+                else:
+                    self.events_rejected += 1
+                return ok
             try:
                 event = parse_kv_event(event)
             except EventError as e:
@@ -193,11 +244,33 @@ class KvIndexer:
             self.events_rejected += 1
         return ok
 
-    def find_matches(self, local_hashes: Sequence[int]) -> OverlapScores:
-        return self.tree.find_matches(local_hashes)
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
+        return self.tree.find_matches(local_hashes, seq_hashes)
 
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)
+
+
+def _plain_stored(raw: Any) -> tuple[int, int | None, list[tuple[int, int]]] | None:
+    """(worker, parent, [(block_hash, tokens_hash)]) of a well-formed ``stored`` event whose hashes are all
+    u64 already; None for anything else (the full parser then decodes it, or says what is wrong)."""
+    try:
+        worker = raw["worker_id"]
+        event = raw["event"]
+        data = event["data"]
+        body = data["stored"]
+        parent = body["parent_hash"]
+        blocks = body["blocks"]
+        pairs = [(b["block_hash"], b["tokens_hash"]) for b in blocks]
+    except (KeyError, TypeError):
+        return None
+    if (type(worker) is not int or len(data) != 1 or type(event.get("event_id", 0)) is not int
+            or (parent is not None and (type(parent) is not int or not 0 <= parent <= MASK64))):
+        return None
+    for bh, th in pairs:
+        if type(bh) is not int or type(th) is not int or bh < 0 or th < 0 or bh > MASK64 or th > MASK64:
+            return None
+    return worker, parent, pairs
 
 
 DEFAULT_APPROX_TTL_S = 120.0
@@ -221,7 +294,7 @@ class ApproxKvIndexer:
         now = self.clock()
         self.expire(now)
         deadline = now + self.ttl
-        self.tree.apply_stored(worker, None, [StoredBlock(s, l) for l, s in zip(local_hashes, seq_hashes)])
+        self.tree.apply_stored(worker, None, list(zip(seq_hashes, local_hashes)))
         for s in seq_hashes:
             self._expiry[(worker, s)] = deadline
             heapq.heappush(self._heap, (deadline, worker, s))
@@ -245,9 +318,9 @@ class ApproxKvIndexer:
             dropped += 1
         return dropped
 
-    def find_matches(self, local_hashes: Sequence[int]) -> OverlapScores:
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
         self.expire()
-        return self.tree.find_matches(local_hashes)
+        return self.tree.find_matches(local_hashes, seq_hashes)
 
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)

@@ -73,7 +73,7 @@ class KvRouter:
             raise ValueError("no workers to route to")
         local = compute_block_hashes(token_ids, self.block_size)
         seq = compute_seq_hashes(local)
-        overlaps = self.indexer.find_matches(local)
+        overlaps = self.indexer.find_matches(local, seq)
         blocks = self._request_blocks(seq, len(token_ids))
         costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
                               self.overlap_score_weight, self.trackers)
