@@ -10,7 +10,9 @@ events) to sequence hashes, so ``removed`` events and ``parent_hash`` references
 
 The workers holding a block are a bitmask (an int, one bit per worker): walking a prompt's blocks is an
 AND per block whatever the number of workers, which keeps a decision fast with a prefix cached on
-hundreds of workers.  Bits are given out as workers appear and reused after a worker is removed.
+hundreds of workers.  Bits are given out as workers appear and reused after a worker is removed.  Most
+blocks have one holder (a conversation's history lives where it ran): those store ``~index`` (a
+negative int) instead of a mask, which for worker 900 would be a 900-bit int per block.
 
 Differences from the original, on purpose:
 
@@ -55,7 +57,8 @@ class RadixTree:
     """
 
     def __init__(self) -> None:
-        self._holders: dict[int, int] = {}  # sequence hash -> bitmask of the workers holding it
+        # sequence hash -> the workers holding it: a bitmask (>= 0), or ~index of the only one (< 0)
+        self._holders: dict[int, int] = {}
         self._lookup: dict[WorkerId, dict[int, int]] = {}  # worker -> its block name -> sequence hash
         self._bit: dict[WorkerId, int] = {}  # worker -> its bit (1 << index)
         self._by_index: list[WorkerId | None] = []
@@ -108,7 +111,9 @@ class RadixTree:
         if lookup is None:
             lookup = self._lookup[worker] = {}
         bit = self._bit_of(worker)
+        solo = ~(bit.bit_length() - 1)
         holders = self._holders
+        get = holders.get
         h, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
         for name, local in blocks:
             seq = local if parent is None else h(pack(parent, local), seed)
@@ -118,7 +123,14 @@ class RadixTree:
                     self._clear(old, bit)
                 # the same int object for both when the engine names blocks by sequence hash (less memory)
                 lookup[name] = name if name == seq else seq
-            holders[seq] = holders.get(seq, 0) | bit
+            v = get(seq)
+            if v is None:
+                holders[seq] = solo
+            elif v < 0:
+                if v != solo:
+                    holders[seq] = (1 << ~v) | bit
+            else:
+                holders[seq] = v | bit
             parent = seq
         return True
 
@@ -140,11 +152,20 @@ class RadixTree:
 
     def _clear(self, seq: int, bit: int) -> None:
         holders = self._holders
-        mask = holders.get(seq, 0) & ~bit
-        if mask:
-            holders[seq] = mask
+        v = holders.get(seq)
+        if v is None:
+            return
+        if v < 0:
+            if 1 << ~v == bit:
+                del holders[seq]
+            return
+        mask = v & ~bit
+        if mask & (mask - 1):
+            holders[seq] = mask  # still two or more
+        elif mask:
+            holders[seq] = ~(mask.bit_length() - 1)
         else:
-            holders.pop(seq, None)
+            del holders[seq]
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget everything ``worker`` holds (it left, or sent ``cleared``)."""
@@ -170,8 +191,10 @@ class RadixTree:
         depth = 0
         for s in seq_hashes:
             mask = get(s)
-            if not mask:
+            if mask is None:
                 break
+            if mask < 0:
+                mask = 1 << ~mask
             if depth:
                 still = active & mask
                 if still != active:  # these workers' prefixes end here
