@@ -187,6 +187,37 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(servers, workers, front
             assert gauge(metrics, name, "kvev", i) is not None, (name, i)
 
 
+def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, frontend):
+    """The mocker reports its prefix hit; it travels in the worker's items and ends up in OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``, unary and streamed, matching what the router expected."""
+    prefix = text(120)
+    routed(servers, frontend, "kvev", prefix + " " + text(10))
+    decision = route_until_cached(servers, frontend, "kvev", prefix + " " + text(10))
+    body = {"model": "kvev", "prompt": prefix + " " + text(10), "max_tokens": 2}
+    unary = httpx.post(frontend.api_url + "/completions", json=body, timeout=30).json()["usage"]
+    # the mocker counts whole cached blocks; the router saw about as many (this prompt's tail differs)
+    cached = unary["prompt_tokens_details"]["cached_tokens"]
+    assert cached % BLOCK_SIZE == 0 and cached >= (decision["overlap_blocks"] - 1) * BLOCK_SIZE, (unary, decision)
+    assert cached < unary["prompt_tokens"]
+    def chat_usage() -> dict[str, Any]:
+        with httpx.stream("POST", frontend.api_url + "/chat/completions", timeout=30, json={
+                "model": "kvev", "messages": [{"role": "user", "content": prefix}], "max_tokens": 2,
+                "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"] == []
+        return chunks[-1]["usage"]
+
+    assert chat_usage()["prompt_tokens_details"]["cached_tokens"] >= 0  # a new chat prompt
+    # the same chat again goes back to the worker that has all of its complete blocks now (once the KV
+    # events got to the router: they travel beside the response, so allow a few tries)
+    for _ in range(10):
+        usage = chat_usage()
+        if usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] - BLOCK_SIZE:
+            break
+        time.sleep(0.1)
+    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] - BLOCK_SIZE, usage
+
+
 def test_approximate_indexer_without_kv_events(servers, workers, approx_frontend):
     prefix = text(120)
     (first,) = routed(servers, approx_frontend, "kvev", prefix + " " + text(10))

@@ -153,6 +153,7 @@ def test_core_stream_usage_chunk(core: openai.OpenAI):
     assert usage.completion_tokens == 4
     assert usage.prompt_tokens > 4
     assert usage.total_tokens == usage.prompt_tokens + 4
+    assert usage.prompt_tokens_details is None  # the echo engine has no cache: no claim of 0 cached tokens
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
