@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from types import SimpleNamespace
 import json
 import random
 import time
@@ -23,6 +24,12 @@ import httpx
 import nats
 import pytest
 
+from dynamo.engines import vllm as vl
+from dynamo.engines.vllm_kv import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
+from dynamo.llm.kv_router.hashing import compute_block_hashes
+from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.llm.model_card import ModelCard
+from dynamo.run.flags import RunConfig
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
 from tests.support.tiny_model import build_tiny_hf_model
@@ -169,3 +176,81 @@ def test_vllm_kv_events_reach_the_router_and_usage_reports_the_reuse(servers, wo
     kv = r["metrics"][-1]["data"]["kv_stats"]
     assert r["metrics"][-1]["worker_id"] == worker.instance_id and kv["kv_total_blocks"] > 0
     assert any(m["data"]["kv_stats"]["gpu_prefix_cache_hit_rate"] > 0 for m in r["metrics"])
+
+
+# -- the socket and the engine's wiring, without starting vLLM ----------------------------------------
+
+def _stored_batch(tokens: list[int], block: int) -> bytes:
+    import msgspec
+
+    event = {"type": "BlockStored", "block_hashes": [b"h%d" % i for i in range(len(tokens) // block)],
+             "parent_block_hash": None, "token_ids": tokens, "block_size": block, "lora_id": None,
+             "medium": "GPU", "lora_name": None}
+    return msgspec.msgpack.encode([0.0, [event], 0])
+
+
+async def _publish_until(endpoint: str, payload: bytes, seen: Any) -> None:
+    """Connect a PUB socket as vLLM's engine core does (an endpoint without '*' is connected to) and send
+    until the subscriber has it: PUB/SUB drops what is sent before the connection is up."""
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(endpoint)
+    try:
+        for seq in range(250):
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+            await asyncio.sleep(0.02)
+            if seen():
+                return
+        raise AssertionError("the subscriber never got the batch")
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
+async def test_zmq_subscriber_feeds_the_router_format():
+    indexer, sent = KvIndexer(), []
+
+    def publish(event: dict[str, Any]) -> None:
+        sent.append(event)
+        assert indexer.apply_event(event)
+
+    sub = ZmqKvEventSubscriber(KvEventSink(KvEventTranslator(4), 77, publish))
+    endpoint = sub.bind()
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    sub.start()
+    try:
+        tokens = list(range(100, 112))
+        await _publish_until(endpoint, _stored_batch(tokens, 4), lambda: sent)
+        assert indexer.find_matches(compute_block_hashes(tokens, 4)) == {77: 3}
+    finally:
+        await sub.close()
+
+
+async def test_engine_wiring_for_a_dyn_worker(tmp_path: Path):
+    """What VllmEngine does around vLLM's start for an in=dyn:// worker: the socket is bound before, the
+    config and stat logger go to vLLM, the block size comes from vLLM's config, attach() names the worker."""
+    cfg = RunConfig(output="vllm", input="dyn://ns.vllm.generate")
+    engine = vl.VllmEngine(cfg, ModelCard(display_name="tiny", path=tmp_path, kv_cache_block_size=16))
+    engine._prepare_kv_events()
+    try:
+        assert engine._kv_sub is not None and engine._metrics is not None
+        engine._llm = SimpleNamespace(vllm_config=SimpleNamespace(
+            cache_config=SimpleNamespace(num_gpu_blocks=500, enable_prefix_caching=True, block_size=32),
+            scheduler_config=SimpleNamespace(max_num_seqs=8)))
+        engine.card.kv_cache_block_size = 32  # what _adopt_engine_config takes from vLLM
+        engine._start_kv_events()
+        events: list[dict[str, Any]] = []
+        metrics: list[dict[str, Any]] = []
+        engine.attach(4242, publish_kv_event=events.append, publish_metrics=metrics.append)
+        await _publish_until(engine._kv_sub.endpoint, _stored_batch(list(range(64)), 32), lambda: events)
+        assert events[0]["worker_id"] == 4242 and len(events[0]["event"]["data"]["stored"]["blocks"]) == 2
+        engine._metrics.factory(None, 0).record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0,
+                                                                kv_cache_usage=0.1, prefix_cache_stats=None))
+        assert metrics and metrics[-1]["worker_id"] == 4242
+        assert engine.load_metrics()["kv_stats"]["kv_total_blocks"] == 500
+        assert engine.all_load_metrics()[0]["worker_stats"]["request_total_slots"] == 8
+    finally:
+        engine._llm = None
+        await engine.close()

@@ -24,6 +24,11 @@ Engine arguments, in increasing precedence (see docs/engines.md):
 * ``--extra-engine-args`` JSON: any ``AsyncEngineArgs`` field; it wins over the flags.  A key vLLM does
   not know is reported by vLLM's own validation, as one line.
 
+An ``in=dyn://`` worker with prefix caching also publishes KV events and load metrics for KV routers
+(vllm_kv.py): vLLM's own ZMQ KV-event publisher is turned on, pointed at a socket this process binds on
+loopback, and its events are rehashed into the router's format; a stat logger turns vLLM's scheduler
+stats into load metrics.  The first output of a request carries vLLM's ``num_cached_tokens``.
+
 ``--base-gpu-id N`` has no vLLM argument: we set ``CUDA_VISIBLE_DEVICES`` to the GPUs from N on (or the
 slice of an existing ``CUDA_VISIBLE_DEVICES`` list) before vLLM starts, unless it would be a no-op.
 
