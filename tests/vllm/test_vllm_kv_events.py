@@ -65,7 +65,7 @@ def worker(servers: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
         w.start()
         yield w
     finally:
-        w.stop()
+        w.stop(timeout=60)  # vLLM alone takes 5-10 s to shut down on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
