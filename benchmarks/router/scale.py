@@ -58,6 +58,15 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def index_mb(router: KvRouter) -> float:
+    """The index's own memory, from the sizes of its dicts plus 32 bytes per int object they hold (block
+    names and sequence hashes are shared objects when the engine names blocks by sequence hash, as here)."""
+    tree = router.indexer.tree
+    dicts = sys.getsizeof(tree._holders) + sum(sys.getsizeof(d) for d in tree._lookup.values())
+    ints = 2 * len(tree._holders) + sum(len(d) for d in tree._lookup.values())
+    return (dicts + 32 * ints) / 2**20
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -269,6 +278,8 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     nodes = router.indexer.tree.node_count()
     rss2 = rss_mb()
+    imb = index_mb(router)
+    pairs = sum(router.indexer.tree.num_blocks(w) for w in router.indexer.tree.workers())
     cache.events = []  # the raw events are no longer needed
     book_in_flight(args, cache, router, rng)
     # the benchmark's own data (prompts, histories) out of the collector's way: a frontend has none of it
@@ -276,11 +287,12 @@ def main() -> None:
     gc.freeze()
     dec = bench_decisions(args, cache, router, rng, args.profile == "decide")
     out = {"args": vars(args) | {"json": str(args.json) if args.json else None}, "events": ev, "decisions": dec,
-           "tree_nodes": nodes, "rss_mb": {"start": rss0, "workload": rss1, "indexed": rss2},
+           "tree_nodes": nodes, "index_mb": imb, "worker_blocks": pairs, "rss_mb": {"start": rss0, "workload": rss1, "indexed": rss2},
            "python": platform.python_version(), "machine": platform.machine()}
     print(f"indexer: stored from JSON {ev['stored_json_blocks_per_s'] / 1e6:.2f} M block events/s, "
           f"parsed {ev['stored_parsed_blocks_per_s'] / 1e6:.2f} M/s, removed {ev['removed_parsed_blocks_per_s'] / 1e6:.2f} M/s; "
-          f"{nodes:,} tree nodes; max RSS {rss2:,.0f} MB (workload {rss1:,.0f} MB)")
+          f"{nodes:,} distinct blocks, {pairs:,} (worker, block) pairs; index about {imb:,.0f} MB "
+          f"({imb * 2**20 / max(1, pairs):.0f} B per pair); max RSS {rss2:,.0f} MB (workload {rss1:,.0f} MB)")
     print(f"decision ({args.isl} tokens, {args.workers} workers, {args.in_flight} in flight each): "
           f"p50 {dec['decision_p50_ms']:.3f} ms, p99 {dec['decision_p99_ms']:.3f} ms, max {dec['decision_max_ms']:.3f} ms; "
           f"parts p50: hash {dec['hash_p50_ms']:.3f}, find_matches {dec['find_matches_p50_ms']:.3f} "
