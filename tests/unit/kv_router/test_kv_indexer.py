@@ -231,3 +231,14 @@ def test_json_fast_path_and_the_full_parser_agree():
     assert a.find_matches(LOCAL) == b.find_matches(LOCAL) == {1: 4}
     assert a.apply_event(orjson.dumps(removed(1, [SEQ[2]])))
     assert a.find_matches(LOCAL) == {1: 2}
+
+
+def test_hashes_beyond_64_bits_are_rejected_not_raised(caplog):
+    idx = KvIndexer()
+    idx.apply_event(stored(1, PAIRS[:1]))
+    big = ('{"worker_id": 1, "event": {"event_id": 3, "data": {"stored": {"parent_hash": %d, '
+           '"blocks": [{"block_hash": 5, "tokens_hash": %d}]}}}}' % (SEQ[0], 1 << 64))
+    with caplog.at_level(logging.WARNING):
+        assert not idx.apply_event(big.encode())
+    assert "64 bits" in caplog.text
+    assert idx.find_matches(LOCAL) == {1: 1}

@@ -33,9 +33,9 @@ import heapq
 import logging
 import struct
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Annotated, Any, Callable, Iterable, Sequence
 
-import orjson
+import msgspec
 import xxhash
 
 from dynamo.llm.kv_router.hashing import KV_HASH_SEED, MASK64, compute_seq_hashes
@@ -94,8 +94,10 @@ class RadixTree:
         return out
 
     # -- events --------------------------------------------------------------------------------
-    def apply_stored(self, worker: WorkerId, parent_hash: int | None, blocks: Sequence[StoredBlock] | Sequence[tuple[int, int]]) -> bool:
-        """Add ``blocks`` (a chain, the first one a child of ``parent_hash``) for ``worker``.
+    def apply_stored(self, worker: WorkerId, parent_hash: int | None, blocks: Iterable[Any]) -> bool:
+        """Add ``blocks`` (a chain, the first one a child of ``parent_hash``) for ``worker``.  A block is
+        anything with ``block_hash`` and ``tokens_hash`` attributes (a :class:`StoredBlock`, a decoded
+        wire struct).
 
         Returns False (and logs a warning) when ``parent_hash`` is not a block the worker is known to hold.
         """
@@ -115,7 +117,9 @@ class RadixTree:
         holders = self._holders
         get = holders.get
         h, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
-        for name, local in blocks:
+        for block in blocks:
+            name = block.block_hash
+            local = block.tokens_hash
             seq = local if parent is None else h(pack(parent, local), seed)
             old = lookup.get(name)
             if old != seq:
@@ -133,6 +137,29 @@ class RadixTree:
                 holders[seq] = v | bit
             parent = seq
         return True
+
+    def apply_own_chain(self, worker: WorkerId, seq_hashes: Sequence[int]) -> None:
+        """``worker`` holds these blocks, a chain from the root named by their sequence hashes (what the
+        approximate indexer records for its own decisions)."""
+        if not seq_hashes:
+            return
+        lookup = self._lookup.get(worker)
+        if lookup is None:
+            lookup = self._lookup[worker] = {}
+        bit = self._bit_of(worker)
+        solo = ~(bit.bit_length() - 1)
+        holders = self._holders
+        get = holders.get
+        for seq in seq_hashes:
+            lookup[seq] = seq
+            v = get(seq)
+            if v is None:
+                holders[seq] = solo
+            elif v < 0:
+                if v != solo:
+                    holders[seq] = (1 << ~v) | bit
+            else:
+                holders[seq] = v | bit
 
     def apply_removed(self, worker: WorkerId, block_hashes: Iterable[int]) -> None:
         lookup = self._lookup.get(worker)
@@ -231,23 +258,35 @@ class KvIndexer:
         self.events_rejected = 0
 
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
-        """Apply one wrapped KV event (parsed or raw JSON).  Bad events are logged and skipped (False)."""
-        if not isinstance(event, KvEvent):
-            if isinstance(event, (bytes, bytearray, memoryview, str)):
-                try:
-                    event = orjson.loads(event)
-                except orjson.JSONDecodeError as e:
-                    self.events_rejected += 1
-                    log.warning("undecodable KV event skipped: not JSON: %s", e)
-                    return False
-            stored = _plain_stored(event)
-            if stored is not None:  # the common case, without building a KvEvent first
-                ok = self.tree.apply_stored(*stored)
-                if ok:
+        """Apply one wrapped KV event (parsed or raw JSON).  Bad events are logged and skipped (False).
+
+        JSON (what NATS delivers) is decoded straight into typed structs by msgspec, several times faster
+        than building dicts and checking them; anything that does not fit that shape exactly (signed
+        hashes, other spellings, errors) goes through :func:`parse_kv_event`, which says what is wrong."""
+        if isinstance(event, (bytes, bytearray, memoryview, str)):
+            try:
+                wire = _decode_wire(event)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                wire = None
+            if wire is not None:
+                data = wire.event.data
+                if isinstance(data, str):
+                    if data == "cleared":
+                        self.tree.remove_worker(wire.worker_id)
+                        self.events_applied += 1
+                        return True
+                elif data.stored is not None and data.removed is None:
+                    try:
+                        ok = self.tree.apply_stored(wire.worker_id, data.stored.parent_hash, data.stored.blocks)
+                    except struct.error:  # a hash beyond u64 (msgspec checks only the lower bound)
+                        log.warning("undecodable KV event skipped: a block hash does not fit in 64 bits")
+                        ok = False
+                    return self._count(ok)
+                elif data.removed is not None and data.stored is None:
+                    self.tree.apply_removed(wire.worker_id, data.removed.block_hashes)
                     self.events_applied += 1
-                else:
-                    self.events_rejected += 1
-                return ok
+                    return True
+        if not isinstance(event, KvEvent):
             try:
                 event = parse_kv_event(event)
             except EventError as e:
@@ -261,6 +300,9 @@ class KvIndexer:
             self.tree.apply_removed(event.worker_id, event.block_hashes)
         else:
             self.tree.remove_worker(event.worker_id)
+        return self._count(ok)
+
+    def _count(self, ok: bool) -> bool:
         if ok:
             self.events_applied += 1
         else:
@@ -274,26 +316,41 @@ class KvIndexer:
         self.tree.remove_worker(worker)
 
 
-def _plain_stored(raw: Any) -> tuple[int, int | None, list[tuple[int, int]]] | None:
-    """(worker, parent, [(block_hash, tokens_hash)]) of a well-formed ``stored`` event whose hashes are all
-    u64 already; None for anything else (the full parser then decodes it, or says what is wrong)."""
-    try:
-        worker = raw["worker_id"]
-        event = raw["event"]
-        data = event["data"]
-        body = data["stored"]
-        parent = body["parent_hash"]
-        blocks = body["blocks"]
-        pairs = [(b["block_hash"], b["tokens_hash"]) for b in blocks]
-    except (KeyError, TypeError):
-        return None
-    if (type(worker) is not int or len(data) != 1 or type(event.get("event_id", 0)) is not int
-            or (parent is not None and (type(parent) is not int or not 0 <= parent <= MASK64))):
-        return None
-    for bh, th in pairs:
-        if type(bh) is not int or type(th) is not int or bh < 0 or th < 0 or bh > MASK64 or th > MASK64:
-            return None
-    return worker, parent, pairs
+# The wire shape of a KV event (protocols.py), for msgspec's typed JSON decoding.  Hashes must be u64 here;
+# the rare producer that sends signed i64 falls back to parse_kv_event, which reads their bits.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec itself refuses what is beyond u64
+
+
+class _WireBlock(msgspec.Struct, gc=False):
+    block_hash: _U64
+    tokens_hash: _U64
+
+
+class _WireStored(msgspec.Struct, gc=False):
+    blocks: list[_WireBlock]
+    parent_hash: _U64 | None = None
+
+
+class _WireRemoved(msgspec.Struct, gc=False):
+    block_hashes: list[_U64]
+
+
+class _WireData(msgspec.Struct, gc=False, forbid_unknown_fields=True):
+    stored: _WireStored | None = None
+    removed: _WireRemoved | None = None
+
+
+class _WireEvent(msgspec.Struct, gc=False):
+    data: _WireData | str
+    event_id: _U64 = 0
+
+
+class _WireKvEvent(msgspec.Struct, gc=False):
+    worker_id: int
+    event: _WireEvent
+
+
+_decode_wire = msgspec.json.Decoder(_WireKvEvent).decode
 
 
 DEFAULT_APPROX_TTL_S = 120.0
@@ -317,7 +374,7 @@ class ApproxKvIndexer:
         now = self.clock()
         self.expire(now)
         deadline = now + self.ttl
-        self.tree.apply_stored(worker, None, list(zip(seq_hashes, local_hashes)))
+        self.tree.apply_own_chain(worker, seq_hashes)
         for s in seq_hashes:
             self._expiry[(worker, s)] = deadline
             heapq.heappush(self._heap, (deadline, worker, s))
