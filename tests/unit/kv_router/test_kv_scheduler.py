@@ -301,6 +301,8 @@ def test_shared_prefix_agrees_with_counting_every_block():
         g = rng.choice(groups)
         request = g[: rng.randrange(0, len(g) + 1)] + ([rng.getrandbits(64)] if trial % 2 else [])
         assert len(request) - s.new_blocks(request) == s.shared_prefix(request)
+        for hint in range(len(request) + 2):  # a wrong guess costs lookups, never the answer
+            assert s.shared_prefix(request, hint) == s.shared_prefix(request)
         assert s.num_blocks == len(s.block_refs) == s.active_blocks
         assert set(s.heads) == {r.blocks[0] for r in s.requests.values() if r.blocks}
         costs = compute_costs([1], {}, request, 16 * len(request), BS, 1.0, {1: s})
