@@ -89,7 +89,9 @@ class RadixTree:
         by_index = self._by_index
         while mask:
             low = mask & -mask
-            out.append(by_index[low.bit_length() - 1])  # type: ignore[arg-type]
+            w = by_index[low.bit_length() - 1]
+            if w is not None:  # never expected: a bit is given back only once its worker holds nothing
+                out.append(w)
             mask ^= low
         return out
 
