@@ -1,4 +1,4 @@
-"""KV-aware routing: block hashing, the radix-tree indexer, the approximate indexer, the cost-based
+"""KV-aware routing: block hashing, the block indexer, the approximate indexer, the cost-based
 scheduler and :class:`KvRouter`, which ties them together.  See docs/routing.md."""
 
 from dynamo.llm.kv_router.hashing import (

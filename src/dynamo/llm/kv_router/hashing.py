@@ -6,7 +6,8 @@
   names a block *and everything before it*, so two sequences share a sequence hash only if they share
   the whole prefix up to and including that block.
 
-The radix-tree indexer is keyed by local hashes (a path from the root *is* the prefix); engines name
+The indexer keys blocks by sequence hash, which it computes from each stored block's local hash and its
+parent's (a chain of sequence hashes *is* the prefix); engines name
 their blocks by sequence hash in KV events (``block_hash``) and send the local hash as ``tokens_hash``.
 All hashes are unsigned 64-bit integers.
 """

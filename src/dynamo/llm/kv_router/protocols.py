@@ -9,7 +9,8 @@ KV event (published by a worker on ``namespace.<ns>.component.<comp>.kv_events``
          | "cleared"
 
 ``block_hash`` is the engine's name for the block (the mocker uses the sequence hash); ``tokens_hash`` is
-the local hash of the block's tokens (hashing.py), which keys the router's radix tree.
+the local hash of the block's tokens (hashing.py), from which the router computes the
+sequence hash its index is keyed by.
 
 Hit-rate event (published by a KV router on ``namespace.<ns>.kv-hit-rate`` after each decision)::
 
