@@ -31,6 +31,7 @@ async def connect_runtime() -> Any:
 
 
 async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
+    from dynamo.run.heap import settle_heap
     from dynamo.run.launch import build_served_model
     from dynamo.runtime import EndpointId
 
@@ -65,6 +66,7 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
         await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
         log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
                  endpoint.lease_id())
+        settle_heap()
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([serving, stopper], return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():

@@ -154,9 +154,11 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
 async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
                       metrics: "FrontendMetrics | None" = None) -> int:
     from dynamo.llm.http.service import HttpService
+    from dynamo.run.heap import settle_heap
 
     service = HttpService(manager, metrics=metrics)
     await service.start(cfg.http_host, cfg.http_port)
+    settle_heap()
     await stop.wait()
     await service.stop(grace=_shutdown_grace())
     return 0

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
+from dynamo.aio import Pending, next_now
 from dynamo.errors import EngineError, RequestError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 LISTEN_BACKLOG = 1024  # a burst of hundreds of new connections must not overflow the accept queue
 _DONE = b"data: [DONE]\n\n"
+SSE_BATCH = 256  # events at most in one write when a stream has a backlog
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -174,28 +176,56 @@ class HttpService:
             return resp, False
         dumps = orjson.dumps
         ok = False
+        # Every item that is ready when we look leaves in one write: a paced stream still sends each
+        # token as it comes, and a stream that fell behind catches up with one send per batch.
+        parts: list[bytes] = []
+        pending: Pending | None = None
         try:
             if first is not None:
-                await resp.write(_sse(first, dumps))
-                async for item in stream:
-                    await resp.write(_sse(item, dumps))
+                parts.append(_sse(first, dumps))
+                while True:
+                    try:
+                        item = next_now(stream)
+                        if type(item) is Pending:
+                            pending = item
+                            if parts:
+                                await _write_parts(resp, parts)
+                            pending = None
+                            item = await item
+                    except StopAsyncIteration:
+                        break
+                    data = _sse(item, dumps)
+                    if data:
+                        parts.append(data)
+                        if len(parts) >= SSE_BATCH:  # a long backlog: let the other streams have a turn
+                            await _write_parts(resp, parts)
+                            await asyncio.sleep(0)
             ok = True
         except (EngineError, RequestError) as e:
             log.warning("request %s failed mid-stream: %s", ctx.id, e)
             status = e.status if isinstance(e, RequestError) else 500
-            await resp.write(b"data: " + error_body(str(e), status) + b"\n\n")
+            parts.append(b"data: " + error_body(str(e), status) + b"\n\n")
         except (ConnectionResetError, ConnectionError):
             ctx.kill()
             log.debug("request %s: client went away", ctx.id)
             return resp, False
         except Exception as e:  # our bug: the headers are out, so end the stream cleanly rather than cut it
             log.exception("request %s: internal error mid-stream", ctx.id)
-            await resp.write(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
+            parts.append(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
         finally:
+            if pending is not None:  # a write failed while the next item was being awaited
+                await pending.abandon()
             await stream.aclose()
-        await resp.write(_DONE)
-        await resp.write_eof()
+        parts.append(_DONE)
+        await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
         return resp, ok
+
+
+async def _write_parts(resp: web.StreamResponse, parts: list[bytes]) -> None:
+    """One HTTP chunk with the SSE events gathered so far; empties ``parts``."""
+    data = b"".join(parts) if len(parts) > 1 else parts[0]
+    parts.clear()
+    await resp.write(data)
 
 
 def _sse(item: Any, dumps: Callable[[Any], bytes]) -> bytes:
