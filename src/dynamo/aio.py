@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Generator, TypeVar
+import logging
+import socket
+from typing import Any, AsyncIterator, Callable, Generator, TypeVar
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -88,3 +92,66 @@ def next_now(it: AsyncIterator[T]) -> "T | Pending":
     except StopIteration as stop:
         return stop.value
     return Pending(coro, first)
+
+
+async def _finish(pending: Pending) -> Any:
+    return await pending
+
+
+class Acceptor:
+    """Serve a listening socket, accepting every connection that is waiting each time it is readable.
+
+    Why not ``loop.create_server``: uvloop accepts one connection per turn of the event loop.  When
+    the loop is busy (hundreds of streams, a turn taking tens of milliseconds) a burst of new
+    connections then queues in the kernel, one more each turn: measured with 256 streams, the last
+    workers' call-home connections waited 2 s to be accepted, and so did their first tokens
+    (docs/performance.md).  The transports and protocols are the loop's own
+    (``connect_accepted_socket``); only the accepting is ours.
+    """
+
+    def __init__(self, sock: socket.socket, protocol_factory: Callable[[], asyncio.BaseProtocol],
+                 *, per_turn: int = 1024) -> None:
+        self.sock = sock
+        self._factory = protocol_factory
+        self._per_turn = per_turn
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        sock.setblocking(False)
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        loop = self._loop
+        for _ in range(self._per_turn):
+            try:
+                conn, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: try again on the next readiness
+                log.warning("accept failed on %s: %s", self.sock.getsockname(), exc)
+                return
+            conn.setblocking(False)
+            # Its first step sets the transport up and starts reading, now rather than a turn later;
+            # what is left (waiting for connection_made) runs as a task.
+            coro = loop.connect_accepted_socket(self._factory, conn)
+            try:
+                first = coro.send(None)
+            except StopIteration:
+                continue
+            except Exception as exc:  # noqa: BLE001 - one bad connection must not stop the others
+                log.debug("accepted connection failed to start: %s", exc)
+                conn.close()
+                continue
+            task = loop.create_task(_finish(Pending(coro, first)))
+            self._tasks.add(task)
+            task.add_done_callback(self._accepted)
+
+    def _accepted(self, task: "asyncio.Task[Any]") -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("accepted connection failed to start: %s", task.exception())
+
+    def close(self) -> None:
+        """Stop accepting (connections already accepted are left alone)."""
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()

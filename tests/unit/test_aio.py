@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,83 @@ async def test_works_on_plain_async_iterators_too():
             break
         got.append(item)
     assert got == [1, 2, 3, 4]
+
+
+def _burst_accepted_turns(use_acceptor: bool) -> list[int]:
+    """30 connections wait in the kernel's queue for a loop whose every turn is busy: the turn each
+    was accepted in."""
+    import socket
+    import time
+
+    import uvloop
+
+    from dynamo.aio import Acceptor
+
+    turns = [0]
+    accepted: list[int] = []
+
+    class Recorder(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            accepted.append(turns[0])
+
+    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+    clients = [socket.create_connection(sock.getsockname()) for _ in range(30)]  # queued, not accepted
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        if use_acceptor:
+            server: Any = Acceptor(sock, Recorder)
+        else:
+            server = await loop.create_server(Recorder, sock=sock)
+
+        def busy() -> None:  # every turn of the loop does 2 ms of other work
+            turns[0] += 1
+            time.sleep(0.002)
+            loop.call_soon(busy)
+
+        loop.call_soon(busy)
+        while len(accepted) < 30 and turns[0] < 500:
+            await asyncio.sleep(0)
+        server.close()
+
+    try:
+        uvloop.run(main())
+    finally:
+        for c in clients:
+            c.close()
+    assert len(accepted) == 30
+    return accepted
+
+
+def test_acceptor_takes_a_burst_of_connections_in_one_turn():
+    # the loop's own server (uvloop) takes one connection per turn: what Acceptor is for
+    own = _burst_accepted_turns(use_acceptor=False)
+    ours = _burst_accepted_turns(use_acceptor=True)
+    assert own[-1] - own[0] >= 20
+    assert ours[-1] - ours[0] <= 1
+
+
+async def test_acceptor_close_stops_accepting():
+    import socket
+
+    from dynamo.aio import Acceptor
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    got: list[asyncio.Transport] = []
+
+    class Keep(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            got.append(transport)  # type: ignore[arg-type]
+
+    acceptor = Acceptor(sock, Keep)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    while not got:
+        await asyncio.sleep(0.01)
+    acceptor.close()
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", port)
+    got[0].write(b"still served")
+    assert await reader.readexactly(12) == b"still served"
+    writer.close()
+    got[0].close()

@@ -18,6 +18,8 @@ import uuid
 
 import orjson
 
+from dynamo.aio import Acceptor
+
 from .codec import FrameDecoder, FrameError, encode_frame
 from .context import Context
 from .errors import EngineError
@@ -63,6 +65,15 @@ def advertise_host(configured: str | None) -> str:
     return "127.0.0.1"
 
 
+async def _listen(host: str) -> socket.socket:
+    """A listening socket on an ephemeral port of ``host`` (an address or a name)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    if not infos:
+        raise OSError(f"cannot resolve {host}")
+    family, _, _, _, addr = infos[0]
+    return socket.create_server(addr, family=family, backlog=1024)
+
+
 # ---------------------------------------------------------------------------------- client side
 
 
@@ -73,24 +84,25 @@ class TcpResponseServer:
         self.host = advertise_host(host)
         self.address = ""
         self.pending: dict[str, StreamState] = {}
-        self._server: asyncio.base_events.Server | None = None
+        self._acceptor: Acceptor | None = None
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         async with self._lock:
-            if self._server is not None:
+            if self._acceptor is not None:
                 return
-            loop = asyncio.get_running_loop()
             try:
-                self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
+                sock = await _listen(self.host)
             except OSError as exc:
                 if self.host == "127.0.0.1":
                     raise
                 # e.g. a host name resolving to an address this machine no longer has
                 log.warning("cannot listen on %s (%s); using 127.0.0.1 for response streams", self.host, exc)
                 self.host = "127.0.0.1"
-                self._server = await loop.create_server(lambda: _CallHomeProtocol(self), self.host, 0, backlog=1024)
-            port = self._server.sockets[0].getsockname()[1]
+                sock = await _listen(self.host)
+            # our own accept loop: a burst of call-homes is accepted in one turn (dynamo.aio.Acceptor)
+            self._acceptor = Acceptor(sock, lambda: _CallHomeProtocol(self))
+            port = sock.getsockname()[1]
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.address = f"{host}:{port}"
 
@@ -121,9 +133,9 @@ class TcpResponseServer:
         closes, and a gracefully stopping one still finishes its in-flight streams."""
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
         for state in list(self.pending.values()):
             state.fail_incomplete()
         self.pending.clear()

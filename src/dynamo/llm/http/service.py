@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
-from dynamo.aio import Pending, next_now
+from dynamo.aio import Acceptor, Pending, next_now
 from dynamo.errors import EngineError, RequestError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
@@ -54,6 +54,7 @@ class HttpService:
         self.app.router.add_get("/live", self.live)
         self.app.router.add_get("/metrics", self.prometheus)
         self._runner: web.AppRunner | None = None
+        self._acceptor: Acceptor | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
         self._contexts: set[Context] = set()
         self.port: int | None = None
@@ -64,8 +65,8 @@ class HttpService:
                                      shutdown_timeout=5.0)
         await self._runner.setup()
         sock = _listen_socket(host, port)
-        site = web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG)
-        await site.start()
+        # our own accept loop: 256 clients connecting at once are accepted in one turn, not one per turn
+        self._acceptor = Acceptor(sock, self._runner.server)  # type: ignore[arg-type]
         self.port = sock.getsockname()[1]
         log.info("OpenAI-compatible HTTP service listening on http://%s:%d", host, self.port)
 
@@ -73,8 +74,9 @@ class HttpService:
         """Stop accepting, give in-flight requests ``grace`` seconds to finish, then end them."""
         if self._runner is None:
             return
-        for site in list(self._runner.sites):
-            await site.stop()
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
         if self._inflight:
             log.info("waiting up to %gs for %d in-flight request(s)", grace, len(self._inflight))
             _, pending = await asyncio.wait(list(self._inflight), timeout=grace)
