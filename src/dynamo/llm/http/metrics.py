@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -51,10 +52,21 @@ class FrontendMetrics:
         return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")
 
 
-class RequestMetrics:
-    """One request's bookkeeping; ``token`` is called as output arrives, ``done`` once at the end."""
+ITL_FLUSH_EVERY = 64  # tokens whose inter-token latencies are counted locally before the histogram sees them
 
-    __slots__ = ("_m", "model", "endpoint", "request_type", "_start", "_last", "_tokens", "_itl", "_first")
+
+class RequestMetrics:
+    """One request's bookkeeping; ``token`` is called as output arrives, ``done`` once at the end.
+
+    Inter-token latencies are counted per token, so they are the one per-token metric: a
+    ``Histogram.observe`` (a lock and a bucket scan, 2 to 5 us) per token was a tenth of the frontend's
+    CPU per token.  They are binned here instead and added to the histogram's buckets every
+    ``ITL_FLUSH_EVERY`` tokens and when the request ends: the same counts and sum, a scrape during a
+    request sees its latencies up to 63 tokens late.
+    """
+
+    __slots__ = ("_m", "model", "endpoint", "request_type", "_start", "_last", "_tokens", "_itl", "_first",
+                 "_bounds", "_itl_counts", "_itl_sum", "_itl_pending")
 
     def __init__(self, m: FrontendMetrics, model: str, endpoint: str, request_type: str):
         self._m = m
@@ -65,6 +77,10 @@ class RequestMetrics:
         self._tokens = 0
         self._first = True
         self._itl = m.itl.labels(model)
+        self._bounds = self._itl._upper_bounds  # the histogram's own bucket bounds (+Inf last)
+        self._itl_counts = [0] * len(self._bounds)
+        self._itl_sum = 0.0
+        self._itl_pending = 0
         m.inflight.labels(model).inc()
 
     def tokens(self, total_tokens: int, prompt_tokens: int) -> None:
@@ -79,12 +95,30 @@ class RequestMetrics:
             self._m.isl.labels(self.model).observe(prompt_tokens)
         else:
             gap = (now - self._last) / new
-            for _ in range(new):
-                self._itl.observe(gap)
+            # the bucket Histogram.observe would pick: the first bound >= gap
+            self._itl_counts[bisect_left(self._bounds, gap)] += new
+            self._itl_sum += gap * new
+            self._itl_pending += new
+            if self._itl_pending >= ITL_FLUSH_EVERY:
+                self._flush_itl()
         self._last = now
         self._tokens = total_tokens
 
+    def _flush_itl(self) -> None:
+        if not self._itl_pending:
+            return
+        child = self._itl
+        counts = self._itl_counts
+        for i, n in enumerate(counts):
+            if n:
+                child._buckets[i].inc(n)
+                counts[i] = 0
+        child._sum.inc(self._itl_sum)
+        self._itl_sum = 0.0
+        self._itl_pending = 0
+
     def done(self, ok: bool) -> None:
+        self._flush_itl()
         m = self._m
         m.inflight.labels(self.model).dec()
         m.requests.labels(self.model, self.endpoint, self.request_type, "success" if ok else "error").inc()
