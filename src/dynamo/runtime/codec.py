@@ -59,13 +59,17 @@ class FrameDecoder:
     def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
         """Add bytes; return every frame now complete, in order."""
         buf = self._buf
-        buf += data
+        if buf:
+            buf += data
+            src: bytes | bytearray = buf
+        else:
+            src = data  # the usual case, whole frames in one read: no copy into the buffer
         frames: list[tuple[bytes, bytes]] = []
         pos = 0
-        size = len(buf)
+        size = len(src)
         unpack = _PREFIX.unpack_from
         while size - pos >= PREFIX_LEN:
-            header_len, body_len, _check = unpack(buf, pos)
+            header_len, body_len, _check = unpack(src, pos)
             if header_len > MAX_FRAME or body_len > MAX_FRAME:
                 raise FrameError("frame too large")
             start = pos + PREFIX_LEN
@@ -73,8 +77,11 @@ class FrameDecoder:
             end = mid + body_len
             if end > size:
                 break
-            frames.append((bytes(buf[start:mid]), bytes(buf[mid:end])))
+            frames.append((bytes(src[start:mid]), bytes(src[mid:end])))
             pos = end
-        if pos:
-            del buf[:pos]
+        if src is buf:
+            if pos:
+                del buf[:pos]
+        elif pos < size:
+            buf += data[pos:]  # a partial frame waits for the next read
         return frames

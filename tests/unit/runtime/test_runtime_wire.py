@@ -32,6 +32,9 @@ def test_decoder_handles_split_and_joined_frames():
         out += dec.feed(stream[i:i + 5])
     assert out == [(b"h1", b""), (b"", b"body2"), (b"h3", b"b3")]
     assert FrameDecoder().feed(stream) == out
+    for cut in range(1, len(stream)):  # whole frames then a partial one in a read, the rest in the next
+        dec = FrameDecoder()
+        assert dec.feed(stream[:cut]) + dec.feed(stream[cut:]) == out
 
 
 def test_decode_rejects_bad_lengths():
