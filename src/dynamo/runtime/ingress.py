@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from dynamo.aio import Pending, next_now
+
 from .codec import decode_frame
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT, TcpSink
@@ -159,23 +161,47 @@ class Ingress:
 
     @staticmethod
     async def _pump(agen: Any, sink: Any) -> None:
+        """Frames of the items the handler has ready leave together, the moment it has to wait."""
         write = sink.write
         encode = encode_item
-        burst = 0
-        async for item in agen:
-            try:
-                frame = encode(item)
-            except TypeError as exc:
-                raise ValueError(f"invalid response object from handler: {exc}") from None
-            write(frame)
-            if sink.must_drain:
-                await sink.drain()
-            burst += 1
-            if burst >= YIELD_EVERY:
-                # A handler that never awaits would hold the loop for its whole stream: let the
-                # flush and other requests run now and then (one extra loop turn per 64 items).
-                burst = 0
-                await asyncio.sleep(0)
+        batch: list[bytes] = []
+        in_a_row = 0  # items taken without the handler waiting
+        pending: Pending | None = None
+        try:
+            while True:
+                try:
+                    item = next_now(agen)
+                    if type(item) is Pending:
+                        pending = item
+                        if batch:
+                            write(b"".join(batch) if len(batch) > 1 else batch[0])
+                            batch.clear()
+                        if sink.must_drain:
+                            await sink.drain()
+                        in_a_row = 0
+                        pending = None
+                        item = await item
+                except StopAsyncIteration:
+                    break
+                try:
+                    batch.append(encode(item))
+                except TypeError as exc:
+                    raise ValueError(f"invalid response object from handler: {exc}") from None
+                in_a_row += 1
+                if in_a_row >= YIELD_EVERY:
+                    # A handler that never awaits would hold the loop for its whole stream: send what
+                    # it has and let other requests run now and then (one extra loop turn per 64 items).
+                    write(b"".join(batch))
+                    batch.clear()
+                    in_a_row = 0
+                    if sink.must_drain:
+                        await sink.drain()
+                    await asyncio.sleep(0)
+        finally:
+            if pending is not None:  # cancelled while draining, the handler's next item half-taken
+                await pending.abandon()
+            if batch:  # what the handler gave before it ended or failed goes out before the rest
+                write(b"".join(batch) if len(batch) > 1 else batch[0])
 
     async def drain(self, timeout: float | None) -> None:
         """Stop accepting, wait up to ``timeout`` for in-flight requests, cancel the rest."""

@@ -6,7 +6,8 @@ sentinel. The socket doubles as the liveness signal (a dead worker closes it, so
 once) and as the channel for the client's ``stop``/``kill``. Why TCP rather than NATS for the response
 leg: docs/runtime.md ("Transport").
 
-Writes are coalesced: every frame written during one event-loop turn goes out in one ``send``.
+Writes: the handshake and prologue leave together at the end of the turn they are written in; item
+frames leave at once, one write per batch of items the handler had ready (runtime/ingress.py).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class TcpSink(asyncio.Protocol):
         host = host.strip("[]")
         loop = asyncio.get_running_loop()
         _, sink = await asyncio.wait_for(loop.create_connection(lambda: cls(context), host, int(port)), timeout)
-        sink.write(encode_handshake(str(info["subject"])))
+        sink.queue(encode_handshake(str(info["subject"])))  # leaves with the prologue
         return sink
 
     # asyncio.Protocol
@@ -285,6 +286,17 @@ class TcpSink(asyncio.Protocol):
 
     # writing
     def write(self, frame: bytes) -> None:
+        """Send now, or after what is still queued.  (The ingress pump joins the frames of the items
+        a handler has ready into one write, so a write per loop turn and stream is the norm.)"""
+        if self._pending:
+            self._pending.append(frame)
+            return
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(frame)
+
+    def queue(self, frame: bytes) -> None:
+        """Send at the end of this loop turn, together with whatever else is written until then."""
         self._pending.append(frame)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -310,7 +322,7 @@ class TcpSink(asyncio.Protocol):
         self._drain = None
 
     def send_prologue(self, error: str | None = None) -> None:
-        self.write(FRAME_PROLOGUE_OK if error is None else encode_prologue_error(error))
+        self.queue(FRAME_PROLOGUE_OK if error is None else encode_prologue_error(error))
 
     def finish(self) -> None:
         """Completion marker + sentinel, flush, close our side."""
