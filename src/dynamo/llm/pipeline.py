@@ -7,21 +7,22 @@ hands the OpenAI request to an engine that does everything itself.  Inputs (http
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 import orjson
 
-from dynamo.llm.backend import PostProcessor
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.preprocessor import Preprocessed, Preprocessor
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     include_usage,
 )
-from dynamo.llm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the pre/post-processors (jinja2, tokenizers) load with the first CorePipeline
+    from dynamo.llm.preprocessor import Preprocessed
+    from dynamo.llm.tokenizer import Tokenizer
 
 StreamItem = dict[str, Any] | Annotation
 
@@ -43,6 +44,8 @@ class CorePipeline:
         self.name = name
         self.card = card
         self.engine = engine
+        from dynamo.llm.preprocessor import Preprocessor  # not imported for full engines: start-up time
+
         self.preprocessor = Preprocessor(card)
         self.tokenizer: Tokenizer | None = self.preprocessor.tokenizer
 
@@ -75,6 +78,8 @@ class CorePipeline:
                 yield Annotation(name, value)
         if echo:
             yield chunks.delta(echo)
+        from dynamo.llm.backend import PostProcessor
+
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
         gen = self.engine.generate(request, ctx)
         reason: str | None = None
