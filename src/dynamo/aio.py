@@ -8,6 +8,7 @@ import socket
 from typing import Any, AsyncIterator, Callable, Generator, TypeVar
 
 log = logging.getLogger(__name__)
+ACCEPT_RETRY_S = 1.0  # pause after a failed accept (out of file descriptors) before accepting again
 
 T = TypeVar("T")
 
@@ -126,8 +127,12 @@ class Acceptor:
                 conn, _addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: try again on the next readiness
-                log.warning("accept failed on %s: %s", self.sock.getsockname(), exc)
+            except OSError as exc:  # e.g. out of file descriptors: pause, as asyncio's own server does
+                log.warning("accept failed on %s: %s; retrying in %gs", self.sock.getsockname(), exc,
+                            ACCEPT_RETRY_S)
+                fd = self.sock.fileno()
+                loop.remove_reader(fd)
+                loop.call_later(ACCEPT_RETRY_S, self._resume, fd)
                 return
             conn.setblocking(False)
             # Its first step sets the transport up and starts reading, now rather than a turn later;
@@ -144,6 +149,10 @@ class Acceptor:
             task = loop.create_task(_finish(Pending(coro, first)))
             self._tasks.add(task)
             task.add_done_callback(self._accepted)
+
+    def _resume(self, fd: int) -> None:
+        if self.sock.fileno() == fd:  # not closed meanwhile
+            self._loop.add_reader(fd, self._on_readable)
 
     def _accepted(self, task: "asyncio.Task[Any]") -> None:
         self._tasks.discard(task)

@@ -209,3 +209,46 @@ async def test_acceptor_close_stops_accepting():
     assert await reader.readexactly(12) == b"still served"
     writer.close()
     got[0].close()
+
+
+async def test_acceptor_pauses_after_a_failed_accept_and_resumes(monkeypatch: pytest.MonkeyPatch):
+    import socket
+
+    from dynamo import aio
+
+    monkeypatch.setattr(aio, "ACCEPT_RETRY_S", 0.05)
+    sock = socket.create_server(("127.0.0.1", 0))
+    got: list[asyncio.BaseTransport] = []
+
+    class Keep(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            got.append(transport)
+
+    class Flaky:
+        """The listening socket, whose accept fails once as if the process were out of descriptors."""
+
+        def __init__(self, real: socket.socket) -> None:
+            self.real = real
+            self.calls = 0
+
+        def accept(self):
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError(24, "Too many open files")
+            return self.real.accept()
+
+        def __getattr__(self, name: str):
+            return getattr(self.real, name)
+
+    flaky = Flaky(sock)
+    acceptor = aio.Acceptor(flaky, Keep)  # type: ignore[arg-type]
+    reader, writer = await asyncio.open_connection(*sock.getsockname())
+    for _ in range(200):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    assert got, "the connection was never accepted after the failed accept"
+    assert flaky.calls <= 4  # paused after the failure instead of retrying every loop turn
+    acceptor.close()
+    writer.close()
+    got[0].close()
