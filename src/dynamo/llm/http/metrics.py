@@ -59,7 +59,7 @@ class RequestMetrics:
     """One request's bookkeeping; ``token`` is called as output arrives, ``done`` once at the end.
 
     Inter-token latencies are counted per token, so they are the one per-token metric: a
-    ``Histogram.observe`` (a lock and a bucket scan, 2 to 5 us) per token was a tenth of the frontend's
+    ``Histogram.observe`` (a lock and a bucket scan, several us) per token was a tenth of the frontend's
     CPU per token.  They are binned here instead and added to the histogram's buckets every
     ``ITL_FLUSH_EVERY`` tokens and when the request ends: the same counts and sum, a scrape during a
     request sees its latencies up to 63 tokens late.
