@@ -40,6 +40,15 @@ class RequestError(UserError):
         self.type = type or _default_type(status)
 
 
+class ServiceOverloadedError(RequestError):
+    """Every worker is at its limit and the wait queue is full, or the wait ran out: a 503 whose
+    ``Retry-After`` header (``retry_after`` seconds) tells the client when to try again."""
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, status=503)
+        self.retry_after = retry_after
+
+
 class EngineError(Exception):
     """The engine failed while producing a response (not the user's fault): a 500, or an error event."""
 

@@ -122,11 +122,30 @@ def test_errors_point_to_help():
         parse("--bogus")
 
 
-@pytest.mark.parametrize("flag", [["--context-length", "100"], ["--kv-cache-block-size", "8"],
-                                  ["--migration-limit", "2"]])
+@pytest.mark.parametrize("flag", [["--context-length", "100"], ["--kv-cache-block-size", "8"]])
 def test_worker_only_flags_are_rejected_on_a_frontend(flag):
     with pytest.raises(UserError, match="only be used on the worker"):
         parse("in=http", "out=dyn", *flag)
+
+
+def test_migration_limit_and_queue_on_a_frontend():
+    cfg = parse("in=http", "out=dyn", "--migration-limit", "2", "--queue-size", "8", "--queue-timeout", "1.5",
+                "--max-inflight", "100")
+    assert (cfg.migration_limit, cfg.queue_size, cfg.queue_timeout, cfg.max_inflight) == (2, 8, 1.5, 100)
+    cfg = parse("in=http", "out=dyn")
+    assert (cfg.queue_size, cfg.queue_timeout, cfg.max_inflight) == (256, 30.0, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["in=http", "out=echo_full", "--queue-size", "4"], "out=dyn"),
+    (["in=http", "out=echo_full", "--queue-timeout", "4"], "out=dyn"),
+    (["in=text", "out=echo_full", "--max-inflight", "4"], "in=http"),
+    (["in=http", "out=dyn", "--max-inflight", "0"], "--max-inflight must be at least 1"),
+    (["in=http", "out=dyn", "--queue-timeout", "-1"], "--queue-timeout must be at least 0"),
+])
+def test_overload_flags_where_they_apply(argv, message):
+    with pytest.raises(UserError, match=message):
+        parse(*argv)
 
 
 def test_out_auto_is_dyn():

@@ -229,6 +229,11 @@ class BatchThreadTuner:
 class LlamaCppEngine:
     kind = "core"
 
+    @property
+    def capacity(self) -> int:
+        """Sequences decoded at once (n_parallel): a worker's default --max-inflight."""
+        return self.n_parallel
+
     def __init__(self, gguf_path: Path, *, context_length: int, args: dict[str, Any] | None = None,
                  verbose: bool = False):
         args = dict(args or {})

@@ -20,6 +20,13 @@ from dynamo.llm.worker_handlers import backend_handler, chat_handler
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_INFLIGHT = 256  # --max-inflight for engines that do not say how many requests they run at once
+
+
+def max_inflight(cfg: Any, engine: Any) -> int:
+    """The worker's limit of requests in flight: --max-inflight, else the engine's capacity, else 256."""
+    return cfg.max_inflight or getattr(engine, "capacity", None) or DEFAULT_MAX_INFLIGHT
+
 
 async def connect_runtime() -> Any:
     from dynamo.runtime import DistributedRuntime, RuntimeConfigError, RuntimeConnectionError
@@ -55,14 +62,16 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
         else:
             handler, model_type = chat_handler(served), ModelType.Chat
         ready = asyncio.Event()
-        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready))
+        limit = max_inflight(cfg, engine)
+        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready, max_inflight=limit))
         waiter = asyncio.create_task(ready.wait())
         await asyncio.wait([serving, waiter], return_when=asyncio.FIRST_COMPLETED)
         if serving.done():
             waiter.cancel()
             serving.result()  # raises why serving failed
             raise UserError(f"Endpoint service completed unexpectedly for endpoint: {ident}")
-        runtime_config = getattr(engine, "runtime_config", None)
+        # frontends read max_inflight_requests to route around this worker while it is full
+        runtime_config = dict(getattr(engine, "runtime_config", None) or {}, max_inflight_requests=limit)
         await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
         log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
                  endpoint.lease_id())

@@ -20,7 +20,7 @@ from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
-from dynamo.llm.remote import RemoteChatEngine, RemoteCoreEngine, SimpleRouter
+from dynamo.llm.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
 from dynamo.runtime.names import component_event_subject
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,10 @@ class RouterConfig:
     kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
     router_temperature: float = 0.0
     use_kv_events: bool = True
+    # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
+    # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
+    migration_limit: int = 0
+    queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
 
 
 @dataclass
@@ -145,6 +149,9 @@ class ModelWatcher:
         if self.worker_metrics is not None:
             await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name)
         ep_key = (entry.namespace, entry.component, entry.endpoint)
+        # the worker's --max-inflight: round-robin/random/kv skip it when full, requests queue when all are
+        (await self._client_for(ep_key)).set_instance_limit(
+            entry.instance_id, (entry.runtime_config or {}).get("max_inflight_requests"))
         served = self._served.get(entry.name)
         if served is not None:
             if entry.model_type is not served.model_type:
@@ -166,10 +173,11 @@ class ModelWatcher:
         served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
         if entry.model_type is ModelType.Backend:
             served.router = await self._make_router(entry, card, client)
-            engine = RemoteCoreEngine(client, served.router, migration_limit=card.migration_limit)
+            engine = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
+                                      migration_limit=max(card.migration_limit, self.router_config.migration_limit))
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
-            model = FullPipeline(entry.name, card, RemoteChatEngine(client))
+            model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue))
         else:
             if key not in self._type_warned:
                 self._type_warned.add(key)
@@ -275,6 +283,8 @@ async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManag
     watcher = ModelWatcher(runtime, manager, RouterConfig(
         mode=cfg.router_mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,
         router_temperature=cfg.router_temperature, use_kv_events=cfg.use_kv_events,
+        migration_limit=cfg.migration_limit,
+        queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
     ), metrics=metrics)
     try:
         await watcher.start()

@@ -37,7 +37,9 @@ class KvRouterPolicy:
             return client.direct(request.to_dict(), request.backend_instance_id, context=rt_ctx)
         if body_id in self._tracked:  # a migration retry: forget the previous choice first
             self.router.on_finished(body_id)
-        decision = self.router.select(request.token_ids, client.instance_ids(), request_id=body_id)
+        # workers at their limit of requests in flight are left out (all of them only in a race)
+        candidates = client.free_instance_ids() or client.instance_ids()
+        decision = self.router.select(request.token_ids, candidates, request_id=body_id)
         self._tracked.add(body_id)
         request.estimated_prefix_hit_num_blocks = decision.overlap_blocks
         log.debug("request %s -> worker %x (%d cached blocks)", body_id, decision.worker_id, decision.overlap_blocks)

@@ -9,16 +9,22 @@ OpenAI requests to Chat workers unchanged.
 Both send a request that found *no responder* (the instance died and its lease has not expired yet) to
 another instance whatever the migration limit (the original does so only while migration attempts
 remain): nothing reached a worker, so it is always safe, and requests keep succeeding right after a crash.
+A request a worker did not acknowledge in time (frozen) or refused as busy goes to another one too.
+
+Overload: when every worker is at its announced limit of requests in flight, a request waits in the
+client's queue (at most ``QueuePolicy.size`` waiting, each at most ``QueuePolicy.timeout`` seconds), then
+gets a 503 with ``Retry-After`` (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from dynamo.errors import EngineError as LlmEngineError
-from dynamo.errors import RequestError
+from dynamo.errors import RequestError, ServiceOverloadedError
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
@@ -27,7 +33,9 @@ from dynamo.runtime import (
     InstanceNotFoundError,
     NoInstancesError,
     NoRespondersError,
+    RuntimeConnectionError,
     StreamIncompleteError,
+    WorkerBusyError,
 )
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,23 @@ INSTANCE_WAIT_S = 5.0  # how long a request waits for a worker to appear before 
 # and its lease has not expired yet): it is sent to another instance, without using a migration attempt.
 MAX_NO_RESPONDER_RETRIES = 8
 NO_WORKER_MESSAGE = "No worker is serving this model right now; try again shortly"
+BUSY_MESSAGE = "Every worker serving this model is busy; try again shortly"
+
+
+@dataclass
+class QueuePolicy:
+    """How requests wait for a worker with room (``--queue-size``, ``--queue-timeout``)."""
+
+    size: int = 256  # requests that may wait at once; one more is answered 503 at once
+    timeout: float = 30.0  # seconds one request may wait before its 503
+    retry_after: int = 1  # the 503's Retry-After, in seconds
+
+
+async def _admit(client: Any, queue: QueuePolicy, deadline: float) -> None:
+    """Wait until some worker has room for one more request, or raise the 503."""
+    wait = getattr(client, "wait_for_capacity", None)
+    if wait is not None and not await wait(deadline, queue.size):
+        raise ServiceOverloadedError(BUSY_MESSAGE, retry_after=queue.retry_after)
 
 
 class RouterPolicy(Protocol):
@@ -84,10 +109,12 @@ async def _ensure_instances(client: Any) -> None:
 class RemoteCoreEngine:
     kind = "core"
 
-    def __init__(self, client: Any, router: RouterPolicy, *, migration_limit: int = 0):
+    def __init__(self, client: Any, router: RouterPolicy, *, migration_limit: int = 0,
+                 queue: QueuePolicy | None = None):
         self.client = client
         self.router = router
         self.migration_limit = migration_limit
+        self.queue = queue or QueuePolicy()
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         attempts_left = self.migration_limit
@@ -95,13 +122,21 @@ class RemoteCoreEngine:
         _link(context, rt_ctx)
         first = True
         no_responders = 0
+        loop = asyncio.get_running_loop()
+        deadline = None  # of the current wait for a worker with room (a migration starts a new one)
         try:
             while True:
                 await _ensure_instances(self.client)
+                if deadline is None:
+                    deadline = loop.time() + self.queue.timeout
+                await _admit(self.client, self.queue, deadline)
                 try:
                     stream = self.router.open(self.client, request, rt_ctx)
                     await stream.start()
-                except NoRespondersError as e:
+                    deadline = None
+                except WorkerBusyError:
+                    continue  # that worker is full (other frontends' requests): it is skipped for a moment
+                except (NoRespondersError, RuntimeConnectionError) as e:
                     # the client marked that instance down; nothing reached a worker, so retrying is safe
                     no_responders += 1
                     if no_responders <= MAX_NO_RESPONDER_RETRIES:
@@ -151,8 +186,9 @@ class RemoteChatEngine:
     kind = "full"
     wants_raw_request = True
 
-    def __init__(self, client: Any):
+    def __init__(self, client: Any, queue: QueuePolicy | None = None):
         self.client = client
+        self.queue = queue or QueuePolicy()
 
     async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:
@@ -160,13 +196,17 @@ class RemoteChatEngine:
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
         no_responders = 0
+        deadline = asyncio.get_running_loop().time() + self.queue.timeout
         while True:
             await _ensure_instances(self.client)
+            await _admit(self.client, self.queue, deadline)
             try:
                 stream = self.client.round_robin(request, context=rt_ctx)
                 await stream.start()
                 break
-            except NoRespondersError as e:
+            except WorkerBusyError:
+                continue
+            except (NoRespondersError, RuntimeConnectionError) as e:
                 no_responders += 1  # as in RemoteCoreEngine: the instance is marked down, try another
                 if no_responders <= MAX_NO_RESPONDER_RETRIES:
                     log.info("request %s: %s; sending it to another worker", context.id, e)

@@ -32,7 +32,8 @@ USAGE = (
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
-    "[--migration-limit 0] [-v|-vv] [-- <python engine args>]"
+    "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
+    "[-v|-vv] [-- <python engine args>]"
 )
 
 DESCRIPTION = """\
@@ -63,7 +64,14 @@ model: a Hugging Face repo id (downloaded, e.g. Qwen/Qwen3-0.6B or hf://Qwen/Qwe
 Face folder, or a GGUF file.  The served name is --model-name, else the repo id, folder or file name.
 
 environment: DYN_LOG (like RUST_LOG: "debug", "info,dynamo.llm=debug"), DYN_TOKEN_ECHO_DELAY_MS (echo
-engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER.
+engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER, DYN_STREAM_LIVENESS_S
+(seconds a worker may send nothing, not even a heartbeat, before its streams count as dead and it gets
+no new requests until it answers again; default 5).
+
+overload: a worker takes at most --max-inflight requests at once (default: the engine's slots, e.g.
+mocker max_num_seqs, llamacpp n_parallel, else 256) and tells frontends; a frontend takes at most
+--max-inflight requests in all (default 1024), queues up to --queue-size requests while every worker is
+full, each for up to --queue-timeout seconds, and answers the rest 503 with Retry-After.
 
 examples:
   dynamo-run in=http out=echo_full --model-name demo
@@ -95,6 +103,9 @@ class RunConfig:
     router_temperature: float = 0.0
     use_kv_events: bool = True
     migration_limit: int = 0
+    max_inflight: int | None = None  # None: worker -> the engine's capacity, else 256; http -> 1024
+    queue_size: int = 256
+    queue_timeout: float = 30.0
     batch_concurrency: int = 16
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -193,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=2.0, help="KV router: weight of prefill cost vs decode load (default 2.0)")
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
-    p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies (worker side, default 0)")
+    p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies or freezes (on a worker or the frontend; the larger applies; default 0)")
+    p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 256); in=http: requests in progress in all, more get 503 (default 1024)")
+    p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
+    p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action="version", version=f"dynamo-run {_version()}")
@@ -242,6 +256,9 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         out = ENGINE_ALIASES.get(out, out)
         _check_output(out)
 
+    if (ns.queue_size is not None or ns.queue_timeout is not None) and out not in ("dyn", None) \
+            and not (out or "").startswith("dyn://"):
+        raise UserError("--queue-size and --queue-timeout apply to a frontend of workers (out=dyn)")
     model = ns.model or ns.model_path
     if ns.model and ns.model_path and ns.model != ns.model_path:
         raise UserError(f"the model is given twice: {ns.model!r} and --model-path {ns.model_path!r}")
@@ -266,6 +283,9 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         router_temperature=ns.router_temperature,
         use_kv_events=ns.use_kv_events,
         migration_limit=ns.migration_limit,
+        max_inflight=ns.max_inflight,
+        queue_size=ns.queue_size if ns.queue_size is not None else 256,
+        queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
         batch_concurrency=ns.batch_concurrency,
         verbosity=ns.verbosity,
         extra_args=extra,
@@ -305,10 +325,11 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("Cannot use endpoint for both in and out")
     if cfg.engine == "dyn":
         for flag, value in (("--context-length", cfg.context_length),
-                            ("--kv-cache-block-size", cfg.kv_cache_block_size),
-                            ("--migration-limit", cfg.migration_limit or None)):
+                            ("--kv-cache-block-size", cfg.kv_cache_block_size)):
             if value is not None:
                 raise UserError(f"'{flag}' flag should only be used on the worker node, not on the ingress")
+    if cfg.max_inflight is not None and cfg.input_kind not in ("endpoint", "http"):
+        raise UserError("--max-inflight applies to a worker (in=dyn://...) or to in=http")
     if cfg.engine == "mocker" and cfg.input_kind != "endpoint":
         raise UserError("out=mocker simulates a distributed worker: use it with in=dyn://namespace.component.endpoint")
     if cfg.node_rank >= cfg.num_nodes:

@@ -153,10 +153,10 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
 
 async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
                       metrics: "FrontendMetrics | None" = None) -> int:
-    from dynamo.llm.http.service import HttpService
+    from dynamo.llm.http.service import DEFAULT_MAX_INFLIGHT, HttpService
     from dynamo.run.heap import settle_heap
 
-    service = HttpService(manager, metrics=metrics)
+    service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT)
     await service.start(cfg.http_host, cfg.http_port)
     settle_heap()
     await stop.wait()

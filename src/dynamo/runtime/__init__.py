@@ -25,6 +25,7 @@ from .context import Context
 from .distributed import DistributedRuntime, KeyValueStore
 from .errors import (
     STREAM_INCOMPLETE_MESSAGE,
+    AckTimeoutError,
     DynamoRuntimeError,
     EngineError,
     InstanceNotFoundError,
@@ -35,6 +36,8 @@ from .errors import (
     RuntimeConnectionError,
     ServiceAlreadyExistsError,
     StreamIncompleteError,
+    StreamStalledError,
+    WorkerBusyError,
 )
 from .etcd import EtcdClient, KeyValue, PrefixWatch, WatchEvent
 from .instance import Instance
@@ -42,6 +45,7 @@ from .names import EndpointId, lease_hex, parse_lease_hex, slugify
 from .worker import dynamo_worker, run_worker
 
 __all__ = [
+    "AckTimeoutError", "StreamStalledError", "WorkerBusyError",
     "Annotated", "Client", "Component", "Context", "DistributedRuntime", "DynamoRuntimeError", "EndpointId",
     "Endpoint", "EngineError", "EtcdClient", "EtcdSettings", "Instance", "InstanceNotFoundError",
     "KeyValue", "KeyValueStore", "LeaseLostError", "Namespace", "NatsSettings", "NoInstancesError",

@@ -4,6 +4,13 @@
 ``client.round_robin(req)`` returns a :class:`ResponseStream` at once; the request is sent when the
 stream is awaited or first iterated, so both ``async for x in client.generate(req)`` and
 ``async for x in await client.generate(req)`` (the original binding's style) work.
+
+Health, as this client sees it: an instance whose request found no responder, or whose stream broke, is
+*down* until the next etcd update for the endpoint (as the original). One that did not acknowledge a
+request or whose stream went silent (frozen: SIGSTOP, a stalled host) is *set aside* and probed with
+pings, with backoff, until it answers again. Capacity: an instance may announce how many requests it
+takes at once (:meth:`Client.set_instance_limit`); round-robin and random skip full instances, and
+:meth:`Client.wait_for_capacity` queues a caller until one has room.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random as _random
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -21,25 +29,30 @@ from dynamo.aio import cancel_and_wait
 from .annotated import Annotated
 from .context import Context
 from .errors import (
-    DynamoRuntimeError,
+    AckTimeoutError,
     EngineError,
     InstanceNotFoundError,
     NoInstancesError,
     NoRespondersError,
+    RuntimeConnectionError,
     StreamIncompleteError,
+    StreamStalledError,
+    WorkerBusyError,
 )
 from .etcd import PrefixWatch
 from .instance import Instance
 from .names import EndpointId, parse_lease_hex
-from .transport import StreamState, encode_request
+from .transport import ACK_BUSY, PING, StreamState, encode_request
 
 if TYPE_CHECKING:
     from .distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
-ACK_TIMEOUT = 10.0  # the worker acks as soon as its NATS callback runs
-HANDSHAKE_TIMEOUT = 15.0  # acked but never called home: the worker died in between
+# The ack (the worker acks as soon as its NATS callback runs) and the call-home after it are bounded by
+# the runtime's stream liveness bound (DYN_STREAM_LIVENESS_S, default 5 s).
+BUSY_BACKOFF = 0.5  # an instance that refused a request as busy gets no new one for this long
+PROBE_FIRST = 0.25  # first ping to a set-aside instance; the interval doubles up to the liveness bound
 
 
 def _encode_request(request: Any) -> bytes:
@@ -66,6 +79,10 @@ class Client:
         self._watch: PrefixWatch | None = None
         self._task: asyncio.Task | None = None
         self._active: dict[int, set[StreamState]] = {}
+        self._aside: dict[int, asyncio.Task] = {}  # instance -> its probe (frozen? not sent new requests)
+        self._limits: dict[int, int] = {}  # instance -> requests it takes at once (what it announced)
+        self._busy_until: dict[int, float] = {}  # instance -> loop time until which it is treated as full
+        self._waiters: deque[asyncio.Future] = deque()  # callers queued for capacity, first come first served
 
     async def _start(self) -> "Client":
         if self.is_static:
@@ -89,6 +106,7 @@ class Client:
                 iid = self._id_from_key(ev.key)
                 if iid is not None:
                     self._instances.pop(iid, None)
+                    self._forget(iid)
                     self.runtime._on_instance_gone(iid, list(self._active.get(iid, ())))
             self._down.clear()  # as the original: a watch update resets "down" marks
             self._recompute()
@@ -110,9 +128,17 @@ class Client:
             return None
 
     def _recompute(self) -> None:
-        self._available = sorted(i for i in self._instances if i not in self._down)
+        self._available = sorted(i for i in self._instances if i not in self._down and i not in self._aside)
         self._changed.set()
         self._changed = asyncio.Event()
+        self._wake_waiters(everyone=True)
+
+    def _forget(self, instance_id: int) -> None:
+        probe = self._aside.pop(instance_id, None)
+        if probe is not None:
+            probe.cancel()
+        self._limits.pop(instance_id, None)
+        self._busy_until.pop(instance_id, None)
 
     # ------------------------------------------------------------------ instance list
 
@@ -129,6 +155,117 @@ class Client:
             self._down.add(instance_id)
             self._available = [i for i in self._available if i != instance_id]
 
+    def report_instance_unresponsive(self, instance_id: int) -> None:
+        """Set aside an instance that did not ack or went silent mid-stream; ping it until it answers."""
+        if instance_id not in self._instances or instance_id in self._aside or self.is_static:
+            return
+        log.warning("instance %x of %s is not responding; no new requests go to it until it answers again",
+                    instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
+        self._aside[instance_id] = asyncio.get_running_loop().create_task(
+            self._probe(instance_id), name=f"probe:{instance_id & 0xFFFFFFFFFFFFFFFF:x}")
+        self._available = [i for i in self._available if i != instance_id]
+
+    async def _probe(self, instance_id: int) -> None:
+        bound = self.runtime.settings.stream_liveness
+        delay = min(PROBE_FIRST, bound)
+        while True:
+            await asyncio.sleep(delay)
+            inst = self._instances.get(instance_id)
+            if inst is None:
+                return
+            try:
+                ack = await self.runtime.nats.request(inst.subject or self.endpoint_id.subject(instance_id), PING,
+                                                      timeout=bound)
+            except Exception as exc:  # noqa: BLE001 - timeout, no responders, NATS away: still not healthy
+                log.debug("probe of instance %x: %s", instance_id & 0xFFFFFFFFFFFFFFFF, type(exc).__name__)
+            else:
+                if not ack.data:
+                    log.info("instance %x of %s answers again; sending it requests",
+                             instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
+                    self._aside.pop(instance_id, None)
+                    self._recompute()
+                    return
+            delay = min(delay * 2, bound)
+
+    # ------------------------------------------------------------------ capacity
+
+    def set_instance_limit(self, instance_id: int, limit: int | None) -> None:
+        """How many requests ``instance_id`` takes at once (from its model entry); None: no known limit."""
+        if limit is not None and limit > 0:
+            self._limits[instance_id] = int(limit)
+        else:
+            self._limits.pop(instance_id, None)
+        self._wake_waiters(everyone=True)
+
+    def _has_room(self, instance_id: int) -> bool:
+        limit = self._limits.get(instance_id)
+        if limit is not None and len(self._active.get(instance_id, ())) >= limit:
+            return False
+        until = self._busy_until.get(instance_id)
+        if until is not None:
+            if until > asyncio.get_running_loop().time():
+                return False
+            del self._busy_until[instance_id]
+        return True
+
+    def free_instance_ids(self) -> list[int]:
+        """Available instances with room for one more request (all available ones when none has a limit)."""
+        if not self._limits and not self._busy_until:
+            return list(self._available)
+        return [i for i in self._available if self._has_room(i)]
+
+    def queued(self) -> int:
+        """Callers waiting in :meth:`wait_for_capacity` now."""
+        return len(self._waiters)
+
+    async def wait_for_capacity(self, deadline: float, max_waiters: int) -> bool:
+        """Wait, first come first served, until an available instance has room (or none is available:
+        the caller then handles "no instances"). ``deadline`` is in loop time. False when the queue
+        already holds ``max_waiters`` callers or the deadline passed."""
+        if self.is_static or (not self._waiters and (not self._available or self.free_instance_ids())):
+            return True
+        if len(self._waiters) >= max_waiters:
+            return False
+        loop = asyncio.get_running_loop()
+        first = False
+        while True:
+            fut = loop.create_future()
+            if first:
+                self._waiters.appendleft(fut)  # woken but beaten to the slot: keep our place
+            else:
+                self._waiters.append(fut)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await fut
+            except TimeoutError:
+                return False
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            if not self._available or self.free_instance_ids():
+                if self._waiters and self.free_instance_ids():
+                    self._wake_waiters()  # more room than one request: pass it on
+                return True
+            first = True
+
+    def _wake_waiters(self, everyone: bool = False) -> None:
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                if not everyone:
+                    return
+
+    def _mark_busy(self, instance_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._busy_until[instance_id] = loop.time() + BUSY_BACKOFF
+        loop.call_later(BUSY_BACKOFF, self._wake_waiters, True)
+
     async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
         """Wait until at least one instance is available; returns their ids."""
         if self.is_static:
@@ -144,6 +281,8 @@ class Client:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        for iid in list(self._aside):
+            self._forget(iid)
         if self._watch is not None:
             await self._watch.close()
             self._watch = None
@@ -163,6 +302,8 @@ class Client:
             return instance_id, inst.subject or ep.subject(instance_id)
         if not ids:
             raise NoInstancesError(ep.etcd_prefix)
+        if self._limits or self._busy_until:
+            ids = self.free_instance_ids() or ids  # all full (a race with another caller): the worker decides
         if mode == "round_robin":
             chosen = ids[self._counter % len(ids)]
             self._counter += 1
@@ -195,6 +336,8 @@ class Client:
             bucket.discard(state)
             if not bucket:
                 self._active.pop(state.instance_id, None)  # type: ignore[arg-type]
+        if self._waiters:
+            self._wake_waiters()  # a slot freed: the first queued caller may go
 
 
 class ResponseStream:
@@ -273,24 +416,34 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         frame = encode_request(ctx.id(), conn, _encode_request(self._request))
+        bound = runtime.settings.stream_liveness
         try:
-            ack = await runtime.nats.request(subject, frame, timeout=ACK_TIMEOUT)
-            if ack.data:  # a draining worker refuses: as good as gone
-                raise nats.errors.NoRespondersError
+            ack = await runtime.nats.request(subject, frame, timeout=bound)
+            if ack.data:
+                if ack.data == ACK_BUSY:
+                    client._mark_busy(instance_id)
+                    raise WorkerBusyError(subject, instance_id)
+                raise nats.errors.NoRespondersError  # a draining worker refuses: as good as gone
         except nats.errors.NoRespondersError:
             client.report_instance_down(instance_id)
             error: BaseException = NoRespondersError(subject, instance_id)
             state.fail(error)
             raise error from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            error = DynamoRuntimeError(f"no acknowledgement from {subject} within {ACK_TIMEOUT:.0f}s")
+            # withdrawing the stream key (state.fail) turns a late call-home away: safe to send elsewhere
+            client.report_instance_unresponsive(instance_id)
+            error = AckTimeoutError(subject, instance_id, bound)
+            state.fail(error)
+            raise error from None
+        except nats.errors.Error as exc:  # NATS connection closed / reconnecting: nothing reached a worker
+            error = RuntimeConnectionError(f"cannot send the request over NATS: {exc or type(exc).__name__}")
             state.fail(error)
             raise error from None
         except BaseException as exc:
             state.fail(exc)
             raise
         self._state = state
-        receiver.after_send(state, HANDSHAKE_TIMEOUT)
+        receiver.after_send(state, bound)
 
     def __await__(self):
         return self.start().__await__()
@@ -328,10 +481,13 @@ class ResponseStream:
         except asyncio.CancelledError:
             self._abandon()
             raise
-        except StreamIncompleteError:
+        except StreamIncompleteError as exc:
             self._closed = True
             if state.instance_id:
-                self._client.report_instance_down(state.instance_id)
+                if isinstance(exc, StreamStalledError):
+                    self._client.report_instance_unresponsive(state.instance_id)
+                else:
+                    self._client.report_instance_down(state.instance_id)
             raise
 
     def stop_generating(self) -> None:

@@ -113,17 +113,20 @@ class Endpoint:
         return self.id.instance_key(self.lease_id())
 
     async def serve_endpoint(self, handler: Handler, graceful_shutdown: bool = True,
-                             *, ready: asyncio.Event | None = None) -> None:
+                             *, ready: asyncio.Event | None = None, max_inflight: int | None = None) -> None:
         """Serve ``handler`` on this endpoint until the runtime shuts down.
 
         Order on shutdown: stop taking requests and remove the instance key (deregister), then let
         in-flight requests finish (up to DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, or cancel them at once
-        when ``graceful_shutdown`` is false). ``ready`` is set once requests can arrive.
+        when ``graceful_shutdown`` is false). ``ready`` is set once requests can arrive. With
+        ``max_inflight``, a request beyond that many in flight is refused as busy (the client then tries
+        another instance or queues it).
         """
         runtime = self.runtime
         lease = self.lease_id()
         service = await self.component._service()
-        ingress = Ingress(handler, name=str(self.id), sink_openers=runtime._sink_openers())
+        ingress = Ingress(handler, name=str(self.id), sink_openers=runtime._sink_openers(),
+                          max_inflight=max_inflight)
         group = service.add_group(name=self.component.service_name)
         endpoint_name = self.id.endpoint_name(lease)
         await group.add_endpoint(name=endpoint_name, handler=ingress.on_request)

@@ -17,6 +17,9 @@ DEFAULT_LEASE_TTL = 10
 # this many seconds (live workers re-publish within ~2 s of etcd's return; see PrefixWatch).
 DEFAULT_RESYNC_GRACE = 5.0
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT = 30.0
+# A response stream whose worker sent nothing (not even a heartbeat) for this long is treated like a
+# dead worker (DYN_STREAM_LIVENESS_S); also the bound on a request's ack and on the worker calling home.
+DEFAULT_STREAM_LIVENESS = 5.0
 
 
 def _env(name: str) -> str | None:
@@ -102,6 +105,8 @@ class RuntimeSettings:
     tcp_host: str | None = None
     # "tcp" (default, see docs/runtime.md for the measurement) or "nats".
     response_transport: str = "tcp"
+    # Seconds of silence after which a stream's worker counts as frozen (docs/reliability.md).
+    stream_liveness: float = DEFAULT_STREAM_LIVENESS
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
@@ -113,4 +118,21 @@ class RuntimeSettings:
             graceful_shutdown_timeout=float(timeout) if timeout else DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT,
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
+            stream_liveness=_seconds("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS),
         )
+
+
+def _seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; a bad value is an error naming the variable."""
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from dynamo.errors import UserError
+
+        raise UserError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value

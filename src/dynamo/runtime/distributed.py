@@ -250,7 +250,7 @@ class DistributedRuntime:
             if self.settings.response_transport == "nats":
                 receiver = NatsResponseReceiver(self.nats)
             else:
-                receiver = TcpResponseServer(self.settings.tcp_host)
+                receiver = TcpResponseServer(self.settings.tcp_host, self.settings.stream_liveness)
             self._receiver = receiver
         if not receiver.address:
             await receiver.start()

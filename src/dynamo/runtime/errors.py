@@ -55,6 +55,28 @@ class NoRespondersError(DynamoRuntimeError):
         self.instance_id = instance_id
 
 
+class AckTimeoutError(NoRespondersError):
+    """The instance did not acknowledge the request in time: frozen, partitioned or hopelessly overloaded.
+
+    A NoRespondersError, so callers that retry elsewhere on "no responders" do so here too: the stream key
+    is withdrawn, so a late worker that calls home is turned away and nothing is received twice. The
+    instance is set aside (probed until it answers again) rather than marked down.
+    """
+
+    def __init__(self, subject: str, instance_id: int | None, timeout: float) -> None:
+        super().__init__(subject, instance_id)
+        self.args = (f"no acknowledgement from {subject} within {timeout:g}s",)
+
+
+class WorkerBusyError(DynamoRuntimeError):
+    """The instance refused the request because it already serves its limit of requests in flight."""
+
+    def __init__(self, subject: str, instance_id: int | None = None) -> None:
+        super().__init__(f"instance on {subject} is at its limit of requests in flight")
+        self.subject = subject
+        self.instance_id = instance_id
+
+
 class EngineError(DynamoRuntimeError, ValueError):
     """An error item in a response stream (the remote handler failed). A ValueError, as in the original."""
 
@@ -67,3 +89,11 @@ class StreamIncompleteError(EngineError):
 
     def __init__(self, message: str = STREAM_INCOMPLETE_MESSAGE) -> None:
         super().__init__(message)
+
+
+class StreamStalledError(StreamIncompleteError):
+    """The worker sent nothing, not even a heartbeat, for longer than the liveness bound (frozen worker).
+
+    Same message as :class:`StreamIncompleteError`, so migration treats it alike; the instance is set
+    aside until it answers a probe again.
+    """

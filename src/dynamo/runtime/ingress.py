@@ -25,13 +25,13 @@ from dynamo.aio import Pending, next_now
 from .codec import decode_frame
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT, TcpSink
-from .transport import encode_error_item, encode_item, parse_request_control
+from .transport import ACK_BUSY, ACK_REFUSED, encode_error_item, encode_item, parse_request_control
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
 YIELD_EVERY = 64  # items written without the loop turning before the pump yields once
-REFUSED = b'{"error":"instance shutting down"}'
+REFUSED = ACK_REFUSED
 
 
 def handler_takes_context(handler: Handler) -> bool:
@@ -78,8 +78,10 @@ async def open_tcp_sink(transport: str, info: dict, context: Context) -> TcpSink
 class Ingress:
     """Serves one endpoint's requests and tracks them for graceful shutdown."""
 
-    def __init__(self, handler: Handler, *, name: str = "", sink_openers: dict[str, SinkOpener] | None = None) -> None:
+    def __init__(self, handler: Handler, *, name: str = "", sink_openers: dict[str, SinkOpener] | None = None,
+                 max_inflight: int | None = None) -> None:
         self.handler = handler
+        self.max_inflight = max_inflight  # refuse more than this many requests at once (None: no limit)
         self.name = name
         self.takes_context = handler_takes_context(handler)
         self.inflight: set[asyncio.Task] = set()
@@ -90,6 +92,9 @@ class Ingress:
 
     # called by NATS (micro endpoint handler): keep it short
     async def on_request(self, request: Any) -> None:
+        if not request.data:  # a ping (a client probing an instance it thought frozen)
+            await request.respond(b"" if self.accepting else REFUSED)
+            return
         try:
             header, body = decode_frame(request.data)
             request_id, transport, info = parse_request_control(header)
@@ -99,6 +104,9 @@ class Ingress:
             return
         if not self.accepting:
             await request.respond(REFUSED)  # the client treats it like "no responders"
+            return
+        if self.max_inflight is not None and len(self.inflight) >= self.max_inflight:
+            await request.respond(ACK_BUSY)  # the client tries another instance or queues the request
             return
         await request.respond(b"")  # ack at once; the response comes over the stream
         task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body))

@@ -6,6 +6,12 @@ sentinel. The socket doubles as the liveness signal (a dead worker closes it, so
 once) and as the channel for the client's ``stop``/``kill``. Why TCP rather than NATS for the response
 leg: docs/runtime.md ("Transport").
 
+A frozen worker (SIGSTOP, a stalled host) closes nothing, so the client also asks for heartbeats
+(``heartbeat_ms`` in the connection info): the worker sends a ``"heartbeat"`` frame on a stream that had
+nothing to send for that long, and the client fails a stream that was silent for its liveness bound
+(:class:`StreamStalledError`). Both sides check on one periodic tick for all their streams, so liveness
+costs nothing per token. TCP keepalive on every socket catches a peer host that vanished while idle.
+
 Writes: the handshake and prologue leave together at the end of the turn they are written in; item
 frames leave at once, one write per batch of items the handler had ready (runtime/ingress.py).
 """
@@ -16,6 +22,7 @@ import asyncio
 import logging
 import socket
 import uuid
+import weakref
 
 import orjson
 
@@ -23,10 +30,11 @@ from dynamo.aio import Acceptor
 
 from .codec import FrameDecoder, FrameError, encode_frame
 from .context import Context
-from .errors import EngineError
+from .errors import EngineError, StreamStalledError
 from .transport import (
     CONTROL_FRAMES,
     FRAME_COMPLETE,
+    FRAME_HEARTBEAT,
     FRAME_PROLOGUE_OK,
     FRAME_SENTINEL,
     StreamState,
@@ -38,6 +46,10 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_NAME = "tcp_server"
 _loads = orjson.loads
+LIVENESS_TICKS = 4  # the client checks its streams LIVENESS_TICKS times per liveness bound
+HEARTBEATS_PER_BOUND = 5  # the worker is asked for a heartbeat every bound / HEARTBEATS_PER_BOUND
+_TCP_KEEPALIVE = tuple((getattr(socket, name), value) for name, value in
+                       (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)) if hasattr(socket, name))
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -45,8 +57,16 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # keepalive: a peer host that vanished while the stream is idle is noticed (~16 s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in _TCP_KEEPALIVE:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
         except OSError:
             pass
+
+
+def _hex(instance_id: int | None) -> str:
+    return f"{instance_id & 0xFFFFFFFFFFFFFFFF:x}" if instance_id is not None else "?"
 
 
 def advertise_host(configured: str | None) -> str:
@@ -81,12 +101,16 @@ async def _listen(host: str) -> socket.socket:
 class TcpResponseServer:
     """The client process's listener for call-home streams; one per DistributedRuntime."""
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str | None = None, liveness: float = 5.0) -> None:
         self.host = advertise_host(host)
         self.address = ""
         self.pending: dict[str, StreamState] = {}
         self._acceptor: Acceptor | None = None
         self._lock = asyncio.Lock()
+        self.liveness = liveness
+        self._heartbeat_ms = max(1, int(liveness * 1000 / HEARTBEATS_PER_BOUND))
+        self.live: set[_CallHomeProtocol] = set()  # connected streams whose worker sends heartbeats
+        self._ticker: asyncio.Task | None = None
 
     async def start(self) -> None:
         async with self._lock:
@@ -106,13 +130,15 @@ class TcpResponseServer:
             port = sock.getsockname()[1]
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.address = f"{host}:{port}"
+            self._ticker = asyncio.get_running_loop().create_task(self._check_liveness(), name="tcp-stream-liveness")
 
     def register(self, state: StreamState) -> dict:
         """Reserve a stream key for ``state``; returns the connection_info to put in the request."""
         key = uuid.uuid4().hex
         state.key = key
         self.pending[key] = state
-        info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response"}
+        info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response",
+                "heartbeat_ms": self._heartbeat_ms}
         return {"transport": TRANSPORT_NAME, "info": info}
 
     def unregister(self, state: StreamState) -> None:
@@ -124,16 +150,49 @@ class TcpResponseServer:
         def check() -> None:
             if not state.connected and not state.finished:
                 self.pending.pop(state.key, None)
-                state.fail_incomplete()
+                state.fail(StreamStalledError())  # acked, then froze or died before calling home
 
         if not state.connected and not state.finished:
             state.timer = asyncio.get_running_loop().call_later(handshake_timeout, check)
 
     def on_instance_gone(self, states: list[StreamState]) -> None:
-        """An instance's key vanished. Connected TCP streams need nothing: a dead worker's socket
-        closes, and a gracefully stopping one still finishes its in-flight streams."""
+        """An instance's key vanished. Nothing to do here: a gracefully stopping worker deregisters first
+        and still finishes its in-flight streams, a dead one closes its sockets, and a frozen one stops
+        sending heartbeats (the liveness check fails its streams)."""
+
+    async def _check_liveness(self) -> None:
+        """Fail streams whose worker sent nothing, not even a heartbeat, for longer than the bound.
+
+        Counting ticks rather than reading a clock per frame keeps the cost off the per-token path, and
+        a loop that was itself stalled sees its sockets' data before its timers, so it blames no one.
+        """
+        period = self.liveness / LIVENESS_TICKS
+        while True:
+            await asyncio.sleep(period)
+            stalled = []
+            for proto in self.live:
+                state = proto.state
+                if state is None or state.finished:
+                    stalled.append(proto)  # finished: just forget it
+                elif state.paused:
+                    state.quiet = 0  # we stopped reading (slow consumer): silence is ours, not the worker's
+                else:
+                    state.quiet += 1
+                    if state.quiet > LIVENESS_TICKS:
+                        stalled.append(proto)
+            for proto in stalled:
+                self.live.discard(proto)
+                state = proto.state
+                if state is not None and not state.finished:
+                    log.warning("response stream %s: no data or heartbeat from worker %s for %.1fs; treating it "
+                                "as dead", state.request_id, _hex(state.instance_id), self.liveness)
+                    state.fail(StreamStalledError())
+                    proto.send_control("kill")  # closes the socket: a worker that wakes up stops at once
 
     async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         if self._acceptor is not None:
             self._acceptor.close()
             self._acceptor = None
@@ -190,12 +249,15 @@ class _CallHomeProtocol(asyncio.Protocol):
                         return
                     self.state = state
                     state.attach(self.send_control)
+                    if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold it to the bound
+                        self.server.live.add(self)
                 elif isinstance(ctl, dict):
                     if ctl.get("error"):
                         state.fail(EngineError(str(ctl["error"])))
                 elif ctl == "sentinel":
                     self.transport.close()
         if state is not None:
+            state.quiet = 0
             if len(state.items) > state.HIGH_WATER and not state.finished:
                 state.pause(self.transport.pause_reading, self.transport.resume_reading)
             state.wake()
@@ -213,6 +275,7 @@ class _CallHomeProtocol(asyncio.Protocol):
         if state is not None and not state.finished:
             state.fail_incomplete()
         self.transport = None
+        self.server.live.discard(self)
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -232,6 +295,8 @@ class TcpSink(asyncio.Protocol):
         self.finished = False
         self.closed = False
         self._loop = asyncio.get_running_loop()
+        self.heartbeat_s = 0.0
+        self.wrote = False  # something left since the heartbeat ticker last looked
 
     @classmethod
     async def connect(cls, info: dict, context: Context, timeout: float = 10.0) -> "TcpSink":
@@ -239,7 +304,13 @@ class TcpSink(asyncio.Protocol):
         host = host.strip("[]")
         loop = asyncio.get_running_loop()
         _, sink = await asyncio.wait_for(loop.create_connection(lambda: cls(context), host, int(port)), timeout)
-        sink.queue(encode_handshake(str(info["subject"])))  # leaves with the prologue
+        heartbeat_ms = info.get("heartbeat_ms")
+        if isinstance(heartbeat_ms, int) and heartbeat_ms > 0 and not sink.closed:
+            sink.heartbeat_s = heartbeat_ms / 1000
+            sink.queue(encode_handshake(str(info["subject"]), heartbeat_ms))  # leaves with the prologue
+            _HeartbeatTicker.for_loop(loop).add(sink)
+        else:
+            sink.queue(encode_handshake(str(info["subject"])))  # leaves with the prologue
         return sink
 
     # asyncio.Protocol
@@ -269,6 +340,8 @@ class TcpSink(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        if self.heartbeat_s:
+            _HeartbeatTicker.for_loop(self._loop).discard(self)
         if not self.finished:
             self.context.kill()  # the client went away: nobody reads what we would produce
         self._wake_drain()
@@ -288,6 +361,7 @@ class TcpSink(asyncio.Protocol):
     def write(self, frame: bytes) -> None:
         """Send now, or after what is still queued.  (The ingress pump joins the frames of the items
         a handler has ready into one write, so a write per loop turn and stream is the norm.)"""
+        self.wrote = True
         if self._pending:
             self._pending.append(frame)
             return
@@ -304,6 +378,7 @@ class TcpSink(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self.wrote = True
         if self._pending:
             data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
             self._pending.clear()
@@ -341,6 +416,47 @@ class TcpSink(asyncio.Protocol):
         self._flush()
         if self.transport is not None:
             self.transport.close()
+
+
+class _HeartbeatTicker:
+    """One per event loop on a worker: a ``"heartbeat"`` frame on each stream that sent nothing for its
+    heartbeat interval. One periodic task for all streams, so a token costs one flag store."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _HeartbeatTicker]" = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.sinks: set[TcpSink] = set()
+        self.task: asyncio.Task | None = None
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "_HeartbeatTicker":
+        ticker = cls._by_loop.get(loop)
+        if ticker is None:
+            ticker = cls._by_loop[loop] = cls()  # holds no reference to the loop: the entry goes with it
+        return ticker
+
+    def add(self, sink: TcpSink) -> None:
+        self.sinks.add(sink)
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run(), name="tcp-stream-heartbeats")
+
+    def discard(self, sink: TcpSink) -> None:
+        self.sinks.discard(sink)
+
+    async def _run(self) -> None:
+        try:
+            while self.sinks:
+                await asyncio.sleep(min(s.heartbeat_s for s in self.sinks))
+                for sink in list(self.sinks):
+                    transport = sink.transport
+                    if sink.finished or transport is None or transport.is_closing():
+                        self.sinks.discard(sink)
+                    elif sink.wrote:
+                        sink.wrote = False
+                    elif not sink._pending and not sink._paused:
+                        transport.write(FRAME_HEARTBEAT)  # direct: the next tick still sees the stream idle
+        finally:
+            self.task = None
 
 
 __all__ = ["TcpResponseServer", "TcpSink", "advertise_host", "TRANSPORT_NAME", "encode_frame"]

@@ -12,6 +12,8 @@ Response stream (worker -> client), each a frame:
   data-only   ``{"data": <Annotated>, "complete_final": false}``  one per item
   data-only   ``{"complete_final": true}``                  the completion marker
   header-only ``"sentinel"``                                 end of stream
+  header-only ``"heartbeat"``                                while the stream is idle, when the client
+                                                             asked for it (``heartbeat_ms`` in the info)
 Control (client -> worker): header-only ``"stop"`` or ``"kill"``.
 """
 
@@ -42,6 +44,10 @@ FRAME_STOP = encode_frame(header=b'"stop"')
 FRAME_KILL = encode_frame(header=b'"kill"')
 FRAME_HEARTBEAT = encode_frame(header=b'"heartbeat"')
 CONTROL_FRAMES = {"stop": FRAME_STOP, "kill": FRAME_KILL}
+# Replies to a request (the NATS ack): empty = accepted; these refuse it.
+ACK_REFUSED = b'{"error":"instance shutting down"}'  # draining: the client treats it as "no responders"
+ACK_BUSY = b'{"error":"busy"}'  # at its limit of requests in flight: try another instance
+PING = b""  # an empty request: "are you there?", acked (empty) and not served; probes frozen instances
 
 
 def encode_item(item: Any) -> bytes:
@@ -61,8 +67,12 @@ def encode_prologue_error(message: str) -> bytes:
     return encode_frame(header=_dumps({"error": message}))
 
 
-def encode_handshake(subject: str) -> bytes:
-    return encode_frame(header=_dumps({"subject": subject, "stream_type": "response"}))
+def encode_handshake(subject: str, heartbeat_ms: int | None = None) -> bytes:
+    """``heartbeat_ms`` (our addition) tells the client this worker sends heartbeats while idle."""
+    ctl: dict[str, Any] = {"subject": subject, "stream_type": "response"}
+    if heartbeat_ms:
+        ctl["heartbeat_ms"] = heartbeat_ms
+    return encode_frame(header=_dumps(ctl))
 
 
 def encode_request(request_id: str, connection_info: dict, body: bytes) -> bytes:
@@ -98,7 +108,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume")
+                 "_resume", "quiet", "heartbeat")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -119,6 +129,8 @@ class StreamState:
         self.timer: asyncio.TimerHandle | None = None  # handshake deadline, cancelled on connect
         self.paused = False
         self._resume: Callable[[], None] | None = None
+        self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
+        self.heartbeat = False  # the worker promised heartbeats while idle, so silence means frozen
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:

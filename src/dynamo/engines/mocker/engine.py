@@ -78,6 +78,11 @@ class MockerEngine:
         self.publish_metrics = publish_metrics
 
     @property
+    def capacity(self) -> int:
+        """Sequences the simulated engine runs at once: a worker's default --max-inflight."""
+        return self.args.max_num_seqs * self.args.dp_size
+
+    @property
     def runtime_config(self) -> dict[str, Any]:
         """What a router may want to know about this worker's capacity (per data-parallel rank)."""
         return {"total_kv_blocks": self.args.num_gpu_blocks, "max_num_seqs": self.args.max_num_seqs,

@@ -21,4 +21,8 @@ def error_response(message: str, status: int, **kw: object) -> web.Response:
 
 
 def request_error_response(e: RequestError) -> web.Response:
-    return error_response(e.message, e.status, type=e.type, param=e.param, code=e.code)
+    resp = error_response(e.message, e.status, type=e.type, param=e.param, code=e.code)
+    retry_after = getattr(e, "retry_after", None)
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(retry_after)
+    return resp

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from dynamo.aio import Acceptor, Pending, next_now
-from dynamo.errors import EngineError, RequestError
+from dynamo.errors import EngineError, RequestError, ServiceOverloadedError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
@@ -37,14 +37,18 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 LISTEN_BACKLOG = 1024  # a burst of hundreds of new connections must not overflow the accept queue
+DEFAULT_MAX_INFLIGHT = 1024  # --max-inflight on in=http: requests in progress (generating or queued) at once
 _DONE = b"data: [DONE]\n\n"
 SSE_BATCH = 256  # events at most in one write when a stream has a backlog
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
 class HttpService:
-    def __init__(self, models: ModelManager, *, metrics: FrontendMetrics | None = None):
+    def __init__(self, models: ModelManager, *, metrics: FrontendMetrics | None = None,
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT):
         self.models = models
+        self.max_inflight = max_inflight
+        self._admitted = 0
         self.metrics = metrics or FrontendMetrics()
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_error_middleware])
         self.app.router.add_get("/v1/models", self.list_models)
@@ -114,10 +118,21 @@ class HttpService:
 
     # -- generation
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat_completions", parse_chat_request)
+        return await self._admit(request, "chat_completions", parse_chat_request)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions", parse_completion_request)
+        return await self._admit(request, "completions", parse_completion_request)
+
+    async def _admit(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
+        """The frontend-wide limit, checked before the body is read: past it, a 503 costs next to nothing."""
+        if self._admitted >= self.max_inflight:
+            raise ServiceOverloadedError(
+                f"Too many requests in progress (limit {self.max_inflight}); try again shortly")
+        self._admitted += 1
+        try:
+            return await self._generate(request, endpoint, parse)
+        finally:
+            self._admitted -= 1
 
     async def _generate(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
         raw = await _read_json(request)
