@@ -237,15 +237,18 @@ class Client:
             try:
                 async with asyncio.timeout_at(deadline):
                     await fut
-            except TimeoutError:
-                return False
-            finally:
-                if not fut.done():
+            except BaseException as exc:  # timed out, or the request was cancelled (client went away)
+                if fut.done() and not fut.cancelled():
+                    self._wake_waiters()  # woken, but we will not take the slot: pass it on
+                else:
                     fut.cancel()
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
+                    try:
+                        self._waiters.remove(fut)
+                    except ValueError:
+                        pass
+                if isinstance(exc, TimeoutError):
+                    return False
+                raise
             if not self._available or self.free_instance_ids():
                 if self._waiters and self.free_instance_ids():
                     self._wake_waiters()  # more room than one request: pass it on

@@ -1,0 +1,86 @@
+"""Liveness and capacity between runtimes in this process (real etcd + NATS): heartbeats keep a slow
+stream alive, an instance that never acknowledges is set aside, a worker at its limit refuses as busy.
+Frozen worker processes (SIGSTOP) are in tests/chaos/test_stream_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dynamo.runtime import AckTimeoutError, NoRespondersError, WorkerBusyError
+from dynamo.runtime.instance import Instance
+from dynamo.runtime.names import EndpointId
+
+LIVENESS = 0.4
+
+
+async def test_heartbeats_keep_a_slow_stream_alive(make_runtime, ns, serve):
+    """Silence three times the liveness bound between items (a long prefill) is slow, not frozen."""
+    worker = await make_runtime()
+    caller = await make_runtime(stream_liveness=LIVENESS)
+
+    async def slow(request):
+        for i in range(2):
+            await asyncio.sleep(LIVENESS * 3)
+            yield {"i": i}
+
+    await serve(worker.namespace(ns).component("b").endpoint("g"), slow)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    assert [x async for x in client.round_robin({})] == [{"i": 0}, {"i": 1}]
+    assert client.instance_ids() == [worker.instance_id]
+
+
+async def test_an_instance_that_never_acks_is_set_aside_until_it_answers(make_runtime, ns):
+    caller = await make_runtime(stream_liveness=LIVENESS)
+    fake = 0x5EED
+    ep = EndpointId(ns, "b", "g")
+    inst = Instance.for_endpoint(ep, fake)
+    answering = asyncio.Event()
+
+    async def frozen(msg):  # takes requests, acks nothing until "thawed"; then answers pings
+        if answering.is_set() and not msg.data:
+            await msg.respond(b"")
+
+    sub = await caller.nats.subscribe(inst.subject, cb=frozen)
+    await caller.nats.flush()
+    await caller.etcd.put(ep.instance_key(fake), inst.to_json())
+    try:
+        client = await caller.namespace(ns).component("b").endpoint("g").client()
+        assert await client.wait_for_instances(5) == [fake]
+        with pytest.raises(AckTimeoutError) as info:
+            await client.round_robin({}).start()
+        assert isinstance(info.value, NoRespondersError) and info.value.instance_id == fake
+        assert client.instance_ids() == []  # set aside: no new request goes there
+        answering.set()
+        assert await client.wait_for_instances(5) == [fake]  # a probe got its answer
+    finally:
+        await caller.etcd.delete(ep.instance_key(fake))
+        await sub.unsubscribe()
+
+
+async def test_a_worker_at_its_limit_refuses_as_busy_and_answers_pings(make_runtime, ns, serve):
+    worker = await make_runtime()
+    caller = await make_runtime()
+    release = asyncio.Event()
+
+    async def held(request):
+        yield {"started": True}
+        await release.wait()
+        yield {"done": True}
+
+    endpoint = worker.namespace(ns).component("b").endpoint("g")
+    await serve(endpoint, held, max_inflight=1)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    first = client.round_robin({})
+    assert await first.__anext__() == {"started": True}
+    with pytest.raises(WorkerBusyError):
+        await client.direct({}, worker.instance_id).start()
+    assert client.instance_ids() == [worker.instance_id]  # busy is not down
+    assert client.free_instance_ids() == []  # ... but skipped for a moment
+    ack = await caller.nats.request(endpoint.subject, b"", timeout=2)  # a ping is not a request
+    assert ack.data == b""
+    release.set()
+    assert [x async for x in first] == [{"done": True}]
