@@ -40,9 +40,10 @@ class RequestError(UserError):
         self.type = type or _default_type(status)
 
 
-class ServiceOverloadedError(RequestError):
-    """Every worker is at its limit and the wait queue is full, or the wait ran out: a 503 whose
-    ``Retry-After`` header (``retry_after`` seconds) tells the client when to try again."""
+class ServiceUnavailableError(RequestError):
+    """A 503 whose ``Retry-After`` header (``retry_after`` seconds) tells the client when to try again:
+    every worker is at its limit and the wait queue is full or the wait ran out, too many requests are
+    in progress on the frontend, or the workers cannot be reached (NATS down)."""
 
     def __init__(self, message: str, *, retry_after: int = 1) -> None:
         super().__init__(message, status=503)

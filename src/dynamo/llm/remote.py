@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from dynamo.errors import EngineError as LlmEngineError
-from dynamo.errors import RequestError, ServiceOverloadedError
+from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
@@ -46,6 +46,7 @@ INSTANCE_WAIT_S = 5.0  # how long a request waits for a worker to appear before 
 MAX_NO_RESPONDER_RETRIES = 8
 NO_WORKER_MESSAGE = "No worker is serving this model right now; try again shortly"
 BUSY_MESSAGE = "Every worker serving this model is busy; try again shortly"
+UNREACHABLE_MESSAGE = "The workers cannot be reached right now (NATS is not connected); try again shortly"
 
 
 @dataclass
@@ -61,7 +62,7 @@ async def _admit(client: Any, queue: QueuePolicy, deadline: float) -> None:
     """Wait until some worker has room for one more request, or raise the 503."""
     wait = getattr(client, "wait_for_capacity", None)
     if wait is not None and not await wait(deadline, queue.size):
-        raise ServiceOverloadedError(BUSY_MESSAGE, retry_after=queue.retry_after)
+        raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after)
 
 
 class RouterPolicy(Protocol):
@@ -103,7 +104,7 @@ async def _ensure_instances(client: Any) -> None:
     try:
         await client.wait_for_instances(timeout=INSTANCE_WAIT_S)
     except asyncio.TimeoutError:
-        raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+        raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
 
 
 class RemoteCoreEngine:
@@ -134,17 +135,19 @@ class RemoteCoreEngine:
                     stream = self.router.open(self.client, request, rt_ctx)
                     await stream.start()
                     deadline = None
+                except RuntimeConnectionError:
+                    raise ServiceUnavailableError(UNREACHABLE_MESSAGE, retry_after=self.queue.retry_after) from None
                 except WorkerBusyError:
                     continue  # that worker is full (other frontends' requests): it is skipped for a moment
-                except (NoRespondersError, RuntimeConnectionError) as e:
+                except NoRespondersError as e:
                     # the client marked that instance down; nothing reached a worker, so retrying is safe
                     no_responders += 1
                     if no_responders <= MAX_NO_RESPONDER_RETRIES:
                         log.info("request %s: %s; sending it to another worker", context.id, e)
                         continue
-                    raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+                    raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
                 except NoInstancesError:
-                    raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+                    raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
                 except InstanceNotFoundError as e:
                     raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
                 try:
@@ -204,16 +207,18 @@ class RemoteChatEngine:
                 stream = self.client.round_robin(request, context=rt_ctx)
                 await stream.start()
                 break
+            except RuntimeConnectionError:
+                raise ServiceUnavailableError(UNREACHABLE_MESSAGE, retry_after=self.queue.retry_after) from None
             except WorkerBusyError:
                 continue
-            except (NoRespondersError, RuntimeConnectionError) as e:
+            except NoRespondersError as e:
                 no_responders += 1  # as in RemoteCoreEngine: the instance is marked down, try another
                 if no_responders <= MAX_NO_RESPONDER_RETRIES:
                     log.info("request %s: %s; sending it to another worker", context.id, e)
                     continue
-                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
             except NoInstancesError:
-                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
+                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
         try:
             async for chunk in stream:
                 usage = chunk.get("usage") if isinstance(chunk, dict) else None

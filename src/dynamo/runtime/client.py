@@ -400,6 +400,8 @@ class ResponseStream:
     async def _send(self) -> None:
         client = self._client
         runtime = client.runtime
+        if not runtime.nats.is_connected:  # NATS restarting: fail now rather than after the ack timeout
+            raise RuntimeConnectionError("NATS is not connected; cannot send the request to a worker")
         instance_id, subject = client._select(self._mode, self._instance_id)
         receiver = await runtime._response_receiver()
         ctx = self._context

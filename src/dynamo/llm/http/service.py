@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from dynamo.aio import Acceptor, Pending, next_now
-from dynamo.errors import EngineError, RequestError, ServiceOverloadedError
+from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
@@ -126,7 +126,7 @@ class HttpService:
     async def _admit(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
         """The frontend-wide limit, checked before the body is read: past it, a 503 costs next to nothing."""
         if self._admitted >= self.max_inflight:
-            raise ServiceOverloadedError(
+            raise ServiceUnavailableError(
                 f"Too many requests in progress (limit {self.max_inflight}); try again shortly")
         self._admitted += 1
         try:
