@@ -1,0 +1,35 @@
+"""The frontend-wide limit (``--max-inflight`` on in=http): past it a request gets a 503 with Retry-After
+and an OpenAI error body at once, and the server serves again as soon as requests finish. The per-worker
+limit and the queue in front of workers are in tests/chaos/test_stream_faults.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+
+from tests.support.proc import DynamoRun
+
+
+def chat(content: str, stream: bool) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "stream": stream}
+
+
+def test_past_max_inflight_a_503_with_retry_after_then_serving_again():
+    with DynamoRun("out=echo_full", "--model-name", "m", "--max-inflight", "2", delay_ms=20) as server:
+        url = server.api_url + "/chat/completions"
+        with contextlib.ExitStack() as held, httpx.Client(timeout=30) as client:
+            readers = []  # kept: a dropped line iterator closes its response
+            for _ in range(2):  # two long streams in progress
+                resp = held.enter_context(client.stream("POST", url, json=chat("x" * 500, True)))
+                assert resp.status_code == 200
+                readers.append(resp.iter_lines())
+                next(readers[-1])
+            refused = httpx.post(url, json=chat("hi", False), timeout=10)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["type"] == "service_unavailable" and "limit 2" in error["message"]
+        # the held streams were closed: room again
+        ok = httpx.post(url, json=chat("hi", False), timeout=10)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi"
