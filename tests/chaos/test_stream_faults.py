@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(90)
 
 ENGINE = Path(__file__).with_name("det_engine.py")
 LIVENESS_S = 1.5
-DETECT_S = LIVENESS_S * 1.25 + 1.5  # the bound, one liveness tick, and slack for a loaded 2-core machine
+DETECT_S = LIVENESS_S * 1.25 + 2.5  # the bound, one liveness tick, and slack for a loaded 2-core machine
 TOKEN_MS = 25
 LOG = "info,dynamo.llm.worker_handlers=debug"  # a worker logs "request <id>" for each request
 
@@ -324,19 +324,25 @@ def test_kill9_mid_stream_with_migration_loses_and_repeats_nothing(fe_mig, fleet
     extra = det_worker(env, tiny_model, "chaos.det.generate", "det").start()
     try:
         wait_until(lambda: len(health_instances(fe_mig, "dyn://chaos.det.generate")) == 3, 15, "3 workers")
-        n, max_tokens = 12, 60
+        n, max_tokens = 12, 80
         rids = [rid_for(f"kill{i}") for i in range(n)]
         results: dict[str, Streamed] = {}
-        started = threading.Event()
+        going: set[str] = set()
+        all_going = threading.Event()  # every stream has its first tokens: the kill hits them mid-stream
 
         def run(rid: str) -> None:
-            results[rid] = stream_chat(fe_mig.base_url, "det", max_tokens, rid,
-                                       lambda k: started.set() if k == 8 else None)
+            def on_chunk(k: int) -> None:
+                if k == 3:
+                    going.add(rid)
+                    if len(going) == n:
+                        all_going.set()
+
+            results[rid] = stream_chat(fe_mig.base_url, "det", max_tokens, rid, on_chunk)
 
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in rids]
         for t in threads:
             t.start()
-        assert started.wait(15)
+        assert all_going.wait(15), f"only {len(going)} of {n} streams started"
         on_extra = [r for r in rids if served_by([extra], r)]
         extra.kill()
         for t in threads:

@@ -20,11 +20,11 @@ from dynamo.llm.worker_handlers import backend_handler, chat_handler
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_INFLIGHT = 256  # --max-inflight for engines that do not say how many requests they run at once
+DEFAULT_MAX_INFLIGHT = 512  # --max-inflight for engines that do not say how many requests they run at once
 
 
 def max_inflight(cfg: Any, engine: Any) -> int:
-    """The worker's limit of requests in flight: --max-inflight, else the engine's capacity, else 256."""
+    """The worker's limit of requests in flight: --max-inflight, else the engine's capacity, else 512."""
     return cfg.max_inflight or getattr(engine, "capacity", None) or DEFAULT_MAX_INFLIGHT
 
 

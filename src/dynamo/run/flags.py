@@ -69,7 +69,7 @@ engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER, DYN
 no new requests until it answers again; default 5).
 
 overload: a worker takes at most --max-inflight requests at once (default: the engine's slots, e.g.
-mocker max_num_seqs, llamacpp n_parallel, else 256) and tells frontends; a frontend takes at most
+mocker max_num_seqs, llamacpp n_parallel, else 512) and tells frontends; a frontend takes at most
 --max-inflight requests in all (default 1024), queues up to --queue-size requests while every worker is
 full, each for up to --queue-timeout seconds, and answers the rest 503 with Retry-After.
 
@@ -103,7 +103,7 @@ class RunConfig:
     router_temperature: float = 0.0
     use_kv_events: bool = True
     migration_limit: int = 0
-    max_inflight: int | None = None  # None: worker -> the engine's capacity, else 256; http -> 1024
+    max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
     queue_size: int = 256
     queue_timeout: float = 30.0
     batch_concurrency: int = 16
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
     p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies or freezes (on a worker or the frontend; the larger applies; default 0)")
-    p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 256); in=http: requests in progress in all, more get 503 (default 1024)")
+    p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 512); in=http: requests in progress in all, more get 503 (default 1024)")
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")

@@ -49,8 +49,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The ack (the worker acks as soon as its NATS callback runs) and the call-home after it are bounded by
-# the runtime's stream liveness bound (DYN_STREAM_LIVENESS_S, default 5 s).
+# The ack (the worker acks as soon as its NATS callback runs) is bounded by the runtime's stream liveness
+# bound (DYN_STREAM_LIVENESS_S, default 5 s). The call-home after it gets at least 15 s: under heavy load
+# it waits on this process's own accept queue (docs/performance.md saw > 15 s with 512 streams at once).
+HANDSHAKE_MIN = 15.0
 BUSY_BACKOFF = 0.5  # an instance that refused a request as busy gets no new one for this long
 PROBE_FIRST = 0.25  # first ping to a set-aside instance; the interval doubles up to the liveness bound
 
@@ -448,7 +450,7 @@ class ResponseStream:
             state.fail(exc)
             raise
         self._state = state
-        receiver.after_send(state, bound)
+        receiver.after_send(state, max(HANDSHAKE_MIN, 3 * bound))
 
     def __await__(self):
         return self.start().__await__()
