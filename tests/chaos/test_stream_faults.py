@@ -28,7 +28,7 @@ from tests.chaos.det_engine import next_token, word_tokens
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(90)]
 
 ENGINE = Path(__file__).with_name("det_engine.py")
 LIVENESS_S = 1.5

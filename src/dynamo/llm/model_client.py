@@ -54,6 +54,34 @@ class ModelClient:
             ids.update(client.instance_ids())
         return sorted(ids)
 
+    def free_instance_ids(self) -> list[int]:
+        """Live instances below their limit of requests in flight (see Client.free_instance_ids)."""
+        if len(self._clients) == 1:
+            return self._clients[0].free_instance_ids()
+        ids: set[int] = set()
+        for client in self._clients:
+            ids.update(client.free_instance_ids())
+        return sorted(ids)
+
+    async def wait_for_capacity(self, deadline: float, max_waiters: int) -> bool:
+        """Wait until some endpoint has an instance with room (Client.wait_for_capacity); with several
+        endpoints, in each endpoint's queue at once, and the first to have room wins."""
+        if len(self._clients) == 1:
+            return await self._clients[0].wait_for_capacity(deadline, max_waiters)
+        if self.free_instance_ids() or not self.instance_ids():
+            return True
+        waiters = [asyncio.ensure_future(c.wait_for_capacity(deadline, max_waiters)) for c in self._clients]
+        try:
+            pending = set(waiters)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(not w.cancelled() and w.exception() is None and w.result() for w in done):
+                    return True
+            return False
+        finally:
+            for w in waiters:
+                w.cancel()  # a waiter woken but not used passes its wake-up on
+
     def instances(self) -> list[Any]:
         return [inst for client in self._clients for inst in client.instances()]
 
@@ -92,7 +120,7 @@ class ModelClient:
     def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
         if len(self._clients) == 1:
             return self._clients[0].round_robin(request, context=context, annotated=annotated)
-        ids = self.instance_ids()
+        ids = self.free_instance_ids() or self.instance_ids()
         if not ids:  # let the first client raise NoInstancesError
             return self._clients[0].round_robin(request, context=context, annotated=annotated)
         chosen = ids[self._counter % len(ids)]
@@ -102,7 +130,7 @@ class ModelClient:
     def random(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
         if len(self._clients) == 1:
             return self._clients[0].random(request, context=context, annotated=annotated)
-        ids = self.instance_ids()
+        ids = self.free_instance_ids() or self.instance_ids()
         if not ids:
             return self._clients[0].random(request, context=context, annotated=annotated)
         return self.direct(request, _random.choice(ids), context=context, annotated=annotated)

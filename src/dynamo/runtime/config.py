@@ -118,21 +118,6 @@ class RuntimeSettings:
             graceful_shutdown_timeout=float(timeout) if timeout else DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT,
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
-            stream_liveness=_seconds("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS),
+            stream_liveness=_float_env("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS, minimum=0.05),
         )
 
-
-def _seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; a bad value is an error naming the variable."""
-    raw = _env(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        from dynamo.errors import UserError
-
-        raise UserError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamo.errors import UserError
 from dynamo.runtime import RuntimeSettings
+from dynamo.runtime.errors import RuntimeConfigError
 from dynamo.runtime.client import Client
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
@@ -139,6 +139,7 @@ def test_liveness_bound_from_env(monkeypatch):
     assert RuntimeSettings.from_env().stream_liveness == 1.5
     monkeypatch.delenv("DYN_STREAM_LIVENESS_S")
     assert RuntimeSettings.from_env().stream_liveness == 5.0
-    monkeypatch.setenv("DYN_STREAM_LIVENESS_S", "soon")
-    with pytest.raises(UserError, match="DYN_STREAM_LIVENESS_S must be a positive number"):
-        RuntimeSettings.from_env()
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("DYN_STREAM_LIVENESS_S", bad)
+        with pytest.raises(RuntimeConfigError, match="DYN_STREAM_LIVENESS_S"):
+            RuntimeSettings.from_env()
