@@ -149,9 +149,12 @@ def until_serves(fe: DynamoRun, name: str, who: DynamoWorker, timeout: float = 6
     return float("nan")
 
 
-def run_freeze(env, model, checker, migrate: bool) -> None:
+def run_freeze(env, model, checker, migrate: bool, frozen_for: float | None = None) -> None:
+    """SIGSTOP one of two workers 1 s into 20 streams; SIGCONT after ``frozen_for`` seconds (default: the
+    bound + 2 s, within the 10 s lease; longer: the lease expires and the worker re-registers)."""
     args = ["out=dyn"] + (["--migration-limit", "3"] if migrate else [])
-    name = "frz" if migrate else "frznomig"
+    name = ("frz" if migrate else "frznomig") + ("long" if frozen_for else "")
+    frozen_for = frozen_for or LIVENESS + 2
     ws = [worker(env, model, name) for _ in range(2)]
     for w in ws:
         w.start(wait=False)
@@ -161,25 +164,33 @@ def run_freeze(env, model, checker, migrate: bool) -> None:
         with DynamoRun(*args, env=env) as fe:
             wait_instances(fe, f"dyn://rel.{name}.generate", 2)
             victim = ws[0]
-            thawed: list[float] = []
 
-            def thaw() -> None:
-                os.kill(victim.pid, signal.SIGCONT)
-                thawed.append(time.monotonic())
+            async def scenario() -> tuple[list[dict], float, float]:
+                async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=500)) as client:
+                    tasks = [asyncio.create_task(stream(client, fe.base_url, name, 200, f"s{i}-{uuid.uuid4().hex[:8]}"))
+                             for i in range(20)]
+                    await asyncio.sleep(1.0)
+                    at = time.monotonic()
+                    os.kill(victim.pid, signal.SIGSTOP)
+                    await asyncio.sleep(frozen_for)
+                    os.kill(victim.pid, signal.SIGCONT)
+                    thawed = time.monotonic()
+                    while True:  # small requests, alongside the streams still running, until the thawed one serves
+                        rid = f"t-{uuid.uuid4().hex[:10]}"
+                        r = await client.post(fe.api_url + "/chat/completions", headers={"x-request-id": rid}, json={
+                            "model": name, "messages": [{"role": "user", "content": "go"}], "max_tokens": 2})
+                        if r.status_code == 200 and served_by([victim], rid):
+                            back = time.monotonic() - thawed
+                            break
+                        await asyncio.sleep(0.05)
+                    return await asyncio.gather(*tasks), at, back
 
-            def freeze() -> None:  # frozen for the bound + 2 s: less than the 10 s lease
-                os.kill(victim.pid, signal.SIGSTOP)
-                asyncio.get_running_loop().call_later(LIVENESS + 2, thaw)
-
-            results, at = asyncio.run(streams_with_fault(fe, name, 20, 200, 1.0, freeze))
+            results, at, back = asyncio.run(scenario())
             rows = summarise(results, 200, checker, at, [victim], LIVENESS)
-            if not thawed:
-                thaw()
-            until_serves(fe, name, victim)
-            rows["thawed worker serving again, after SIGCONT"] = f"{time.monotonic() - thawed[0]:.2f} s"
-            name = "SIGSTOP one of 2 workers, 20 streams x 200 tokens" + (", --migration-limit 3" if migrate else
-                                                                           ", no migration")
-            report(name, f"liveness {LIVENESS:g} s", rows)
+            rows["thawed worker serving again, after SIGCONT"] = f"{back:.2f} s"
+            title = (f"SIGSTOP one of 2 workers for {frozen_for:g} s, 20 streams x 200 tokens"
+                     + (", --migration-limit 3" if migrate else ", no migration"))
+            report(title, f"liveness {LIVENESS:g} s", rows)
     finally:
         for w in ws:
             w.kill()
@@ -326,7 +337,7 @@ async def closed_loop(fe: DynamoRun, clients: int, seconds: float, checker: Chec
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["freeze", "nofreeze", "kill", "nats", "overload"]
+    which = sys.argv[1:] or ["freeze", "nofreeze", "longfreeze", "kill", "nats", "overload"]
     model = build_tiny_hf_model(Path(tempfile.mkdtemp()), with_weights=False)
     checker = Checker(model)
     print(f"liveness bound {LIVENESS:g} s, {TOKEN_MS} ms per token; machine: {os.cpu_count()} cores (shared)")
@@ -339,6 +350,8 @@ def main() -> None:
             run_freeze(env, model, checker, migrate=True)
         if "nofreeze" in which:
             run_freeze(env, model, checker, migrate=False)
+        if "longfreeze" in which:
+            run_freeze(env, model, checker, migrate=True, frozen_for=15)
         if "kill" in which:
             run_kill(env, model, checker)
         if "overload" in which:
