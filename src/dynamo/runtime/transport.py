@@ -108,7 +108,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "heartbeat")
+                 "_resume", "quiet")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -130,7 +130,6 @@ class StreamState:
         self.paused = False
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
-        self.heartbeat = False  # the worker promised heartbeats while idle, so silence means frozen
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:
