@@ -317,6 +317,33 @@ def test_frozen_worker_without_migration_unary_gets_5xx_json(fe_plain, fleet):
     wait_serving_again(fe_plain, victim, workers, timeout=10)
 
 
+def test_request_to_an_idle_frozen_worker_goes_to_the_other_one(fe_plain, fleet, chain):
+    """No stream reveals the freeze: the first request sent there is not acknowledged within the bound and
+    goes to the other worker (a 200, never a 500); from then on the frozen worker is skipped."""
+    workers = det_workers(fleet)
+    victim, other = workers
+    freeze(victim)
+    try:
+        took = []
+        for i in range(4):  # round-robin: at least one of them is sent to the frozen worker first
+            r = rid_for(f"idle-frozen{i}")
+            start = time.monotonic()
+            resp = unary(fe_plain, "det", 5, r)
+            took.append(time.monotonic() - start)
+            assert resp.status_code == 200, resp.text
+            chain.assert_exact(resp.json()["choices"][0]["message"]["content"], 5)
+            assert served_by([other], r)
+        assert max(took) < LIVENESS_S + 2.5, took
+        assert max(took) >= LIVENESS_S * 0.9, f"no request waited for the frozen worker's ack: {took}"
+        start = time.monotonic()
+        for i in range(4):  # set aside now: nothing waits for the frozen worker any more
+            assert unary(fe_plain, "det", 2, rid_for(f"idle-frozen-after{i}")).status_code == 200
+        assert time.monotonic() - start < 4 * 1.0
+    finally:
+        thaw(victim)
+    wait_serving_again(fe_plain, victim, workers, timeout=10)
+
+
 # -- kill -9 ---------------------------------------------------------------------------------------------
 
 
