@@ -55,6 +55,20 @@ log = logging.getLogger(__name__)
 HANDSHAKE_MIN = 15.0
 BUSY_BACKOFF = 0.5  # an instance that refused a request as busy gets no new one for this long
 PROBE_FIRST = 0.25  # first ping to a set-aside instance; the interval doubles up to the liveness bound
+RECONNECT_WAIT = 2.0  # a request finding NATS disconnected waits this long for it (a blip) before failing
+
+
+async def _reconnected(nc: Any, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a reconnecting NATS client (nats-py has no event for it: poll)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if nc.is_connected:
+            return True
+        if nc.is_closed:
+            return False
+        await asyncio.sleep(0.05)
+    return bool(nc.is_connected)
 
 
 def _encode_request(request: Any) -> bytes:
@@ -402,7 +416,8 @@ class ResponseStream:
     async def _send(self) -> None:
         client = self._client
         runtime = client.runtime
-        if not runtime.nats.is_connected:  # NATS restarting: fail now rather than after the ack timeout
+        if not runtime.nats.is_connected and not await _reconnected(runtime.nats, RECONNECT_WAIT):
+            # NATS is away: fail now rather than after the ack timeout (and blaming the instance)
             raise RuntimeConnectionError("NATS is not connected; cannot send the request to a worker")
         instance_id, subject = client._select(self._mode, self._instance_id)
         receiver = await runtime._response_receiver()
