@@ -7,7 +7,7 @@ import logging
 import sys
 
 from dynamo.errors import UserError
-from dynamo.run.flags import USAGE, build_parser, parse_args
+from dynamo.run.flags import USAGE, RunConfig, build_parser, parse_args
 from dynamo.run.logs import setup_logging
 
 log = logging.getLogger("dynamo.run")
@@ -24,6 +24,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.verbosity)
+    if cfg.http_workers > 1:
+        from dynamo.run.http_workers import supervise
+
+        try:
+            return supervise(cfg, lambda: _serve(cfg))
+        except UserError as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 1
+    return _serve(cfg)
+
+
+def _serve(cfg: RunConfig) -> int:
+    """Run ``cfg`` in this process until done or signalled; the exit status."""
     try:
         import uvloop
 

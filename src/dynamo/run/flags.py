@@ -23,6 +23,9 @@ ENGINES = [
 ]
 ENGINE_ALIASES = {"llama_cpp": "llamacpp", "auto": "dyn"}
 ROUTER_MODES = ("round-robin", "random", "kv")
+MAX_HTTP_WORKERS = 64
+# engines cheap enough to run once per HTTP worker process (--http-workers): the others would load the model N times
+HTTP_WORKER_ENGINES = ("dyn", "echo_full", "echo_core")
 
 USAGE = (
     "dynamo-run [in=text|stdin|http|batch:<file.jsonl>|dyn://<namespace.component.endpoint>|none] "
@@ -107,6 +110,7 @@ class RunConfig:
     queue_size: int = 256
     queue_timeout: float = 30.0
     batch_concurrency: int = 16
+    http_workers: int = 1
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
 
@@ -209,9 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
+    p.add_argument("--http-workers", "--api-server-count", type=_int("--http-workers", 1, MAX_HTTP_WORKERS), default=1,
+                   dest="http_workers", metavar="N",
+                   help="in=http: N frontend processes sharing the port (out=dyn, echo_full, echo_core; default 1)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
-    p.add_argument("--version", action="version", version=f"dynamo-run {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     return p
+
+
+class _VersionAction(argparse.Action):
+    """``--version``; looks the version up only when asked (importlib.metadata costs start-up time)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(f"dynamo-run {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
@@ -287,6 +306,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         queue_size=ns.queue_size if ns.queue_size is not None else 256,
         queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
         batch_concurrency=ns.batch_concurrency,
+        http_workers=ns.http_workers,
         verbosity=ns.verbosity,
         extra_args=extra,
     )
@@ -347,6 +367,14 @@ def validate(cfg: RunConfig) -> None:
                 raise UserError(f"--extra-engine-args {path}: not valid JSON: {e}") from None
             if not isinstance(data, dict):
                 raise UserError(f"--extra-engine-args {path}: expected a JSON object")
+    if cfg.http_workers > 1:
+        if cfg.input_kind != "http":
+            raise UserError(f"--http-workers runs several HTTP frontends: it needs in=http, not in={cfg.input}")
+        if cfg.engine not in HTTP_WORKER_ENGINES:
+            raise UserError(
+                f"--http-workers {cfg.http_workers} would load the model {cfg.http_workers} times; it works with "
+                "out=dyn (run the engine as a worker: in=dyn://ns.comp.ep) and the echo engines"
+            )
     if cfg.input_kind == "batch":
         path = Path(cfg.input[6:])
         if not path.is_file():

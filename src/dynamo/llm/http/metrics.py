@@ -1,7 +1,9 @@
 """Prometheus metrics of the HTTP frontend (spec 4.8 names and buckets).
 
 The prefix is ``dynamo_frontend``, or ``DYN_METRICS_PREFIX`` sanitised to a valid metric name.  Each
-service gets its own registry so several services in one process (tests) do not collide.
+service gets its own registry so several services in one process (tests) do not collide.  With
+``--http-workers N`` every process has its own metrics and a scrape is answered by whichever process
+accepted the connection, so each sample carries ``http_worker="<index>"`` (sum over it in queries).
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ import os
 import re
 import time
 from bisect import bisect_left
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from dynamo.llm.http.listen import worker_index
 
 DEFAULT_PREFIX = "dynamo_frontend"
 
@@ -46,10 +52,25 @@ class FrontendMetrics:
                              buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        index = worker_index()
+        if index is None:
+            return generate_latest(self.registry)
+        return generate_latest(_WithLabel(self.registry, "http_worker", str(index)))  # type: ignore[arg-type]
 
     def request(self, model: str, endpoint: str, streaming: bool) -> "RequestMetrics":
         return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")
+
+
+class _WithLabel:
+    """A registry's metrics with one more label on every sample (``--http-workers``: which process answered)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self.registry, self.name, self.value = registry, name, value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, self.name: self.value}) for s in family.samples]
+            yield family
 
 
 ITL_FLUSH_EVERY = 64  # tokens whose inter-token latencies are counted locally before the histogram sees them

@@ -24,6 +24,7 @@ from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 from dynamo.llm.http.errors import error_body, error_response, request_error_response
+from dynamo.llm.http.listen import take_adopted
 from dynamo.llm.http.metrics import FrontendMetrics
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.openai import (
@@ -314,6 +315,9 @@ async def _error_middleware(request: web.Request, handler: Callable[[web.Request
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
+    adopted = take_adopted()  # --http-workers: the parent bound it
+    if adopted is not None:
+        return adopted
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Start-up time of ``dynamo-run in=http out=echo_full``: from ``exec`` to the first answer.
+
+    .venv/bin/python benchmarks/startup.py                       # ours, 10 starts
+    .venv/bin/python benchmarks/startup.py --repeats 20 --cmd '/path/to/dynamo-run in=http out=echo_full --http-port {port} --model-name {model}'
+    .venv/bin/python benchmarks/startup.py --importtime 25       # plus the 25 slowest imports of one start
+
+For each start: take the time, spawn the command (``{port}`` and ``{model}`` filled in), then poll
+``GET /v1/models`` on a fresh connection every 2 ms until it answers 200 listing the model ("models
+ms"), then send one non-streaming chat completion ("chat ms": when its answer has arrived).  CPU is
+the server's utime+stime when /v1/models first answered.  The server is stopped with SIGINT between
+starts.  Printed: every start, then median and min.  The default command is
+``<python> -m dynamo.run`` with this checkout's ``src`` first on PYTHONPATH (the console script
+``dynamo-run`` adds its own few ms of entry-point lookup; ``--cmd`` measures any other).
+
+``--importtime N`` runs one more start under ``python -X importtime`` and prints the N imports with
+the largest cumulative time (and the total), which is where start-up goes.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+MODEL = "bench-echo"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def build_cmd(template: str | None, port: int, extra_python_flags: list[str]) -> list[str]:
+    if template:
+        return shlex.split(template.format(port=port, model=MODEL))
+    return [sys.executable, *extra_python_flags, "-m", "dynamo.run", "in=http", "out=echo_full",
+            "--http-port", str(port), "--model-name", MODEL]
+
+
+def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def one_start(template: str | None, extra_python_flags: list[str] = (), stderr=subprocess.DEVNULL,
+              timeout: float = 30.0) -> dict[str, float]:
+    port = free_port()
+    cmd = build_cmd(template, port, list(extra_python_flags))
+    env = dict(os.environ)
+    if not template:
+        env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        t_models = cpu = None
+        while time.perf_counter() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {shlex.join(cmd)}")
+            try:
+                status, body = _get(port, "GET", "/v1/models")
+                if status == 200 and MODEL.encode() in body:
+                    t_models = time.perf_counter()
+                    cpu = cpu_seconds(proc.pid)
+                    break
+            except OSError:
+                pass
+            time.sleep(0.002)
+        if t_models is None:
+            raise RuntimeError(f"no answer in {timeout} s: {shlex.join(cmd)}")
+        chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        status, _ = _get(port, "POST", "/v1/chat/completions", chat)
+        t_chat = time.perf_counter()
+        if status != 200:
+            raise RuntimeError(f"chat answered {status}")
+        return {"models_ms": (t_models - t0) * 1e3, "chat_ms": (t_chat - t0) * 1e3, "cpu_s": cpu}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def importtime(template: str | None, top: int) -> None:
+    with tempfile.TemporaryFile() as err:
+        one_start(template, ["-X", "importtime"], stderr=err)
+        err.seek(0)
+        rows = []
+        for line in err.read().decode().splitlines():
+            if not line.startswith("import time:") or "cumulative" in line:
+                continue
+            parts = line[12:].split("|")
+            rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
+    total = sum(r[1] for r in rows)
+    print(f"\n{len(rows)} modules imported, {total / 1e3:.1f} ms in total (self times)")
+    print("cumulative ms  self ms  module")
+    for cum, self_, name in sorted(rows, reverse=True)[:top]:
+        print(f"{cum / 1e3:13.1f}  {self_ / 1e3:7.1f}  {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--cmd", help="server command; {port} and {model} are filled in")
+    ap.add_argument("--importtime", type=int, metavar="N", default=0,
+                    help="also show the N slowest imports of one start (python -X importtime)")
+    args = ap.parse_args()
+    runs = []
+    for i in range(args.repeats):
+        r = one_start(args.cmd)
+        runs.append(r)
+        print(f"start {i + 1:2d}: /v1/models {r['models_ms']:6.1f} ms, chat {r['chat_ms']:6.1f} ms, "
+              f"CPU {r['cpu_s']:.2f} s", flush=True)
+    for key, label in (("models_ms", "exec -> /v1/models"), ("chat_ms", "exec -> first chat")):
+        vals = [r[key] for r in runs]
+        print(f"{label}: median {statistics.median(vals):.1f} ms, min {min(vals):.1f} ms, "
+              f"max {max(vals):.1f} ms ({len(vals)} starts)")
+    print(f"CPU until /v1/models: median {statistics.median(r['cpu_s'] for r in runs):.2f} s")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.importtime and not args.cmd:
+        importtime(args.cmd, args.importtime)
+
+
+if __name__ == "__main__":
+    main()
