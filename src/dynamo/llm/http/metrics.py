@@ -8,16 +8,20 @@ accepted the connection, so each sample carries ``http_worker="<index>"`` (sum o
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import sys
+import threading
 import time
 from bisect import bisect_left
-from typing import Iterator
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dynamo.llm.http.listen import worker_index
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 DEFAULT_PREFIX = "dynamo_frontend"
 
@@ -33,11 +37,28 @@ def metrics_prefix() -> str:
 
 
 class FrontendMetrics:
+    """The frontend's Prometheus metrics.
+
+    The Prometheus objects (and ``prometheus_client`` itself, about a tenth of the server's start-up) are
+    made on first use: the first request or scrape, or :meth:`prepare_in_background` once the server
+    listens.  Until then only the prefix exists; any other attribute access builds them.
+    """
+
     def __init__(self, prefix: str | None = None):
-        p = prefix or metrics_prefix()
-        self.prefix = p  # for metrics added by others (dynamo.llm.worker_metrics)
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.prefix = prefix or metrics_prefix()  # for metrics added by others (dynamo.llm.worker_metrics)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _LAZY and "itl" not in self.__dict__:
+            self._build()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _build(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        p = self.prefix
+        r = CollectorRegistry()
+        self.registry = r
         self.requests = Counter(f"{p}_requests", "Requests handled", ["model", "endpoint", "request_type", "status"], registry=r)
         self.inflight = Gauge(f"{p}_inflight_requests", "Requests in flight", ["model"], registry=r)
         self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model"],
@@ -51,7 +72,16 @@ class FrontendMetrics:
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
                              buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
 
+    @staticmethod
+    def prepare_in_background() -> None:
+        """Import ``prometheus_client`` in a thread, so the first request does not wait for it."""
+        if "prometheus_client" not in sys.modules:
+            threading.Thread(target=importlib.import_module, args=("prometheus_client",), daemon=True,
+                             name="import-prometheus").start()
+
     def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
         index = worker_index()
         if index is None:
             return generate_latest(self.registry)
@@ -59,6 +89,9 @@ class FrontendMetrics:
 
     def request(self, model: str, endpoint: str, streaming: bool) -> "RequestMetrics":
         return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")
+
+
+_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl"))
 
 
 class _WithLabel:

@@ -74,6 +74,7 @@ class HttpService:
         self._acceptor = Acceptor(sock, self._runner.server)  # type: ignore[arg-type]
         self.port = sock.getsockname()[1]
         log.info("OpenAI-compatible HTTP service listening on http://%s:%d", host, self.port)
+        self.metrics.prepare_in_background()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, give in-flight requests ``grace`` seconds to finish, then end them."""
