@@ -127,6 +127,33 @@ def test_sigterm_lets_streams_in_flight_finish():
         assert frontend.wait(15) == 0
 
 
+def test_ctrl_c_at_the_terminal_stops_everything_gracefully():
+    # a terminal sends SIGINT to the whole foreground process group: the workers are in their own group,
+    # so each gets exactly one SIGTERM from the parent (a second signal would make them exit at once)
+    with DynamoRun("out=echo_full", "--model-name", "echo", "--http-workers", "2") as frontend:
+        kids = wait_until(lambda: len(children(frontend.pid)) == 2 and children(frontend.pid), 10, "two workers")
+        os.killpg(frontend.pid, signal.SIGINT)
+        assert frontend.wait(15) == 0
+        assert not any(alive(p) for p in kids)
+        log = frontend.stderr_text()
+        assert "SIGINT received, stopping 2 HTTP worker(s)" in log
+        assert "second" not in log and "Traceback" not in log, log
+
+
+def test_a_worker_that_keeps_dying_stops_the_frontend():
+    with DynamoRun("out=echo_full", "--model-name", "echo", "--http-workers", "2") as frontend:
+        kids = wait_until(lambda: len(children(frontend.pid)) == 2 and children(frontend.pid), 10, "two workers")
+        seen = set(kids)
+        for _ in range(6):  # the 6th death within a minute is one too many
+            victim = children(frontend.pid)[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda: not frontend.running or set(children(frontend.pid)) - seen, 10, "a restart or the end")
+            seen.update(children(frontend.pid))
+        assert frontend.wait(15) == 1
+        assert "giving up" in frontend.stderr_text()
+        assert not any(alive(p) for p in seen)
+
+
 def test_a_worker_exiting_with_an_error_stops_the_whole_frontend():
     # etcd unreachable: each worker reports it and exits 1; the parent stops and exits 1 too, no restart loop
     port = free_port()
