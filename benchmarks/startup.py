@@ -13,6 +13,9 @@ starts.  Printed: every start, then median and min.  The default command is
 ``<python> -m dynamo.run`` with this checkout's ``src`` first on PYTHONPATH (the console script
 ``dynamo-run`` adds its own few ms of entry-point lookup; ``--cmd`` measures any other).
 
+``--floor`` also times (wall and CPU, median of the same number of runs) a bare interpreter and one that
+only imports the libraries the server cannot do without (``FLOOR_IMPORTS``): what is left for our code.
+
 ``--importtime N`` runs one more start under ``python -X importtime`` and prints the N imports with
 the largest cumulative time (and the total), which is where start-up goes.
 """
@@ -22,6 +25,7 @@ import argparse
 import http.client
 import json
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -35,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODEL = "bench-echo"
+FLOOR_IMPORTS = "import asyncio, uvloop, aiohttp.web, msgspec, orjson, argparse"
 
 
 def free_port() -> int:
@@ -106,6 +111,19 @@ def one_start(template: str | None, extra_python_flags: list[str] = (), stderr=s
             proc.wait()
 
 
+def time_command(cmd: list[str], repeats: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of running ``cmd`` to completion."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        walls.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 def importtime(template: str | None, top: int) -> None:
     with tempfile.TemporaryFile() as err:
         one_start(template, ["-X", "importtime"], stderr=err)
@@ -129,6 +147,8 @@ def main() -> None:
     ap.add_argument("--cmd", help="server command; {port} and {model} are filled in")
     ap.add_argument("--importtime", type=int, metavar="N", default=0,
                     help="also show the N slowest imports of one start (python -X importtime)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a bare interpreter and one importing only the libraries the server needs")
     args = ap.parse_args()
     runs = []
     for i in range(args.repeats):
@@ -141,6 +161,10 @@ def main() -> None:
         print(f"{label}: median {statistics.median(vals):.1f} ms, min {min(vals):.1f} ms, "
               f"max {max(vals):.1f} ms ({len(vals)} starts)")
     print(f"CPU until /v1/models: median {statistics.median(r['cpu_s'] for r in runs):.2f} s")
+    if args.floor:
+        for label, code in (("bare interpreter", "pass"), ("libraries only", FLOOR_IMPORTS)):
+            wall, cpu = time_command([sys.executable, "-c", code], args.repeats)
+            print(f"{label} ({code}): median wall {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.importtime and not args.cmd:
         importtime(args.cmd, args.importtime)
