@@ -91,21 +91,6 @@ class FrontendMetrics:
         return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")
 
 
-_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl"))
-
-
-class _WithLabel:
-    """A registry's metrics with one more label on every sample (``--http-workers``: which process answered)."""
-
-    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
-        self.registry, self.name, self.value = registry, name, value
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.registry.collect():
-            family.samples = [s._replace(labels={**s.labels, self.name: self.value}) for s in family.samples]
-            yield family
-
-
 ITL_FLUSH_EVERY = 64  # tokens whose inter-token latencies are counted locally before the histogram sees them
 
 
@@ -178,3 +163,18 @@ class RequestMetrics:
         m.requests.labels(self.model, self.endpoint, self.request_type, "success" if ok else "error").inc()
         m.duration.labels(self.model).observe(time.monotonic() - self._start)
         m.osl.labels(self.model).observe(self._tokens)
+
+
+_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl"))
+
+
+class _WithLabel:
+    """A registry's metrics with one more label on every sample (``--http-workers``: which process answered)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self.registry, self.name, self.value = registry, name, value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, self.name: self.value}) for s in family.samples]
+            yield family
