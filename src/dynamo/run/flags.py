@@ -30,7 +30,7 @@ HTTP_WORKER_ENGINES = ("dyn", "echo_full", "echo_core")
 USAGE = (
     "dynamo-run [in=text|stdin|http|batch:<file.jsonl>|dyn://<namespace.component.endpoint>|none] "
     "[out=echo_full|echo_core|mocker|llamacpp|mistralrs|vllm|sglang|trtllm|pystr:<file.py>|pytok:<file.py>|dyn] "
-    "[<model>] [--http-port 8080] [--http-host 0.0.0.0] [--model-path <path>] [--model-name <name>] "
+    "[<model>] [--http-port 8080] [--http-host 0.0.0.0] [--http-workers 1] [--model-path <path>] [--model-name <name>] "
     "[--model-config <hf folder>] [--context-length N] [--kv-cache-block-size 16] "
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
@@ -93,6 +93,7 @@ class RunConfig:
     model_config: str | None = None
     http_host: str = "0.0.0.0"
     http_port: int = 8080
+    http_workers: int = 1  # --http-workers: frontend processes on the port
     context_length: int | None = None
     kv_cache_block_size: int | None = None
     tensor_parallel_size: int = 1
@@ -110,7 +111,6 @@ class RunConfig:
     queue_size: int = 256
     queue_timeout: float = 30.0
     batch_concurrency: int = 16
-    http_workers: int = 1
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
 
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="HF folder to take the tokenizer, template and config from (e.g. for a GGUF)")
     p.add_argument("--http-host", default="0.0.0.0", help="address for in=http to listen on (default 0.0.0.0)")
     p.add_argument("--http-port", type=_int("--http-port", 0, 65535), default=8080, help="port for in=http (default 8080)")
+    p.add_argument("--http-workers", "--api-server-count", type=_int("--http-workers", 1, MAX_HTTP_WORKERS), default=1,
+                   dest="http_workers", metavar="N",
+                   help="in=http: N frontend processes sharing the port (out=dyn, echo_full, echo_core; default 1)")
     p.add_argument("--context-length", type=_int("--context-length"), help="override the model's context length (worker side)")
     p.add_argument("--kv-cache-block-size", type=_int("--kv-cache-block-size"), help="KV cache block size in tokens (default 16; worker side)")
     p.add_argument("--tensor-parallel-size", type=_int("--tensor-parallel-size", 1, 256), default=1, help="GPUs per model instance (vllm/sglang/trtllm)")
@@ -213,9 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
-    p.add_argument("--http-workers", "--api-server-count", type=_int("--http-workers", 1, MAX_HTTP_WORKERS), default=1,
-                   dest="http_workers", metavar="N",
-                   help="in=http: N frontend processes sharing the port (out=dyn, echo_full, echo_core; default 1)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
@@ -289,6 +289,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         model_config=ns.model_config,
         http_host=ns.http_host,
         http_port=ns.http_port,
+        http_workers=ns.http_workers,
         context_length=ns.context_length,
         kv_cache_block_size=ns.kv_cache_block_size,
         tensor_parallel_size=ns.tensor_parallel_size,
@@ -306,7 +307,6 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         queue_size=ns.queue_size if ns.queue_size is not None else 256,
         queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
         batch_concurrency=ns.batch_concurrency,
-        http_workers=ns.http_workers,
         verbosity=ns.verbosity,
         extra_args=extra,
     )

@@ -24,7 +24,6 @@ from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 from dynamo.llm.http.errors import error_body, error_response, request_error_response
-from dynamo.llm.http.listen import take_adopted
 from dynamo.llm.http.metrics import FrontendMetrics
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.openai import (
@@ -316,6 +315,8 @@ async def _error_middleware(request: web.Request, handler: Callable[[web.Request
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
+    from dynamo.llm.http.listen import take_adopted
+
     adopted = take_adopted()  # --http-workers: the parent bound it
     if adopted is not None:
         return adopted
