@@ -4,32 +4,40 @@ Same Jinja environment as transformers (sandboxed, trim_blocks, lstrip_blocks, l
 ``generation`` block tag), the same helpers (``raise_exception``, ``strftime_now``, a ``tojson`` that does
 not escape non-ASCII), and the same variables (``messages``, ``tools``, ``add_generation_prompt``,
 ``bos_token``/``eos_token``/...), so templates written for transformers render the same text here.
+
+jinja2 is imported when the first template is compiled (:func:`_make_env`): a server whose engine applies
+its own template (echo_full, pystr:, remote chat workers) never needs it, and it is a tenth of start-up.
 """
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
-
-import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from dynamo.errors import ModelError, RequestError
 
+if TYPE_CHECKING:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-class _GenerationBlock(Extension):
-    """``{% generation %}...{% endgeneration %}``: transformers marks assistant spans with it; we only
-    need the text, so the block renders its body unchanged."""
 
-    tags = {"generation"}
+@cache
+def _generation_block() -> type:
+    """The ``{% generation %}...{% endgeneration %}`` extension: transformers marks assistant spans with
+    it; we only need the text, so the block renders its body unchanged."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
 
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
+    class _GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return _GenerationBlock
 
 
 class TemplateError(RequestError):
@@ -51,8 +59,11 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _make_env() -> ImmutableSandboxedEnvironment:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_block(), loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -64,6 +75,8 @@ class ChatTemplate:
     """A compiled chat template; ``default`` and ``tool_use`` variants as transformers picks them."""
 
     def __init__(self, source: str | list[dict[str, str]] | dict[str, str], special_tokens: dict[str, str | None]):
+        import jinja2
+
         self._env = _make_env()
         if isinstance(source, str):
             named = {"default": source}
@@ -87,6 +100,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> str:
+        import jinja2
+
         template = self._templates["default"]
         if tools and "tool_use" in self._templates:
             template = self._templates["tool_use"]

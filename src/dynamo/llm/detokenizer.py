@@ -14,10 +14,12 @@ bytes of an incomplete character at the end of a stream.
 from __future__ import annotations
 
 import logging
-
-from tokenizers.decoders import DecodeStream
+from typing import TYPE_CHECKING
 
 from dynamo.llm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(tail)
         self._hf = tokenizer.hf
+        from tokenizers.decoders import DecodeStream  # loaded already (``tokenizer`` is one): a dict lookup
+
         try:
             self._stream: DecodeStream | None = DecodeStream(ids=tail, skip_special_tokens=False)
         except Exception:  # noqa: BLE001 - an old tokenizers without prefill ids: window method

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer as _HFTokenizer
+from typing import TYPE_CHECKING
 
 from dynamo.errors import ModelError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _HFTokenizer
 
 
 class Tokenizer:
     def __init__(self, tokenizer_json: str):
+        from tokenizers import Tokenizer as _HFTokenizer  # here: a server without a tokenizer never loads it
+
         try:
             self._tok = _HFTokenizer.from_str(tokenizer_json)
         except Exception as e:  # the Rust side raises plain Exception
