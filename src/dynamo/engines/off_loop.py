@@ -47,4 +47,4 @@ async def run_off_loop_with_signals(fn: Callable[[], T]) -> T:
     try:
         return await asyncio.to_thread(fn)
     finally:
-        signal.signal = original  # type: ignore[assignment]
+        signal.signal = original

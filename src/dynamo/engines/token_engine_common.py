@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 
 from dynamo.errors import EngineError, ModelError, UserError
 from dynamo.llm.engine import Context
@@ -199,7 +199,7 @@ async def relay_outputs(
     log: logging.Logger,
     tag: str,
     request_id: str,
-) -> AsyncIterator[EngineOutput]:
+) -> AsyncGenerator[EngineOutput, None]:
     """Yield ``convert(item)`` for each item of an engine's stream, until one carries a finish reason.
 
     The request is aborted in the engine, at most once, when it is no longer wanted: when ``context`` is

@@ -35,8 +35,8 @@ from dynamo.engines.token_engine_common import (
     common_sampling_params,
     completion_finish_reason,
     cuda_visible_devices,  # noqa: F401  (``trtllm.cuda_visible_devices``: --base-gpu-id works as for out=vllm)
-    engine_start_errors,
     engine_eos_ids,
+    engine_start_errors,
     gpus_per_node,
     one_line,
     relay_outputs,
@@ -60,7 +60,7 @@ def load_extra_args(path: Path | None) -> dict[str, Any]:
     """The ``--extra-engine-args`` YAML (JSON is YAML too) as a dict; a bad file is a clear error."""
     if path is None:
         return {}
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

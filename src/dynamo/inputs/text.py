@@ -20,10 +20,10 @@ import threading
 from typing import Any, Callable, TypeVar
 
 from dynamo.errors import EngineError, RequestError
+from dynamo.inputs.chat_request import chat_request
 from dynamo.llm.chunks import chunk_text
 from dynamo.llm.engine import Context
 from dynamo.llm.pipeline import ServedModel
-from dynamo.inputs.chat_request import chat_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -50,14 +50,15 @@ class PostProcessor:
             raise EngineError(error)
         if out.text is not None:  # detokenised upstream: stop handling was done there
             self.generated += len(out.token_ids)
-            reason = openai_finish_reason(out.finish_reason) if out.finish_reason else None
+            reason: str | None = (openai_finish_reason(out.finish_reason)
+                                  if isinstance(out.finish_reason, str) and out.finish_reason else None)
             if reason is None and self._max is not None and self.generated >= self._max:
                 reason = "length"
             self.finished = reason
             return out.text, reason
 
         pieces: list[str] = []
-        reason: str | None = None
+        reason = None
         for token_id in out.token_ids:
             self.generated += 1
             text = self._detok.step(token_id)

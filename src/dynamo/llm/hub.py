@@ -46,8 +46,8 @@ def download(repo_id: str, *, weights: bool = True, revision: str | None = None)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HFValidationError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RemoteEntryNotFoundError,
         RepositoryNotFoundError,

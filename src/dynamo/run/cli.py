@@ -42,7 +42,7 @@ def _serve(cfg: RunConfig) -> int:
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows has none
-        runner = asyncio.run
+        runner = asyncio.run  # type: ignore[assignment]  # same call shape as uvloop.run
     from dynamo.run.launch import run
 
     try:

@@ -91,7 +91,7 @@ class Supervisor:
         self.stopping_since: float | None = None
         self.exit_code = 0
         self._parent_pid = os.getpid()
-        self._old_mask: set[signal.Signals] = set()
+        self._old_mask: set[int | signal.Signals] = set()
 
     def run(self) -> int:
         self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)

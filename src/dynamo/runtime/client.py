@@ -26,6 +26,7 @@ import nats.errors
 import orjson
 
 from dynamo.aio import cancel_and_wait
+
 from .annotated import Annotated
 from .context import Context
 from .errors import (
@@ -104,7 +105,9 @@ class Client:
         if self.is_static:
             return self
         # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
-        self._watch = await self.runtime.etcd_client.watch_prefix(self.endpoint_id.etcd_prefix + ":")
+        etcd = self.runtime.etcd_client
+        assert etcd is not None  # only a static runtime has none
+        self._watch = await etcd.watch_prefix(self.endpoint_id.etcd_prefix + ":")
         for kv in self._watch.initial:
             self._apply_put(kv.key, kv.value)
         self._recompute()

@@ -13,7 +13,7 @@ import struct
 try:  # optional: only for interoperating with 0.3 builds, which insist on real checksums
     from xxhash import xxh3_64_intdigest as _xxh3
 except ImportError:  # pragma: no cover - depends on the environment
-    _xxh3 = None
+    _xxh3 = None  # type: ignore[assignment]
 
 _PREFIX = struct.Struct(">QQQ")
 PREFIX_LEN = _PREFIX.size  # 24

@@ -23,12 +23,13 @@ import random
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Literal
+from typing import Any, AsyncIterator, Iterator, Literal
 
 import aiohttp
 import orjson
 
 from dynamo.aio import cancel_and_wait
+
 from .config import EtcdSettings
 from .errors import DynamoRuntimeError, RuntimeConnectionError
 

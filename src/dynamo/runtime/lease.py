@@ -24,6 +24,7 @@ import time
 from typing import Awaitable, Callable
 
 from dynamo.aio import cancel_and_wait
+
 from .errors import DynamoRuntimeError, RuntimeConnectionError
 from .etcd import EtcdClient, backoff_delays
 

@@ -19,6 +19,7 @@ import uuid
 
 import orjson
 from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
 
 from .codec import FrameDecoder
 from .context import Context
@@ -45,7 +46,7 @@ class NatsResponseReceiver:
         self.nc = nc
         self.prefix = f"_DYN_RESP.{uuid.uuid4().hex}"
         self.streams: dict[str, StreamState] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task | None = None
         self.address = ""
 
@@ -140,7 +141,7 @@ class NatsSinkHub:
         self.nc = nc
         self.control_subject = f"_DYN_CTL.{uuid.uuid4().hex}"
         self.sinks: dict[str, "NatsSink"] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

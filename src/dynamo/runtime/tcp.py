@@ -217,17 +217,19 @@ class _CallHomeProtocol(asyncio.Protocol):
         _nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        assert transport is not None  # data only arrives after connection_made
         try:
             frames = self.decoder.feed(data)
         except FrameError as exc:
             log.warning("bad frame from worker: %s", exc)
-            self.transport.close()
+            transport.close()
             return
         state = self.state
         for header, body in frames:
             if body:
                 if state is None:
-                    self.transport.close()
+                    transport.close()
                     return
                 msg = _loads(body)
                 ann = msg.get("data")
@@ -245,7 +247,7 @@ class _CallHomeProtocol(asyncio.Protocol):
                 if state is None:
                     state = self.server.pending.pop(ctl.get("subject", "") if isinstance(ctl, dict) else "", None)
                     if state is None or state.finished:
-                        self.transport.close()
+                        transport.close()
                         return
                     self.state = state
                     state.attach(self.send_control)
@@ -255,11 +257,11 @@ class _CallHomeProtocol(asyncio.Protocol):
                     if ctl.get("error"):
                         state.fail(EngineError(str(ctl["error"])))
                 elif ctl == "sentinel":
-                    self.transport.close()
+                    transport.close()
         if state is not None:
             state.quiet = 0
             if len(state.items) > state.HIGH_WATER and not state.finished:
-                state.pause(self.transport.pause_reading, self.transport.resume_reading)
+                state.pause(transport.pause_reading, transport.resume_reading)
             state.wake()
 
     def send_control(self, kind: str) -> None:

@@ -37,7 +37,7 @@ def dynamo_worker(static: bool = False, settings: RuntimeSettings | None = None)
 async def run_worker(runtime: DistributedRuntime, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(runtime, ...)`` with signal-driven graceful shutdown; always closes the runtime."""
     loop = asyncio.get_running_loop()
-    task = loop.create_task(fn(runtime, *args, **kwargs))
+    task: asyncio.Future[Any] = asyncio.ensure_future(fn(runtime, *args, **kwargs))
     signals_seen = 0
 
     def on_signal(signum: int) -> None:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import ssl
 import sys
 import threading
-from typing import Any
-
 from _ssl import _SSLContext  # the C class: its set_default_verify_paths is the real one
+from typing import Any
 
 _lock = threading.Lock()
 

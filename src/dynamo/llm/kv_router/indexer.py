@@ -38,8 +38,8 @@ from typing import Annotated, Any, Callable, Iterable, Sequence
 import msgspec
 import xxhash
 
-from dynamo.llm.kv_router.hashing import KV_HASH_SEED, MASK64, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import EventError, KvEvent, StoredBlock, parse_kv_event
+from dynamo.llm.kv_router.hashing import KV_HASH_SEED, compute_seq_hashes
+from dynamo.llm.kv_router.protocols import EventError, KvEvent, parse_kv_event
 
 log = logging.getLogger(__name__)
 

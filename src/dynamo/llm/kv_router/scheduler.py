@@ -162,7 +162,7 @@ class CostTable(Sequence[WorkerCost]):
     def __len__(self) -> int:
         return len(self.logits)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         w = self.workers[i]
