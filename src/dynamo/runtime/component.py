@@ -19,6 +19,7 @@ from .client import Client
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .ingress import Handler, Ingress
 from .instance import Instance
+from .system_server import NOT_READY, READY
 from .names import EndpointId, component_event_subject, component_service_name, namespace_event_subject
 
 if TYPE_CHECKING:
@@ -125,8 +126,13 @@ class Endpoint:
         runtime = self.runtime
         lease = self.lease_id()
         service = await self.component._service()
+        system = runtime.system
+        metrics = None
+        if system is not None:
+            metrics = system.endpoint_metrics(self.id.namespace, self.id.component, self.id.name)
+            system.set_endpoint(self.name, NOT_READY)
         ingress = Ingress(handler, name=str(self.id), sink_openers=runtime._sink_openers(),
-                          max_inflight=max_inflight)
+                          max_inflight=max_inflight, metrics=metrics)
         group = service.add_group(name=self.component.service_name)
         endpoint_name = self.id.endpoint_name(lease)
         await group.add_endpoint(name=endpoint_name, handler=ingress.on_request)
@@ -140,11 +146,15 @@ class Endpoint:
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
             log.info("serving %s on subject %s", self.id, self.id.subject(lease))
+            if system is not None:
+                system.set_endpoint(self.name, READY)
             if ready is not None:
                 ready.set()
             await runtime.wait_for_shutdown()
         finally:
             ingress.accepting = False
+            if system is not None:
+                system.set_endpoint(self.name, NOT_READY)
             await _stop_nats_endpoint(service, nats_endpoint)
             if key is not None:
                 try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import orjson
+
 from .errors import RuntimeConfigError
 
 DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
@@ -95,6 +97,77 @@ class NatsSettings:
         )
 
 
+DEFAULT_SYSTEM_PORT = 8081  # Dynamo's default for the worker status server once it is enabled
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(slots=True)
+class SystemSettings:
+    """The worker's own status server (``/health``, ``/live``, ``/metrics``; docs/metrics.md).
+
+    On with ``DYN_SYSTEM_ENABLED=true`` (Dynamo 0.x) or with ``DYN_SYSTEM_PORT`` set to a port >= 0
+    (Dynamo 1.x, where -1 means off); ``DYN_SYSTEM_ENABLED=false`` turns it off whatever the port.
+    """
+
+    enabled: bool = False
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_SYSTEM_PORT  # 0: an ephemeral port, logged
+    health_path: str = "/health"
+    live_path: str = "/live"
+    # endpoints that must serve before /health says ready (None: every endpoint this process serves)
+    required_endpoints: list[str] | None = None
+
+    @classmethod
+    def from_env(cls) -> "SystemSettings":
+        raw_enabled = _env("DYN_SYSTEM_ENABLED")
+        raw_port = _env("DYN_SYSTEM_PORT")
+        port = DEFAULT_SYSTEM_PORT
+        if raw_port is not None:
+            try:
+                port = int(raw_port)
+            except ValueError:
+                raise RuntimeConfigError(f"DYN_SYSTEM_PORT={raw_port!r} is not a port number") from None
+            if port > 65535 or port < -1:
+                raise RuntimeConfigError(f"DYN_SYSTEM_PORT={raw_port!r} must be -1 (off), 0 (any free port) or a port")
+        if raw_enabled is None:
+            enabled = raw_port is not None and port >= 0
+        elif raw_enabled.lower() in _TRUE:
+            enabled = port >= 0
+            if port < 0:
+                raise RuntimeConfigError("DYN_SYSTEM_ENABLED=true with DYN_SYSTEM_PORT=-1: choose a port (0: any free one)")
+        elif raw_enabled.lower() in _FALSE:
+            enabled = False
+        else:
+            raise RuntimeConfigError(f"DYN_SYSTEM_ENABLED={raw_enabled!r}: use true or false")
+        required = None
+        raw_required = _env("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS")
+        if raw_required is not None:
+            try:
+                required = orjson.loads(raw_required)
+            except orjson.JSONDecodeError:
+                required = None
+            if not isinstance(required, list) or not all(isinstance(x, str) for x in required):
+                raise RuntimeConfigError(
+                    f"DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS={raw_required!r}: expected a JSON list of endpoint names, "
+                    'e.g. ["generate"]')
+        return cls(
+            enabled=enabled,
+            host=_env("DYN_SYSTEM_HOST") or "0.0.0.0",
+            port=max(port, 0),
+            health_path=_path_env("DYN_SYSTEM_HEALTH_PATH", "/health"),
+            live_path=_path_env("DYN_SYSTEM_LIVE_PATH", "/live"),
+            required_endpoints=required,
+        )
+
+
+def _path_env(name: str, default: str) -> str:
+    value = _env(name) or default
+    if not value.startswith("/"):
+        raise RuntimeConfigError(f"{name}={value!r} must start with /")
+    return value
+
+
 @dataclass(slots=True)
 class RuntimeSettings:
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
@@ -107,6 +180,7 @@ class RuntimeSettings:
     response_transport: str = "tcp"
     # Seconds of silence after which a stream's worker counts as frozen (docs/reliability.md).
     stream_liveness: float = DEFAULT_STREAM_LIVENESS
+    system: SystemSettings = field(default_factory=SystemSettings)
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
@@ -119,5 +193,6 @@ class RuntimeSettings:
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
             stream_liveness=_float_env("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS, minimum=0.05),
+            system=SystemSettings.from_env(),
         )
 

@@ -26,6 +26,7 @@ from .lease import LeaseKeeper
 from .nats_conn import connect_nats
 from .names import lease_hex
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
+from .system_server import SystemStatusServer
 from .tcp import TcpResponseServer
 from .transport import StreamState
 
@@ -108,6 +109,8 @@ class DistributedRuntime:
         self._receiver: TcpResponseServer | NatsResponseReceiver | None = None
         self._nats_hub: NatsSinkHub | None = None
         self._shutdown_task: asyncio.Task | None = None
+        # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
+        self.system: SystemStatusServer | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +146,9 @@ class DistributedRuntime:
                 assert self.etcd_client is not None
                 self._lease = LeaseKeeper(self.etcd_client, self.settings.lease_ttl, on_restored=self._republish)
                 self.primary_lease_id = await self._lease.start()
+            if self.settings.system.enabled:
+                self.system = SystemStatusServer(self.settings.system)
+                await self.system.start()
         except BaseException:
             await self._close_connections()
             raise
@@ -164,6 +170,8 @@ class DistributedRuntime:
         if self._shutdown.is_set():
             return
         self._shutdown.set()
+        if self.system is not None:
+            self.system.draining = True  # /health says 503 from now on
         if self._lease is not None:
             self._shutdown_task = asyncio.get_running_loop().create_task(self._lease.revoke())
 
@@ -211,6 +219,8 @@ class DistributedRuntime:
         await self._close_connections()
 
     async def _close_connections(self) -> None:
+        if self.system is not None:
+            await self.system.close()
         if self._lease is not None:
             await self._lease.stop()
         if self._receiver is not None:

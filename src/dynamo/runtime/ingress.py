@@ -23,6 +23,8 @@ import orjson
 from dynamo.aio import Pending, next_now
 
 from .codec import decode_frame
+from .component_metrics import (ERROR_DESERIALIZATION, ERROR_GENERATE, ERROR_INVALID_MESSAGE, ERROR_RESPONSE_STREAM,
+                                EndpointMetrics)
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT, TcpSink
 from .transport import ACK_BUSY, ACK_REFUSED, encode_error_item, encode_item, parse_request_control
@@ -79,8 +81,9 @@ class Ingress:
     """Serves one endpoint's requests and tracks them for graceful shutdown."""
 
     def __init__(self, handler: Handler, *, name: str = "", sink_openers: dict[str, SinkOpener] | None = None,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None, metrics: EndpointMetrics | None = None) -> None:
         self.handler = handler
+        self.metrics = metrics  # dynamo_component_* series (None: the runtime has no status server)
         self.max_inflight = max_inflight  # refuse more than this many requests at once (None: no limit)
         self.name = name
         self.takes_context = handler_takes_context(handler)
@@ -95,11 +98,16 @@ class Ingress:
         if not request.data:  # a ping (a client probing an instance it thought frozen)
             await request.respond(b"" if self.accepting else REFUSED)
             return
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.received(len(request.data))
         try:
             header, body = decode_frame(request.data)
             request_id, transport, info = parse_request_control(header)
         except Exception as exc:
             log.warning("%s: undecodable request: %s", self.name, exc)
+            if metrics is not None:
+                metrics.error(ERROR_DESERIALIZATION)
             await request.respond(b"")
             return
         if not self.accepting:
@@ -114,15 +122,34 @@ class Ingress:
         task.add_done_callback(self.inflight.discard)
 
     async def _serve(self, request_id: str, transport: str, info: dict, body: bytes) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            await self._serve_one(request_id, transport, info, body, None)
+            return
+        start = metrics.started()
+        sent = [0]  # response bytes, added up by the pump and reported once (nothing per token)
+        try:
+            await self._serve_one(request_id, transport, info, body, sent)
+        finally:
+            metrics.finished(start, sent[0])
+
+    def _error(self, error_type: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error(error_type)
+
+    async def _serve_one(self, request_id: str, transport: str, info: dict, body: bytes,
+                         sent: list[int] | None) -> None:
         context = Context(request_id)
         opener = self._openers.get(transport)
         if opener is None:
             log.error("%s: request %s wants unknown transport %r", self.name, request_id, transport)
+            self._error(ERROR_INVALID_MESSAGE)
             return
         try:
             sink = await opener(transport, info, context)
         except Exception as exc:
             log.warning("%s: cannot open response stream for %s: %s", self.name, request_id, exc)
+            self._error(ERROR_RESPONSE_STREAM)
             return
         task = asyncio.current_task()
         takes_context = self.takes_context
@@ -137,17 +164,25 @@ class Ingress:
         try:
             try:
                 request = orjson.loads(body) if body else None
+            except orjson.JSONDecodeError as exc:
+                log.warning("%s: request %s has an undecodable body: %s", self.name, request_id, exc)
+                self._error(ERROR_DESERIALIZATION)
+                sink.send_prologue(f"invalid request body: {exc}")
+                sink.finish()
+                return
+            try:
                 result = self.handler(request, context) if takes_context else self.handler(request)
                 agen = await _as_async_iterator(result)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("%s: handler failed to start for %s: %s", self.name, request_id, exc)
+                self._error(ERROR_GENERATE)
                 sink.send_prologue(_message(exc))
                 sink.finish()
                 return
             sink.send_prologue()
-            await self._pump(agen, sink)
+            await self._pump(agen, sink, sent)
             sink.finish()
         except asyncio.CancelledError:
             # kill/stop from the client, or shutdown past its grace period
@@ -157,7 +192,11 @@ class Ingress:
                 sink.finish()
         except Exception as exc:  # the handler raised mid-stream: report it, keep serving
             log.info("%s: handler error for %s: %s", self.name, request_id, exc)
-            sink.write(encode_error_item(_message(exc)))
+            self._error(ERROR_GENERATE)
+            frame = encode_error_item(_message(exc))
+            if sent is not None:
+                sent[0] += len(frame)
+            sink.write(frame)
             sink.finish()
         finally:
             context.remove_callback(on_signal)
@@ -168,9 +207,19 @@ class Ingress:
                     pass
 
     @staticmethod
-    async def _pump(agen: Any, sink: Any) -> None:
-        """Frames of the items the handler has ready leave together, the moment it has to wait."""
-        write = sink.write
+    async def _pump(agen: Any, sink: Any, sent: list[int] | None = None) -> None:
+        """Frames of the items the handler has ready leave together, the moment it has to wait.
+
+        With ``sent``, the bytes written are added to ``sent[0]`` (one addition per write, which carries
+        every item the handler had ready, not per token)."""
+        if sent is None:
+            write = sink.write
+        else:
+            sink_write = sink.write
+
+            def write(data: bytes) -> None:
+                sent[0] += len(data)
+                sink_write(data)
         encode = encode_item
         batch: list[bytes] = []
         in_a_row = 0  # items taken without the handler waiting
