@@ -244,6 +244,28 @@ def test_completions_through_frontend(frontend, fleet):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "four five"
 
 
+def test_worker_status_server_counts_frontend_requests(frontend, rt_env, tiny_model):
+    """A dynamo-run worker with DYN_SYSTEM_PORT: ready on /health, dynamo_component_* counts what it served."""
+    port = free_port()
+    env = {**rt_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1"}
+    with DynamoWorker("in=dyn://sys.backend.generate", "out=echo_core", str(tiny_model), "--model-name", "sys",
+                      env=env).start() as worker:
+        base = f"http://127.0.0.1:{port}"
+        health = httpx.get(base + "/health", timeout=5)
+        assert health.status_code == 200, worker.stderr_text()
+        assert health.json()["endpoints"] == {"generate": "ready"}
+        wait_for_model(frontend, "sys", "dyn://sys.backend.generate", 1)
+        client = client_for(frontend)
+        for _ in range(3):
+            assert client.completions.create(model="sys", prompt="one two", max_tokens=5).choices[0].text == "one two"
+        text = httpx.get(base + "/metrics", timeout=5).text
+        labels = '{dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="sys"}'
+        assert f"dynamo_component_requests_total{labels} 3.0" in text
+        assert f"dynamo_component_inflight_requests{labels} 0.0" in text
+        assert f"dynamo_component_request_duration_seconds_count{labels} 3.0" in text
+        assert f"dynamo_component_response_bytes_total{labels} 0.0" not in text
+
+
 @pytest.mark.slow
 def test_router_mode_random_uses_both_workers(rt_env, fleet):
     rr = [fleet["rr1"], fleet["rr2"]]
