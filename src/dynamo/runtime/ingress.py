@@ -210,20 +210,14 @@ class Ingress:
     async def _pump(agen: Any, sink: Any, sent: list[int] | None = None) -> None:
         """Frames of the items the handler has ready leave together, the moment it has to wait.
 
-        With ``sent``, the bytes written are added to ``sent[0]`` (one addition per write, which carries
-        every item the handler had ready, not per token)."""
-        if sent is None:
-            write = sink.write
-        else:
-            sink_write = sink.write
-
-            def write(data: bytes) -> None:
-                sent[0] += len(data)
-                sink_write(data)
+        The bytes written are added to ``sent[0]`` when it ends (a ``len`` per write, and a write carries
+        every item the handler had ready: no per-token bookkeeping beyond that)."""
+        write = sink.write
         encode = encode_item
         batch: list[bytes] = []
         in_a_row = 0  # items taken without the handler waiting
         pending: Pending | None = None
+        nbytes = 0
         try:
             while True:
                 try:
@@ -231,7 +225,9 @@ class Ingress:
                     if type(item) is Pending:
                         pending = item
                         if batch:
-                            write(b"".join(batch) if len(batch) > 1 else batch[0])
+                            data = b"".join(batch) if len(batch) > 1 else batch[0]
+                            nbytes += len(data)
+                            write(data)
                             batch.clear()
                         if sink.must_drain:
                             await sink.drain()
@@ -248,7 +244,9 @@ class Ingress:
                 if in_a_row >= YIELD_EVERY:
                     # A handler that never awaits would hold the loop for its whole stream: send what
                     # it has and let other requests run now and then (one extra loop turn per 64 items).
-                    write(b"".join(batch))
+                    data = b"".join(batch)
+                    nbytes += len(data)
+                    write(data)
                     batch.clear()
                     in_a_row = 0
                     if sink.must_drain:
@@ -258,7 +256,11 @@ class Ingress:
             if pending is not None:  # cancelled while draining, the handler's next item half-taken
                 await pending.abandon()
             if batch:  # what the handler gave before it ended or failed goes out before the rest
-                write(b"".join(batch) if len(batch) > 1 else batch[0])
+                data = b"".join(batch) if len(batch) > 1 else batch[0]
+                nbytes += len(data)
+                write(data)
+            if sent is not None:
+                sent[0] += nbytes
 
     async def drain(self, timeout: float | None) -> None:
         """Stop accepting, wait up to ``timeout`` for in-flight requests, cancel the rest."""
