@@ -45,9 +45,10 @@ class ServiceUnavailableError(RequestError):
     every worker is at its limit and the wait queue is full or the wait ran out, too many requests are
     in progress on the frontend, or the workers cannot be reached (NATS down)."""
 
-    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+    def __init__(self, message: str, *, retry_after: int = 1, overload: bool = False) -> None:
         super().__init__(message, status=503)
         self.retry_after = retry_after
+        self.overload = overload  # every worker busy / frontend at its limit (counted as a rejection)
 
 
 class EngineError(Exception):

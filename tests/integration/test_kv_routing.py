@@ -181,10 +181,15 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(servers, workers, front
                                  + "\n".join(l for l in metrics.splitlines() if "worker_" in l))
         time.sleep(0.1)
     assert 0 < hit <= 1
-    for name in ("worker_kv_active_blocks", "worker_kv_cache_usage_ratio", "worker_requests_waiting",
-                 "worker_request_active_slots", "worker_request_total_slots"):
+    # Dynamo 1.x's names: the KV router's count of the blocks and prompt tokens it sent (idle now: 0),
+    # and the last request's timing on the worker that served it
+    for name in ("worker_active_decode_blocks", "worker_active_prefill_tokens", "worker_kv_cache_usage_ratio",
+                 "worker_requests_waiting", "worker_request_active_slots", "worker_request_total_slots"):
         for i in ids:
             assert gauge(metrics, name, "kvev", i) is not None, (name, i)
+    assert gauge(metrics, "worker_active_decode_blocks", "kvev", first["worker_id"]) == 0
+    assert gauge(metrics, "worker_last_input_sequence_tokens", "kvev", first["worker_id"]) > 100
+    assert gauge(metrics, "worker_last_time_to_first_token_seconds", "kvev", first["worker_id"]) > 0
 
 
 def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, frontend):

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+
 from dynamo.aio import cancel_and_wait
 from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
@@ -80,10 +82,12 @@ class ModelWatcher:
         manager.instances = self.instances
         # per-worker load gauges on the HTTP service's /metrics (its FrontendMetrics), if it has one
         self.worker_metrics: Any = None
+        self.metrics = metrics
         if metrics is not None:
             from dynamo.llm.worker_metrics import WorkerMetrics
 
-            self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix)
+            self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix, self._kv_router_for)
+            metrics.registry.register(_QueueCollector(self, metrics.prefix))
 
     async def start(self) -> None:
         self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
@@ -169,15 +173,19 @@ class ModelWatcher:
             return
         client = ModelClient([await self._client_for(ep_key)])
         card = await load_card(self.runtime.nats, entry.card)
+        observer = None  # per-worker timing and migration counts on /metrics
+        if self.worker_metrics is not None:
+            observer = self.worker_metrics.observer(entry.name, self.metrics.migrated)
         card.display_name = entry.name
         served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
         if entry.model_type is ModelType.Backend:
             served.router = await self._make_router(entry, card, client)
             engine = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
-                                      migration_limit=max(card.migration_limit, self.router_config.migration_limit))
+                                      migration_limit=max(card.migration_limit, self.router_config.migration_limit),
+                                      observer=observer)
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
-            model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue))
+            model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
         else:
             if key not in self._type_warned:
                 self._type_warned.add(key)
@@ -231,6 +239,22 @@ class ModelWatcher:
         task = self._retries.pop(key, None)
         if task is not None:
             task.cancel()
+
+    def _kv_router_for(self, model: str) -> Any:
+        """The KV router of a served model (name lowercased), or None: the per-worker load gauges' source."""
+        for name, served in self._served.items():
+            if name.lower() == model:
+                return getattr(served.router, "router", None)
+        return None
+
+    def queued(self) -> dict[str, int]:
+        """Requests waiting for a worker with room, per served model (name lowercased)."""
+        out: dict[str, int] = {}
+        for name, served in self._served.items():
+            clients = getattr(served.client, "clients", None) or []
+            # with several endpoints a waiter waits in each of their queues: the longest is the count
+            out[name.lower()] = max((c.queued() for c in clients), default=0)
+        return out
 
     async def _make_router(self, entry: ModelEntry, card: Any, client: Any) -> Any:
         cfg = self.router_config
@@ -292,3 +316,19 @@ async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManag
         await runtime.close()
         raise
     return runtime, manager, watcher
+
+
+class _QueueCollector:
+    """``<prefix>_router_queue_pending_requests``: requests waiting because every worker is at its
+    limit (``--queue-size``), read when /metrics is scraped."""
+
+    def __init__(self, watcher: Any, prefix: str) -> None:
+        self.watcher = watcher
+        self.name = f"{prefix}_router_queue_pending_requests"
+
+    def collect(self) -> Any:
+        family = GaugeMetricFamily(self.name, "Requests waiting for a worker with room (every worker at its limit)",
+                                   labels=["model", "worker_type"])
+        for model, n in sorted(self.watcher.queued().items()):
+            family.add_metric([model, "decode"], n)
+        yield family

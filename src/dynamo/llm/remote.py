@@ -62,7 +62,7 @@ async def _admit(client: Any, queue: QueuePolicy, deadline: float) -> None:
     """Wait until some worker has room for one more request, or raise the 503."""
     wait = getattr(client, "wait_for_capacity", None)
     if wait is not None and not await wait(deadline, queue.size):
-        raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after)
+        raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after, overload=True)
 
 
 class RouterPolicy(Protocol):
@@ -111,11 +111,13 @@ class RemoteCoreEngine:
     kind = "core"
 
     def __init__(self, client: Any, router: RouterPolicy, *, migration_limit: int = 0,
-                 queue: QueuePolicy | None = None):
+                 queue: QueuePolicy | None = None, observer: Any = None):
         self.client = client
         self.router = router
         self.migration_limit = migration_limit
         self.queue = queue or QueuePolicy()
+        # the frontend's metrics for this model (dynamo.llm.worker_metrics.ModelObserver), or None
+        self.observer = observer
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         attempts_left = self.migration_limit
@@ -125,6 +127,7 @@ class RemoteCoreEngine:
         no_responders = 0
         loop = asyncio.get_running_loop()
         deadline = None  # of the current wait for a worker with room (a migration starts a new one)
+        observer = self.observer
         try:
             while True:
                 await _ensure_instances(self.client)
@@ -144,15 +147,23 @@ class RemoteCoreEngine:
                     no_responders += 1
                     if no_responders <= MAX_NO_RESPONDER_RETRIES:
                         log.info("request %s: %s; sending it to another worker", context.id, e)
+                        if observer is not None:
+                            observer.migrated("new_request")
                         continue
                     raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
                 except NoInstancesError:
                     raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
                 except InstanceNotFoundError as e:
                     raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
+                # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
+                timing = observer.request(stream.instance_id, len(request.token_ids)) if observer is not None else None
+                ntokens = 0
                 try:
                     async for item in stream:
                         out = EngineOutput.from_dict(item)
+                        ntokens += len(out.token_ids)
+                        if timing is not None and timing.first_at is None:
+                            timing.first()
                         if first:
                             first = False
                             self.router.first_token(context.id)
@@ -171,6 +182,8 @@ class RemoteCoreEngine:
                         attempts_left -= 1
                         log.warning("request %s: worker %s went away mid-stream; migrating (%d attempt(s) left)",
                                     context.id, stream.instance_id, attempts_left)
+                        if observer is not None:
+                            observer.migrated("ongoing_request")
                         continue
                     if self.migration_limit > 0:
                         raise LlmEngineError("Migration limit exhausted: " + str(e)) from None
@@ -178,6 +191,8 @@ class RemoteCoreEngine:
                 except RtEngineError as e:
                     raise LlmEngineError(str(e)) from None
                 finally:
+                    if timing is not None:
+                        timing.done(ntokens)
                     await stream.aclose()
         finally:
             self.router.finished(context.id)
@@ -189,9 +204,10 @@ class RemoteChatEngine:
     kind = "full"
     wants_raw_request = True
 
-    def __init__(self, client: Any, queue: QueuePolicy | None = None):
+    def __init__(self, client: Any, queue: QueuePolicy | None = None, observer: Any = None):
         self.client = client
         self.queue = queue or QueuePolicy()
+        self.observer = observer  # counts migrations (dynamo.llm.worker_metrics.ModelObserver), or None
 
     async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:
@@ -215,6 +231,8 @@ class RemoteChatEngine:
                 no_responders += 1  # as in RemoteCoreEngine: the instance is marked down, try another
                 if no_responders <= MAX_NO_RESPONDER_RETRIES:
                     log.info("request %s: %s; sending it to another worker", context.id, e)
+                    if self.observer is not None:
+                        self.observer.migrated("new_request")
                     continue
                 raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
             except NoInstancesError:

@@ -5,15 +5,22 @@ NATS ``namespace.<ns>.kv_metrics`` whenever their KV usage or queue changes, and
 metrics on their ``load_metrics`` endpoint.  For every namespace of a discovered model the frontend
 subscribes to the subject; when a worker is discovered it also asks its ``load_metrics`` endpoint once,
 so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as in
-spec 4.8, ``worker_id`` in decimal, ``dp_rank``), with the frontend's metric prefix::
+spec 4.8, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
+metric prefix (every one in docs/metrics.md)::
 
-    <prefix>_worker_kv_active_blocks        kv_stats.kv_active_blocks
     <prefix>_worker_kv_total_blocks         kv_stats.kv_total_blocks
     <prefix>_worker_kv_cache_usage_ratio    kv_stats.gpu_cache_usage_perc (0..1)
     <prefix>_worker_prefix_cache_hit_rate   kv_stats.gpu_prefix_cache_hit_rate (0..1)
     <prefix>_worker_requests_waiting        worker_stats.num_requests_waiting
     <prefix>_worker_request_active_slots    worker_stats.request_active_slots
     <prefix>_worker_request_total_slots     worker_stats.request_total_slots
+
+Dynamo 1.x's per-worker names, so its dashboards work: ``<prefix>_worker_active_decode_blocks`` and
+``<prefix>_worker_active_prefill_tokens`` are, as in Dynamo, the KV router's own count of what it sent
+to each worker (read at scrape time); without a KV router the decode blocks are the worker's published
+``kv_stats.kv_active_blocks``.  ``<prefix>_worker_last_time_to_first_token_seconds``,
+``..._last_input_sequence_tokens`` and ``..._last_inter_token_latency_seconds`` are the last request
+each worker served, set once per request by :class:`ModelObserver` (which also counts migrations).
 
 The flat [0.3] shape (all fields at the top level) is read too.  A worker's series disappear when its
 model entry does (it stopped or died).  Messages from workers this frontend does not serve are ignored.
@@ -26,7 +33,11 @@ import logging
 from typing import Any
 
 import orjson
+import time
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dynamo.runtime.names import namespace_event_subject
 
@@ -35,9 +46,11 @@ log = logging.getLogger(__name__)
 LOAD_METRICS_ENDPOINT = "load_metrics"
 POLL_TIMEOUT_S = 2.0
 
+LABELS = ["model", "worker_id", "dp_rank", "worker_type"]
+WORKER_TYPE = "decode"  # aggregated serving: every worker is a decode worker, as Dynamo labels them
+
 # gauge suffix, help, (section, field)
 _FIELDS = (
-    ("worker_kv_active_blocks", "KV cache blocks in use on a worker", ("kv_stats", "kv_active_blocks")),
     ("worker_kv_total_blocks", "KV cache blocks of a worker", ("kv_stats", "kv_total_blocks")),
     ("worker_kv_cache_usage_ratio", "Fraction of a worker's KV cache in use", ("kv_stats", "gpu_cache_usage_perc")),
     ("worker_prefix_cache_hit_rate", "A worker's recent prefix cache hit rate (cached / prompt blocks)",
@@ -51,10 +64,24 @@ _FIELDS = (
 class WorkerMetrics:
     """Follows the load metrics of the workers behind the frontend's models and exports them."""
 
-    def __init__(self, runtime: Any, registry: CollectorRegistry, prefix: str):
+    def __init__(self, runtime: Any, registry: CollectorRegistry, prefix: str,
+                 kv_router_for: Callable[[str], Any] | None = None):
         self.runtime = runtime
-        self.gauges = [(Gauge(f"{prefix}_{suffix}", doc, ["model", "worker_id", "dp_rank"], registry=registry), path)
+        self.prefix = prefix
+        self.gauges = [(Gauge(f"{prefix}_{suffix}", doc, LABELS, registry=registry), path)
                        for suffix, doc, path in _FIELDS]
+        self.last_ttft = Gauge(f"{prefix}_worker_last_time_to_first_token_seconds",
+                               "Time to first token of the last request a worker served", LABELS, registry=registry)
+        self.last_isl = Gauge(f"{prefix}_worker_last_input_sequence_tokens",
+                              "Prompt tokens of the last request a worker served", LABELS, registry=registry)
+        self.last_itl = Gauge(f"{prefix}_worker_last_inter_token_latency_seconds",
+                              "Mean inter-token latency of the last request a worker served", LABELS, registry=registry)
+        self._timing_gauges = (self.last_ttft, self.last_isl, self.last_itl)
+        # model (lowercased) -> the KV router serving it (or None): the source of the active-load gauges
+        self._kv_router_for = kv_router_for or (lambda model: None)
+        self._published_active: dict[tuple[int, str], float] = {}  # (worker, dp rank) -> kv_active_blocks
+        self._timed: set[tuple[str, int]] = set()  # (model, worker) with timing series
+        registry.register(_ActiveLoadCollector(self))
         self._models: dict[int, set[str]] = {}  # worker id -> models it serves (lowercased)
         self._ranks: dict[int, set[str]] = {}  # worker id -> dp ranks seen
         self._subs: dict[str, Any] = {}  # namespace -> subscription
@@ -92,13 +119,21 @@ class WorkerMetrics:
             for rank in self._ranks.get(worker_id, ()):
                 for gauge, _ in self.gauges:
                     try:
-                        gauge.remove(m, str(worker_id), rank)
+                        gauge.remove(m, str(worker_id), rank, WORKER_TYPE)
+                    except KeyError:
+                        pass
+            if (m, worker_id) in self._timed:
+                self._timed.discard((m, worker_id))
+                for gauge in self._timing_gauges:
+                    try:
+                        gauge.remove(m, str(worker_id), "0", WORKER_TYPE)
                     except KeyError:
                         pass
         models -= gone
         if not models:
             del self._models[worker_id]
-            self._ranks.pop(worker_id, None)
+            for rank in self._ranks.pop(worker_id, ()):
+                self._published_active.pop((worker_id, rank), None)
 
     async def close(self) -> None:
         self._closed = True
@@ -140,10 +175,40 @@ class WorkerMetrics:
         for gauge, (section, name) in self.gauges:
             part = data.get(section) if isinstance(data.get(section), dict) else data
             value = part.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if _is_number(value):
                 for m in models:
-                    gauge.labels(m, wid, rank).set(value)
+                    gauge.labels(m, wid, rank, WORKER_TYPE).set(value)
+        kv = data.get("kv_stats") if isinstance(data.get("kv_stats"), dict) else data
+        active = kv.get("kv_active_blocks")
+        if _is_number(active):
+            self._published_active[(worker_id, rank)] = active
         return True
+
+    def observer(self, model: str, on_migration: Callable[[str, str], None] | None = None) -> "ModelObserver":
+        """What a model's engine reports per request: the worker's timing, and migrations."""
+        return ModelObserver(self, model.lower(), on_migration)
+
+    def _active_load(self) -> Iterator[Metric]:
+        decode = GaugeMetricFamily(f"{self.prefix}_worker_active_decode_blocks",
+                                   "KV cache blocks of the requests in flight on a worker (the KV router's count; "
+                                   "else the worker's own report)", labels=LABELS)
+        prefill = GaugeMetricFamily(f"{self.prefix}_worker_active_prefill_tokens",
+                                    "Prompt tokens still to prefill on a worker (the KV router's count)", labels=LABELS)
+        for worker_id, models in list(self._models.items()):
+            wid = str(worker_id)
+            for m in models:
+                router = self._kv_router_for(m)
+                if router is not None:
+                    load = router.worker_load(worker_id)
+                    decode.add_metric([m, wid, "0", WORKER_TYPE], load["active_blocks"])
+                    prefill.add_metric([m, wid, "0", WORKER_TYPE], load["active_tokens"])
+                    continue
+                for rank in self._ranks.get(worker_id, ()):
+                    value = self._published_active.get((worker_id, rank))
+                    if value is not None:
+                        decode.add_metric([m, wid, rank, WORKER_TYPE], value)
+        yield decode
+        yield prefill
 
     async def _poll(self, namespace: str, component: str, worker_id: int) -> None:
         """Ask a newly discovered worker's ``load_metrics`` endpoint once (workers without one: nothing)."""
@@ -162,3 +227,72 @@ class WorkerMetrics:
             raise
         except Exception as e:  # no such endpoint, worker gone, timeout: the pushed metrics will do
             log.debug("load_metrics of worker %x not read: %s", worker_id, e or type(e).__name__)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _ActiveLoadCollector:
+    """Reads the active-load gauges when /metrics is scraped (nothing to do per request)."""
+
+    def __init__(self, owner: WorkerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        return self.owner._active_load()
+
+
+class ModelObserver:
+    """One model's per-request reports from its engine (``RemoteCoreEngine(observer=...)``)."""
+
+    __slots__ = ("_wm", "model", "_on_migration")
+
+    def __init__(self, wm: WorkerMetrics, model: str, on_migration: Callable[[str, str], None] | None) -> None:
+        self._wm = wm
+        self.model = model
+        self._on_migration = on_migration
+
+    def migrated(self, migration_type: str) -> None:
+        if self._on_migration is not None:
+            self._on_migration(self.model, migration_type)
+
+    def request(self, worker_id: int | None, isl: int) -> "RequestTiming | None":
+        if worker_id is None:
+            return None
+        return RequestTiming(self, worker_id, isl)
+
+
+class RequestTiming:
+    """One request on one worker: its first item's time, and at the end the mean inter-token latency."""
+
+    __slots__ = ("_obs", "worker_id", "isl", "start", "first_at")
+
+    def __init__(self, obs: ModelObserver, worker_id: int, isl: int) -> None:
+        self._obs = obs
+        self.worker_id = worker_id
+        self.isl = isl
+        self.start = time.monotonic()
+        self.first_at: float | None = None
+
+    def first(self) -> None:
+        self.first_at = time.monotonic()
+        wm, labels = self._obs._wm, self._labels()
+        if labels is None:
+            return
+        wm.last_ttft.labels(*labels).set(self.first_at - self.start)
+        wm.last_isl.labels(*labels).set(self.isl)
+
+    def done(self, tokens: int) -> None:
+        if self.first_at is None or tokens < 2:
+            return
+        labels = self._labels()
+        if labels is not None:
+            self._obs._wm.last_itl.labels(*labels).set((time.monotonic() - self.first_at) / (tokens - 1))
+
+    def _labels(self) -> tuple[str, str, str, str] | None:
+        wm, model = self._obs._wm, self._obs.model
+        if model not in wm._models.get(self.worker_id, ()):
+            return None  # a worker that is gone (or not one of ours): no series to leave behind
+        wm._timed.add((model, self.worker_id))
+        return (model, str(self.worker_id), "0", WORKER_TYPE)

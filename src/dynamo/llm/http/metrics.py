@@ -71,6 +71,21 @@ class FrontendMetrics:
                               buckets=(0, .001, .005, .01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120, 240, 480), registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
                              buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
+        # Dynamo 1.x names (docs/metrics.md): requests not yet at their first token, overload, migrations
+        self.queued = Gauge(f"{p}_queued_requests", "Requests that have not had their first token yet",
+                            ["model"], registry=r)
+        self.rejections = Counter(f"{p}_model_rejection", "Requests answered 503 because every worker was busy "
+                                  "(queue full or wait over) or the frontend was at --max-inflight",
+                                  ["model", "endpoint"], registry=r)
+        self.migrations = Counter(f"{p}_model_migration", "Requests sent to another worker: ongoing_request "
+                                  "(a worker died or froze mid-stream), new_request (an instance had no responder)",
+                                  ["model", "migration_type"], registry=r)
+
+    def rejected(self, model: str, endpoint: str) -> None:
+        self.rejections.labels(model.lower(), endpoint).inc()
+
+    def migrated(self, model: str, migration_type: str) -> None:
+        self.migrations.labels(model.lower(), migration_type).inc()
 
     @staticmethod
     def prepare_in_background() -> None:
@@ -105,7 +120,7 @@ class RequestMetrics:
     """
 
     __slots__ = ("_m", "model", "endpoint", "request_type", "_start", "_last", "_tokens", "_itl", "_first",
-                 "_bounds", "_itl_counts", "_itl_sum", "_itl_pending")
+                 "_bounds", "_itl_counts", "_itl_sum", "_itl_pending", "_queued")
 
     def __init__(self, m: FrontendMetrics, model: str, endpoint: str, request_type: str):
         self._m = m
@@ -121,6 +136,8 @@ class RequestMetrics:
         self._itl_sum = 0.0
         self._itl_pending = 0
         m.inflight.labels(model).inc()
+        self._queued = m.queued.labels(model)  # until the first token (Dynamo's queued_requests)
+        self._queued.inc()
 
     def tokens(self, total_tokens: int, prompt_tokens: int) -> None:
         """Called after each chunk with the running output count."""
@@ -130,6 +147,7 @@ class RequestMetrics:
         now = time.monotonic()
         if self._first:
             self._first = False
+            self._queued.dec()
             self._m.ttft.labels(self.model).observe(now - self._start)
             self._m.isl.labels(self.model).observe(prompt_tokens)
         else:
@@ -160,6 +178,9 @@ class RequestMetrics:
         self._flush_itl()
         m = self._m
         m.inflight.labels(self.model).dec()
+        if self._first:  # ended (or failed) before its first token
+            self._first = False
+            self._queued.dec()
         m.requests.labels(self.model, self.endpoint, self.request_type, "success" if ok else "error").inc()
         m.duration.labels(self.model).observe(time.monotonic() - self._start)
         m.osl.labels(self.model).observe(self._tokens)

@@ -127,8 +127,9 @@ class HttpService:
     async def _admit(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
         """The frontend-wide limit, checked before the body is read: past it, a 503 costs next to nothing."""
         if self._admitted >= self.max_inflight:
+            self.metrics.rejected("", endpoint)  # the body is not read: the model is not known
             raise ServiceUnavailableError(
-                f"Too many requests in progress (limit {self.max_inflight}); try again shortly")
+                f"Too many requests in progress (limit {self.max_inflight}); try again shortly", overload=True)
         self._admitted += 1
         try:
             return await self._generate(request, endpoint, parse)
@@ -165,6 +166,10 @@ class HttpService:
                 resp = _json(body)
             ok = True
             return resp
+        except ServiceUnavailableError as e:
+            if e.overload:
+                self.metrics.rejected(req.model, endpoint)
+            raise
         except asyncio.CancelledError:
             ctx.kill()
             log.debug("request %s cancelled: client went away", ctx.id)
