@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chaos.det_engine import next_token, word_tokens
 from tests.support.proc import DynamoRun, DynamoWorker
@@ -106,6 +107,16 @@ def stream_chat(base: str, model: str, max_tokens: int, rid: str,
                     out.finish.append(choice["finish_reason"])
     out.ended_at = time.monotonic()
     return out
+
+
+def metric(fe: DynamoRun, name: str, **labels: str) -> float:
+    """One sample of the frontend's /metrics (0 when absent)."""
+    text = httpx.get(fe.base_url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
 
 
 def max_gap(times: list[float]) -> float:
@@ -371,6 +382,8 @@ def test_kill9_mid_stream_with_migration_loses_and_repeats_nothing(fe_mig, fleet
             t.start()
         assert all_going.wait(15), f"only {len(going)} of {n} streams started"
         on_extra = [r for r in rids if served_by([extra], r)]
+        migrated_before = metric(fe_mig, "dynamo_frontend_model_migration_total", model="det",
+                                 migration_type="ongoing_request")
         extra.kill()
         for t in threads:
             t.join(30)
@@ -379,6 +392,10 @@ def test_kill9_mid_stream_with_migration_loses_and_repeats_nothing(fe_mig, fleet
         for rid, out in results.items():
             assert out.done and not out.errors, (rid, out.errors)
             chain.assert_exact(out.text, max_tokens)
+        # each stream that was on the killed worker moved once, and /metrics says so
+        migrated = metric(fe_mig, "dynamo_frontend_model_migration_total", model="det",
+                          migration_type="ongoing_request")
+        assert migrated - migrated_before == len(on_extra)
     finally:
         extra.kill()
 
@@ -396,7 +413,25 @@ def test_overload_gets_503_with_retry_after_and_the_service_carries_on(fe_plain,
 
             return await asyncio.gather(*(one() for _ in range(40)))
 
-    results = asyncio.run(burst())
+    rejected_before = metric(fe_plain, "dynamo_frontend_model_rejection_total", model="load",
+                             endpoint="chat_completions")
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(asyncio.run(burst()))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    # while the burst runs, the queue in front of the workers is on /metrics
+    queued = 0.0
+    while not done.is_set() and not queued:
+        queued = metric(fe_plain, "dynamo_frontend_router_queue_pending_requests", model="load")
+    assert done.wait(60)
+    results = outcome[0]
+    assert 0 < queued <= 4, "the queue was never seen on /metrics"
     statuses = sorted(s for s, _, _ in results)
     ok = [r for r in results if r[0] == 200]
     busy = [r for r in results if r[0] == 503]
@@ -408,6 +443,9 @@ def test_overload_gets_503_with_retry_after_and_the_service_carries_on(fe_plain,
         assert error["type"] == "service_unavailable" and error["message"]
     for _, _, text in ok:
         chain.assert_exact(json.loads(text)["choices"][0]["message"]["content"], 30)
+    rejected = metric(fe_plain, "dynamo_frontend_model_rejection_total", model="load", endpoint="chat_completions")
+    assert rejected - rejected_before == len(busy)
+    assert metric(fe_plain, "dynamo_frontend_router_queue_pending_requests", model="load") == 0
     # still serving afterwards
     resp = unary(fe_plain, "load", 5, rid_for("after"))
     assert resp.status_code == 200, resp.text

@@ -33,3 +33,6 @@ def test_past_max_inflight_a_503_with_retry_after_then_serving_again():
         # the held streams were closed: room again
         ok = httpx.post(url, json=chat("hi", False), timeout=10)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi"
+        # counted as a rejection; the body was not read, so the model label is empty
+        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
+        assert 'dynamo_frontend_model_rejection_total{endpoint="chat_completions",model=""} 1.0' in metrics

@@ -60,3 +60,19 @@ def test_itl_histogram_matches_one_observe_per_token(monkeypatch: pytest.MonkeyP
     for key in want:
         assert got[key] == pytest.approx(want[key]), key
     assert got[("_count", "")] == sum(n for n, _ in steps)
+
+
+def test_queued_requests_counts_until_the_first_token() -> None:
+    """Dynamo's queued_requests: a request counts from its start to its first token (or its end)."""
+    m = FrontendMetrics(prefix="t")
+    queued = m.queued.labels("m")
+    a = m.request("M", "chat_completions", True)
+    b = m.request("M", "chat_completions", True)
+    assert queued._value.get() == 2
+    a.tokens(1, 5)
+    assert queued._value.get() == 1
+    a.tokens(3, 5)  # later tokens change nothing
+    a.done(True)
+    assert queued._value.get() == 1
+    b.done(False)  # failed before any token
+    assert queued._value.get() == 0
