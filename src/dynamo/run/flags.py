@@ -71,6 +71,11 @@ engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER, DYN
 (seconds a worker may send nothing, not even a heartbeat, before its streams count as dead and it gets
 no new requests until it answers again; default 5).
 
+metrics: in=http serves /metrics (dynamo_frontend_*; DYN_METRICS_PREFIX renames them).  A worker
+(in=dyn://...) serves /health, /live and /metrics (dynamo_component_*) with DYN_SYSTEM_ENABLED=true or
+DYN_SYSTEM_PORT set (default port 8081, 0 = any free port, -1 = off; DYN_SYSTEM_HOST, default 0.0.0.0;
+DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS='["generate"]'; DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH).
+
 overload: a worker takes at most --max-inflight requests at once (default: the engine's slots, e.g.
 mocker max_num_seqs, llamacpp n_parallel, else 512) and tells frontends; a frontend takes at most
 --max-inflight requests in all (default 1024), queues up to --queue-size requests while every worker is
