@@ -19,7 +19,6 @@ from .client import Client
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .ingress import Handler, Ingress
 from .instance import Instance
-from .system_server import NOT_READY, READY
 from .names import EndpointId, component_event_subject, component_service_name, namespace_event_subject
 
 if TYPE_CHECKING:
@@ -130,7 +129,7 @@ class Endpoint:
         metrics = None
         if system is not None:
             metrics = system.endpoint_metrics(self.id.namespace, self.id.component, self.id.name)
-            system.set_endpoint(self.name, NOT_READY)
+            system.set_endpoint(self.name, False)
         ingress = Ingress(handler, name=str(self.id), sink_openers=runtime._sink_openers(),
                           max_inflight=max_inflight, metrics=metrics)
         group = service.add_group(name=self.component.service_name)
@@ -147,14 +146,14 @@ class Endpoint:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
             log.info("serving %s on subject %s", self.id, self.id.subject(lease))
             if system is not None:
-                system.set_endpoint(self.name, READY)
+                system.set_endpoint(self.name, True)
             if ready is not None:
                 ready.set()
             await runtime.wait_for_shutdown()
         finally:
             ingress.accepting = False
             if system is not None:
-                system.set_endpoint(self.name, NOT_READY)
+                system.set_endpoint(self.name, False)
             await _stop_nats_endpoint(service, nats_endpoint)
             if key is not None:
                 try:

@@ -27,7 +27,10 @@ class ComponentMetrics:
     """One registry per runtime: its endpoints' request series and the runtime's uptime."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        # imported here: a runtime without a status server never loads prometheus_client (start-up time)
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry: CollectorRegistry = CollectorRegistry()
         r = self.registry
         self.started = time.monotonic()
         self.requests = Counter(f"{PREFIX}_requests", "Requests received by the endpoint", LABELS, registry=r)

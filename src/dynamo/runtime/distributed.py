@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NatsClient
 
@@ -26,9 +26,11 @@ from .lease import LeaseKeeper
 from .nats_conn import connect_nats
 from .names import lease_hex
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
-from .system_server import SystemStatusServer
 from .tcp import TcpResponseServer
 from .transport import StreamState
+
+if TYPE_CHECKING:
+    from .system_server import SystemStatusServer
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class DistributedRuntime:
         self._nats_hub: NatsSinkHub | None = None
         self._shutdown_task: asyncio.Task | None = None
         # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
-        self.system: SystemStatusServer | None = None
+        self.system: "SystemStatusServer | None" = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,6 +149,8 @@ class DistributedRuntime:
                 self._lease = LeaseKeeper(self.etcd_client, self.settings.lease_ttl, on_restored=self._republish)
                 self.primary_lease_id = await self._lease.start()
             if self.settings.system.enabled:
+                from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
+
                 self.system = SystemStatusServer(self.settings.system)
                 await self.system.start()
         except BaseException:

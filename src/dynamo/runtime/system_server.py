@@ -47,8 +47,8 @@ class SystemStatusServer:
     def endpoint_metrics(self, namespace: str, component: str, endpoint: str) -> EndpointMetrics:
         return self.metrics.endpoint(namespace, component, endpoint)
 
-    def set_endpoint(self, name: str, state: str) -> None:
-        self.endpoints[name] = state
+    def set_endpoint(self, name: str, ready: bool) -> None:
+        self.endpoints[name] = READY if ready else NOT_READY
 
     def is_ready(self) -> bool:
         if self.draining or not self.endpoints:
