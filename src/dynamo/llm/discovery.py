@@ -14,8 +14,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
-
 from dynamo.aio import cancel_and_wait
 from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
@@ -327,6 +325,8 @@ class _QueueCollector:
         self.name = f"{prefix}_router_queue_pending_requests"
 
     def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
         family = GaugeMetricFamily(self.name, "Requests waiting for a worker with room (every worker at its limit)",
                                    labels=["model", "worker_type"])
         for model, n in sorted(self.watcher.queued().items()):

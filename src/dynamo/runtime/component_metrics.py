@@ -9,7 +9,10 @@ table of every series is in docs/metrics.md.
 from __future__ import annotations
 
 import time
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 PREFIX = "dynamo_component"
 LABELS = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint")

@@ -186,7 +186,8 @@ class RequestMetrics:
         m.osl.labels(self.model).observe(self._tokens)
 
 
-_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl"))
+_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl", "queued", "rejections",
+                   "migrations"))
 
 
 class _WithLabel:
