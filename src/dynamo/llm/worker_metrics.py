@@ -178,10 +178,11 @@ class WorkerMetrics:
             if _is_number(value):
                 for m in models:
                     gauge.labels(m, wid, rank, WORKER_TYPE).set(value)
-        kv = data.get("kv_stats") if isinstance(data.get("kv_stats"), dict) else data
+        kv_part = data.get("kv_stats")
+        kv: dict[str, Any] = kv_part if isinstance(kv_part, dict) else data
         active = kv.get("kv_active_blocks")
-        if _is_number(active):
-            self._published_active[(worker_id, rank)] = active
+        if isinstance(active, (int, float)) and not isinstance(active, bool):
+            self._published_active[(worker_id, rank)] = float(active)
         return True
 
     def observer(self, model: str, on_migration: Callable[[str, str], None] | None = None) -> "ModelObserver":
