@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, Callable, Iterator
 
 import orjson
-import time
-from typing import Callable, Iterator
-
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 
