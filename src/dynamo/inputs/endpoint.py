@@ -57,8 +57,10 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
             publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
             attach(endpoint.lease_id(), publish_kv_event=publish_kv_event, publish_metrics=publish_metrics)
             await serve_load_metrics(endpoint, engine)
+        mode = getattr(cfg, "disaggregation_mode", "agg")
         if engine.kind == "core":
-            handler, model_type = backend_handler(card, engine), ModelType.Backend
+            handler = backend_handler(card, engine)
+            model_type = ModelType.Prefill if mode == "prefill" else ModelType.Backend
         else:
             handler, model_type = chat_handler(served), ModelType.Chat
         ready = asyncio.Event()

@@ -5,6 +5,8 @@ entry is bound to its lease, so a dead worker's entry vanishes when the lease ex
 notices sooner and routes around it).  A name registered on several endpoints is served from all of
 their instances.  Backend models get our pre/post-processing with the card's
 tokenizer and template in front of a :class:`RemoteCoreEngine`; Chat/Completion models are forwarded.
+Prefill entries (``--disaggregation-mode prefill`` workers) are kept apart, per model name: a Backend
+model's engine sends requests to them first when there are any (llm/disagg/frontend.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
+from dynamo.llm.disagg.frontend import DisaggCoreEngine
 from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_manager import ModelManager
@@ -36,6 +39,7 @@ class RouterConfig:
     # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
     migration_limit: int = 0
     queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
+    max_local_prefill_length: int | None = None  # disaggregation: None is llm/disagg/plan.py's default
 
 
 @dataclass
@@ -45,6 +49,7 @@ class _Served:
     client: ModelClient
     endpoints: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)  # endpoint -> entry keys
     router: Any = None
+    engine: Any = None  # prefill entries: the RemoteCoreEngine over the prefill workers
 
     @property
     def entries(self) -> set[str]:
@@ -71,6 +76,7 @@ class ModelWatcher:
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
         self._served: dict[str, _Served] = {}  # model name -> what serves it
+        self._prefill: dict[str, _Served] = {}  # model name -> its prefill workers (disaggregation)
         self._clients: dict[tuple[str, str, str], Any] = {}
         self._task: asyncio.Task[None] | None = None
         self._watch: Any = None
@@ -99,7 +105,7 @@ class ModelWatcher:
         self._retries.clear()
         if self._watch is not None:
             await self._watch.close()
-        for served in self._served.values():
+        for served in [*self._served.values(), *self._prefill.values()]:
             close = getattr(served.router, "close", None)
             if close is not None:
                 await close()
@@ -154,6 +160,9 @@ class ModelWatcher:
         # the worker's --max-inflight: round-robin/random/kv skip it when full, requests queue when all are
         (await self._client_for(ep_key)).set_instance_limit(
             entry.instance_id, (entry.runtime_config or {}).get("max_inflight_requests"))
+        if entry.model_type is ModelType.Prefill:
+            await self._add_prefill(key, entry, ep_key)
+            return
         served = self._served.get(entry.name)
         if served is not None:
             if entry.model_type is not served.model_type:
@@ -178,9 +187,11 @@ class ModelWatcher:
         served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
         if entry.model_type is ModelType.Backend:
             served.router = await self._make_router(entry, card, client)
-            engine = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
-                                      migration_limit=max(card.migration_limit, self.router_config.migration_limit),
-                                      observer=observer)
+            engine: Any = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
+                                           migration_limit=max(card.migration_limit, self.router_config.migration_limit),
+                                           observer=observer)
+            engine = DisaggCoreEngine(engine, lambda name=entry.name: self._prefill_engine(name),
+                                      max_local_prefill_length=self.router_config.max_local_prefill_length)
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
             model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
@@ -192,6 +203,28 @@ class ModelWatcher:
         self._served[entry.name] = served
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
+
+    def _prefill_engine(self, name: str) -> Any:
+        served = self._prefill.get(name)
+        return served.engine if served is not None else None
+
+    async def _add_prefill(self, key: str, entry: ModelEntry, ep_key: tuple[str, str, str]) -> None:
+        """A prefill worker of ``entry.name``: its own client and router (KV-aware under kv mode)."""
+        served = self._prefill.get(entry.name)
+        if served is not None:
+            if ep_key not in served.endpoints:
+                served.client.add(await self._client_for(ep_key))
+                await self._extend_router(served, entry)
+            served.endpoints.setdefault(ep_key, set()).add(key)
+            return
+        client = ModelClient([await self._client_for(ep_key)])
+        card = await load_card(self.runtime.nats, entry.card)
+        served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
+        served.router = await self._make_router(entry, card, client)
+        # no migration for a prefill: a failed prefill falls back to local prefill on the decode worker
+        served.engine = RemoteCoreEngine(client, served.router, migration_limit=0)
+        self._prefill[entry.name] = served
+        log.info("model %s: prefill workers at dyn://%s.%s.%s (disaggregated serving)", entry.name, *ep_key)
 
     async def _extend_router(self, served: _Served, entry: ModelEntry) -> None:
         """A KV router also follows the KV events of another component serving the model."""
@@ -270,7 +303,8 @@ class ModelWatcher:
             return
         if self.worker_metrics is not None:
             self.worker_metrics.remove_worker(entry.instance_id, entry.name)
-        served = self._served.get(entry.name)
+        pool = self._prefill if entry.model_type is ModelType.Prefill else self._served
+        served = pool.get(entry.name)
         if served is None:
             return
         ep_key = (entry.namespace, entry.component, entry.endpoint)
@@ -287,12 +321,16 @@ class ModelWatcher:
             if client is not None and served.endpoints:
                 served.client.remove(client)
         if not served.endpoints:
-            del self._served[entry.name]
-            self.manager.remove(entry.name)
+            del pool[entry.name]
+            if pool is self._served:
+                self.manager.remove(entry.name)
             close = getattr(served.router, "close", None)
             if close is not None:
                 await close()
-            log.info("removed model %s: no worker serves it any more", entry.name)
+            if pool is self._served:
+                log.info("removed model %s: no worker serves it any more", entry.name)
+            else:
+                log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
 
 
 async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:
@@ -307,6 +345,7 @@ async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManag
         router_temperature=cfg.router_temperature, use_kv_events=cfg.use_kv_events,
         migration_limit=cfg.migration_limit,
         queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
+        max_local_prefill_length=getattr(cfg, "max_local_prefill_length", None),
     ), metrics=metrics)
     try:
         await watcher.start()

@@ -10,6 +10,10 @@ class ModelType(enum.Enum):
     Chat = "Chat"  # OpenAI chat requests in, chat chunks out
     Completion = "Completion"  # OpenAI completions requests in, completion chunks out
     Embedding = "Embedding"
+    # a prefill worker of a Backend model (``--disaggregation-mode prefill``): takes pre-processed requests,
+    # computes the prompt's KV state and the first token, hands the state to a decode worker (Dynamo 1.x's
+    # ModelType.Prefill); frontends route to it before the model's Backend workers
+    Prefill = "Prefill"
 
     @classmethod
     def parse(cls, value: "ModelType | str") -> "ModelType":

@@ -60,6 +60,8 @@ def backend_handler(card: ModelCard, engine: Engine):
                 item: dict[str, Any] = {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
                 if out.cached_tokens is not None:
                     item["cached_tokens"] = out.cached_tokens
+                if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
+                    item["disaggregated_params"] = out.disaggregated_params
                 yield item
                 if reason is not None:
                     return

@@ -26,6 +26,9 @@ ROUTER_MODES = ("round-robin", "random", "kv")
 MAX_HTTP_WORKERS = 64
 # engines cheap enough to run once per HTTP worker process (--http-workers): the others would load the model N times
 HTTP_WORKER_ENGINES = ("dyn", "echo_full", "echo_core")
+DISAGG_MODES = ("agg", "prefill", "decode")
+# engines that can serve --disaggregation-mode prefill/decode (others: a clear error, never ignored)
+DISAGG_ENGINES = ("mocker",)
 
 USAGE = (
     "dynamo-run [in=text|stdin|http|batch:<file.jsonl>|dyn://<namespace.component.endpoint>|none] "
@@ -36,6 +39,7 @@ USAGE = (
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
     "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
+    "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
     "[-v|-vv] [-- <python engine args>]"
 )
 
@@ -115,6 +119,8 @@ class RunConfig:
     max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
     queue_size: int = 256
     queue_timeout: float = 30.0
+    disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)
+    max_local_prefill_length: int | None = None  # frontend side; None: the default of llm/disagg/plan.py
     batch_concurrency: int = 16
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -220,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 512); in=http: requests in progress in all, more get 503 (default 1024)")
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
+    p.add_argument("--disaggregation-mode", choices=DISAGG_MODES, default="agg", help="worker side: agg prefills and decodes (default), prefill only prefills and hands the KV state to a decode worker, decode decodes (and prefills when no prefill worker did)")
+    p.add_argument("--max-local-prefill-length", type=_int("--max-local-prefill-length", 0), help="frontend side: prompts with at most this many tokens not cached on the decode worker are prefilled there, not on a prefill worker (default 128)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
@@ -311,6 +319,8 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         max_inflight=ns.max_inflight,
         queue_size=ns.queue_size if ns.queue_size is not None else 256,
         queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
+        disaggregation_mode=ns.disaggregation_mode,
+        max_local_prefill_length=ns.max_local_prefill_length,
         batch_concurrency=ns.batch_concurrency,
         verbosity=ns.verbosity,
         extra_args=extra,
@@ -355,6 +365,15 @@ def validate(cfg: RunConfig) -> None:
                 raise UserError(f"'{flag}' flag should only be used on the worker node, not on the ingress")
     if cfg.max_inflight is not None and cfg.input_kind not in ("endpoint", "http"):
         raise UserError("--max-inflight applies to a worker (in=dyn://...) or to in=http")
+    if cfg.disaggregation_mode != "agg":
+        if cfg.input_kind != "endpoint":
+            raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode} is for workers: use it with "
+                            "in=dyn://namespace.component.endpoint")
+        if cfg.engine not in DISAGG_ENGINES:
+            raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode}: out={cfg.output} cannot hand KV state "
+                            f"between workers; engines that can: {', '.join(DISAGG_ENGINES)}")
+    if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
+        raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
     if cfg.engine == "mocker" and cfg.input_kind != "endpoint":
         raise UserError("out=mocker simulates a distributed worker: use it with in=dyn://namespace.component.endpoint")
     if cfg.node_rank >= cfg.num_nodes:

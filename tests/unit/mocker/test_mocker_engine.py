@@ -46,7 +46,9 @@ def test_args_defaults_and_validation():
     a = MockerArgs.from_dict(None)
     assert a.to_dict() == {"num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256,
                            "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
-                           "enable_chunked_prefill": True, "watermark": 0.01, "speedup_ratio": 1.0, "dp_size": 1}
+                           "enable_chunked_prefill": True, "watermark": 0.01, "speedup_ratio": 1.0, "dp_size": 1,
+                           "kv_bytes_per_token": 131072, "kv_transfer_bandwidth_gbps": 25.0,
+                           "kv_transfer_latency_ms": 1.0}
     assert MockerArgs.from_dict({"speedup_ratio": 5, "dp_size": 2}).speedup_ratio == 5.0
     with pytest.raises(UserError) as e:
         MockerArgs.from_dict({"num_gpu_blocks": 10, "gpu_blocks": 3, "foo": 1})

@@ -19,6 +19,11 @@ class MockerArgs:
     watermark: float = 0.01
     speedup_ratio: float = 1.0
     dp_size: int = 1
+    # disaggregated serving (docs/disaggregation.md): the KV state a prefill worker hands over, per prompt
+    # token, and the link it crosses; 128 KiB/token is Llama-3-8B in f16, 25 GB/s an RDMA NIC's order
+    kv_bytes_per_token: int = 131072
+    kv_transfer_bandwidth_gbps: float = 25.0  # gigabytes per second
+    kv_transfer_latency_ms: float = 1.0
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -59,6 +64,9 @@ class MockerArgs:
                 raise UserError(f"--extra-engine-args: mocker argument {name} must be at least 1, not {getattr(self, name)}")
         if not 0 <= self.watermark < 1:
             raise UserError(f"--extra-engine-args: mocker argument watermark must be in [0, 1), not {self.watermark}")
+        if not self.kv_transfer_bandwidth_gbps > 0 or self.kv_transfer_latency_ms < 0:
+            raise UserError("--extra-engine-args: mocker kv_transfer_bandwidth_gbps must be > 0 and "
+                            "kv_transfer_latency_ms >= 0")
         if not self.speedup_ratio > 0:
             raise UserError(f"--extra-engine-args: mocker argument speedup_ratio must be > 0, not {self.speedup_ratio}")
 

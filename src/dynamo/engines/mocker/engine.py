@@ -19,6 +19,14 @@ Requests: ``max_tokens`` absent means the rest of the context window, at most
 ``finish_reason: "length"``.  A stopped context ends the stream with ``"cancelled"``.  The data-parallel
 rank comes from an annotation ``dp_rank:<n>``; without one, the rank holding the longest cached prefix
 of the prompt, then the least busy rank.
+
+Disaggregation (``mode``, from ``--disaggregation-mode``): a ``prefill`` mocker runs each request's prefill
+only and answers one token whose ``disaggregated_params`` is a simulated transfer ticket (no state behind
+it: address ``mocker:``, size ``kv_bytes_per_token`` times the prompt); a ``decode`` (or ``agg``) mocker
+given such a ticket waits the modelled transfer time (``kv_transfer_latency_ms`` plus size over
+``kv_transfer_bandwidth_gbps``, divided by ``speedup_ratio``), then decodes without computing the prompt,
+its first token being the prefill worker's.  A ticket it cannot use means a local prefill, as on a real
+worker.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 from typing import Any, AsyncIterator, Iterable
 
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
+from dynamo.llm.disagg.transfer import Ticket, TransferError
 from dynamo.errors import EngineError, RequestError, UserError
 from dynamo.llm.kv_router.hashing import compute_hashes
 from dynamo.llm.kv_router.protocols import kv_event, removed_data, stored_data
@@ -49,7 +59,7 @@ class MockerEngine:
     def __init__(self, args: MockerArgs | dict[str, Any] | None = None, *, vocab_size: int,
                  special_ids: Iterable[int] = (), context_length: int = 0, worker_id: int = 0,
                  publish_kv_event: Publisher | None = None, publish_metrics: Publisher | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, mode: str = "agg"):
         self.args = args if isinstance(args, MockerArgs) else MockerArgs.from_dict(args)
         self.args.check()
         self.vocab_size = int(vocab_size)
@@ -60,6 +70,10 @@ class MockerEngine:
         self.worker_id = worker_id
         self.publish_kv_event = publish_kv_event
         self.publish_metrics = publish_metrics
+        if mode not in ("agg", "prefill", "decode"):
+            raise UserError(f"mocker: unknown disaggregation mode {mode!r}")
+        self.mode = mode
+        self.imported = 0  # requests decoded from a prefill worker's (simulated) KV state
         self.rng = random.Random(seed)
         self._event_ids = itertools.count(self.rng.getrandbits(32))
         self._request_ids = itertools.count()
@@ -108,16 +122,22 @@ class MockerEngine:
             await self.start()
         prompt = list(request.token_ids)
         max_tokens = self._max_tokens(request, len(prompt))
+        if self.mode == "prefill":
+            max_tokens = 1
         if max_tokens <= 0:
             yield EngineOutput(finish_reason="length")
             return
+        ticket = await self._import(request, prompt) if self.mode != "prefill" else None
         sched = self.schedulers[self._dp_rank(request, prompt)]
         avoid = self.special_ids | frozenset(request.eos_token_ids or ()) | frozenset(
             request.stop_conditions.stop_token_ids_hidden or ())
+        next_token = self._token_source(avoid)
+        if ticket is not None:
+            next_token = _first_then(ticket.first_token, next_token)
         req = MockRequest(
             request_id=str(getattr(context, "id", None) or next(self._request_ids)),
             tokens=prompt, prompt_len=len(prompt), max_tokens=max_tokens,
-            next_token=self._token_source(avoid), ctx=context,
+            next_token=next_token, ctx=context, imported=ticket is not None,
         )
         sched.enqueue(req)
         try:
@@ -125,12 +145,35 @@ class MockerEngine:
                 item = await req.out.get()
                 if isinstance(item, BaseException):
                     raise item
+                if self.mode == "prefill" and item.token_ids:
+                    item.disaggregated_params = Ticket(
+                        address="mocker:", key=os.urandom(8).hex(), size=len(prompt) * self.args.kv_bytes_per_token,
+                        sha256="", n_tokens=len(prompt), first_token=item.token_ids[0]).to_dict()
                 yield item
                 if item.finish_reason is not None:
                     return
         finally:
             req.cancelled = True  # a no-op if it finished; otherwise the scheduler drops it next step
             sched.wake()
+
+    async def _import(self, request: PreprocessedRequest, prompt: list[int]) -> Ticket | None:
+        """The simulated KV transfer of a disaggregated request: the ticket, after the modelled time."""
+        if not request.disaggregated_params:
+            return None
+        try:
+            ticket = Ticket.from_dict(request.disaggregated_params)
+            if not ticket.address.startswith("mocker:") or ticket.n_tokens != len(prompt):
+                raise TransferError("the ticket is not a mocker's, or not for this prompt")
+        except TransferError as e:
+            log.warning("mocker: unusable KV ticket (%s); prefilling locally", e)
+            return None
+        a = self.args
+        seconds = (a.kv_transfer_latency_ms / 1e3 + ticket.size / (a.kv_transfer_bandwidth_gbps * 1e9)) / a.speedup_ratio
+        await asyncio.sleep(seconds)
+        self.imported += 1
+        log.debug("mocker: imported the KV state of %d tokens (%d bytes) in a simulated %.2f ms", ticket.n_tokens,
+                  ticket.size, seconds * 1e3)
+        return ticket
 
     def _max_tokens(self, request: PreprocessedRequest, prompt_len: int) -> int:
         mt = request.stop_conditions.max_tokens
@@ -226,4 +269,15 @@ def create_mocker(cfg: Any, card: Any) -> MockerEngine:
         card.kv_cache_block_size = args.block_size
     tok = Tokenizer(card.tokenizer_json)
     return MockerEngine(args, vocab_size=tok.vocab_size, special_ids=tok.special_ids,
-                        context_length=card.context_length or 0)
+                        context_length=card.context_length or 0,
+                        mode=getattr(cfg, "disaggregation_mode", "agg") or "agg")
+
+
+def _first_then(first: int, rest: Any) -> Any:
+    """A token source that yields ``first`` once (the prefill worker's token), then ``rest()``."""
+    pending = [first]
+
+    def next_token() -> int:
+        return pending.pop() if pending else rest()
+
+    return next_token

@@ -84,6 +84,7 @@ class MockRequest:
     to_prefill: int = 0  # tokens still to compute in the current prefill
     cached_tokens: int = 0  # tokens found cached at the last allocation
     preemptions: int = 0
+    imported: bool = False  # disaggregated decode: the prompt's KV came from a prefill worker, nothing to compute
 
     @property
     def finished(self) -> bool:
@@ -271,7 +272,8 @@ class Scheduler:
                     chunk = budget
                 elif done_any:
                     break  # wait for a step with room for all of it
-            ms += prefill_time_ms(chunk)
+            if chunk:
+                ms += prefill_time_ms(chunk)
             budget -= chunk
             req.to_prefill -= chunk
             done_any = True
@@ -302,7 +304,8 @@ class Scheduler:
         req.partial = blocks[-1].id if blocks and not blocks[-1].cacheable and len(req.tokens) % self.block_size else None
         req.allocated = True
         req.cached_tokens = min(cached * self.block_size, len(req.tokens))
-        req.to_prefill = max(1, len(req.tokens) - req.cached_tokens)  # the last token is always computed
+        # the last token is always computed, unless the prefill worker did it (its KV state was imported)
+        req.to_prefill = 0 if req.imported else max(1, len(req.tokens) - req.cached_tokens)
         return True
 
     def _decode_one(self, req: MockRequest, out: list[tuple[MockRequest, Any]]) -> None:

@@ -55,6 +55,9 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     annotations: list[str] = msgspec.field(default_factory=list)
     estimated_prefix_hit_num_blocks: int | None = None
     backend_instance_id: int | None = None
+    # disaggregated serving: the prefill worker's KV transfer ticket (llm/disagg/transfer.py), set by the
+    # frontend on the request it sends to the decode worker
+    disaggregated_params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -91,6 +94,8 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | dict[str, str] | None = None
     index: int | None = None
     cached_tokens: int | None = None
+    # a prefill worker's answer carries its KV transfer ticket here (llm/disagg/transfer.py)
+    disaggregated_params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
