@@ -208,3 +208,22 @@ def test_endpoint_input():
     cfg = parse("in=dyn://ns.comp.ep", "out=echo_full")
     assert cfg.input_kind == "endpoint"
     assert cfg.input == "dyn://ns.comp.ep"
+
+
+def test_disaggregation_flags():
+    cfg = parse("in=dyn://ns.prefill.generate", "out=mocker", "m", "--disaggregation-mode", "prefill")
+    assert cfg.disaggregation_mode == "prefill"
+    assert parse("in=http", "out=dyn", "--max-local-prefill-length", "0").max_local_prefill_length == 0
+    assert parse("in=http", "out=echo_full").disaggregation_mode == "agg"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["in=http", "out=mocker", "--disaggregation-mode", "decode"], "is for workers"),
+    (["in=dyn://a.b.c", "out=echo_core", "--disaggregation-mode", "prefill"], "cannot hand KV state"),
+    (["--disaggregation-mode", "both"], "invalid choice"),
+    (["in=dyn://a.b.c", "out=mocker", "--max-local-prefill-length", "10"], "frontend flag"),
+    (["in=http", "out=dyn", "--max-local-prefill-length", "-1"], "--max-local-prefill-length"),
+])
+def test_disaggregation_flag_errors(argv, message):
+    with pytest.raises(UserError, match=message):
+        parse(*argv)

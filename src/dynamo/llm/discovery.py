@@ -18,6 +18,7 @@ from typing import Any
 
 from dynamo.aio import cancel_and_wait
 from dynamo.llm.disagg.frontend import DisaggCoreEngine
+from dynamo.llm.disagg.plan import DisaggStats
 from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_manager import ModelManager
@@ -92,6 +93,15 @@ class ModelWatcher:
 
             self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix, self._kv_router_for)
             metrics.registry.register(_QueueCollector(self, metrics.prefix))
+        # disaggregated serving: where prompts were prefilled (remote; local, including fallbacks; fallback)
+        self._prefill_counter: Any = None
+        if metrics is not None:
+            from prometheus_client import Counter
+
+            self._prefill_counter = Counter(
+                f"{metrics.prefix}_disagg_prefill", "Prompts by where they were prefilled: remote (a prefill "
+                "worker), local (the decode worker; includes fallbacks), fallback (a remote prefill that failed)",
+                ["model", "where"], registry=metrics.registry)
 
     async def start(self) -> None:
         self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
@@ -191,7 +201,8 @@ class ModelWatcher:
                                            migration_limit=max(card.migration_limit, self.router_config.migration_limit),
                                            observer=observer)
             engine = DisaggCoreEngine(engine, lambda name=entry.name: self._prefill_engine(name),
-                                      max_local_prefill_length=self.router_config.max_local_prefill_length)
+                                      max_local_prefill_length=self.router_config.max_local_prefill_length,
+                                      stats=DisaggStats(self._observe_prefill(entry.name)))
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
             model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
@@ -203,6 +214,12 @@ class ModelWatcher:
         self._served[entry.name] = served
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
+
+    def _observe_prefill(self, name: str) -> Any:
+        if self._prefill_counter is None:
+            return None
+        counter = self._prefill_counter
+        return lambda kind: counter.labels(model=name, where=kind).inc()
 
     def _prefill_engine(self, name: str) -> Any:
         served = self._prefill.get(name)

@@ -147,8 +147,8 @@ class MockerEngine:
                     raise item
                 if self.mode == "prefill" and item.token_ids:
                     item.disaggregated_params = Ticket(
-                        address="mocker:", key=os.urandom(8).hex(), size=len(prompt) * self.args.kv_bytes_per_token,
-                        sha256="", n_tokens=len(prompt), first_token=item.token_ids[0]).to_dict()
+                        address="mocker:", key=os.urandom(8).hex(), size=req.prompt_len * self.args.kv_bytes_per_token,
+                        sha256="", n_tokens=req.prompt_len, first_token=item.token_ids[0]).to_dict()
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -162,8 +162,10 @@ class MockerEngine:
             return None
         try:
             ticket = Ticket.from_dict(request.disaggregated_params)
-            if not ticket.address.startswith("mocker:") or ticket.n_tokens != len(prompt):
-                raise TransferError("the ticket is not a mocker's, or not for this prompt")
+            if not ticket.address.startswith("mocker:"):
+                raise TransferError(f"the ticket names {ticket.address}, not a mocker")
+            if ticket.n_tokens != len(prompt):
+                raise TransferError(f"the ticket covers {ticket.n_tokens} tokens, the prompt has {len(prompt)}")
         except TransferError as e:
             log.warning("mocker: unusable KV ticket (%s); prefilling locally", e)
             return None

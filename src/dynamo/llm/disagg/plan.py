@@ -52,10 +52,19 @@ DecodeFn = Callable[[Any, "Ticket | None"], AsyncIterator[Any]]
 
 
 class DisaggStats:
-    def __init__(self) -> None:
+    """Where prompts were prefilled; ``observe(kind)`` (kind: remote, local, fallback) feeds /metrics."""
+
+    def __init__(self, observe: Callable[[str], None] | None = None) -> None:
         self.remote = 0
         self.local = 0
         self.fallbacks = 0
+        self.observe = observe
+
+    def count(self, kind: str) -> None:
+        attr = "fallbacks" if kind == "fallback" else kind
+        setattr(self, attr, getattr(self, attr) + 1)
+        if self.observe is not None:
+            self.observe(kind)
 
 
 async def serve(request: Any, *, prompt_tokens: int, decode_cached_tokens: int, prefill_workers: int,
@@ -74,14 +83,11 @@ async def serve(request: Any, *, prompt_tokens: int, decode_cached_tokens: int, 
         except Exception as e:  # noqa: BLE001 - any prefill failure means local prefill, never an error
             log.warning("remote prefill failed (%s); prefilling on the decode worker", e)
             if stats:
-                stats.fallbacks += 1
+                stats.count("fallback")
     else:
         log.debug("local prefill: %s", d.reason)
     if stats:
-        if ticket is not None:
-            stats.remote += 1
-        else:
-            stats.local += 1
+        stats.count("remote" if ticket is not None else "local")
     async for item in decode(request, ticket):
         yield item
 

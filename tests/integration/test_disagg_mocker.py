@@ -1,0 +1,113 @@
+"""Disaggregated serving with mocker workers on real etcd and NATS: a prefill worker
+(``--disaggregation-mode prefill``), a decode worker and a frontend (``out=dyn --router-mode kv``).
+
+Where each prompt was prefilled is read from the frontend's ``/metrics``
+(``dynamo_frontend_disagg_prefill_total{where=remote|local|fallback}``); that the decode worker imported
+the (simulated) state, from its debug log.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.support.proc import DynamoRun, DynamoWorker
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.timeout(120)
+
+MOCKER_ARGS = {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 20.0}
+MODEL = "dis"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, str]]:
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+
+
+@pytest.fixture(scope="module")
+def fleet(servers, tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, DynamoWorker]]:
+    args_file = tmp_path_factory.mktemp("mocker") / "mocker.json"
+    args_file.write_text(json.dumps(MOCKER_ARGS))
+    common = ["out=mocker", str(tiny_model), "--model-name", MODEL, "--extra-engine-args", str(args_file)]
+    env = {**servers, "DYN_LOG": "info,dynamo.engines.mocker=debug"}
+    ws = {"prefill": DynamoWorker(f"in=dyn://{MODEL}.prefill.generate", *common, "--disaggregation-mode", "prefill",
+                                  env=env).start(wait=False),
+          "decode": DynamoWorker(f"in=dyn://{MODEL}.backend.generate", *common, "--disaggregation-mode", "decode",
+                                 env=env).start(wait=False)}
+    try:
+        for w in ws.values():
+            w.wait_ready()
+        assert ws["prefill"].ready_match.group("type") == "Prefill"
+        assert ws["decode"].ready_match.group("type") == "Backend"
+        yield ws
+    finally:
+        for w in ws.values():
+            w.kill()
+
+
+@pytest.fixture(scope="module")
+def frontend(servers, fleet) -> Iterator[DynamoRun]:
+    fe = DynamoRun("out=dyn", "--router-mode", "kv", "--max-local-prefill-length", "32", env=servers).start()
+    want = {w.instance_id for w in fleet.values()}
+    deadline = time.monotonic() + 30
+    try:
+        while True:
+            health = httpx.get(fe.base_url + "/health").json()
+            if want <= {i["instance_id"] for i in health.get("instances", [])} and health.get("models"):
+                break
+            assert time.monotonic() < deadline, f"frontend did not see the workers: {health}"
+            time.sleep(0.05)
+        yield fe
+    finally:
+        fe.stop()
+
+
+_rng = random.Random(13)
+
+
+def text(words: int) -> str:
+    return " ".join("".join(_rng.choice("abcdefghij") for _ in range(5)) for _ in range(words))
+
+
+def complete(fe: DynamoRun, prompt: str, max_tokens: int = 4) -> None:
+    r = httpx.post(fe.api_url + "/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == max_tokens
+
+
+def prefills(fe: DynamoRun) -> dict[str, float]:
+    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
+    for m in re.finditer(r'disagg_prefill_total\{model="dis",where="(\w+)"\} ([0-9.e+]+)',
+                         httpx.get(fe.base_url + "/metrics").text):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_long_prompts_go_to_the_prefill_worker_short_ones_stay_local(fleet, frontend):
+    before = prefills(frontend)
+    complete(frontend, text(100))  # hundreds of tokens: remote prefill
+    complete(frontend, "hi")  # a few tokens: local
+    after = prefills(frontend)
+    assert after["remote"] - before["remote"] == 1
+    assert after["local"] - before["local"] == 1
+    assert "imported the KV state" in fleet["decode"].stderr_text()
+
+
+def test_prefill_worker_killed_requests_still_answered(fleet, frontend):
+    complete(frontend, text(100))
+    fleet["prefill"].kill()
+    before = prefills(frontend)
+    for _ in range(3):
+        complete(frontend, text(100))  # no prefill worker (or a dead one not yet noticed): local prefill
+    after = prefills(frontend)
+    assert after["local"] - before["local"] == 3 and after["remote"] == before["remote"]
