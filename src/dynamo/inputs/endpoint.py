@@ -58,6 +58,13 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
             attach(endpoint.lease_id(), publish_kv_event=publish_kv_event, publish_metrics=publish_metrics)
             await serve_load_metrics(endpoint, engine)
         mode = getattr(cfg, "disaggregation_mode", "agg")
+        if mode != "agg" and getattr(engine, "supports_state_io", False):
+            # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)
+            from dynamo.llm.disagg.worker import DisaggWorkerEngine
+
+            engine = DisaggWorkerEngine(engine, mode)
+            await engine.start()
+            served.engine = engine  # type: ignore[attr-defined]  # closed below, with its transfer server
         if engine.kind == "core":
             handler = backend_handler(card, engine)
             model_type = ModelType.Prefill if mode == "prefill" else ModelType.Backend
