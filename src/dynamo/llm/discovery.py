@@ -238,8 +238,9 @@ class ModelWatcher:
         card = await load_card(self.runtime.nats, entry.card)
         served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
         served.router = await self._make_router(entry, card, client)
-        # no migration for a prefill: a failed prefill falls back to local prefill on the decode worker
-        served.engine = RemoteCoreEngine(client, served.router, migration_limit=0)
+        # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the
+        # decode worker prefills locally at once (a 503 here is a fallback, not an error for the client)
+        served.engine = RemoteCoreEngine(client, served.router, migration_limit=0, queue=QueuePolicy(size=0, timeout=0.0))
         self._prefill[entry.name] = served
         log.info("model %s: prefill workers at dyn://%s.%s.%s (disaggregated serving)", entry.name, *ep_key)
 
