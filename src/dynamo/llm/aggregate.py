@@ -6,10 +6,14 @@ from typing import Any, AsyncIterator
 
 from dynamo.llm.chunks import Annotation, chunk_text, usage_dict
 from dynamo.llm.engine import Context
+from dynamo.llm.parsers.fold import ParsedFold
 
 
-async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], str, str | None, dict[str, Any] | None]:
-    """(first chunk, the text, the last finish reason, the usage) of a chat or completions stream."""
+async def _fold(
+    stream: AsyncIterator[Any], extra: ParsedFold | None = None
+) -> tuple[dict[str, Any], str, str | None, dict[str, Any] | None]:
+    """(first chunk, the text, the last finish reason, the usage) of a chat or completions stream;
+    ``extra`` collects what a response parser added (reasoning, tool calls)."""
     parts: list[str] = []
     finish: str | None = None
     head: dict[str, Any] = {}
@@ -26,11 +30,14 @@ async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], str, str | 
         for choice in chunk.get("choices") or ():
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
+            if extra is not None:
+                extra.add(choice.get("delta"))
     return head, "".join(parts), finish, usage
 
 
 async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
-    head, text, finish, usage = await _fold(stream)
+    extra = ParsedFold()
+    head, text, finish, usage = await _fold(stream, extra)
     return {
         "id": head.get("id", f"chatcmpl-{ctx.id}"),
         "object": "chat.completion",
@@ -39,7 +46,7 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": extra.message(text),
                 "logprobs": None,
                 "finish_reason": finish or "stop",
             }

@@ -33,6 +33,10 @@ class ModelCard:
     bos_token_id: int | None = None
     user_data: dict[str, Any] | None = None
     gguf_path: Path | None = None
+    # response parsers (parsers/registry.py): "auto" until launch resolves it from the flags and the
+    # chat template; then a parser name, or None for none.  A worker publishes its choice here.
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = "auto"
 
     @property
     def has_tokenizer(self) -> bool:
@@ -65,6 +69,8 @@ class ModelCard:
             "eos_token_ids": self.eos_token_ids,
             "bos_token_id": self.bos_token_id,
             "user_data": self.user_data,
+            "tool_call_parser": self.tool_call_parser,
+            "reasoning_parser": self.reasoning_parser,
         }
 
     @classmethod

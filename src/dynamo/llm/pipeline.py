@@ -14,6 +14,7 @@ import orjson
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.model_card import ModelCard
+from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,6 +82,7 @@ class CorePipeline:
         from dynamo.llm.backend import PostProcessor
 
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
+        stage = ParseStage.for_request(request) if isinstance(chunks, ChatChunks) else None
         gen = self.engine.generate(request, ctx)
         reason: str | None = None
         try:
@@ -89,19 +91,25 @@ class CorePipeline:
                     ctx.cached_tokens = min(out.cached_tokens, ctx.prompt_tokens)
                 text, reason = post.process(out)
                 ctx.completion_tokens = post.generated
-                if text:
+                if stage is not None:
+                    for delta in stage.deltas(out, text, reason is not None):
+                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                elif text:
                     yield chunks.delta(text)
                 if reason is not None:
                     break
             else:
                 tail = post.end()
-                if tail:
+                if stage is not None:
+                    for delta in stage.parse(tail, True):
+                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                elif tail:
                     yield chunks.delta(tail)
                 reason = post.finished
         finally:
             ctx.stop_generating()  # idempotent: tells the engine we are done, whatever ended the loop
             await gen.aclose()
-        yield chunks.delta(None, reason)
+        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason)
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
 

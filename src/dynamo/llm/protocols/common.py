@@ -43,6 +43,17 @@ class OutputOptions(msgspec.Struct, omit_defaults=False):
     formatted_prompt: bool | None = None
 
 
+class ResponseParsing(msgspec.Struct, omit_defaults=True):
+    """How to parse the response (ours, not in the original): parser names from the model card, and
+    the request's switches.  ``reasoning_started``: True when the prompt ends inside ``<think>``, False
+    when the client turned thinking off (``chat_template_kwargs.enable_thinking``)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    reasoning_started: bool | None = None
+    parallel_tool_calls: bool | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     token_ids: list[int]
     stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
@@ -55,6 +66,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     annotations: list[str] = msgspec.field(default_factory=list)
     estimated_prefix_hit_num_blocks: int | None = None
     backend_instance_id: int | None = None
+    parsing: ResponseParsing | None = None  # ours: tool-call and reasoning parsing (parsers/stage.py)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -91,6 +103,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | dict[str, str] | None = None
     index: int | None = None
     cached_tokens: int | None = None
+    deltas: list[dict[str, Any]] | None = None  # ours: OpenAI deltas a worker parsed from the text
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
