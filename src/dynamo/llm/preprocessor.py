@@ -46,8 +46,10 @@ class Preprocessor:
         self.card = card
         self.tokenizer = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
         self._template: ChatTemplate | None = None
-        self._tool_parser = resolve("tool", card.tool_call_parser, card.chat_template)
-        self._reasoning_parser = resolve("reasoning", card.reasoning_parser, card.chat_template)
+        # a card says a parser name, None (none), or "auto" (a card nobody resolved, e.g. an older worker's)
+        tool, reasoning = card.tool_call_parser, card.reasoning_parser
+        self._tool_parser = resolve("tool", tool, card.chat_template) if tool is not None else None
+        self._reasoning_parser = resolve("reasoning", reasoning, card.chat_template) if reasoning is not None else None
         if card.chat_template:
             self._template = ChatTemplate(
                 card.chat_template,

@@ -1,0 +1,130 @@
+"""The parse stage wired into the token path: a Backend worker parses beside detokenization and sends
+deltas; a frontend passes them through (and turns ``stop`` into ``tool_calls``); the preprocessor sets
+the parsing options from the card and the request, and renders tool-call history."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import msgspec
+import pytest
+
+from dynamo.errors import RequestError
+from dynamo.llm.aggregate import fold_chat
+from dynamo.llm.engine import Context
+from dynamo.llm.model_card import load_hf_folder
+from dynamo.llm.pipeline import CorePipeline
+from dynamo.llm.preprocessor import Preprocessor
+from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.llm.protocols.openai import parse_chat_request
+from dynamo.llm.tokenizer import Tokenizer
+from dynamo.llm.worker_handlers import backend_handler
+
+ANSWER = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+class TokenEngine:
+    """Says ANSWER a token at a time (through the tiny tokenizer, so tags split across tokens)."""
+
+    kind = "core"
+
+    def __init__(self, tok: Tokenizer):
+        self.ids = tok.encode(ANSWER)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[EngineOutput]:
+        for tid in self.ids:
+            yield EngineOutput(token_ids=[tid])
+        yield EngineOutput(finish_reason="stop")
+
+
+class Relay:
+    """A remote worker as the frontend sees it: the handler's items, through JSON."""
+
+    kind = "core"
+
+    def __init__(self, handler: Any):
+        self.handler = handler
+        self.items: list[dict[str, Any]] = []
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[EngineOutput]:
+        async for item in self.handler(json.loads(msgspec.json.encode(request))):
+            self.items.append(item)
+            yield EngineOutput.from_dict(json.loads(json.dumps(item)))
+
+
+def chat(**kw: Any) -> tuple[Any, dict[str, Any]]:
+    raw = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Weather in Paris?"}], **kw}
+    return parse_chat_request(raw), raw
+
+
+async def run(pipeline: CorePipeline, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    req, raw = chat(stream=True, **kw)
+    chunks = [c async for c in pipeline.chat(req, raw, Context())]
+    req, raw = chat(**kw)
+    unary = await fold_chat(pipeline.chat(req, raw, Context()), Context(), "tiny-chat")
+    return chunks, unary
+
+
+def check(chunks: list[dict[str, Any]], unary: dict[str, Any]) -> None:
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    calls = [e for d in deltas for e in d.get("tool_calls") or ()]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"].startswith("call_")
+    assert json.loads("".join(e["function"]["arguments"] for e in calls)) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    msg = unary["choices"][0]["message"]
+    assert unary["choices"][0]["finish_reason"] == "tool_calls"
+    assert msg["content"] == "Checking." and msg["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+async def test_local_engine_is_parsed_in_the_frontend(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    pipeline = CorePipeline("tiny-chat", card, TokenEngine(Tokenizer(card.tokenizer_json)))  # type: ignore[arg-type]
+    check(*await run(pipeline, tools=TOOLS))
+
+
+async def test_remote_worker_parses_and_the_frontend_passes_its_deltas_through(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    relay = Relay(backend_handler(card, TokenEngine(Tokenizer(card.tokenizer_json))))  # type: ignore[arg-type]
+    check(*await run(CorePipeline("tiny-chat", card, relay), tools=TOOLS))
+    assert relay.items and all(item["text"] == "" and "deltas" in item for item in relay.items)
+    assert not any("<tool_call>" in json.dumps(item) for item in relay.items)
+
+
+async def test_without_tools_nothing_is_parsed(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    pipeline = CorePipeline("tiny-chat", card, TokenEngine(Tokenizer(card.tokenizer_json)))  # type: ignore[arg-type]
+    chunks, unary = await run(pipeline)
+    assert unary["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert unary["choices"][0]["finish_reason"] == "stop"
+
+
+def test_preprocessor_parsing_options(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    pre = Preprocessor(card)
+    assert pre.chat(*chat()).request.parsing is None  # no tools, no reasoning in this template
+    opts = pre.chat(*chat(tools=TOOLS, parallel_tool_calls=False)).request.parsing
+    assert opts is not None and opts.tool_call_parser == "hermes" and opts.parallel_tool_calls is False
+    none = pre.chat(*chat(tools=TOOLS, tool_choice="none"))
+    assert none.request.parsing is None and "get_weather" not in (none.formatted_prompt or "")
+    card.tool_call_parser = None  # started with --tool-call-parser none
+    with pytest.raises(RequestError) as e:
+        Preprocessor(card).chat(*chat(tools=TOOLS))
+    assert e.value.param == "tools"
+
+
+def test_history_with_null_content_and_string_arguments_renders(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    raw = {"model": "tiny-chat", "messages": messages, "tools": TOOLS}
+    prompt = Preprocessor(card).chat(parse_chat_request(raw), raw).formatted_prompt
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    assert "<|im_start|>tool\n18 degrees" in prompt
