@@ -128,3 +128,14 @@ def test_history_with_null_content_and_string_arguments_renders(tiny_model: Path
     prompt = Preprocessor(card).chat(parse_chat_request(raw), raw).formatted_prompt
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
     assert "<|im_start|>tool\n18 degrees" in prompt
+
+
+def test_the_card_carries_the_parser_choice(tiny_model: Path):
+    from dynamo.llm.model_card import ModelCard
+
+    card = load_hf_folder(tiny_model)
+    card.tool_call_parser, card.reasoning_parser = "hermes", None
+    back = ModelCard.from_json(json.loads(json.dumps(card.to_json())))
+    assert (back.tool_call_parser, back.reasoning_parser) == ("hermes", None)
+    old = {k: v for k, v in card.to_json().items() if not k.endswith("_parser")}  # an older worker's card
+    assert ModelCard.from_json(old).tool_call_parser == "auto"
