@@ -139,3 +139,29 @@ def test_the_card_carries_the_parser_choice(tiny_model: Path):
     assert (back.tool_call_parser, back.reasoning_parser) == ("hermes", None)
     old = {k: v for k, v in card.to_json().items() if not k.endswith("_parser")}  # an older worker's card
     assert ModelCard.from_json(old).tool_call_parser == "auto"
+
+
+def test_tool_choice_required_and_named_need_guided_decoding(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(RequestError) as e:
+            Preprocessor(card).chat(*chat(tools=TOOLS, tool_choice=choice))
+        assert e.value.param == "tool_choice" and "guided decoding" in str(e.value)
+
+
+def test_tool_choice_through_guided_decoding(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    card.guided_decoding = True
+    pre = Preprocessor(card)
+    named = pre.chat(*chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})).request
+    assert named.sampling_options.guided_decoding == {"json": {"type": "object"}}
+    assert named.parsing is not None and named.parsing.forced_tool == "function:get_weather"
+    required = pre.chat(*chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)).request
+    schema = required.sampling_options.guided_decoding["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    for bad in ({"type": "function", "function": {"name": "nope"}}, "required"):
+        kw = {"guided_regex": "x"} if bad == "required" else {}
+        with pytest.raises(RequestError) as e:
+            pre.chat(*chat(tools=TOOLS, tool_choice=bad, **kw))
+        assert e.value.param == "tool_choice"

@@ -202,3 +202,19 @@ def test_detection_from_chat_templates():
     assert detect_reasoning_parser("<｜Assistant｜><think>\n") == "deepseek_r1"
     assert detect_reasoning_parser("<|im_start|>") is None
     assert set(REASONING_PARSERS) >= {"qwen3", "deepseek_r1"}
+
+
+def test_forced_named_function_streams_the_output_as_arguments():
+    from dynamo.llm.parsers.tool_calls.forced import NamedFunctionParser
+
+    check(lambda: NamedFunctionParser("get_weather"), ' {"city": "Paris", "unit": "celsius"}', None, [WEATHER])
+    _, deltas = run(lambda: NamedFunctionParser("get_weather"), ['{"city": ', '"Paris", ', '"unit": "celsius"}'])
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(deltas) == 4
+
+
+def test_forced_required_array():
+    from dynamo.llm.parsers.tool_calls.forced import RequiredCallsParser
+
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "parameters": {}}]'
+    check(RequiredCallsParser, text, None, [WEATHER, TIME])

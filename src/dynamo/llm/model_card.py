@@ -37,6 +37,9 @@ class ModelCard:
     # chat template; then a parser name, or None for none.  A worker publishes its choice here.
     tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = "auto"
+    # the engine constrains output with ``sampling_options.guided_decoding`` (vllm, sglang, pytok engines
+    # that say so): tool_choice required / a named function are then honoured through it
+    guided_decoding: bool = False
 
     @property
     def has_tokenizer(self) -> bool:
@@ -71,6 +74,7 @@ class ModelCard:
             "user_data": self.user_data,
             "tool_call_parser": self.tool_call_parser,
             "reasoning_parser": self.reasoning_parser,
+            "guided_decoding": self.guided_decoding,
         }
 
     @classmethod

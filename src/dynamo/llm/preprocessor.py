@@ -15,6 +15,7 @@ from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
+from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
 from dynamo.llm.protocols.common import (
     OutputOptions,
     PreprocessedRequest,
@@ -70,7 +71,7 @@ class Preprocessor:
         if add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
             add_generation_prompt = req.messages[-1].role != "assistant"
-        tools, tool_parser = self._tools(req, raw)
+        tools, tool_parser, forced = self._tools(req, raw)
         prompt = self._template.render(
             messages,
             tools=tools,
@@ -79,31 +80,51 @@ class Preprocessor:
         )
         token_ids = self.tokenizer.encode(prompt)
         request = self._build(req, token_ids, max_tokens_of(req))
-        request.parsing = self._parsing(req, prompt, tool_parser)
+        if forced is not None:
+            request.sampling_options.guided_decoding = {"json": forced[1]}
+        request.parsing = self._parsing(req, prompt, tool_parser, forced[0] if forced else None)
         return Preprocessed(request, prompt)
 
-    def _tools(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> tuple[Any, str | None]:
-        """(the tools for the template, the tool-call parser to run) as ``tool_choice`` asks."""
+    def _tools(
+        self, req: ChatCompletionRequest, raw: dict[str, Any]
+    ) -> tuple[Any, str | None, tuple[str, dict[str, Any]] | None]:
+        """(the tools for the template, the tool-call parser to run, and for ``required`` or a named
+        function: the forced mode and its guided-decoding JSON schema) as ``tool_choice`` asks."""
         tools = raw.get("tools") or None
         choice = tool_choice_kind(req.tool_choice, bool(tools))
         if tools is None or choice == "none":
-            return None, None  # "none": the model is not told about tools, so it cannot call one
-        if self._tool_parser is None:
+            return None, None, None  # "none": the model is not told about tools, so it cannot call one
+        if choice == "auto":
+            if self._tool_parser is None:
+                raise RequestError(
+                    f"model {self.card.display_name!r} has no tool-call parser: its chat template does not "
+                    "show a tool-call format we know. Start it with --tool-call-parser NAME "
+                    f"({', '.join(TOOL_CALL_PARSERS)})",
+                    param="tools",
+                )
+            return tools, self._tool_parser, None
+        what = "required" if choice == "required" else "naming a function"
+        if not self.card.guided_decoding:
             raise RequestError(
-                f"model {self.card.display_name!r} has no tool-call parser: its chat template does not "
-                "show a tool-call format we know. Start it with --tool-call-parser NAME "
-                f"({', '.join(TOOL_CALL_PARSERS)})",
-                param="tools",
-            )
-        if choice != "auto":
-            raise RequestError(
-                f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs guided "
-                "decoding, which this model's engine does not do; use tool_choice 'auto'",
+                f"tool_choice {what} needs guided decoding, which this model's engine does not do "
+                "(vllm and sglang do); use tool_choice 'auto'",
                 param="tool_choice",
             )
-        return tools, self._tool_parser
+        if _guided(req) is not None:
+            raise RequestError(f"tool_choice {what} cannot be combined with guided_* constraints", param="tool_choice")
+        if choice == "required":
+            return tools, None, ("required", required_schema(tools, req.parallel_tool_calls is False))
+        name = req.tool_choice["function"]["name"]  # type: ignore[index]
+        tool = next((t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name), None)
+        if tool is None:
+            raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+        return tools, None, (f"function:{name}", named_schema(tool))
 
-    def _parsing(self, req: ChatCompletionRequest, prompt: str, tool_parser: str | None) -> ResponseParsing | None:
+    def _parsing(
+        self, req: ChatCompletionRequest, prompt: str, tool_parser: str | None, forced: str | None
+    ) -> ResponseParsing | None:
+        if forced is not None:  # guided decoding: the output is the JSON of the call(s), nothing else
+            return ResponseParsing(forced_tool=forced, parallel_tool_calls=req.parallel_tool_calls)
         reasoning = self._reasoning_parser
         if tool_parser is None and reasoning is None:
             return None

@@ -57,6 +57,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         await start()  # engines load weights here, off the event loop
     name = card.display_name
     if engine.kind == "core":
+        card.guided_decoding = bool(getattr(engine, "guided_decoding", False))
         return CorePipeline(name, card, engine)
     for flag, value in (("--tool-call-parser", cfg.tool_call_parser), ("--reasoning-parser", cfg.reasoning_parser)):
         if value not in (None, "auto", "none"):

@@ -3,6 +3,8 @@
 First turn (the prompt lists tools): reasoning in <think>, a sentence, then one <tool_call>.  Once the
 prompt holds our call and its <tool_response>, the final answer.  With thinking turned off (the template
 closed an empty think block) no reasoning is written.  A prompt with no tools gets a plain answer.
+Under guided decoding (tool_choice required / a named function) it writes the JSON the schema asks for:
+an array of calls, or the arguments object; it says it honours guided decoding (the attribute below).
 """
 
 import argparse
@@ -32,8 +34,23 @@ def answer(prompt: str) -> str:
     return "No tools here."
 
 
+ARGS = '{"city": "Paris", "unit": "celsius"}'
+
+
+def guided(schema):
+    if schema.get("type") == "array":
+        name = schema["items"]["anyOf"][0]["properties"]["name"]["enum"][0]
+        return '[{"name": "%s", "parameters": %s}]' % (name, ARGS)
+    return ARGS
+
+
 async def generate(request):
     prompt = TOKENIZER.decode(request["token_ids"], skip_special_tokens=False)
-    for tid in TOKENIZER.encode(answer(prompt), add_special_tokens=False).ids:
+    constraint = request["sampling_options"]["guided_decoding"]
+    text = guided(constraint["json"]) if constraint else answer(prompt)
+    for tid in TOKENIZER.encode(text, add_special_tokens=False).ids:
         yield {"token_ids": [tid]}
     yield {"token_ids": [], "finish_reason": "stop"}
+
+
+generate.guided_decoding = True

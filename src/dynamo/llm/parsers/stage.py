@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo.llm.parsers.base import Delta
+from dynamo.llm.parsers.base import Delta, ToolCallParser
 from dynamo.llm.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
+from dynamo.llm.parsers.tool_calls.forced import NamedFunctionParser, RequiredCallsParser
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, ResponseParsing
 
 
@@ -24,7 +25,13 @@ class ResponseParser:
         if opts.reasoning_parser:
             make = REASONING_PARSERS[opts.reasoning_parser]
             self._reasoning = make(opts.reasoning_started) if opts.reasoning_started is not None else make()
-        self._tools = TOOL_CALL_PARSERS[opts.tool_call_parser]() if opts.tool_call_parser else None
+        self._tools: ToolCallParser | None = None
+        if opts.forced_tool == "required":
+            self._tools = RequiredCallsParser()
+        elif opts.forced_tool and opts.forced_tool.startswith("function:"):
+            self._tools = NamedFunctionParser(opts.forced_tool[len("function:"):])
+        elif opts.tool_call_parser:
+            self._tools = TOOL_CALL_PARSERS[opts.tool_call_parser]()
         self._single = opts.parallel_tool_calls is False
         self.called = False
 
@@ -74,7 +81,7 @@ class ParseStage:
     @staticmethod
     def for_request(request: PreprocessedRequest) -> "ParseStage | None":
         opts = request.parsing
-        if opts is None or not (opts.tool_call_parser or opts.reasoning_parser):
+        if opts is None or not (opts.tool_call_parser or opts.reasoning_parser or opts.forced_tool):
             return None
         return ParseStage(opts)
 

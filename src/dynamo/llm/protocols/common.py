@@ -52,6 +52,7 @@ class ResponseParsing(msgspec.Struct, omit_defaults=True):
     reasoning_parser: str | None = None
     reasoning_started: bool | None = None
     parallel_tool_calls: bool | None = None
+    forced_tool: str | None = None  # tool_choice under guided decoding: "required", or "function:NAME"
 
 
 class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
