@@ -21,7 +21,8 @@ from dynamo.llm.parsers.registry import (
 from dynamo.llm.parsers.stage import ResponseParser
 from dynamo.llm.protocols.common import ResponseParsing
 
-MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>",
+MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "<|channel|>",
+          "<|message|>", "<|end|>", "<|start|>",
           "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "[ARGS]")
 
 
@@ -218,3 +219,38 @@ def test_forced_required_array():
 
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "parameters": {}}]'
     check(RequiredCallsParser, text, None, [WEATHER, TIME])
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>The user wants the weather. Call the tool.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                '{"city": "Paris", "unit": "celsius"}<|call|>')
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>I have it.<|end|><|start|>assistant<|channel|>final<|message|>"
+                  "It is 18 degrees.<|return|>")
+
+
+def harmony(tool: str | None = "harmony", reasoning: str | None = "gpt_oss") -> Callable[[], Any]:
+    return lambda: ResponseParser(ResponseParsing(tool_call_parser=tool, reasoning_parser=reasoning))
+
+
+def test_harmony_reasoning_and_a_call():
+    check(harmony(), HARMONY_CALL, None, [WEATHER], "The user wants the weather. Call the tool.")
+    check(harmony(reasoning=None), HARMONY_CALL, None, [WEATHER], "The user wants the weather. Call the tool.")
+    # the recipient before the channel, and no <|call|> (a hidden stop token)
+    alt = ('<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_time<|channel|>commentary '
+           'json<|message|>{}')
+    check(harmony(), alt, None, [TIME], "Hmm.")
+
+
+def test_harmony_final_answer_and_preamble():
+    check(harmony(), HARMONY_ANSWER, "It is 18 degrees.", [], "I have it.")
+    pre = "<|channel|>commentary<|message|>Checking now.<|end|><|start|>assistant<|channel|>final<|message|>Done."
+    check(harmony(), pre, "Checking now.Done.", [])
+
+
+def test_harmony_without_tool_parsing_and_plain_text():
+    msg, _ = run(harmony(tool=None), [HARMONY_CALL])
+    assert msg["reasoning_content"] == "The user wants the weather. Call the tool."
+    assert "tool_calls" not in msg and "to=functions.get_weather" in msg["content"]
+    check(harmony(), "Just text.", "Just text.", [])
+    assert detect_tool_call_parser("{{ tools }}<|start|>assistant<|channel|>final") == "harmony"
+    assert detect_reasoning_parser("<|channel|>analysis") == "gpt_oss"

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from dynamo.errors import UserError
 from dynamo.llm.parsers.base import ToolCallParser
+from dynamo.llm.parsers.harmony import HarmonyParser
 from dynamo.llm.parsers.reasoning import ThinkParser, deepseek_r1, qwen3
 from dynamo.llm.parsers.tool_calls.deepseek_v3 import CALLS_BEGIN, DeepSeekV3Parser
 from dynamo.llm.parsers.tool_calls.hermes import HermesParser
@@ -23,10 +24,12 @@ TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "mistral": MistralParser,
     "pythonic": PythonicParser,
     "deepseek_v3": DeepSeekV3Parser,
+    "harmony": HarmonyParser,
 }
-REASONING_PARSERS: dict[str, Callable[[bool], ThinkParser]] = {
+REASONING_PARSERS: dict[str, Callable[..., ThinkParser | HarmonyParser]] = {
     "deepseek_r1": deepseek_r1,
     "qwen3": qwen3,
+    "gpt_oss": lambda reasoning_first=False: HarmonyParser(tools=False),  # type: ignore[dict-item]
 }
 AUTO, NONE = "auto", "none"
 
@@ -55,6 +58,8 @@ def detect_tool_call_parser(template: Any) -> str | None:
     text = template_text(template)
     if "tools" not in text and "tool_calls" not in text:
         return None
+    if "<|channel|>" in text:
+        return "harmony"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:
@@ -70,6 +75,8 @@ def detect_tool_call_parser(template: Any) -> str | None:
 
 def detect_reasoning_parser(template: Any) -> str | None:
     text = template_text(template)
+    if "<|channel|>" in text:
+        return "gpt_oss"
     if "<think>" not in text:
         return None
     return "qwen3" if "enable_thinking" in text else "deepseek_r1"

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from dynamo.llm.parsers.base import Delta, ToolCallParser
+from dynamo.llm.parsers.harmony import HarmonyParser
+from dynamo.llm.parsers.reasoning import ThinkParser
 from dynamo.llm.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from dynamo.llm.parsers.tool_calls.forced import NamedFunctionParser, RequiredCallsParser
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, ResponseParsing
@@ -20,9 +24,15 @@ class ResponseParser:
 
     __slots__ = ("_reasoning", "_tools", "_single", "called")
 
+    _reasoning: "ThinkParser | HarmonyParser | None"
+
     def __init__(self, opts: ResponseParsing):
         self._reasoning = None
-        if opts.reasoning_parser:
+        if opts.reasoning_parser == "gpt_oss" or opts.tool_call_parser == "harmony":
+            # one parser for both: harmony channels carry reasoning, answer and calls alike
+            self._reasoning = HarmonyParser(tools=opts.tool_call_parser == "harmony" and not opts.forced_tool)
+            opts = msgspec.structs.replace(opts, reasoning_parser=None, tool_call_parser=None)
+        elif opts.reasoning_parser:
             make = REASONING_PARSERS[opts.reasoning_parser]
             self._reasoning = make(opts.reasoning_started) if opts.reasoning_started is not None else make()
         self._tools: ToolCallParser | None = None
@@ -43,7 +53,7 @@ class ResponseParser:
             if final:
                 staged += self._reasoning.finish()
         if self._tools is None:
-            return staged
+            return self._calls_seen(staged)  # harmony's calls come from the first stage
         out: list[Delta] = []
         for d in staged:
             if "content" in d:
