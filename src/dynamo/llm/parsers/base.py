@@ -76,10 +76,16 @@ def partial_marker(buf: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers``."""
     best = 0
     for marker in markers:
-        for n in range(min(len(marker) - 1, len(buf)), best, -1):
-            if buf.endswith(marker[:n]):
-                best = n
+        n = min(len(marker) - 1, len(buf))
+        if n <= best:
+            continue
+        tail = buf[-n:]
+        i = tail.find(marker[0])  # the earliest candidate start gives the longest suffix
+        while i != -1 and n - i > best:
+            if marker.startswith(tail[i:]):
+                best = n - i
                 break
+            i = tail.find(marker[0], i + 1)
     return best
 
 

@@ -27,6 +27,12 @@ class ThinkParser:
         self._lead = True  # drop newlines that open the reasoning
 
     def feed(self, text: str) -> list[Delta]:
+        if not self._buf and "<" not in text and not text.endswith("\n"):
+            # the common case, mid-reasoning or mid-answer with nothing held back: no tag can be in it
+            if self._state == _CONTENT:
+                return [{"content": text}] if text else []
+            if self._state == _REASONING and not self._lead:
+                return [{"reasoning_content": text}] if text else []
         self._buf += text
         return self._run(False)
 

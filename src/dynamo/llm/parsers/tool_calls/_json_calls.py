@@ -34,6 +34,10 @@ class JsonCallsParser:
         self._after_call = False
 
     def feed(self, text: str) -> list[Delta]:
+        if (self._state == _TEXT and not self._buf and not self._after_call
+                and (self._seen_text or self.bare_start is None)
+                and not any(m[0] in text for m in self.start_markers)):
+            return [{"content": text}] if text else []  # plain text, nothing held back: no call starts here
         self._buf += text
         return self._run(False)
 
