@@ -165,3 +165,40 @@ def test_tool_choice_through_guided_decoding(tiny_model: Path):
         with pytest.raises(RequestError) as e:
             pre.chat(*chat(tools=TOOLS, tool_choice=bad, **kw))
         assert e.value.param == "tool_choice"
+
+
+async def test_a_migrated_request_resumes_the_parser_where_the_dead_worker_left_it(tiny_model: Path):
+    """Worker A streams the first k tokens and dies; the frontend resends prompt + those tokens to worker B
+    (with ``resumed_tokens``), whose parser replays them: the client's stream is the same as without the
+    failure, for every k (mid-tag, mid-name, mid-arguments)."""
+    from dynamo.llm.parsers.fold import ParsedFold
+
+    card = load_hf_folder(tiny_model)
+    tok = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
+    engine = TokenEngine(tok)
+    req, raw = chat(tools=TOOLS)
+    request = Preprocessor(card).chat(req, raw).request
+    handler = backend_handler(card, engine)
+
+    async def items(r: PreprocessedRequest, engine_ids: list[int]) -> list[dict[str, Any]]:
+        engine.ids = engine_ids
+        return [json.loads(json.dumps(i)) async for i in handler(json.loads(msgspec.json.encode(r)))]
+
+    def fold(all_items: list[dict[str, Any]]) -> dict[str, Any]:
+        f = ParsedFold()
+        for item in all_items:
+            for d in item["deltas"]:
+                f.add(d)
+        content = "".join(d.get("content", "") for item in all_items for d in item["deltas"])
+        msg = f.message(content)
+        for call in msg.get("tool_calls", []):
+            call["id"] = "x"
+        return msg
+
+    ids = tok.encode(ANSWER)
+    expected = fold(await items(request, ids))
+    for k in range(1, len(ids)):
+        first = (await items(request, ids[:k]))[:k]  # A's items for its k tokens (then it died)
+        resumed = msgspec.structs.replace(request, token_ids=request.token_ids + ids[:k],
+                                          parsing=msgspec.structs.replace(request.parsing, resumed_tokens=k))
+        assert fold(first + await items(resumed, ids[k:])) == expected, k

@@ -55,7 +55,7 @@ def backend_handler(card: ModelCard, engine: Engine):
                 await gen.aclose()
             return
         post = PostProcessor(tokenizer, req)
-        stage = ParseStage.for_request(req)  # tool calls and reasoning are parsed here too, beside detok
+        stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
         try:
             async for out in gen:
                 text, reason = post.process(out)

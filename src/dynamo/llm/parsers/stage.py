@@ -17,6 +17,7 @@ from dynamo.llm.parsers.reasoning import ThinkParser
 from dynamo.llm.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from dynamo.llm.parsers.tool_calls.forced import NamedFunctionParser, RequiredCallsParser
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, ResponseParsing
+from dynamo.llm.tokenizer import Tokenizer
 
 
 class ResponseParser:
@@ -89,11 +90,20 @@ class ParseStage:
         self.called = False
 
     @staticmethod
-    def for_request(request: PreprocessedRequest) -> "ParseStage | None":
+    def for_request(request: PreprocessedRequest, tokenizer: Tokenizer | None = None) -> "ParseStage | None":
         opts = request.parsing
         if opts is None or not (opts.tool_call_parser or opts.reasoning_parser or opts.forced_tool):
             return None
-        return ParseStage(opts)
+        stage = ParseStage(opts)
+        n = opts.resumed_tokens
+        if n and tokenizer is not None and n <= len(request.token_ids):
+            # a migrated request: replay what the failed worker generated, so the parser is where that
+            # worker's was (inside a <think>, mid-call); what it sent then is not sent again
+            ids = request.token_ids
+            context = ids[max(0, len(ids) - n - 8): len(ids) - n]
+            text = tokenizer.decode(context + ids[len(ids) - n:])[len(tokenizer.decode(context)):]
+            stage.parse(text, False)
+        return stage
 
     def parse(self, text: str, final: bool) -> list[Delta]:
         deltas = self._parser.feed(text, final)

@@ -53,6 +53,7 @@ class ResponseParsing(msgspec.Struct, omit_defaults=True):
     reasoning_started: bool | None = None
     parallel_tool_calls: bool | None = None
     forced_tool: str | None = None  # tool_choice under guided decoding: "required", or "function:NAME"
+    resumed_tokens: int | None = None  # a migrated request: the last N prompt tokens were generated already
 
 
 class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
