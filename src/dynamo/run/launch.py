@@ -112,7 +112,7 @@ async def run(cfg: RunConfig) -> int:
         card.display_name, engine_name, card.context_length, card.kv_cache_block_size, card.eos_token_ids,
         "yes" if card.chat_template else "no",
     )
-    log.info("model %r: tool-call parser %s, reasoning parser %s", card.display_name,
+    log.debug("model %r: tool-call parser %s, reasoning parser %s", card.display_name,
              card.tool_call_parser or "none", card.reasoning_parser or "none")
     if cfg.input_kind == "endpoint":
         from dynamo.inputs.endpoint import run_worker
