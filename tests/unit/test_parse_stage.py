@@ -151,7 +151,7 @@ def test_tool_choice_required_and_named_need_guided_decoding(tiny_model: Path):
 
 def test_tool_choice_through_guided_decoding(tiny_model: Path):
     card = load_hf_folder(tiny_model)
-    card.guided_decoding = True
+    card.guided_decoding = ["json"]
     pre = Preprocessor(card)
     named = pre.chat(*chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})).request
     assert named.sampling_options.guided_decoding == {"json": {"type": "object"}}
@@ -202,3 +202,36 @@ async def test_a_migrated_request_resumes_the_parser_where_the_dead_worker_left_
         resumed = msgspec.structs.replace(request, token_ids=request.token_ids + ids[:k],
                                           parsing=msgspec.structs.replace(request.parsing, resumed_tokens=k))
         assert fold(first + await items(resumed, ids[k:])) == expected, k
+
+
+def test_constraints_the_engine_cannot_honour_are_400s_naming_the_field(tiny_model: Path):
+    card = load_hf_folder(tiny_model)  # echo_core / llamacpp / mocker: no guided decoding
+    pre = Preprocessor(card)
+    cases = [({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+              "response_format"),
+             ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"nvext": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+             ({"logit_bias": {"50": 10}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format")]
+    for fields, param in cases:
+        with pytest.raises(RequestError) as e:
+            pre.chat(*chat(**fields))
+        assert e.value.param == param, fields
+    assert pre.chat(*chat(response_format={"type": "text"})).request.sampling_options.guided_decoding is None
+    card.guided_decoding = ["json"]
+    got = Preprocessor(card).chat(*chat(response_format={"type": "json_object"})).request.sampling_options
+    assert got.guided_decoding == {"json": {"type": "object"}}
+    with pytest.raises(RequestError) as e:
+        Preprocessor(card).chat(*chat(guided_regex="x"))
+    assert e.value.param == "guided_regex" and "json only" in str(e.value)
+
+
+def test_completions_fields_we_do_not_honour(tiny_model: Path):
+    from dynamo.llm.protocols.openai import parse_completion_request
+
+    pre = Preprocessor(load_hf_folder(tiny_model))
+    for fields, param in (({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"logit_bias": {"1": 1}}, "logit_bias"),
+                          ({"guided_json": {"type": "object"}}, "guided_json")):
+        raw = {"model": "tiny-chat", "prompt": "hello", **fields}
+        with pytest.raises(RequestError) as e:
+            pre.completion(parse_completion_request(raw), raw)
+        assert e.value.param == param

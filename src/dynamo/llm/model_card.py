@@ -37,9 +37,9 @@ class ModelCard:
     # chat template; then a parser name, or None for none.  A worker publishes its choice here.
     tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = "auto"
-    # the engine constrains output with ``sampling_options.guided_decoding`` (vllm, sglang, pytok engines
-    # that say so): tool_choice required / a named function are then honoured through it
-    guided_decoding: bool = False
+    # the kinds of ``sampling_options.guided_decoding`` the engine honours (json, regex, grammar, choice:
+    # vllm and sglang all, pytok files what they declare); others are 400s (constraints.py)
+    guided_decoding: list[str] = field(default_factory=list)
 
     @property
     def has_tokenizer(self) -> bool:

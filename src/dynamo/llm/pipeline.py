@@ -58,7 +58,7 @@ class CorePipeline:
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        pre = self.preprocessor.completion(req)
+        pre = self.preprocessor.completion(req, raw)
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
         return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.constraints import check_guided, check_unhonoured, response_format_guided
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
 from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
@@ -80,10 +81,30 @@ class Preprocessor:
         )
         token_ids = self.tokenizer.encode(prompt)
         request = self._build(req, token_ids, max_tokens_of(req))
-        if forced is not None:
-            request.sampling_options.guided_decoding = {"json": forced[1]}
+        self._constrain(request, raw, forced[1] if forced else None)
         request.parsing = self._parsing(req, prompt, tool_parser, forced[0] if forced else None)
         return Preprocessed(request, prompt)
+
+    def _constrain(self, request: PreprocessedRequest, raw: dict[str, Any] | None,
+                   tool_schema: dict[str, Any] | None = None) -> None:
+        """Add ``response_format`` / a forced tool call to the guided-decoding options; refuse what the
+        engine cannot honour (constraints.py)."""
+        so = request.sampling_options
+        guided, source = so.guided_decoding, None
+        if raw is not None:
+            check_unhonoured(raw)
+            fmt = response_format_guided(raw.get("response_format"))
+            if fmt is not None:
+                if guided:
+                    raise RequestError("response_format cannot be combined with guided_* fields", param="response_format")
+                guided, source = fmt, "response_format"
+        if tool_schema is not None:
+            if guided:
+                raise RequestError("tool_choice required or a named function cannot be combined with "
+                                   f"{source or 'guided_*'} constraints", param="tool_choice")
+            guided, source = {"json": tool_schema}, "tool_choice"
+        check_guided(guided, source, self.card.guided_decoding, self.card.display_name)
+        so.guided_decoding = guided
 
     def _tools(
         self, req: ChatCompletionRequest, raw: dict[str, Any]
@@ -104,14 +125,12 @@ class Preprocessor:
                 )
             return tools, self._tool_parser, None
         what = "required" if choice == "required" else "naming a function"
-        if not self.card.guided_decoding:
+        if "json" not in self.card.guided_decoding:
             raise RequestError(
                 f"tool_choice {what} needs guided decoding, which this model's engine does not do "
                 "(vllm and sglang do); use tool_choice 'auto'",
                 param="tool_choice",
             )
-        if _guided(req) is not None:
-            raise RequestError(f"tool_choice {what} cannot be combined with guided_* constraints", param="tool_choice")
         if choice == "required":
             return tools, None, ("required", required_schema(tools, req.parallel_tool_calls is False))
         name = req.tool_choice["function"]["name"]  # type: ignore[index]
@@ -142,7 +161,7 @@ class Preprocessor:
         )
 
     # -- completions: the prompt is used raw, as the OpenAI API defines it
-    def completion(self, req: CompletionRequest) -> Preprocessed:
+    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None) -> Preprocessed:
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
@@ -161,7 +180,9 @@ class Preprocessor:
                                "send one request per prompt", param="prompt")
         if not token_ids:
             raise RequestError("The prompt is empty", param="prompt")
-        return Preprocessed(self._build(req, token_ids, req.max_tokens), text)
+        request = self._build(req, token_ids, req.max_tokens)
+        self._constrain(request, raw if raw is not None else {k: getattr(req, k) for k in ("best_of", "suffix")})
+        return Preprocessed(request, text)
 
     def _build(
         self, req: ChatCompletionRequest | CompletionRequest, token_ids: list[int], max_tokens: int | None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
+from dynamo.llm.constraints import engine_guided_kinds
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.parsers.registry import resolve as resolve_parser
@@ -57,7 +58,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         await start()  # engines load weights here, off the event loop
     name = card.display_name
     if engine.kind == "core":
-        card.guided_decoding = bool(getattr(engine, "guided_decoding", False))
+        card.guided_decoding = engine_guided_kinds(getattr(engine, "guided_decoding", False))
         return CorePipeline(name, card, engine)
     for flag, value in (("--tool-call-parser", cfg.tool_call_parser), ("--reasoning-parser", cfg.reasoning_parser)):
         if value not in (None, "auto", "none"):
