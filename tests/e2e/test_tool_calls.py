@@ -176,3 +176,51 @@ def test_malformed_tool_choice_is_a_400(client: openai.OpenAI, choice: Any):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice)
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+# -- kill -9 mid-answer: the stream moves to another worker, whose parser picks up where it stopped ---------
+
+
+def test_worker_killed_mid_call_the_answer_continues_on_another(qwen3: Path):
+    import httpx
+
+    from tests.e2e.test_distributed import served_by, sse_events, wait_for_model, wait_until
+
+    engine_args = ("--", "--model-path", str(qwen3))
+    with EtcdServer() as etcd, NatsServer() as nats:
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "TOOL_ENGINE_DELAY_S": "0.02",
+               "DYN_LOG": "info,dynamo.llm.worker_handlers=debug"}
+        workers = [DynamoWorker("in=dyn://mig.qwen.generate", f"out=pytok:{ENGINE}", str(qwen3), "--model-name", MODEL,
+                                "--migration-limit", "1", *engine_args, env=env).start(wait=False) for _ in range(2)]
+        try:
+            for w in workers:
+                w.wait_ready()
+            with DynamoRun("out=dyn", env=env) as frontend:
+                wait_for_model(frontend, MODEL, "dyn://mig.qwen.generate", 2)
+                body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "stream": True}
+                events, victim = [], None
+                with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
+                                  headers={"x-request-id": "mig-tool-1"}) as resp:
+                    for data in sse_events(resp):
+                        if data == "[DONE]":
+                            break
+                        events.append(json.loads(data))
+                        calls = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("tool_calls")]
+                        if victim is None and len(calls) == 3:  # the name and two argument fragments are out
+                            victim = wait_until(lambda: served_by(workers, "mig-tool-1"), 2, "the serving worker")[0]
+                            victim.kill()
+        finally:
+            for w in workers:
+                w.stop()
+    assert victim is not None
+    other = workers[1 - workers.index(victim)]
+    assert "request mig-tool-1" in other.stderr_text(), "the stream did not move to the other worker"
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == \
+        "The user wants the weather in Paris. I should call get_weather."
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check.\n"
+    entries = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [t["function"].get("name") for t in entries if "id" in t] == ["get_weather"]  # one call, announced once
+    assert json.loads("".join(t["function"]["arguments"] for t in entries)) == {"city": "Paris", "unit": "celsius"}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+

@@ -8,6 +8,8 @@ an array of calls, or the arguments object; it says it honours guided decoding (
 """
 
 import argparse
+import asyncio
+import os
 import sys
 
 from tokenizers import Tokenizer
@@ -17,13 +19,15 @@ parser.add_argument("--model-path", required=True)
 args, _ = parser.parse_known_args(sys.argv[1:])
 TOKENIZER = Tokenizer.from_file(args.model_path + "/tokenizer.json")
 
+TURN = "<|im_start|>assistant\n"
+NO_THINK = "<think>\n\n</think>\n\n"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 THINK = "<think>\nThe user wants the weather in Paris. I should call get_weather.\n</think>\n\n"
 RESULT = '<tool_response>\n{"temperature": 18}\n</tool_response>'
 
 
 def answer(prompt: str) -> str:
-    thinking = not prompt.endswith("<think>\n\n</think>\n\n")
+    thinking = not prompt.endswith(NO_THINK)
     think = THINK if thinking else ""
     if RESULT in prompt and CALL in prompt:
         return think.replace("I should call get_weather", "I have the result") + "It is 18 degrees in Paris."
@@ -44,11 +48,22 @@ def guided(schema):
     return ARGS
 
 
+DELAY = float(os.environ.get("TOOL_ENGINE_DELAY_S", "0"))  # seconds per token (for kill tests)
+
+
 async def generate(request):
-    prompt = TOKENIZER.decode(request["token_ids"], skip_special_tokens=False)
+    ids = request["token_ids"]
+    prompt = TOKENIZER.decode(ids, skip_special_tokens=False)
+    cut = prompt.rfind(TURN) + len(TURN)  # the prompt as templated, without what a dead worker wrote
+    prompt = prompt[:cut] + (NO_THINK if prompt[cut:].startswith(NO_THINK) else "")
     constraint = request["sampling_options"]["guided_decoding"]
     text = guided(constraint["json"]) if constraint else answer(prompt)
-    for tid in TOKENIZER.encode(text, add_special_tokens=False).ids:
+    out = TOKENIZER.encode(text, add_special_tokens=False).ids
+    # a migrated request ends with what another worker already wrote: go on from there, as a model would
+    done = next((k for k in range(len(out), 0, -1) if ids[-k:] == out[:k]), 0)
+    for tid in out[done:]:
+        if DELAY:
+            await asyncio.sleep(DELAY)
         yield {"token_ids": [tid]}
     yield {"token_ids": [], "finish_reason": "stop"}
 
