@@ -49,7 +49,7 @@ def test_parse_with_a_pydantic_model(client):
 
 def test_json_object_streamed(client):
     stream = client.chat.completions.create(model=MODEL, messages=ask("Describe a cat in JSON."), temperature=0.7,
-                                            seed=3, max_tokens=80, response_format={"type": "json_object"},
+                                            seed=3, max_tokens=40, response_format={"type": "json_object"},
                                             stream=True)
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
