@@ -78,3 +78,13 @@ def test_what_llamacpp_cannot_do_is_a_400(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=5, extra_body=fields)
     assert e.value.body["param"] == param
+
+
+def test_n3_sampled_choices_differ(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Write a short poem."), n=3, temperature=1.0,
+                                       seed=7, max_tokens=12)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    again = client.chat.completions.create(model=MODEL, messages=ask("Write a short poem."), n=3, temperature=1.0,
+                                           seed=7, max_tokens=12)
+    assert [c.message.content for c in again.choices] == texts  # choice i is seeded with seed + i

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
+import msgspec
 import orjson
 
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
+from dynamo.errors import RequestError
 from dynamo.llm.engine import Context, Engine
+from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
@@ -55,12 +58,30 @@ class CorePipeline:
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
+        if (req.n or 1) > 1:
+            return self._choices(pre, req.n, lambda: ChatChunks(req.model, ctx.id), include_usage(req), ctx)  # type: ignore[arg-type]
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.completion(req, raw)
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
+        if (req.n or 1) > 1:
+            return self._choices(pre, req.n, lambda: CompletionChunks(req.model, ctx.id), include_usage(req), ctx,  # type: ignore[arg-type]
+                                 echo)
         return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
+
+    def _choices(self, pre: Preprocessed, n: int, make_chunks: Any, with_usage: bool, ctx: Context,
+                 echo: str | None = None) -> AsyncIterator[StreamItem]:
+        """``n`` > 1: n single-choice streams merged (fanout.py)."""
+        children = child_contexts(ctx, n)
+        streams = []
+        seed = pre.request.sampling_options.seed
+        for i, child in enumerate(children):
+            request = msgspec.structs.replace(pre.request, sampling_options=msgspec.structs.replace(
+                pre.request.sampling_options, n=None, seed=None if seed is None else seed + i))
+            streams.append(self._stream(Preprocessed(request, pre.formatted_prompt), make_chunks(), False, child, echo))
+        usage = make_chunks().usage if with_usage else None
+        return merge_choices(streams, ctx, children, usage)
 
     async def _stream(
         self,
@@ -140,10 +161,18 @@ class FullPipeline:
         self._pass_raw = bool(getattr(engine, "wants_raw_request", False))
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        self._check_n(req)
         return self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        self._check_n(req)
         return self._stream(req, raw, CompletionChunks(req.model, ctx.id), ctx)
+
+    def _check_n(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """Engines that take the request as sent (pystr, remote Chat workers) see ``n``; the others give
+        one choice, so more is a 400 rather than fewer choices than asked."""
+        if (req.n or 1) > 1 and not self._pass_raw:
+            raise RequestError("n > 1 is not supported by this engine", param="n")
 
     async def _stream(
         self,
