@@ -72,7 +72,7 @@ def test_guided_choice_and_grammar(client):
 @pytest.mark.parametrize("fields,param", [
     ({"guided_regex": "[0-9]+"}, "guided_regex"),
     ({"guided_grammar": "root ::= ("}, "guided_grammar"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
 ])
 def test_what_llamacpp_cannot_do_is_a_400(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -88,3 +88,19 @@ def test_n3_sampled_choices_differ(client):
     again = client.chat.completions.create(model=MODEL, messages=ask("Write a short poem."), n=3, temperature=1.0,
                                            seed=7, max_tokens=12)
     assert [c.message.content for c in again.choices] == texts  # choice i is seeded with seed + i
+
+
+def test_logit_bias(client):
+    from dynamo.llm.gguf_card import load_gguf
+    from dynamo.llm.tokenizer import Tokenizer
+
+    tok = Tokenizer(load_gguf(_smollm2()).tokenizer_json)  # type: ignore[arg-type]
+    (banana,) = tok.encode(" banana")
+    r = client.chat.completions.create(model=MODEL, messages=ask("What is 2+2?"), temperature=0, max_tokens=4,
+                                       logit_bias={str(banana): 100})
+    assert r.choices[0].message.content == " banana" * 4
+    free = client.chat.completions.create(model=MODEL, messages=ask("What is 2+2?"), temperature=0, max_tokens=4)
+    first = tok.encode(free.choices[0].message.content)[0]
+    r = client.chat.completions.create(model=MODEL, messages=ask("What is 2+2?"), temperature=0, max_tokens=4,
+                                       logit_bias={str(first): -100})
+    assert tok.encode(r.choices[0].message.content)[0] != first

@@ -235,3 +235,17 @@ def test_completions_fields_we_do_not_honour(tiny_model: Path):
         with pytest.raises(RequestError) as e:
             pre.completion(parse_completion_request(raw), raw)
         assert e.value.param == param
+
+
+def test_logit_bias_checked_and_passed_on(tiny_model: Path):
+    card = load_hf_folder(tiny_model)
+    with pytest.raises(RequestError) as e:
+        Preprocessor(card).chat(*chat(logit_bias={"5": 1}))  # the engine does not apply it
+    assert e.value.param == "logit_bias"
+    card.logit_bias = True
+    pre = Preprocessor(card)
+    assert pre.chat(*chat(logit_bias={"5": 10, 6: -100})).request.sampling_options.logit_bias == {"5": 10.0, "6": -100.0}
+    for bad in ({"x": 1}, {"999999": 1}, {"5": 101}, {"5": "high"}, [5]):
+        with pytest.raises(RequestError) as e:
+            pre.chat(*chat(logit_bias=bad))
+        assert e.value.param == "logit_bias", bad

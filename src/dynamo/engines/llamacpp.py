@@ -232,6 +232,7 @@ class BatchThreadTuner:
 class LlamaCppEngine:
     kind = "core"
     guided_decoding = GRAMMAR_KINDS  # json schemas, choices and GBNF through llama.cpp grammars
+    logit_bias = True  # llama.cpp's logit-bias sampler
 
     @property
     def capacity(self) -> int:
@@ -452,7 +453,7 @@ class LlamaCppEngine:
             if best.sampler is not None:
                 L.llama_sampler_free(best.sampler)
                 best.sampler = None
-            best.greedy = _is_greedy(req.sampling) and req.grammar is None
+            best.greedy = _is_greedy(req.sampling) and req.grammar is None and not req.sampling.logit_bias
             if not best.greedy:
                 best.sampler = self._make_sampler(req.sampling, req.grammar)
             self.reused_tokens += keep
@@ -473,7 +474,11 @@ class LlamaCppEngine:
     def _make_sampler(self, so: Any, grammar: str | None = None) -> Any:
         L = self._L
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if grammar is not None:  # first: the samplers after it only see tokens the grammar allows
+        if so.logit_bias:
+            biases = (L.llama_logit_bias * len(so.logit_bias))(
+                *(L.llama_logit_bias(int(k), float(v)) for k, v in so.logit_bias.items()))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(self._n_vocab, len(biases), biases))
+        if grammar is not None:  # the samplers after it only see tokens the grammar allows
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root"))
         temperature = 1.0 if so.temperature is None else so.temperature
         rep, freq, pres = so.repetition_penalty, so.frequency_penalty, so.presence_penalty

@@ -2,8 +2,8 @@
 
 ``response_format`` (``json_object``, ``json_schema``) becomes our ``guided_decoding`` dict like the
 ``guided_*`` fields; an engine that cannot constrain output that way makes the request a 400 naming the
-field, never a 200 with unconstrained text.  Known fields no token engine honours yet (``logit_bias``,
-``best_of`` > 1, ``suffix``) are 400s too.  A model card lists the kinds its engine does
+field, never a 200 with unconstrained text.  Known fields no token engine honours yet (
+``best_of`` > 1, ``suffix``) are 400s too, and so is ``logit_bias`` on an engine that does not apply it.  A model card lists the kinds its engine does
 (``guided_decoding``: json, regex, grammar, choice).
 """
 
@@ -57,10 +57,34 @@ def check_guided(guided: dict[str, Any] | None, source: str | None, supported: l
                                f"({does}), so it cannot honour this request", param=field)
 
 
+def logit_bias_of(raw: dict[str, Any], supported: bool, vocab_size: int) -> dict[str, float] | None:
+    """``logit_bias`` checked as OpenAI does (token ids in the vocabulary, biases in [-100, 100]); a 400 if
+    the engine cannot apply it."""
+    bias = raw.get("logit_bias")
+    if not bias:
+        return None
+    if not supported:
+        raise RequestError("logit_bias is not supported by this model's engine", param="logit_bias")
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must map token ids to biases", param="logit_bias")
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias: {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: token id {token} is out of vocabulary (size {vocab_size})",
+                               param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias: the bias of token {token} must be a number in [-100, 100]",
+                               param="logit_bias")
+        out[str(token)] = float(value)
+    return out
+
+
 def check_unhonoured(raw: dict[str, Any]) -> None:
     """Known OpenAI fields our token engines do not honour yet: a 400 rather than silence."""
-    if raw.get("logit_bias"):
-        raise RequestError("logit_bias is not supported by this model's engine", param="logit_bias")
     best_of = raw.get("best_of")
     if isinstance(best_of, int) and best_of > 1:
         raise RequestError("best_of > 1 is not supported (one sequence per request)", param="best_of")

@@ -40,6 +40,7 @@ class ModelCard:
     # the kinds of ``sampling_options.guided_decoding`` the engine honours (json, regex, grammar, choice:
     # vllm and sglang all, pytok files what they declare); others are 400s (constraints.py)
     guided_decoding: list[str] = field(default_factory=list)
+    logit_bias: bool = False  # the engine applies ``sampling_options.logit_bias`` (llamacpp, vllm)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -75,6 +76,7 @@ class ModelCard:
             "tool_call_parser": self.tool_call_parser,
             "reasoning_parser": self.reasoning_parser,
             "guided_decoding": self.guided_decoding,
+            "logit_bias": self.logit_bias,
         }
 
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
-from dynamo.llm.constraints import check_guided, check_unhonoured, response_format_guided
+from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
 from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
@@ -93,6 +93,7 @@ class Preprocessor:
         guided, source = so.guided_decoding, None
         if raw is not None:
             check_unhonoured(raw)
+            so.logit_bias = logit_bias_of(raw, self.card.logit_bias, self.tokenizer.vocab_size)
             fmt = response_format_guided(raw.get("response_format"))
             if fmt is not None:
                 if guided:

@@ -34,6 +34,7 @@ class SamplingOptions(msgspec.Struct, omit_defaults=False):
     length_penalty: float | None = None
     seed: int | None = None
     guided_decoding: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # ours: token id (as a string, as in JSON) -> bias
 
 
 class OutputOptions(msgspec.Struct, omit_defaults=False):
