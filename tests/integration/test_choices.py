@@ -57,3 +57,12 @@ def test_n_out_of_range_and_full_engines(core: openai.OpenAI, full_server: Dynam
     with pytest.raises(openai.BadRequestError) as e:
         full.chat.completions.create(model="echo", messages=HELLO, n=2)
     assert e.value.body["param"] == "n"  # type: ignore[index]
+
+
+def test_logprobs_we_cannot_return_are_a_400(core: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as e:
+        core.chat.completions.create(model="tiny-chat", messages=HELLO, logprobs=True, top_logprobs=2)
+    assert e.value.body["param"] == "logprobs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        core.completions.create(model="tiny-chat", prompt="hi", logprobs=1)
+    assert e.value.body["param"] == "logprobs"  # type: ignore[index]

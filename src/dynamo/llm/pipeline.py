@@ -58,12 +58,14 @@ class CorePipeline:
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
+        _no_logprobs(pre)
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: ChatChunks(req.model, ctx.id), include_usage(req), ctx)  # type: ignore[arg-type]
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.completion(req, raw)
+        _no_logprobs(pre)
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: CompletionChunks(req.model, ctx.id), include_usage(req), ctx,  # type: ignore[arg-type]
@@ -133,6 +135,13 @@ class CorePipeline:
         yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason)
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+
+
+def _no_logprobs(pre: Preprocessed) -> None:
+    """Token engines' logprobs do not reach the client yet (issue 11, item 4): say so rather than
+    answer with ``logprobs: null``."""
+    if pre.request.output_options.logprobs is not None:
+        raise RequestError("logprobs are not returned by this model's engine yet", param="logprobs")
 
 
 def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:
