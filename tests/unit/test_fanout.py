@@ -27,7 +27,7 @@ async def test_chunks_are_relabelled_and_counts_summed():
     ctx = Context()
     kids = child_contexts(ctx, 3)
     got = [c async for c in merge_choices([choice(k, 2) for k in kids], ctx, kids,
-                                          lambda p, c: {"usage": {"prompt_tokens": p, "completion_tokens": c}})]
+                                          lambda p, c, cached: {"usage": {"prompt_tokens": p, "completion_tokens": c}})]
     assert sorted(c["choices"][0]["index"] for c in got[:-1]) == [0, 0, 1, 1, 2, 2]
     assert got[-1] == {"usage": {"prompt_tokens": 5, "completion_tokens": 6}}
     assert (ctx.prompt_tokens, ctx.completion_tokens) == (5, 6)

@@ -33,7 +33,7 @@ async def merge_choices(
     streams: list[AsyncIterator[Any]],
     ctx: Context,
     children: list[Context],
-    usage: Callable[[int, int], dict[str, Any]] | None,
+    usage: Callable[[int, int, int | None], dict[str, Any]] | None,
 ) -> AsyncIterator[Any]:
     """Interleave the choices' chunks as they come, each relabelled with its choice index."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -58,6 +58,7 @@ async def merge_choices(
                 raise item
             ctx.completion_tokens = sum(c.completion_tokens for c in children)
             ctx.prompt_tokens = children[0].prompt_tokens
+            ctx.cached_tokens = children[0].cached_tokens
             if isinstance(item, Annotation):
                 if i == 0:  # the prompt's annotations are the same for every choice
                     yield item
@@ -66,7 +67,7 @@ async def merge_choices(
                 choice["index"] = i
             yield item
         if usage is not None:
-            yield usage(ctx.prompt_tokens, ctx.completion_tokens)
+            yield usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
     finally:
         for child in children:
             child.stop_generating()

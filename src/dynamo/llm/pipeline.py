@@ -81,7 +81,7 @@ class CorePipeline:
         for i, child in enumerate(children):
             request = msgspec.structs.replace(pre.request, sampling_options=msgspec.structs.replace(
                 pre.request.sampling_options, n=None, seed=None if seed is None else seed + i))
-            streams.append(self._stream(Preprocessed(request, pre.formatted_prompt), make_chunks(), False, child, echo))
+            streams.append(self._stream(type(pre)(request, pre.formatted_prompt), make_chunks(), False, child, echo))
         usage = make_chunks().usage if with_usage else None
         return merge_choices(streams, ctx, children, usage)
 

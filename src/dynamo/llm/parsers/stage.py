@@ -7,7 +7,7 @@ the same chunks.  A frontend passes a worker's deltas through and only parses te
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -17,7 +17,9 @@ from dynamo.llm.parsers.reasoning import ThinkParser
 from dynamo.llm.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from dynamo.llm.parsers.tool_calls.forced import NamedFunctionParser, RequiredCallsParser
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, ResponseParsing
-from dynamo.llm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from dynamo.llm.tokenizer import Tokenizer
 
 
 class ResponseParser:
