@@ -104,3 +104,15 @@ def test_logit_bias(client):
     r = client.chat.completions.create(model=MODEL, messages=ask("What is 2+2?"), temperature=0, max_tokens=4,
                                        logit_bias={str(first): -100})
     assert tok.encode(r.choices[0].message.content)[0] != first
+
+
+def test_tool_choice_named_and_required_through_a_grammar(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = client.chat.completions.create(model=MODEL, messages=ask("Weather in Paris?"), tools=tools,
+                                           tool_choice=choice, temperature=0, max_tokens=40)
+        assert r.choices[0].finish_reason == "tool_calls", r
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
