@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-
 from dynamo.llm.parsers.fold import ParsedFold
 from dynamo.llm.parsers.registry import (
     REASONING_PARSERS,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 import msgspec
 import orjson
 
-from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.errors import RequestError
+from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.model_card import ModelCard
