@@ -182,6 +182,10 @@ class TestVllmSampling:
         with pytest.raises(UserError, match="n > 1"):
             vl.sampling_params(request(sampling_options=SamplingOptions(n=2)))
 
+    def test_logit_bias(self) -> None:
+        req = request(sampling_options=SamplingOptions(logit_bias={"42": 5.0, "7": -100.0}))
+        assert vl.sampling_params(req)["logit_bias"] == {42: 5.0, 7: -100.0}
+
     def test_guided_decoding(self) -> None:
         req = request(sampling_options=SamplingOptions(guided_decoding={"json": {"type": "object"},
                                                                         "backend": "xgrammar"}))

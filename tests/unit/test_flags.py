@@ -61,6 +61,7 @@ def test_every_flag_of_the_usage_line_parses(tmp_path: Path):
         "--node-rank", "1", "--leader-addr", "10.0.0.1:9876", "--base-gpu-id", "3",
         "--extra-engine-args", str(args), "--router-mode", "kv", "--kv-overlap-score-weight", "2.5",
         "--router-temperature", "0.3", "--use-kv-events", "false", "--migration-limit", "3", "-vv",
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     )
     assert cfg.http_port == 1234 and cfg.http_host == "127.0.0.1"
     assert cfg.model_name == "served" and cfg.model_config == "/cfg"
@@ -71,6 +72,7 @@ def test_every_flag_of_the_usage_line_parses(tmp_path: Path):
     assert cfg.router_mode == "kv" and cfg.kv_overlap_score_weight == 2.5
     assert cfg.router_temperature == 0.3 and cfg.use_kv_events is False
     assert cfg.migration_limit == 3 and cfg.verbosity == 2
+    assert cfg.tool_call_parser == "hermes" and cfg.reasoning_parser == "qwen3"
 
 
 def test_verbosity_is_honoured_with_in_and_out():
@@ -110,6 +112,8 @@ def test_abbreviated_flags_are_not_guessed():
         (["--use-kv-events", "maybe"], "true or false"),
         (["--kv-overlap-score-weight", "-1"], "at least 0"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--tool-call-parser", "xml"], "--tool-call-parser 'xml' is not a known parser. Valid: auto, none, hermes"),
+        (["--reasoning-parser", "o1"], "--reasoning-parser 'o1' is not a known parser"),
     ],
 )
 def test_bad_values(argv, message):
@@ -122,7 +126,8 @@ def test_errors_point_to_help():
         parse("--bogus")
 
 
-@pytest.mark.parametrize("flag", [["--context-length", "100"], ["--kv-cache-block-size", "8"]])
+@pytest.mark.parametrize("flag", [["--context-length", "100"], ["--kv-cache-block-size", "8"],
+                                  ["--tool-call-parser", "hermes"], ["--reasoning-parser", "none"]])
 def test_worker_only_flags_are_rejected_on_a_frontend(flag):
     with pytest.raises(UserError, match="only be used on the worker"):
         parse("in=http", "out=dyn", *flag)

@@ -181,6 +181,9 @@ def test_greedy_sampling_clears_temperature_and_top_p(pre):
 
 
 def test_guided_decoding_root_wins_over_nvext(pre):
+    import dataclasses
+
+    pre = Preprocessor(dataclasses.replace(pre.card, guided_decoding=["json", "regex", "grammar", "choice"]))
     g = chat(pre, guided_regex="[0-9]+", nvext={"guided_regex": "[a-z]+"}).request.sampling_options.guided_decoding
     assert g == {"regex": "[0-9]+"}
     g = chat(pre, nvext={"guided_choice": ["yes", "no"]}).request.sampling_options.guided_decoding

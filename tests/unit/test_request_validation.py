@@ -99,7 +99,7 @@ def test_body_must_be_an_object():
 
 
 @pytest.mark.parametrize("fields", [{"max_tokens": 0}, {"max_completion_tokens": 0}, {"min_tokens": -1},
-                                    {"n": 2}, {"top_logprobs": 21}])
+                                    {"n": 17}, {"n": 0}, {"top_logprobs": 21}])
 def test_other_limits(fields):
     bad_chat(**fields)
 

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.engines.llamacpp_grammar import KINDS as GRAMMAR_KINDS
+from dynamo.engines.llamacpp_grammar import gbnf_for
+from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
@@ -62,6 +64,7 @@ class _Request:
     out: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
+    grammar: str | None = None  # GBNF from guided decoding (llamacpp_grammar.py)
 
 
 @dataclass
@@ -228,6 +231,8 @@ class BatchThreadTuner:
 
 class LlamaCppEngine:
     kind = "core"
+    guided_decoding = GRAMMAR_KINDS  # json schemas, choices and GBNF through llama.cpp grammars
+    logit_bias = True  # llama.cpp's logit-bias sampler
 
     @property
     def capacity(self) -> int:
@@ -375,7 +380,8 @@ class LlamaCppEngine:
         if sc.ignore_eos:
             eos = frozenset(sc.stop_token_ids_hidden or ())
         loop = asyncio.get_running_loop()
-        req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop)
+        req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
+                       grammar=self._grammar(request.sampling_options.guided_decoding))
         with self._cv:
             if self._closing:
                 raise EngineError("llamacpp engine is shutting down")
@@ -447,16 +453,33 @@ class LlamaCppEngine:
             if best.sampler is not None:
                 L.llama_sampler_free(best.sampler)
                 best.sampler = None
-            best.greedy = _is_greedy(req.sampling)
+            best.greedy = _is_greedy(req.sampling) and req.grammar is None and not req.sampling.logit_bias
             if not best.greedy:
-                best.sampler = self._make_sampler(req.sampling)
+                best.sampler = self._make_sampler(req.sampling, req.grammar)
             self.reused_tokens += keep
             log.debug("request %s: slot %d, %d prompt tokens, %d reused from the cache", req.ctx.id,
                       best.seq_id, len(req.prompt), keep)
 
-    def _make_sampler(self, so: Any) -> Any:
+    def _grammar(self, guided: dict[str, Any] | None) -> str | None:
+        """The request's grammar, checked by llama.cpp's parser now (a bad one is the client's 400)."""
+        grammar = gbnf_for(guided)
+        if grammar is not None:
+            L = self._L
+            probe = L.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            if not probe:
+                raise RequestError("llama.cpp cannot parse this grammar", param="guided_grammar")
+            L.llama_sampler_free(probe)
+        return grammar
+
+    def _make_sampler(self, so: Any, grammar: str | None = None) -> Any:
         L = self._L
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if so.logit_bias:
+            biases = (L.llama_logit_bias * len(so.logit_bias))(
+                *(L.llama_logit_bias(int(k), float(v)) for k, v in so.logit_bias.items()))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(self._n_vocab, len(biases), biases))
+        if grammar is not None:  # the samplers after it only see tokens the grammar allows
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root"))
         temperature = 1.0 if so.temperature is None else so.temperature
         rep, freq, pres = so.repetition_penalty, so.frequency_penalty, so.presence_penalty
         if (rep not in (None, 1.0)) or freq or pres:

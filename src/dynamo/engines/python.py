@@ -472,6 +472,12 @@ class PyTokEngine(_PythonEngine):
     kind = "core"
     mode = "pytok"
 
+    @property
+    def guided_decoding(self) -> Any:
+        """The guided-decoding kinds the file honours: it says so with ``generate.guided_decoding = True``
+        (all) or a list such as ``["json", "choice"]``; requests asking for others are 400s."""
+        return getattr(self._generate, "guided_decoding", False)
+
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         async for out in self._run(request.to_dict(), _engine_output):
             yield out

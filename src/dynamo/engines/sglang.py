@@ -175,6 +175,7 @@ class OutputConverter:
 
 class SglangEngine:
     kind = "core"
+    guided_decoding = True  # sampling_options.guided_decoding -> structured outputs
 
     def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):

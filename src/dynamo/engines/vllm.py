@@ -187,6 +187,8 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         params["logprobs"] = int(oo.logprobs)
     if oo.prompt_logprobs is not None:
         params["prompt_logprobs"] = int(oo.prompt_logprobs)
+    if so.logit_bias:
+        params["logit_bias"] = {int(k): float(v) for k, v in so.logit_bias.items()}
     guided = guided_decoding(so.guided_decoding)
     if guided is not None:
         params["structured_outputs"] = guided  # ``StructuredOutputsParams`` kwargs, as they are named
@@ -240,6 +242,8 @@ def _is_cpu_only() -> bool:
 
 class VllmEngine:
     kind = "core"
+    guided_decoding = True  # sampling_options.guided_decoding -> structured outputs
+    logit_bias = True  # -> SamplingParams.logit_bias
 
     def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):

@@ -1,17 +1,26 @@
-"""Fold a chunk stream into one unary response (spec 4.4, OpenAI shapes)."""
+"""Fold a chunk stream into one unary response (spec 4.4, OpenAI shapes), a choice per ``index``."""
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from dynamo.llm.chunks import Annotation, chunk_text, usage_dict
+from dynamo.llm.chunks import Annotation, usage_dict
 from dynamo.llm.engine import Context
+from dynamo.llm.parsers.fold import ParsedFold
 
 
-async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], str, str | None, dict[str, Any] | None]:
-    """(first chunk, the text, the last finish reason, the usage) of a chat or completions stream."""
-    parts: list[str] = []
-    finish: str | None = None
+class _Choice:
+    __slots__ = ("parts", "finish", "parsed")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.finish: str | None = None
+        self.parsed = ParsedFold()  # what a response parser added (reasoning, tool calls)
+
+
+async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], dict[int, _Choice], dict[str, Any] | None]:
+    """(first chunk, the choices by index, the usage) of a chat or completions stream."""
+    choices: dict[int, _Choice] = {}
     head: dict[str, Any] = {}
     usage = None
     async for chunk in stream:
@@ -20,17 +29,24 @@ async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], str, str | 
         head = head or chunk
         if chunk.get("usage"):
             usage = chunk["usage"]
-        text = chunk_text(chunk)
-        if text:
-            parts.append(text)
         for choice in chunk.get("choices") or ():
+            index = choice.get("index") or 0
+            acc = choices.get(index)
+            if acc is None:
+                acc = choices[index] = _Choice()
+            delta = choice.get("delta")
+            text = (delta or {}).get("content") if "delta" in choice else choice.get("text")
+            if text:
+                acc.parts.append(text)
             if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-    return head, "".join(parts), finish, usage
+                acc.finish = choice["finish_reason"]
+            if delta:
+                acc.parsed.add(delta)
+    return head, choices or {0: _Choice()}, usage
 
 
 async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
-    head, text, finish, usage = await _fold(stream)
+    head, choices, usage = await _fold(stream)
     return {
         "id": head.get("id", f"chatcmpl-{ctx.id}"),
         "object": "chat.completion",
@@ -38,24 +54,26 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
         "model": head.get("model", model),
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "index": i,
+                "message": c.parsed.message("".join(c.parts)),
                 "logprobs": None,
-                "finish_reason": finish or "stop",
+                "finish_reason": c.finish or "stop",
             }
+            for i, c in sorted(choices.items())
         ],
         "usage": usage or _usage(ctx),
     }
 
 
 async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) -> dict[str, Any]:
-    head, text, finish, usage = await _fold(stream)
+    head, choices, usage = await _fold(stream)
     return {
         "id": head.get("id", f"cmpl-{ctx.id}"),
         "object": "text_completion",
         "created": head.get("created", 0),
         "model": head.get("model", model),
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish or "stop"}],
+        "choices": [{"index": i, "text": "".join(c.parts), "logprobs": None, "finish_reason": c.finish or "stop"}
+                    for i, c in sorted(choices.items())],
         "usage": usage or _usage(ctx),
     }
 

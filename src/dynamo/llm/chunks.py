@@ -44,6 +44,19 @@ class ChatChunks:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
 
+    def parsed(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chunk for a delta from the response parser (reasoning_content or tool_calls or content)."""
+        if self._first:
+            self._first = False
+            delta = {"role": "assistant", "content": None, **delta}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
+
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
         return {
             "id": self.id,

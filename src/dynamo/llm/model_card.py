@@ -33,6 +33,14 @@ class ModelCard:
     bos_token_id: int | None = None
     user_data: dict[str, Any] | None = None
     gguf_path: Path | None = None
+    # response parsers (parsers/registry.py): "auto" until launch resolves it from the flags and the
+    # chat template; then a parser name, or None for none.  A worker publishes its choice here.
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = "auto"
+    # the kinds of ``sampling_options.guided_decoding`` the engine honours (json, regex, grammar, choice:
+    # vllm and sglang all, pytok files what they declare); others are 400s (constraints.py)
+    guided_decoding: list[str] = field(default_factory=list)
+    logit_bias: bool = False  # the engine applies ``sampling_options.logit_bias`` (llamacpp, vllm)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -65,6 +73,10 @@ class ModelCard:
             "eos_token_ids": self.eos_token_ids,
             "bos_token_id": self.bos_token_id,
             "user_data": self.user_data,
+            "tool_call_parser": self.tool_call_parser,
+            "reasoning_parser": self.reasoning_parser,
+            "guided_decoding": self.guided_decoding,
+            "logit_bias": self.logit_bias,
         }
 
     @classmethod

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
+import msgspec
 import orjson
 
+from dynamo.errors import RequestError
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
+from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.model_card import ModelCard
+from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,12 +58,32 @@ class CorePipeline:
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
+        _no_logprobs(pre)
+        if (req.n or 1) > 1:
+            return self._choices(pre, req.n, lambda: ChatChunks(req.model, ctx.id), include_usage(req), ctx)  # type: ignore[arg-type]
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        pre = self.preprocessor.completion(req)
+        pre = self.preprocessor.completion(req, raw)
+        _no_logprobs(pre)
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
+        if (req.n or 1) > 1:
+            return self._choices(pre, req.n, lambda: CompletionChunks(req.model, ctx.id), include_usage(req), ctx,  # type: ignore[arg-type]
+                                 echo)
         return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
+
+    def _choices(self, pre: Preprocessed, n: int, make_chunks: Any, with_usage: bool, ctx: Context,
+                 echo: str | None = None) -> AsyncIterator[StreamItem]:
+        """``n`` > 1: n single-choice streams merged (fanout.py)."""
+        children = child_contexts(ctx, n)
+        streams = []
+        seed = pre.request.sampling_options.seed
+        for i, child in enumerate(children):
+            request = msgspec.structs.replace(pre.request, sampling_options=msgspec.structs.replace(
+                pre.request.sampling_options, n=None, seed=None if seed is None else seed + i))
+            streams.append(self._stream(type(pre)(request, pre.formatted_prompt), make_chunks(), False, child, echo))
+        usage = make_chunks().usage if with_usage else None
+        return merge_choices(streams, ctx, children, usage)
 
     async def _stream(
         self,
@@ -81,6 +105,7 @@ class CorePipeline:
         from dynamo.llm.backend import PostProcessor
 
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
+        stage = ParseStage.for_request(request) if isinstance(chunks, ChatChunks) else None
         gen = self.engine.generate(request, ctx)
         reason: str | None = None
         try:
@@ -89,21 +114,34 @@ class CorePipeline:
                     ctx.cached_tokens = min(out.cached_tokens, ctx.prompt_tokens)
                 text, reason = post.process(out)
                 ctx.completion_tokens = post.generated
-                if text:
+                if stage is not None:
+                    for delta in stage.deltas(out, text, reason is not None):
+                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                elif text:
                     yield chunks.delta(text)
                 if reason is not None:
                     break
             else:
                 tail = post.end()
-                if tail:
+                if stage is not None:
+                    for delta in stage.parse(tail, True):
+                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                elif tail:
                     yield chunks.delta(tail)
                 reason = post.finished
         finally:
             ctx.stop_generating()  # idempotent: tells the engine we are done, whatever ended the loop
             await gen.aclose()
-        yield chunks.delta(None, reason)
+        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason)
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+
+
+def _no_logprobs(pre: Preprocessed) -> None:
+    """Token engines' logprobs do not reach the client yet (issue 11, item 4): say so rather than
+    answer with ``logprobs: null``."""
+    if pre.request.output_options.logprobs is not None:
+        raise RequestError("logprobs are not returned by this model's engine yet", param="logprobs")
 
 
 def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:
@@ -132,10 +170,18 @@ class FullPipeline:
         self._pass_raw = bool(getattr(engine, "wants_raw_request", False))
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        self._check_n(req)
         return self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
+        self._check_n(req)
         return self._stream(req, raw, CompletionChunks(req.model, ctx.id), ctx)
+
+    def _check_n(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """Engines that take the request as sent (pystr, remote Chat workers) see ``n``; the others give
+        one choice, so more is a 400 rather than fewer choices than asked."""
+        if (req.n or 1) > 1 and not self._pass_raw:
+            raise RequestError("n > 1 is not supported by this engine", param="n")
 
     async def _stream(
         self,

@@ -7,15 +7,20 @@ the context window gets a 400 like vLLM's.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
 from dynamo.llm.model_card import ModelCard
+from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
+from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
 from dynamo.llm.protocols.common import (
     OutputOptions,
     PreprocessedRequest,
+    ResponseParsing,
     SamplingOptions,
     StopConditions,
 )
@@ -43,6 +48,10 @@ class Preprocessor:
         self.card = card
         self.tokenizer = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
         self._template: ChatTemplate | None = None
+        # a card says a parser name, None (none), or "auto" (a card nobody resolved, e.g. an older worker's)
+        tool, reasoning = card.tool_call_parser, card.reasoning_parser
+        self._tool_parser = resolve("tool", tool, card.chat_template) if tool is not None else None
+        self._reasoning_parser = resolve("reasoning", reasoning, card.chat_template) if reasoning is not None else None
         if card.chat_template:
             self._template = ChatTemplate(
                 card.chat_template,
@@ -63,17 +72,97 @@ class Preprocessor:
         if add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
             add_generation_prompt = req.messages[-1].role != "assistant"
+        tools, tool_parser, forced = self._tools(req, raw)
         prompt = self._template.render(
             messages,
-            tools=raw.get("tools"),
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             extra=req.chat_template_kwargs,
         )
         token_ids = self.tokenizer.encode(prompt)
-        return Preprocessed(self._build(req, token_ids, max_tokens_of(req)), prompt)
+        request = self._build(req, token_ids, max_tokens_of(req))
+        self._constrain(request, raw, forced[1] if forced else None)
+        request.parsing = self._parsing(req, prompt, tool_parser, forced[0] if forced else None)
+        return Preprocessed(request, prompt)
+
+    def _constrain(self, request: PreprocessedRequest, raw: dict[str, Any] | None,
+                   tool_schema: dict[str, Any] | None = None) -> None:
+        """Add ``response_format`` / a forced tool call to the guided-decoding options; refuse what the
+        engine cannot honour (constraints.py)."""
+        so = request.sampling_options
+        guided, source = so.guided_decoding, None
+        if raw is not None:
+            check_unhonoured(raw)
+            so.logit_bias = logit_bias_of(raw, self.card.logit_bias, self.tokenizer.vocab_size)
+            fmt = response_format_guided(raw.get("response_format"))
+            if fmt is not None:
+                if guided:
+                    raise RequestError("response_format cannot be combined with guided_* fields", param="response_format")
+                guided, source = fmt, "response_format"
+        if tool_schema is not None:
+            if guided:
+                raise RequestError("tool_choice required or a named function cannot be combined with "
+                                   f"{source or 'guided_*'} constraints", param="tool_choice")
+            guided, source = {"json": tool_schema}, "tool_choice"
+        check_guided(guided, source, self.card.guided_decoding, self.card.display_name)
+        so.guided_decoding = guided
+
+    def _tools(
+        self, req: ChatCompletionRequest, raw: dict[str, Any]
+    ) -> tuple[Any, str | None, tuple[str, dict[str, Any]] | None]:
+        """(the tools for the template, the tool-call parser to run, and for ``required`` or a named
+        function: the forced mode and its guided-decoding JSON schema) as ``tool_choice`` asks."""
+        tools = raw.get("tools") or None
+        choice = tool_choice_kind(req.tool_choice, bool(tools))
+        if tools is None or choice == "none":
+            return None, None, None  # "none": the model is not told about tools, so it cannot call one
+        if choice == "auto":
+            if self._tool_parser is None:
+                raise RequestError(
+                    f"model {self.card.display_name!r} has no tool-call parser: its chat template does not "
+                    "show a tool-call format we know. Start it with --tool-call-parser NAME "
+                    f"({', '.join(TOOL_CALL_PARSERS)})",
+                    param="tools",
+                )
+            return tools, self._tool_parser, None
+        what = "required" if choice == "required" else "naming a function"
+        if "json" not in self.card.guided_decoding:
+            raise RequestError(
+                f"tool_choice {what} needs guided decoding, which this model's engine does not do "
+                "(vllm and sglang do); use tool_choice 'auto'",
+                param="tool_choice",
+            )
+        if choice == "required":
+            return tools, None, ("required", required_schema(tools, req.parallel_tool_calls is False))
+        name = req.tool_choice["function"]["name"]  # type: ignore[index]
+        tool = next((t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name), None)
+        if tool is None:
+            raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+        return tools, None, (f"function:{name}", named_schema(tool))
+
+    def _parsing(
+        self, req: ChatCompletionRequest, prompt: str, tool_parser: str | None, forced: str | None
+    ) -> ResponseParsing | None:
+        if forced is not None:  # guided decoding: the output is the JSON of the call(s), nothing else
+            return ResponseParsing(forced_tool=forced, parallel_tool_calls=req.parallel_tool_calls)
+        reasoning = self._reasoning_parser
+        if tool_parser is None and reasoning is None:
+            return None
+        started = None
+        if reasoning is not None:
+            if (req.chat_template_kwargs or {}).get("enable_thinking") is False:
+                started = False
+            elif prompt.rstrip().endswith("<think>"):
+                started = True  # the template opened the think block: the output starts inside it
+        return ResponseParsing(
+            tool_call_parser=tool_parser,
+            reasoning_parser=reasoning,
+            reasoning_started=started,
+            parallel_tool_calls=req.parallel_tool_calls if tool_parser else None,
+        )
 
     # -- completions: the prompt is used raw, as the OpenAI API defines it
-    def completion(self, req: CompletionRequest) -> Preprocessed:
+    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None) -> Preprocessed:
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
@@ -92,7 +181,9 @@ class Preprocessor:
                                "send one request per prompt", param="prompt")
         if not token_ids:
             raise RequestError("The prompt is empty", param="prompt")
-        return Preprocessed(self._build(req, token_ids, req.max_tokens), text)
+        request = self._build(req, token_ids, req.max_tokens)
+        self._constrain(request, raw if raw is not None else {k: getattr(req, k) for k in ("best_of", "suffix")})
+        return Preprocessed(request, text)
 
     def _build(
         self, req: ChatCompletionRequest | CompletionRequest, token_ids: list[int], max_tokens: int | None
@@ -165,11 +256,56 @@ class Preprocessor:
 
 
 def _template_message(raw: dict[str, Any], content: Any) -> dict[str, Any]:
-    """The message as the template sees it: as sent, with text parts joined into a string."""
+    """The message as the template sees it: as sent, with text parts joined into a string.
+
+    An assistant turn that only called tools comes back from clients with ``content: null`` and the
+    arguments as a JSON string; templates expect a string content (Qwen3's tests ``'</think>' in
+    content``) and the arguments as an object (Llama 3's writes ``arguments | tojson``), as vLLM and
+    transformers give them."""
     if isinstance(raw.get("content"), list):
         raw = dict(raw)
         raw["content"] = content_text(content)
+    if raw.get("role") == "assistant":
+        if raw.get("content") is None:
+            raw = dict(raw)
+            raw["content"] = ""
+        calls = raw.get("tool_calls")
+        if calls:
+            raw = dict(raw)
+            raw["tool_calls"] = [_call_with_object_args(c) for c in calls]
     return raw
+
+
+def _call_with_object_args(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def tool_choice_kind(choice: Any, have_tools: bool) -> str:
+    """``tool_choice`` as one of none/auto/required/named; a malformed one is a 400."""
+    if choice is None:
+        return "auto" if have_tools else "none"
+    if choice in ("none", "auto", "required"):
+        kind = choice
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
+        kind = "named"
+    else:
+        raise RequestError(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}', param="tool_choice"
+        )
+    if kind in ("required", "named") and not have_tools:
+        raise RequestError(f"tool_choice '{kind if kind == 'required' else 'function'}' needs tools", param="tool_choice")
+    return kind
 
 
 def _guided(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 from dynamo.llm.backend import PostProcessor
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.model_card import ModelCard
+from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ def backend_handler(card: ModelCard, engine: Engine):
                 await gen.aclose()
             return
         post = PostProcessor(tokenizer, req)
+        stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
         try:
             async for out in gen:
                 text, reason = post.process(out)
@@ -62,11 +64,12 @@ def backend_handler(card: ModelCard, engine: Engine):
                     item["cached_tokens"] = out.cached_tokens
                 if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
                     item["disaggregated_params"] = out.disaggregated_params
-                yield item
+                yield item if stage is None else stage.annotate(item)
                 if reason is not None:
                     return
             tail = post.end()
-            yield {"token_ids": [], "text": tail, "finish_reason": post.finished}
+            item = {"token_ids": [], "text": tail, "finish_reason": post.finished}
+            yield item if stage is None else stage.annotate(item)
         finally:
             ctx.stop_generating()
             await gen.aclose()

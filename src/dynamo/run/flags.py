@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from dynamo.errors import UserError
+from dynamo.llm.parsers.registry import reasoning_parser_names, tool_call_parser_names
 
 ENGINES = [
     "echo_full", "echo_core", "mocker", "llamacpp", "mistralrs", "vllm", "sglang", "trtllm",
@@ -40,6 +41,7 @@ USAGE = (
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
     "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
+    "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
     "[-v|-vv] [-- <python engine args>]"
 )
 
@@ -122,6 +124,8 @@ class RunConfig:
     disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)
     max_local_prefill_length: int | None = None  # frontend side; None: the default of llm/disagg/plan.py
     batch_concurrency: int = 16
+    tool_call_parser: str | None = None  # None: auto (from the chat template)
+    reasoning_parser: str | None = None
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
 
@@ -228,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--disaggregation-mode", choices=DISAGG_MODES, default="agg", help="worker side: agg prefills and decodes (default), prefill only prefills and hands the KV state to a decode worker, decode decodes (and prefills when no prefill worker did)")
     p.add_argument("--max-local-prefill-length", type=_int("--max-local-prefill-length", 0), help="frontend side: prompts with at most this many tokens not cached on the decode worker are prefilled there, not on a prefill worker (default 128)")
+    p.add_argument("--tool-call-parser", metavar="NAME", help="how to read tool calls from the model's text: "
+                   + ", ".join(tool_call_parser_names()) + " (default auto: from the chat template; worker side)")
+    p.add_argument("--reasoning-parser", metavar="NAME", help="how to split reasoning from the answer: "
+                   + ", ".join(reasoning_parser_names()) + " (default auto: from the chat template; worker side)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
@@ -322,6 +330,8 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         disaggregation_mode=ns.disaggregation_mode,
         max_local_prefill_length=ns.max_local_prefill_length,
         batch_concurrency=ns.batch_concurrency,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
         verbosity=ns.verbosity,
         extra_args=extra,
     )
@@ -360,7 +370,9 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("Cannot use endpoint for both in and out")
     if cfg.engine == "dyn":
         for flag, value in (("--context-length", cfg.context_length),
-                            ("--kv-cache-block-size", cfg.kv_cache_block_size)):
+                            ("--kv-cache-block-size", cfg.kv_cache_block_size),
+                            ("--tool-call-parser", cfg.tool_call_parser),
+                            ("--reasoning-parser", cfg.reasoning_parser)):
             if value is not None:
                 raise UserError(f"'{flag}' flag should only be used on the worker node, not on the ingress")
     if cfg.max_inflight is not None and cfg.input_kind not in ("endpoint", "http"):
@@ -374,6 +386,10 @@ def validate(cfg: RunConfig) -> None:
                             f"between workers; engines that can: {', '.join(DISAGG_ENGINES)}")
     if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
         raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
+    for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, tool_call_parser_names()),
+                               ("--reasoning-parser", cfg.reasoning_parser, reasoning_parser_names())):
+        if value is not None and value not in names:
+            raise UserError(f"{flag} {value!r} is not a known parser. Valid: {', '.join(names)}")
     if cfg.engine == "mocker" and cfg.input_kind != "endpoint":
         raise UserError("out=mocker simulates a distributed worker: use it with in=dyn://namespace.component.endpoint")
     if cfg.node_rank >= cfg.num_nodes:

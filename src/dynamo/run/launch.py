@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
+from dynamo.llm.constraints import engine_guided_kinds
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_manager import ModelManager
+from dynamo.llm.parsers.registry import resolve as resolve_parser
 from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
 from dynamo.run.flags import RunConfig
 from dynamo.run.model import resolve_card
@@ -56,7 +58,13 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         await start()  # engines load weights here, off the event loop
     name = card.display_name
     if engine.kind == "core":
+        card.guided_decoding = engine_guided_kinds(getattr(engine, "guided_decoding", False))
+        card.logit_bias = bool(getattr(engine, "logit_bias", False))
         return CorePipeline(name, card, engine)
+    for flag, value in (("--tool-call-parser", cfg.tool_call_parser), ("--reasoning-parser", cfg.reasoning_parser)):
+        if value not in (None, "auto", "none"):
+            raise UserError(f"{flag} works with token engines; out={engine_name} reads the OpenAI request and "
+                            "writes the answer itself, so parsing is its own")
     tokenizer = None
     if card.has_tokenizer:
         from dynamo.llm.tokenizer import Tokenizer
@@ -99,11 +107,15 @@ async def run(cfg: RunConfig) -> int:
             raise
         card = ModelCard.placeholder(cfg.model_name or Path(cfg.model).name)
     engine_name = choose_engine(cfg, card)
+    card.tool_call_parser = resolve_parser("tool", cfg.tool_call_parser, card.chat_template)
+    card.reasoning_parser = resolve_parser("reasoning", cfg.reasoning_parser, card.chat_template)
     log.debug(
         "model %r: engine %s, context length %d, kv block size %d, eos ids %s, chat template %s",
         card.display_name, engine_name, card.context_length, card.kv_cache_block_size, card.eos_token_ids,
         "yes" if card.chat_template else "no",
     )
+    log.debug("model %r: tool-call parser %s, reasoning parser %s", card.display_name,
+             card.tool_call_parser or "none", card.reasoning_parser or "none")
     if cfg.input_kind == "endpoint":
         from dynamo.inputs.endpoint import run_worker
 

@@ -34,6 +34,7 @@ class SamplingOptions(msgspec.Struct, omit_defaults=False):
     length_penalty: float | None = None
     seed: int | None = None
     guided_decoding: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # ours: token id (as a string, as in JSON) -> bias
 
 
 class OutputOptions(msgspec.Struct, omit_defaults=False):
@@ -41,6 +42,19 @@ class OutputOptions(msgspec.Struct, omit_defaults=False):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     formatted_prompt: bool | None = None
+
+
+class ResponseParsing(msgspec.Struct, omit_defaults=True):
+    """How to parse the response (ours, not in the original): parser names from the model card, and
+    the request's switches.  ``reasoning_started``: True when the prompt ends inside ``<think>``, False
+    when the client turned thinking off (``chat_template_kwargs.enable_thinking``)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    reasoning_started: bool | None = None
+    parallel_tool_calls: bool | None = None
+    forced_tool: str | None = None  # tool_choice under guided decoding: "required", or "function:NAME"
+    resumed_tokens: int | None = None  # a migrated request: the last N prompt tokens were generated already
 
 
 class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
@@ -58,6 +72,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     # disaggregated serving: the prefill worker's KV transfer ticket (llm/disagg/transfer.py), set by the
     # frontend on the request it sends to the decode worker
     disaggregated_params: dict[str, Any] | None = None
+    parsing: ResponseParsing | None = None  # ours: tool-call and reasoning parsing (parsers/stage.py)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -96,6 +111,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
     # a prefill worker's answer carries its KV transfer ticket here (llm/disagg/transfer.py)
     disaggregated_params: dict[str, Any] | None = None
+    deltas: list[dict[str, Any]] | None = None  # ours: OpenAI deltas a worker parsed from the text
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

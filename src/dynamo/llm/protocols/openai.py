@@ -100,6 +100,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # n: each choice is an engine request of its own (llm/fanout.py)
 
 
 def parse_chat_request(raw: Any) -> ChatCompletionRequest:
@@ -191,8 +192,8 @@ def _validate_common(req: _SamplingFields) -> None:
         raise RequestError("max_tokens must be at least 1", param="max_tokens")
     if req.min_tokens is not None and req.min_tokens < 0:
         raise RequestError("min_tokens must be at least 0", param="min_tokens")
-    if req.n is not None and req.n != 1:
-        raise RequestError("Only n=1 is supported", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise RequestError(f"n must be between 1 and {MAX_CHOICES}", param="n")
     stops = stop_list(req.stop)
     if stops and len(stops) > MAX_STOP_SEQUENCES:
         raise RequestError(

