@@ -8,7 +8,19 @@ tokens to the asyncio side in one ``call_soon_threadsafe``.  Requests join and l
 
 A slot keeps the KV cache of its last sequence; a new request goes to the free slot sharing the longest
 prefix with its prompt, and only the tail after the shared prefix is computed again (multi-turn chats
-and shared system prompts skip most of their prefill).
+and shared system prompts skip most of their prefill).  When a *busy* slot shares a clearly longer
+prefix (a group of users on one system prompt, sent here together by a KV router), that slot's cache is
+copied into the least recently used free slot (``llama_memory_seq_cp``: one copy of the sequence's
+buffer, far cheaper than recomputing a long prefix).  So every block any slot holds can be reused, which
+is what the KV router assumes.  A request whose consumer went away or stopped frees its slot before the
+next admission, so a follow-up turn finds the previous turn's slot free.
+
+KV events (slot_blocks.py) and load metrics.  Once :meth:`LlamaCppEngine.attach` connects publishers (a
+worker, ``in=dyn://``), the scheduler names every complete block of ``kv_cache_block_size`` tokens that a
+slot computes with the router's hashes and reports ``stored`` / ``removed`` / ``cleared`` events, handed to
+the event loop once per step, and load metrics (active slots, waiting requests, cached blocks against
+capacity) whenever they change, at most every 10 ms.  Each request's first item says how many of its
+prompt tokens came from the cache (``EngineOutput.cached_tokens``).
 
 Threads.  ggml synchronises its threads hundreds of times per decode step (a barrier per graph node), so
 a thread count equal to the core count is fastest on a quiet machine and collapses when the cores are
@@ -40,8 +52,13 @@ from typing import Any, AsyncIterator
 
 from dynamo.engines.llamacpp_grammar import KINDS as GRAMMAR_KINDS
 from dynamo.engines.llamacpp_grammar import gbnf_for
+from dynamo.engines.slot_blocks import SlotBlocks
 from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
+from dynamo.llm.kv_router.protocols import CLEARED_DATA
+from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.llm.model_card import DEFAULT_KV_CACHE_BLOCK_SIZE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -52,6 +69,10 @@ ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatc
                "type_k", "type_v", "seed"}
 # KV cache types accepted for type_k / type_v (ggml_type values)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+# copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
+COPY_MIN_TOKENS = 32
+METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
+HIT_RATE_WINDOW = 1000  # requests in the prefix-cache hit rate
 
 
 @dataclass
@@ -65,6 +86,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
     grammar: str | None = None  # GBNF from guided decoding (llamacpp_grammar.py)
+    cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
 
 
 @dataclass
@@ -240,7 +262,7 @@ class LlamaCppEngine:
         return self.n_parallel
 
     def __init__(self, gguf_path: Path, *, context_length: int, args: dict[str, Any] | None = None,
-                 verbose: bool = False):
+                 verbose: bool = False, block_size: int = DEFAULT_KV_CACHE_BLOCK_SIZE):
         args = dict(args or {})
         unknown = set(args) - ENGINE_ARGS
         if unknown:
@@ -280,9 +302,23 @@ class LlamaCppEngine:
         self._stats: list[Any] = [0, 0, 0.0, 0.0, 0]
         self._stats_at = time.perf_counter()
         self._last_end = 0.0
+        # KV events and load metrics (attach); the scheduler thread tracks, the event loop publishes
+        self.block_size = block_size
+        self.slot_blocks = SlotBlocks(block_size)
+        self.kv_state = WorkerKvState()
+        self.worker_id = 0
+        self.publish_metrics: Publisher | None = None
+        self._tracking = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hits: deque[float] = deque(maxlen=HIT_RATE_WINDOW)
+        self._metrics_key: tuple[int, int, int] | None = None
+        self._metrics_sent_at = 0.0
+        self._metrics_timer: asyncio.TimerHandle | None = None
+        self.copies = 0
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._load)
         self._thread = threading.Thread(target=self._run, name="llamacpp-scheduler", daemon=True)
         self._thread.start()
@@ -364,6 +400,101 @@ class LlamaCppEngine:
                   self.decoded_tokens, self.reused_tokens, self.tuner.switches if self.tuner else "-",
                   self.tuner.skipped if self.tuner else "-", self.tuner.summary() if self.tuner else "-")
 
+    # -- KV events and load metrics (a worker wires these) --------------------------------------
+    def attach(self, worker_id: int, *, publish_kv_event: Publisher | None = None,
+               publish_metrics: Publisher | None = None) -> None:
+        """Publish KV events and load metrics as ``worker_id`` (call on the event loop, before serving).
+
+        Starts with ``cleared``: whatever a router believed about this worker id is void."""
+        self._loop = asyncio.get_running_loop()
+        self.worker_id = worker_id
+        self.kv_state.worker_id = worker_id
+        self.kv_state.publish = publish_kv_event
+        self.publish_metrics = publish_metrics
+        with self._cv:
+            self.slot_blocks = SlotBlocks(self.block_size)
+            for slot in self._slots:  # anything cached before now is named from scratch
+                self.slot_blocks.extend(slot.seq_id, slot.cached)
+            self._tracking = True
+            events = [CLEARED_DATA, *self.slot_blocks.take_events()]
+        for data in events:
+            self.kv_state.send(data)
+        self._metrics_changed()
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return True
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        """Every cached block, as the events so far describe it (the ``kv_state`` query)."""
+        return self.kv_state.dump()
+
+    @property
+    def runtime_config(self) -> dict[str, Any]:
+        return {"total_kv_blocks": self._total_blocks(), "max_num_seqs": self.n_parallel,
+                "max_num_batched_tokens": self.n_batch, "kv_cache_block_size": self.block_size}
+
+    def _total_blocks(self) -> int:
+        return self.n_parallel * (self.n_ctx_seq // self.block_size)
+
+    def load_metrics(self, dp_rank: int = 0) -> dict[str, Any]:
+        """ForwardPassMetrics, as the mocker's: busy slots, waiting requests, cached blocks / capacity."""
+        total = max(1, self._total_blocks())
+        cached = self.slot_blocks.cached_blocks if self._tracking else sum(
+            len(s.cached) // self.block_size for s in self._slots)
+        hits = list(self._hits)
+        return {
+            "worker_stats": {"data_parallel_rank": 0,
+                             "request_active_slots": sum(1 for s in self._slots if s.req is not None),
+                             "request_total_slots": self.n_parallel, "num_requests_waiting": len(self._waiting)},
+            "kv_stats": {"kv_active_blocks": cached, "kv_total_blocks": total,
+                         "gpu_cache_usage_perc": min(1.0, cached / total),
+                         "gpu_prefix_cache_hit_rate": sum(hits) / len(hits) if hits else 0.0},
+            "spec_decode_stats": None,
+        }
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return [self.load_metrics()]
+
+    def _metrics_changed(self) -> None:
+        """On the loop: push the load metrics if they changed, at most every METRICS_INTERVAL_S."""
+        if self.publish_metrics is None or self._metrics_timer is not None or self._loop is None:
+            return
+        key = (sum(1 for s in self._slots if s.req is not None), len(self._waiting),
+               self.slot_blocks.cached_blocks)
+        if key == self._metrics_key:
+            return
+        wait = self._metrics_sent_at + METRICS_INTERVAL_S - self._loop.time()
+        if wait > 0:
+            self._metrics_timer = self._loop.call_later(wait, self._metrics_due)
+            return
+        self._metrics_key = key
+        self._metrics_sent_at = self._loop.time()
+        emit(self.publish_metrics, {"worker_id": self.worker_id, "data": self.load_metrics()}, "load metrics")
+
+    def _metrics_due(self) -> None:
+        self._metrics_timer = None
+        self._metrics_changed()
+
+    def _on_kv_changes(self, events: list[Any]) -> None:
+        """On the loop, in step order: publish one step's KV events, then the metrics if they moved."""
+        for data in events:
+            self.kv_state.send(data)
+        self._metrics_changed()
+
+    def _flush_kv_changes(self) -> None:
+        """In the scheduler thread, after admitting or a step: hand the changes to the loop."""
+        if not self._tracking or self._loop is None:
+            return
+        events = self.slot_blocks.take_events()
+        key = (sum(1 for s in self._slots if s.req is not None), len(self._waiting), self.slot_blocks.cached_blocks)
+        if not events and key == self._metrics_key:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._on_kv_changes, events)
+        except RuntimeError:  # the loop is closed
+            pass
+
     # -- the asyncio side ---------------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         if self._thread is None:
@@ -387,6 +518,7 @@ class LlamaCppEngine:
                 raise EngineError("llamacpp engine is shutting down")
             self._waiting.append(req)
             self._cv.notify()
+        self._metrics_changed()
         try:
             while True:
                 item = await req.out.get()
@@ -408,8 +540,10 @@ class LlamaCppEngine:
                         self._cv.wait()
                     if self._closing:
                         break
+                    self._reap()
                     self._admit()
                 self._step()
+                self._flush_kv_changes()
         except Exception as e:  # never leave requests hanging if llama.cpp fails
             log.exception("llama.cpp scheduler failed")
             self._fail_active(f"llama.cpp failed: {e}")
@@ -430,8 +564,20 @@ class LlamaCppEngine:
             waiting, self._waiting = list(self._waiting), deque()
         self._deliver([(r, why) for r in waiting])
 
+    def _reap(self) -> None:
+        """Free the slots of requests whose consumer went away or asked to stop (a finished turn whose
+        stream the post-processor ended), so that the next request can use their caches."""
+        dropped = []
+        for slot in self._slots:
+            req = slot.req
+            if req is not None and (req.cancelled or req.ctx.is_stopped):
+                dropped.append((req, EngineOutput(finish_reason="cancelled")))
+                self._finish(slot)
+        self._deliver(dropped)
+
     def _admit(self) -> None:
-        """Move waiting requests into free slots, each to the slot sharing the longest prompt prefix."""
+        """Move waiting requests into free slots, each to the slot sharing the longest prompt prefix
+        (copied from a busy slot when that one shares clearly more)."""
         while self._waiting:
             free = [s for s in self._slots if s.req is None]
             if not free:
@@ -440,13 +586,32 @@ class LlamaCppEngine:
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
-            best = max(free, key=lambda s: (_common_prefix(s.cached, req.prompt), -s.used_at))
-            keep = min(_common_prefix(best.cached, req.prompt), len(req.prompt) - 1)
+            prefix = {s.seq_id: _common_prefix(s.cached, req.prompt) for s in self._slots}
+            best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
+            keep = min(prefix[best.seq_id], len(req.prompt) - 1)
             L = self._L
+            donor = max((s for s in self._slots if s.req is not None), key=lambda s: prefix[s.seq_id], default=None)
+            if donor is not None and min(prefix[donor.seq_id], len(req.prompt) - 1) >= keep + COPY_MIN_TOKENS:
+                # a busy slot holds much more of this prompt: copy its cache over the least recently used
+                # free slot (the copy runs at the start of the next llama_decode)
+                best = min(free, key=lambda s: s.used_at)
+                keep = min(prefix[donor.seq_id], len(req.prompt) - 1)
+                L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
+                L.llama_memory_seq_cp(self._mem, donor.seq_id, best.seq_id, -1, -1)
+                self.copies += 1
+                if self._tracking:
+                    self.slot_blocks.copy(donor.seq_id, best.seq_id, keep)
+                log.debug("request %s: slot %d copies %d cached tokens from busy slot %d", req.ctx.id,
+                          best.seq_id, keep, donor.seq_id)
+                best.cached = donor.cached[:keep]
             if not L.llama_memory_seq_rm(self._mem, best.seq_id, keep, -1):
                 L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
                 keep = 0
+            if self._tracking:
+                self.slot_blocks.truncate(best.seq_id, keep)
             best.cached = req.prompt[:keep]
+            req.cached_tokens = keep
+            self._hits.append(keep / len(req.prompt))
             best.pending = req.prompt[keep:]
             best.req = req
             best.generated = 0
@@ -518,14 +683,7 @@ class LlamaCppEngine:
         n = 0
         outputs: list[tuple[_Slot, int]] = []  # (slot, batch index whose logits to sample)
         budget = self.n_batch
-        # drop requests whose consumer went away or asked to stop
-        dropped = []
-        for slot in self._slots:
-            req = slot.req
-            if req is not None and (req.cancelled or req.ctx.is_stopped):
-                dropped.append((req, EngineOutput(finish_reason="cancelled")))
-                self._finish(slot)
-        self._deliver(dropped)
+        self._reap()  # drop requests whose consumer went away or asked to stop
         # decode tokens first (one each), so running streams never wait behind a long prefill
         for slot in self._slots:
             if slot.req is not None and not slot.pending:
@@ -569,9 +727,15 @@ class LlamaCppEngine:
                     items.append((slot.req, msg))
                     L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
                     slot.cached = []
+                    if self._tracking:
+                        self.slot_blocks.truncate(slot.seq_id, 0)
                     self._finish(slot)
             self._deliver(items)
             return
+        if self._tracking:  # name the blocks this step completed
+            for slot in self._slots:
+                if slot.req is not None:
+                    self.slot_blocks.extend(slot.seq_id, slot.cached)
         if threads:
             self.tuner.record(threads, n, dt)
         self.decoded_tokens += n
@@ -610,7 +774,10 @@ class LlamaCppEngine:
                 reason = "eos"
             elif slot.generated >= req.max_tokens:
                 reason = "length"
-            deliveries.append((req, EngineOutput(token_ids=[tok], finish_reason=reason)))
+            out = EngineOutput(token_ids=[tok], finish_reason=reason)
+            if slot.generated == 1:
+                out.cached_tokens = req.cached_tokens
+            deliveries.append((req, out))
             if reason is not None:
                 self._finish(slot)
         self._deliver(deliveries)

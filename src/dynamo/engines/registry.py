@@ -76,7 +76,7 @@ def _llamacpp(cfg: Any, card: ModelCard) -> Engine:
     ctx_len = card.context_length or DEFAULT_MAX_CTX_PER_SEQ
     card.context_length = ctx_len
     return LlamaCppEngine(card.gguf_path, context_length=ctx_len, args=extra_engine_args(cfg),
-                          verbose=getattr(cfg, "verbosity", 0) >= 2)
+                          verbose=getattr(cfg, "verbosity", 0) >= 2, block_size=card.kv_cache_block_size)
 
 
 def _pystr(cfg: Any, card: ModelCard) -> Engine:

@@ -14,6 +14,7 @@ from typing import Any
 
 from dynamo.errors import UserError
 from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.register import publish_model
 from dynamo.llm.worker_handlers import backend_handler, chat_handler
@@ -51,12 +52,16 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
         served = await build_served_model(cfg, card, engine_name)
         engine = served.engine  # type: ignore[attr-defined]
         attach = getattr(engine, "attach", None)
-        if attach is not None:  # engines that publish KV events and load metrics (mocker)
-            from dynamo.llm.kv_routing import serve_load_metrics, worker_event_publishers
+        publishes_kv_events = False
+        if attach is not None:  # engines that publish KV events and load metrics (mocker, llamacpp)
+            from dynamo.llm.kv_routing import serve_kv_state, serve_load_metrics, worker_event_publishers
 
             publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
             attach(endpoint.lease_id(), publish_kv_event=publish_kv_event, publish_metrics=publish_metrics)
             await serve_load_metrics(endpoint, engine)
+            publishes_kv_events = bool(getattr(engine, "publishes_kv_events", False))
+            if publishes_kv_events and hasattr(engine, "kv_state_dump"):
+                await serve_kv_state(endpoint, engine)
         mode = getattr(cfg, "disaggregation_mode", "agg")
         if mode != "agg" and getattr(engine, "supports_state_io", False):
             # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)
@@ -79,8 +84,10 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
             waiter.cancel()
             serving.result()  # raises why serving failed
             raise UserError(f"Endpoint service completed unexpectedly for endpoint: {ident}")
-        # frontends read max_inflight_requests to route around this worker while it is full
+        # frontends read max_inflight_requests to route around this worker while it is full, and whether
+        # they can follow this worker's cache through KV events
         runtime_config = dict(getattr(engine, "runtime_config", None) or {}, max_inflight_requests=limit)
+        runtime_config[PUBLISHES_KV_EVENTS] = publishes_kv_events
         await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
         log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
                  endpoint.lease_id())

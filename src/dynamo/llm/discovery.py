@@ -187,6 +187,7 @@ class ModelWatcher:
                 log.info("model %s: also served by dyn://%s.%s.%s (requests go to the instances of %d endpoints)",
                          entry.name, *ep_key, len(served.endpoints) + 1)
             served.endpoints.setdefault(ep_key, set()).add(key)
+            _worker_added(served.router, entry)
             return
         client = ModelClient([await self._client_for(ep_key)])
         card = await load_card(self.runtime.nats, entry.card)
@@ -212,6 +213,7 @@ class ModelWatcher:
                 log.warning("model %s: %s models are not served by this frontend", entry.name, entry.model_type.value)
             return
         self._served[entry.name] = served
+        _worker_added(served.router, entry)
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
 
@@ -253,7 +255,7 @@ class ModelWatcher:
             return
         if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
             return
-        if self.router_config.use_kv_events:
+        if getattr(kv, "use_kv_events", False):  # the router follows KV events (not the approximate indexer)
             await subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"), kv.apply_event)
         await subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
                         kv.apply_active_sequence_event)
@@ -349,6 +351,12 @@ class ModelWatcher:
                 log.info("removed model %s: no worker serves it any more", entry.name)
             else:
                 log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
+
+
+def _worker_added(router: Any, entry: ModelEntry) -> None:
+    added = getattr(router, "add_worker", None)  # KV routers ask a new worker what it caches
+    if added is not None:
+        added(entry)
 
 
 async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:

@@ -5,29 +5,66 @@ router keeps its radix tree from them (or, with ``--use-kv-events false``, predi
 own decisions).  Every decision is published on ``namespace.<ns>.kv-hit-rate``.  Frontends share their
 in-flight bookkeeping on ``...component.<comp>.active_sequences_events`` so several frontends in front
 of the same workers see each other's load and do not pile onto one worker.
+
+The indexer follows KV events only if the model's workers say they publish them
+(``runtime_config.publishes_kv_events`` in their model entries); otherwise, or with
+``--use-kv-events false``, the router predicts the cache from its own decisions (approximate indexer),
+and says once per model which it does.  With KV events, every worker that appears (and every worker
+after a NATS reconnect, when events may have been lost) is asked for the blocks it holds, on its
+``kv_state`` endpoint, so a frontend that starts next to busy workers is not blind.  Each router sends a
+heartbeat with its in-flight requests every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings
+expire when its heartbeats stop (router.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import orjson
 
-from dynamo.llm.kv_router import KvRouter
+from dynamo.llm.kv_router import ApproxKvIndexer, KvRouter
+from dynamo.llm.kv_router.router import DEFAULT_PEER_TTL_S
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
 
 log = logging.getLogger(__name__)
 
+KV_STATE_ENDPOINT = "kv_state"
+KV_STATE_TIMEOUT_S = 5.0
+RECONNECT_CHECK_S = 0.5
+
+
+def peer_ttl() -> float:
+    """Seconds of silence after which a peer router's bookings are dropped (``DYN_ROUTER_PEER_TTL``)."""
+    raw = os.environ.get("DYN_ROUTER_PEER_TTL")
+    try:
+        return float(raw) if raw else DEFAULT_PEER_TTL_S
+    except ValueError:
+        log.warning("DYN_ROUTER_PEER_TTL=%r is not a number; using %.0f s", raw, DEFAULT_PEER_TTL_S)
+        return DEFAULT_PEER_TTL_S
+
+
+def publishes_kv_events(entry: Any) -> bool:
+    return bool((entry.runtime_config or {}).get(PUBLISHES_KV_EVENTS))
+
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, nats: Any):
+    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, entry: Any = None):
         self.router = router
         self._nats = nats
+        self._runtime = runtime
+        self._entry = entry
         self._subs: list[Any] = []
         self._tracked: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers: set[int] = set()
+        self._kv_state_client: Any = None
+        self._timer: asyncio.Task[None] | None = None
+        self._mismatch_logged = False
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: Any) -> Any:
         body_id = rt_ctx.id()
@@ -53,7 +90,75 @@ class KvRouterPolicy:
         self.router.on_finished(request_id)
 
     def remove_worker(self, worker_id: int) -> None:
+        self._workers.discard(worker_id)
         self.router.remove_worker(worker_id)
+
+    def add_worker(self, entry: Any) -> None:
+        """A worker's model entry appeared: with KV events, ask it what it caches already."""
+        events = not isinstance(self.router.indexer, ApproxKvIndexer)
+        if publishes_kv_events(entry) != events and self.router.use_kv_events and not self._mismatch_logged:
+            self._mismatch_logged = True
+            log.warning("model %s: worker %x %s KV events but the router uses %s; all workers of a model "
+                        "should run the same engine", entry.name, entry.instance_id,
+                        "publishes" if publishes_kv_events(entry) else "does not publish",
+                        "them" if events else "the approximate indexer")
+        if entry.instance_id in self._workers:
+            return
+        self._workers.add(entry.instance_id)
+        if events and self._runtime is not None and publishes_kv_events(entry):
+            self._spawn(self._resync(entry.instance_id))
+
+    def start(self) -> None:
+        self._timer = asyncio.create_task(self._tick(), name="kv-router-timer")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resync(self, worker_id: int) -> None:
+        """Ask ``worker_id`` for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+        self.router.begin_resync(worker_id)
+        try:
+            async with asyncio.timeout(KV_STATE_TIMEOUT_S):
+                client = self._kv_state_client
+                if client is None:
+                    e = self._entry
+                    endpoint = self._runtime.namespace(e.namespace).component(e.component).endpoint(KV_STATE_ENDPOINT)
+                    client = self._kv_state_client = await endpoint.client()
+                while worker_id not in client.instance_ids():
+                    await asyncio.sleep(0.05)
+                async for dump in client.direct({}, worker_id):
+                    n = self.router.apply_dump(worker_id, dump)
+                    log.info("KV state of worker %x: %d cached blocks", worker_id, n)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # gone, or an engine without the query: its events will do
+            log.info("KV state of worker %x not read: %s", worker_id, str(e) or type(e).__name__)
+        finally:
+            self.router.end_resync(worker_id)
+
+    async def _tick(self) -> None:
+        """Heartbeats to peer routers, their expiry, and a resync of every worker after a NATS reconnect."""
+        interval = self.router.peer_ttl / 3
+        loop = asyncio.get_running_loop()
+        next_beat = 0.0
+        reconnects = _reconnects(self._nats)
+        while True:
+            now = loop.time()
+            if now >= next_beat:
+                next_beat = now + interval
+                self.router.heartbeat()
+                self.router.expire_peers()
+            seen = _reconnects(self._nats)
+            if seen != reconnects:
+                reconnects = seen
+                if not isinstance(self.router.indexer, ApproxKvIndexer):
+                    log.info("NATS reconnected: asking %d worker(s) for their KV state again", len(self._workers))
+                    for w in list(self._workers):
+                        self._spawn(self._resync(w))
+            await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
 
     async def subscribe(self, subject: str, handler: Any) -> None:
         async def cb(msg: Any) -> None:
@@ -62,6 +167,18 @@ class KvRouterPolicy:
         self._subs.append(await self._nats.subscribe(subject, cb=cb))
 
     async def close(self) -> None:
+        tasks = [t for t in (self._timer, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._timer = None
+        if self._kv_state_client is not None:
+            try:
+                await self._kv_state_client.close()
+            except Exception:
+                pass
+            self._kv_state_client = None
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -78,24 +195,33 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
             return nats.publish(subject, orjson.dumps(event))
         return publish
 
+    events = cfg.use_kv_events and publishes_kv_events(entry)
     router = KvRouter(
         block_size=card.kv_cache_block_size,
         overlap_score_weight=cfg.kv_overlap_score_weight,
         temperature=cfg.router_temperature,
-        use_kv_events=cfg.use_kv_events,
+        use_kv_events=events,
         publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
         publish_active_sequence=publisher(
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
+        peer_ttl=peer_ttl(),
     )
-    policy = KvRouterPolicy(router, nats)
-    if cfg.use_kv_events:
+    router.use_kv_events = cfg.use_kv_events  # what was asked for; the indexer says what it got
+    policy = KvRouterPolicy(router, nats, runtime=runtime, entry=entry)
+    if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
     await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
                            router.apply_active_sequence_event)
+    if events:
+        how = "KV events"
+    elif not cfg.use_kv_events:
+        how = "approximate indexer (--use-kv-events false)"
+    else:
+        how = "approximate indexer (its workers do not publish KV events)"
     log.info("KV router for %s: block size %d, overlap weight %.2f, temperature %.2f, %s",
-             entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature,
-             "KV events" if cfg.use_kv_events else "approximate (no KV events)")
+             entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature, how)
+    policy.start()
     return policy
 
 
@@ -125,3 +251,19 @@ async def serve_load_metrics(endpoint: Any, engine: Any) -> asyncio.Task[None]:
             yield metrics
 
     return asyncio.create_task(metrics_ep.serve_endpoint(handler), name="load-metrics")
+
+
+async def serve_kv_state(endpoint: Any, engine: Any) -> asyncio.Task[None]:
+    """A ``kv_state`` endpoint answering with every block the engine caches (``engine.kv_state_dump()``),
+    for routers that start after the worker."""
+    ep = endpoint.component.endpoint(KV_STATE_ENDPOINT)
+
+    async def handler(request: Any):
+        yield engine.kv_state_dump()
+
+    return asyncio.create_task(ep.serve_endpoint(handler), name="kv-state")
+
+
+def _reconnects(nats: Any) -> int:
+    stats = getattr(nats, "stats", None)
+    return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0

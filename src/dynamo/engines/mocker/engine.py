@@ -43,14 +43,14 @@ from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
 from dynamo.llm.disagg.transfer import Ticket, TransferError
 from dynamo.errors import EngineError, RequestError, UserError
 from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.protocols import kv_event, removed_data, stored_data
+from dynamo.llm.kv_router.protocols import removed_data, stored_data
 from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.kv_router.worker_state import WorkerKvState
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 8192
-_MASK64 = (1 << 64) - 1
 
 
 class MockerEngine:
@@ -75,7 +75,7 @@ class MockerEngine:
         self.mode = mode
         self.imported = 0  # requests decoded from a prefill worker's (simulated) KV state
         self.rng = random.Random(seed)
-        self._event_ids = itertools.count(self.rng.getrandbits(32))
+        self.kv_state = WorkerKvState(worker_id, publish_kv_event, first_event_id=self.rng.getrandbits(32))
         self._request_ids = itertools.count()
         self.schedulers = [
             Scheduler(self.args, dp_rank=r, seed=self.rng.getrandbits(64),
@@ -90,6 +90,17 @@ class MockerEngine:
         self.worker_id = worker_id
         self.publish_kv_event = publish_kv_event
         self.publish_metrics = publish_metrics
+        self.kv_state.worker_id = worker_id
+        self.kv_state.publish = publish_kv_event
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether routers can follow this worker's cache through its KV events (prefix caching on)."""
+        return self.args.enable_prefix_caching
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        """Every cached block, for a router that starts late (the ``kv_state`` query)."""
+        return self.kv_state.dump()
 
     @property
     def capacity(self) -> int:
@@ -225,14 +236,11 @@ class MockerEngine:
         return next_token
 
     # -- events and metrics --------------------------------------------------------------------
-    def _wrap(self, data: Any) -> dict[str, Any]:
-        return kv_event(self.worker_id, next(self._event_ids) & _MASK64, data)
-
     def _on_stored(self, parent: int | None, blocks: list[tuple[int, int]]) -> None:
-        emit(self.publish_kv_event, self._wrap(stored_data(parent, blocks)), "KV event")
+        self.kv_state.send(stored_data(parent, blocks))
 
     def _on_removed(self, block_hashes: list[int]) -> None:
-        emit(self.publish_kv_event, self._wrap(removed_data(block_hashes)), "KV event")
+        self.kv_state.send(removed_data(block_hashes))
 
     def _on_metrics(self, sched: Scheduler) -> None:
         emit(self.publish_metrics, {"worker_id": self.worker_id, "data": sched.metrics()}, "load metrics")

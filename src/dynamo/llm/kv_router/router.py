@@ -6,6 +6,15 @@ Transport-free: KV events come in through :meth:`KvRouter.apply_event`; what the
 out through optional publisher callbacks (publisher.py): the hit-rate event after each decision and,
 for router replica sync, the active-sequence events, which peers feed to
 :meth:`KvRouter.apply_active_sequence_event`.  Everything runs on one event loop, without locks.
+
+A router that starts (or reconnects) late asks each worker for the blocks it holds (the ``kv_state``
+query, worker_state.py) and applies the answer with :meth:`KvRouter.apply_dump`; events that arrive
+meanwhile are kept (:meth:`KvRouter.begin_resync`) and those newer than the dump are replayed after it.
+
+Peers' bookings expire: every router sends a heartbeat listing its in-flight requests every
+``peer_ttl / 3`` seconds (:meth:`KvRouter.heartbeat`, through ``publish_active_sequence``); a peer's
+booking that its heartbeat no longer lists is freed, and so is every booking of a peer silent for
+``peer_ttl`` seconds (a frontend that crashed leaves no phantom load behind).
 """
 
 from __future__ import annotations
@@ -20,13 +29,14 @@ import orjson
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
 from dynamo.llm.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
-from dynamo.llm.kv_router.protocols import KvEvent
+from dynamo.llm.kv_router.protocols import EventError, KvEvent, StoredBlock, parse_kv_event
 from dynamo.llm.kv_router.publisher import Publisher, emit
 from dynamo.llm.kv_router.scheduler import ActiveSequences, WorkerCost, compute_costs, select_worker
 
 log = logging.getLogger(__name__)
 
 WorkerId = int
+DEFAULT_PEER_TTL_S = 10.0
 
 
 class RoutingDecision(NamedTuple):
@@ -42,7 +52,7 @@ class KvRouter:
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic,
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
-                 router_id: str | None = None):
+                 router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -61,6 +71,12 @@ class KvRouter:
         self.router_id = router_id or str(uuid.uuid4())
         self.trackers: dict[WorkerId, ActiveSequences] = {}
         self._owner: dict[str, WorkerId] = {}  # request id -> worker it was routed to
+        self.clock = clock
+        self.peer_ttl = peer_ttl
+        self._peer_of: dict[str, str] = {}  # request id -> the peer router that booked it
+        self._peer_seen: dict[str, float] = {}  # peer router id -> when we last heard from it
+        self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
+        self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: list[WorkerCost] = []  # of the last decision, for logs and tests
 
     # -- per request ---------------------------------------------------------------------------
@@ -71,6 +87,8 @@ class KvRouter:
         candidates = list(dict.fromkeys(workers))
         if not candidates:
             raise ValueError("no workers to route to")
+        if self._peer_seen:
+            self.expire_peers()
         local = compute_block_hashes(token_ids, self.block_size)
         seq = compute_seq_hashes(local)
         overlaps = self.indexer.find_matches(local, seq)
@@ -128,7 +146,57 @@ class KvRouter:
         """One KV event from a worker (raw JSON or parsed).  Ignored when not using KV events."""
         if isinstance(self.indexer, ApproxKvIndexer):
             return False
+        if self._resync or self._dumped_upto:
+            if not isinstance(event, KvEvent):
+                try:
+                    event = parse_kv_event(event)
+                except EventError as e:
+                    self.indexer.events_rejected += 1
+                    log.warning("undecodable KV event skipped: %s", e)
+                    return False
+            upto = self._dumped_upto.get(event.worker_id)
+            if upto is not None and event.event_id <= upto:
+                return False  # already part of the dump we applied
+            pending = self._resync.get(event.worker_id)
+            if pending is not None:
+                pending.append(event)
         return self.indexer.apply_event(event)
+
+    def begin_resync(self, worker_id: WorkerId) -> None:
+        """A dump of ``worker_id``'s blocks was asked for: keep its events until it is applied."""
+        self._resync.setdefault(worker_id, [])
+
+    def end_resync(self, worker_id: WorkerId) -> None:
+        """The dump will not come (worker gone, no ``kv_state`` endpoint): stop keeping events."""
+        self._resync.pop(worker_id, None)
+
+    def apply_dump(self, worker_id: WorkerId, dump: dict[str, Any]) -> int:
+        """Replace what we know of ``worker_id``'s cache with its ``kv_state`` answer (worker_state.py),
+        then replay the events newer than the dump.  Returns the number of blocks applied."""
+        pending = self._resync.pop(worker_id, [])
+        if isinstance(self.indexer, ApproxKvIndexer):
+            return 0
+        tree = self.indexer.tree
+        tree.remove_worker(worker_id)
+        n = 0
+        chain: list[StoredBlock] = []
+        chain_parent: int | None = None
+        for h, tokens_hash, parent in dump.get("blocks") or ():
+            if chain and parent == chain[-1].block_hash:
+                chain.append(StoredBlock(int(h), int(tokens_hash)))
+                continue
+            if chain:
+                n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+            chain, chain_parent = [StoredBlock(int(h), int(tokens_hash))], parent
+        if chain:
+            n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+        last = dump.get("last_event_id")
+        if last is not None:
+            self._dumped_upto[worker_id] = int(last)
+        for event in pending:
+            if last is None or event.event_id > last:
+                self.indexer.apply_event(event)
+        return n
 
     def apply_active_sequence_event(self, event: bytes | str | dict[str, Any]) -> bool:
         """An add/mark/free update from a peer router (replica sync).  Our own echoes are ignored."""
@@ -136,20 +204,31 @@ class KvRouter:
             if not isinstance(event, dict):
                 event = orjson.loads(event)
             assert isinstance(event, dict)
-            if event.get("router_id") == self.router_id:
+            peer = event.get("router_id")
+            if peer == self.router_id:
                 return False
+            if peer is not None:
+                self._peer_seen[str(peer)] = self.clock()
+            data = event["data"]
+            if isinstance(data, dict) and "Heartbeat" in data:
+                live = {str(r) for r in data["Heartbeat"].get("request_ids") or ()}
+                for rid in [r for r, p in self._peer_of.items() if p == peer and r not in live]:
+                    self._free_peer(rid)
+                return True
             request_id = str(event["request_id"])
             worker = int(event["worker_id"])
-            data = event["data"]
             if isinstance(data, dict) and "AddRequest" in data:
                 add = data["AddRequest"]
                 blocks = [int(b) for b in add["token_sequence"]]
                 prefill = int(add["isl"]) - int(add.get("overlap", 0)) * self.block_size
                 self._add(request_id, worker, blocks, prefill)
+                if peer is not None:
+                    self._peer_of[request_id] = str(peer)
             elif data == "MarkPrefillCompleted":
                 if worker in self.trackers:
                     self.trackers[worker].mark_prefill_completed(request_id)
             elif data == "Free":
+                self._peer_of.pop(request_id, None)
                 self._owner.pop(request_id, None)
                 if worker in self.trackers:
                     self.trackers[worker].free(request_id)
@@ -160,13 +239,43 @@ class KvRouter:
             log.warning("bad active-sequence event skipped: %s", e)
             return False
 
+    def heartbeat(self) -> None:
+        """Tell peers which of their copies of our bookings are still live (call every peer_ttl / 3)."""
+        own = [rid for rid in self._owner if rid not in self._peer_of]
+        emit(self.publish_active_sequence, {"request_id": "", "worker_id": 0, "router_id": self.router_id,
+                                            "data": {"Heartbeat": {"request_ids": own}}}, "router heartbeat")
+
+    def expire_peers(self, now: float | None = None) -> int:
+        """Free every booking of a peer router not heard from for ``peer_ttl`` seconds; returns how many."""
+        now = self.clock() if now is None else now
+        dead = {p for p, seen in self._peer_seen.items() if now - seen > self.peer_ttl}
+        if not dead:
+            return 0
+        gone = [rid for rid, p in self._peer_of.items() if p in dead]
+        for rid in gone:
+            self._free_peer(rid)
+        for p in dead:
+            del self._peer_seen[p]
+        log.info("peer router(s) %s silent for %.0f s: freed their %d booking(s)", ", ".join(sorted(dead)),
+                 self.peer_ttl, len(gone))
+        return len(gone)
+
+    def _free_peer(self, request_id: str) -> None:
+        self._peer_of.pop(request_id, None)
+        worker = self._owner.pop(request_id, None)
+        if worker is not None and worker in self.trackers:
+            self.trackers[worker].free(request_id)
+
     def remove_worker(self, worker_id: WorkerId) -> None:
         """A worker left: forget its cached blocks and the requests tracked on it."""
         self.indexer.remove_worker(worker_id)
+        self._resync.pop(worker_id, None)
+        self._dumped_upto.pop(worker_id, None)
         tracker = self.trackers.pop(worker_id, None)
         if tracker is not None:
             for rid in tracker.requests:
                 self._owner.pop(rid, None)
+                self._peer_of.pop(rid, None)
 
     # -- queries -------------------------------------------------------------------------------
     def find_matches(self, token_ids: Sequence[int]) -> OverlapScores:
