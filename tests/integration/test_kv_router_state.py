@@ -178,3 +178,29 @@ def test_workers_without_kv_events_get_the_approximate_indexer(servers, tiny_mod
             fe.stop()
         for w in ws:
             w.kill()
+
+
+def test_after_a_nats_restart_the_frontend_asks_again(tiny_model: Path, tmp_path):
+    args_file = tmp_path / "mocker.json"
+    args_file.write_text(json.dumps(MOCKER_ARGS))
+    with EtcdServer() as etcd:
+        nats_srv = NatsServer().start()
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+        worker = DynamoWorker("in=dyn://kvre.mocker.generate", "out=mocker", str(tiny_model), "--model-name", "kvre",
+                              "--extra-engine-args", str(args_file), env=env).start()
+        fe = None
+        try:
+            fe = frontend(env, "kvre", 1)
+            wait_log(fe, r"KV state of worker [0-9a-f]+: \d+ cached blocks")
+            cached = route_until_cached(env, fe, "kvre", text(100))
+            nats_srv.kill()  # events published now would be lost
+            nats_srv.tmpdir.mkdir(parents=True, exist_ok=True)
+            nats_srv.start()  # same port
+            wait_log(fe, r"NATS reconnected: asking 1 worker\(s\) for their KV state again", timeout=20)
+            (before, after) = wait_log(fe, r"KV state of worker [0-9a-f]+: (\d+) cached blocks", count=2, timeout=20)
+            assert int(after) >= cached["overlap_blocks"]
+        finally:
+            if fe is not None:
+                fe.stop()
+            worker.kill()
+            nats_srv.stop()
