@@ -132,6 +132,18 @@ async def test_a_turn_ended_by_its_consumer_frees_its_slot_for_the_next_turn(ggu
         await engine.close()
 
 
+async def test_a_prefix_being_computed_is_waited_for_not_computed_twice(gguf, tok):
+    engine = await _engine(gguf)
+    try:
+        # two users of one system prompt at once: the second waits for the first's prefill, then copies it
+        (_, first), (_, second) = await asyncio.gather(ask(engine, chat(tok, SYSTEM, "What is 2+2?")),
+                                                       ask(engine, chat(tok, SYSTEM, "Name three colors.")))
+        assert first == 0
+        assert second > 100 and engine.copies == 1
+    finally:
+        await engine.close()
+
+
 async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf, tok):
     question = chat(tok, SYSTEM, "What is 2+2?")
     # the reference: the same prefix reused from the slot that computed it (a prefill split at another

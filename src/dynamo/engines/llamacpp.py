@@ -577,7 +577,15 @@ class LlamaCppEngine:
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, each to the slot sharing the longest prompt prefix
-        (copied from a busy slot when that one shares clearly more)."""
+        (copied from a busy slot when that one shares clearly more).  A request whose prefix a busy slot
+        is still computing waits for it instead of computing it a second time beside it."""
+        deferred: list[_Request] = []
+        try:
+            self._admit_some(deferred)
+        finally:
+            self._waiting.extendleft(reversed(deferred))
+
+    def _admit_some(self, deferred: list[_Request]) -> None:
         while self._waiting:
             free = [s for s in self._slots if s.req is None]
             if not free:
@@ -586,16 +594,24 @@ class LlamaCppEngine:
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
+            last = len(req.prompt) - 1
             prefix = {s.seq_id: _common_prefix(s.cached, req.prompt) for s in self._slots}
             best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
-            keep = min(prefix[best.seq_id], len(req.prompt) - 1)
+            keep = min(prefix[best.seq_id], last)
+            busy = [s for s in self._slots if s.req is not None]
+            donor = max(busy, key=lambda s: prefix[s.seq_id], default=None)
+            now = max(keep, min(prefix[donor.seq_id], last) if donor is not None else 0)
+            later = max((min(_common_prefix(s.req.prompt, req.prompt), last)  # type: ignore[union-attr]
+                         for s in busy if s.pending), default=0)
+            if later >= now + COPY_MIN_TOKENS:
+                deferred.append(req)  # admitted (with a copy) once that slot's prefill is done
+                continue
             L = self._L
-            donor = max((s for s in self._slots if s.req is not None), key=lambda s: prefix[s.seq_id], default=None)
-            if donor is not None and min(prefix[donor.seq_id], len(req.prompt) - 1) >= keep + COPY_MIN_TOKENS:
+            if donor is not None and min(prefix[donor.seq_id], last) >= keep + COPY_MIN_TOKENS:
                 # a busy slot holds much more of this prompt: copy its cache over the least recently used
                 # free slot (the copy runs at the start of the next llama_decode)
                 best = min(free, key=lambda s: s.used_at)
-                keep = min(prefix[donor.seq_id], len(req.prompt) - 1)
+                keep = min(prefix[donor.seq_id], last)
                 L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
                 L.llama_memory_seq_cp(self._mem, donor.seq_id, best.seq_id, -1, -1)
                 self.copies += 1

@@ -193,3 +193,4 @@ def test_a_silent_peer_routers_bookings_expire():
     b.select(toks(16, 300), [1], request_id="mine")
     clock.t = 100
     assert b.expire_peers() == 0 and b.worker_load(1)["active_requests"] == 1
+
