@@ -53,8 +53,10 @@ def publishes_kv_events(entry: Any) -> bool:
 
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, entry: Any = None):
+    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, entry: Any = None,
+                 events_requested: bool = True):
         self.router = router
+        self.events_requested = events_requested  # --use-kv-events
         self._nats = nats
         self._runtime = runtime
         self._entry = entry
@@ -96,7 +98,7 @@ class KvRouterPolicy:
     def add_worker(self, entry: Any) -> None:
         """A worker's model entry appeared: with KV events, ask it what it caches already."""
         events = not isinstance(self.router.indexer, ApproxKvIndexer)
-        if publishes_kv_events(entry) != events and self.router.use_kv_events and not self._mismatch_logged:
+        if publishes_kv_events(entry) != events and self.events_requested and not self._mismatch_logged:
             self._mismatch_logged = True
             log.warning("model %s: worker %x %s KV events but the router uses %s; all workers of a model "
                         "should run the same engine", entry.name, entry.instance_id,
@@ -206,8 +208,7 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
     )
-    router.use_kv_events = cfg.use_kv_events  # what was asked for; the indexer says what it got
-    policy = KvRouterPolicy(router, nats, runtime=runtime, entry=entry)
+    policy = KvRouterPolicy(router, nats, runtime=runtime, entry=entry, events_requested=cfg.use_kv_events)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
