@@ -605,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                         "d16:random, d16:kv (options as for ours: d16:kv+w=2)")
     p.add_argument("--replot", default="", metavar="JSON",
                    help="only redraw the plot (and --markdown) from a results file of an earlier run")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run the modes of a prefix ratio at the same time (own workers and frontend each), so "
+                        "that they share the machine's load; for a machine shared with other work")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.engine == "llamacpp":  # defaults scaled to a real model on the CPU, unless given
@@ -633,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parse_mode(m)
     ratios = [float(x) for x in args.prefix_ratios.split(",")]
+    if args.concurrent and any(m.startswith("d16:") for m in modes):
+        raise SystemExit("--concurrent runs our modes only (not d16:)")
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": git_revision(), "command": " ".join(sys.argv),
@@ -661,6 +666,26 @@ def main(argv: list[str] | None = None) -> int:
                                  turn_tokens=args.turn_tokens, osl=args.osl, rate=args.rate,
                                  duration=args.duration, think_time=args.think_time, seed=args.seed)
             convs = build(cfg, tokenizer)
+            if args.concurrent:
+                # all modes at once, each with its own workers and frontend: they share the machine's
+                # load (other people's work too), so their ratios compare like with like
+                from concurrent.futures import ThreadPoolExecutor
+
+                print(f"prefix ratio {ratio:g}, {', '.join(modes)} at once: {len(convs)} conversations x "
+                      f"{cfg.turns} turns each ...", file=sys.stderr, flush=True)
+                t = time.monotonic()
+                with ThreadPoolExecutor(len(modes)) as pool:
+                    futures = [pool.submit(run_one, mode, ratio, convs, cfg, args, servers, model_dir, run_index + i + 1)
+                               for i, mode in enumerate(modes)]
+                    run_index += len(modes)
+                    for mode, fut in zip(modes, futures):
+                        row = fut.result()
+                        rows.append(row)
+                        print(f"  {mode}: TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms, hit "
+                              f"{row['hit_rate']}, workers {row['worker_requests']}, errors {row['errors']} "
+                              f"({time.monotonic() - t:.0f} s, load {row['loadavg_after'][0]:.1f})", file=sys.stderr,
+                              flush=True)
+                continue
             for mode in modes:
                 run_index += 1
                 t = time.monotonic()
