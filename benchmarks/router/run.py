@@ -187,7 +187,9 @@ class Record:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
 
 
-async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig) -> tuple[list[Record], float, float]:
+async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model: str | None = None
+                ) -> tuple[list[Record], float, float]:
+    model = model or MODEL
     client = Client(port)
     records: list[Record] = []
     start = time.perf_counter()
@@ -197,7 +199,7 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig) -> tu
         for turn in range(cfg.turns):
             if turn:
                 await asyncio.sleep(c.thinks[turn - 1])
-            body = {"model": MODEL, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
+            body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
                     "stream_options": {"include_usage": True}}
             sent = time.perf_counter()
             try:
@@ -249,7 +251,8 @@ def parse_mode(mode: str) -> tuple[list[str], str]:
     return flags, base
 
 
-def wait_for_workers(base_url: str, n: int, timeout: float = 60.0) -> None:
+def wait_for_workers(base_url: str, n: int, timeout: float = 60.0, model: str | None = None) -> None:
+    model = model or MODEL
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -258,7 +261,7 @@ def wait_for_workers(base_url: str, n: int, timeout: float = 60.0) -> None:
                 last = json.loads(resp.read())
         except Exception as e:  # 503 until the model appears
             last = str(e)
-        if isinstance(last, dict) and MODEL in last.get("models", []) and len(last.get("instances", [])) >= n:
+        if isinstance(last, dict) and model in last.get("models", []) and len(last.get("instances", [])) >= n:
             return
         time.sleep(0.1)
     raise RuntimeError(f"frontend did not see {n} workers in {timeout}s: {last}")
@@ -356,12 +359,12 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: int) -> list[DynamoWorker]:
+def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: int, name: str) -> list[DynamoWorker]:
     if args.engine == "llamacpp":
         env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.llamacpp=debug"}
         engine_args = Path(tempfile.gettempdir()) / f"router-bench-llamacpp-{os.getpid()}-{run_index}.json"
         engine_args.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
-        return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", MODEL,
+        return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", name,
                              "--context-length", str(args.context_length), "--extra-engine-args", str(engine_args),
                              env=env, startup_timeout=120) for _ in range(args.workers)]
     engine_args = model.parent / f"mocker-{run_index}.json"
@@ -370,7 +373,7 @@ def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: 
         "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens}))
     env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.mocker.scheduler=debug"}
-    return [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model),
+    return [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model), "--model-name", name,
                          "--extra-engine-args", str(engine_args), env=env, startup_timeout=90)
             for _ in range(args.workers)]
 
@@ -380,7 +383,10 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
     flags, base = parse_mode(mode)
     ns = f"rbench{os.getpid()}x{run_index}"
     args.servers = servers
-    workers = worker_processes(args, ns, model_dir, run_index)
+    # modes run at once (--concurrent) share etcd: each gets its own model name, or their frontends
+    # would all serve the model from every mode's workers
+    name = f"{MODEL}-{run_index}" if args.concurrent else MODEL
+    workers = worker_processes(args, ns, model_dir, run_index, name)
     frontend = None
     watch = NatsWatch(servers["NATS_SERVER"], ns)
     load_before = os.getloadavg()
@@ -394,12 +400,12 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             fe_env["DYN_LOG"] = "info,dynamo.llm.kv_router.router=debug"  # one "kv route:" line per decision
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
-        wait_for_workers(frontend.base_url, args.workers, timeout=120)
+        wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)
 
         async def go() -> tuple[list[Record], float, float]:
             await watch.start()
             try:
-                res = await drive(frontend.port, convs, cfg)
+                res = await drive(frontend.port, convs, cfg, name)
                 await asyncio.sleep(0.5)  # the last load metrics
                 return res
             finally:
