@@ -53,18 +53,16 @@ def publishes_kv_events(entry: Any) -> bool:
 
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, entry: Any = None,
-                 events_requested: bool = True):
+    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, events_requested: bool = True):
         self.router = router
         self.events_requested = events_requested  # --use-kv-events
         self._nats = nats
         self._runtime = runtime
-        self._entry = entry
         self._subs: list[Any] = []
         self._tracked: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._workers: set[int] = set()
-        self._kv_state_client: Any = None
+        self._workers: dict[int, Any] = {}  # instance id -> its model entry
+        self._kv_state_clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> client
         self._timer: asyncio.Task[None] | None = None
         self._mismatch_logged = False
 
@@ -92,7 +90,7 @@ class KvRouterPolicy:
         self.router.on_finished(request_id)
 
     def remove_worker(self, worker_id: int) -> None:
-        self._workers.discard(worker_id)
+        self._workers.pop(worker_id, None)
         self.router.remove_worker(worker_id)
 
     def add_worker(self, entry: Any) -> None:
@@ -106,9 +104,9 @@ class KvRouterPolicy:
                         "them" if events else "the approximate indexer")
         if entry.instance_id in self._workers:
             return
-        self._workers.add(entry.instance_id)
+        self._workers[entry.instance_id] = entry
         if events and self._runtime is not None and publishes_kv_events(entry):
-            self._spawn(self._resync(entry.instance_id))
+            self._spawn(self._resync(entry))
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._tick(), name="kv-router-timer")
@@ -118,16 +116,17 @@ class KvRouterPolicy:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _resync(self, worker_id: int) -> None:
-        """Ask ``worker_id`` for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+    async def _resync(self, entry: Any) -> None:
+        """Ask a worker for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+        worker_id = entry.instance_id
         self.router.begin_resync(worker_id)
         try:
             async with asyncio.timeout(KV_STATE_TIMEOUT_S):
-                client = self._kv_state_client
+                key = (entry.namespace, entry.component)
+                client = self._kv_state_clients.get(key)
                 if client is None:
-                    e = self._entry
-                    endpoint = self._runtime.namespace(e.namespace).component(e.component).endpoint(KV_STATE_ENDPOINT)
-                    client = self._kv_state_client = await endpoint.client()
+                    endpoint = self._runtime.namespace(key[0]).component(key[1]).endpoint(KV_STATE_ENDPOINT)
+                    client = self._kv_state_clients[key] = await endpoint.client()
                 while worker_id not in client.instance_ids():
                     await asyncio.sleep(0.05)
                 async for dump in client.direct({}, worker_id):
@@ -158,8 +157,9 @@ class KvRouterPolicy:
                 reconnects = seen
                 if not isinstance(self.router.indexer, ApproxKvIndexer):
                     log.info("NATS reconnected: asking %d worker(s) for their KV state again", len(self._workers))
-                    for w in list(self._workers):
-                        self._spawn(self._resync(w))
+                    for entry in list(self._workers.values()):
+                        if publishes_kv_events(entry):
+                            self._spawn(self._resync(entry))
             await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
 
     async def subscribe(self, subject: str, handler: Any) -> None:
@@ -175,12 +175,12 @@ class KvRouterPolicy:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._timer = None
-        if self._kv_state_client is not None:
+        for client in self._kv_state_clients.values():
             try:
-                await self._kv_state_client.close()
+                await client.close()
             except Exception:
                 pass
-            self._kv_state_client = None
+        self._kv_state_clients.clear()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -208,7 +208,7 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
     )
-    policy = KvRouterPolicy(router, nats, runtime=runtime, entry=entry, events_requested=cfg.use_kv_events)
+    policy = KvRouterPolicy(router, nats, runtime=runtime, events_requested=cfg.use_kv_events)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
