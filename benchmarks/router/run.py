@@ -551,9 +551,9 @@ LABELS = {"kv": "kv (overlap weight 2, our default)", "kv+w=1": "kv, overlap wei
 
 def plot_title(a: dict[str, Any], meta: dict[str, Any]) -> str:
     if a.get("engine") == "llamacpp":
-        return (f"{a['workers']} llamacpp workers (SmolLM2-135M Q4_1, {a['llamacpp_slots']} slots, "
-                f"{a['llamacpp_threads']} thread), {a['groups']} groups, first turn {a['isl']} tokens, {a['turns']} turns, "
-                f"{a['rate']:g} req/s, {a['osl']} output tokens\n"
+        return (f"{a['workers']} llamacpp workers (SmolLM2-135M, {a['llamacpp_slots']} slots, "
+                f"{a['llamacpp_threads']} thread), {a['groups']} groups, {a['isl']}-token first turns, {a['turns']} turns, "
+                f"{a['rate']:g} req/s\n"
                 f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
     return (f"{a['workers']} mocker workers x {a['num_gpu_blocks']} KV blocks of {a['block_size']}, {a['groups']} groups, "
             f"first turn {a['isl']} tokens, {a['turns']} turns, {a['rate']:g} req/s, {a['osl']} output tokens\n"
