@@ -395,7 +395,8 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
             ready = asyncio.Event()
             tasks.append(asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready)))
             await asyncio.wait_for(ready.wait(), 10)
-            await publish_model(endpoint, card, ModelType.Backend)
+            # a worker that says it publishes KV events: the KV router then follows them (others: approximate)
+            await publish_model(endpoint, card, ModelType.Backend, runtime_config={"publishes_kv_events": True})
         await watcher.start()
         ids = {rt.instance_id for rt in workers}
         await until(lambda: _after(name in watcher._served and set(watcher._served[name].client.instance_ids()) == ids),
