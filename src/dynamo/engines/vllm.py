@@ -318,6 +318,17 @@ class VllmEngine:
             self._metrics.worker_id = worker_id
             self._metrics.publish = publish_metrics
 
+    @property
+    def publishes_kv_events(self) -> bool:
+        """vLLM's KV events reach the router (served in=dyn:// with prefix caching and our subscriber)."""
+        return self._kv_sub is not None and self._kv_sub.started
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        """Every block vLLM's events described so far (the ``kv_state`` query)."""
+        if self._kv_sub is None:
+            return {"worker_id": 0, "last_event_id": None, "blocks": []}
+        return self._kv_sub.sink.state.dump()
+
     def load_metrics(self, dp_rank: int = 0) -> dict[str, Any]:
         if self._metrics is None:
             raise EngineError("this vLLM worker does not collect load metrics (it does not serve in=dyn://)")

@@ -39,9 +39,7 @@ subscriber starts (it comes with vLLM and SGLang).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import random
 import time
 from collections import deque
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -49,12 +47,12 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import msgspec
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import CLEARED_DATA, kv_event, removed_data, stored_data
+from dynamo.llm.kv_router.protocols import CLEARED_DATA, removed_data, stored_data
 from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.kv_router.worker_state import WorkerKvState
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 GPU_MEDIUMS = (None, "GPU")
 
 # positional fields of the tagged-array form (older vLLM, SGLang), after the tag
@@ -210,15 +208,30 @@ def _key(h: Any) -> Hashable:
 
 
 class KvEventSink:
-    """Wraps translated event data for one worker (``worker_id``, increasing ``event_id``) and emits it."""
+    """Wraps translated event data for one worker (``worker_id``, increasing ``event_id``) and emits it,
+    keeping the blocks they describe for the ``kv_state`` query (``state``, worker_state.py)."""
 
     def __init__(self, translator: KvEventTranslator, worker_id: int = 0, publish: Publisher | None = None):
         self.translator = translator
-        self.worker_id = worker_id
-        self.publish = publish
-        self._event_ids = itertools.count(random.getrandbits(32))
+        self.state = WorkerKvState(worker_id, publish)
         self.batches = 0
         self.emitted = 0
+
+    @property
+    def worker_id(self) -> int:
+        return self.state.worker_id
+
+    @worker_id.setter
+    def worker_id(self, value: int) -> None:
+        self.state.worker_id = value
+
+    @property
+    def publish(self) -> Publisher | None:
+        return self.state.publish
+
+    @publish.setter
+    def publish(self, value: Publisher | None) -> None:
+        self.state.publish = value
 
     def handle_payload(self, payload: bytes) -> int:
         """Decode, translate and emit one batch; returns the number of events emitted."""
@@ -233,7 +246,7 @@ class KvEventSink:
         self.batches += 1
         n = 0
         for data in self.translator.translate(events):
-            emit(self.publish, kv_event(self.worker_id, next(self._event_ids) & _MASK64, data), "KV event")
+            self.state.send(data)
             n += 1
         self.emitted += n
         return n
@@ -269,6 +282,10 @@ class ZmqKvEventSubscriber:
         port = self._sock.bind_to_random_port(f"tcp://{self.host}")
         self.endpoint = f"tcp://{self.host}:{port}"
         return self.endpoint
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
 
     def start(self) -> None:
         if self._sock is None:
