@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
                     futures = [pool.submit(run_one, mode, ratio, convs, cfg, args, servers, model_dir, run_index + i + 1)
                                for i, mode in enumerate(modes)]
                     run_index += len(modes)
-                    for mode, fut in zip(modes, futures):
+                    for mode, fut in zip(modes, futures, strict=True):
                         row = fut.result()
                         rows.append(row)
                         print(f"  {mode}: TTFT p50 {row['ttft_p50_ms']} ms p99 {row['ttft_p99_ms']} ms, hit "

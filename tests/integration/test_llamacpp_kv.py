@@ -92,7 +92,7 @@ async def test_a_follow_up_reuses_the_previous_turns_slot_and_events_match_the_s
         # the same system prompt right after: the first turn's slot is free and holds it
         second = chat(tok, SYSTEM, "Name three colors.")
         _, cached = await ask(engine, second)
-        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
         assert cached == shared > 100
         await asyncio.sleep(0.05)  # events reach the loop after each step
         # the router, fed only the engine's events, finds the cached blocks of the prompt
@@ -125,7 +125,7 @@ async def test_a_turn_ended_by_its_consumer_frees_its_slot_for_the_next_turn(ggu
         await stream.aclose()
         # the next turn comes at once: the slot that holds the system prompt must count as free
         _, cached = await ask(engine, chat(tok, SYSTEM, "Name three colors."))
-        assert cached == next(i for i, (a, b) in enumerate(zip(first, chat(tok, SYSTEM, "Name three colors.")))
+        assert cached == next(i for i, (a, b) in enumerate(zip(first, chat(tok, SYSTEM, "Name three colors."), strict=False))
                               if a != b)
         assert engine.copies == 0
     finally:
@@ -158,7 +158,7 @@ async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf,
     engine = await _engine(gguf)
     try:
         busy = asyncio.create_task(ask(engine, chat(tok, SYSTEM, "Name three colors."), max_tokens=64))
-        while not any(s.req is not None and not s.pending and s.generated for s in engine._slots):
+        while not any(s.req is not None and not s.pending and s.generated for s in engine._slots):  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # the long request is decoding: its slot holds the system prompt
         tokens, cached = await ask(engine, question)
         assert engine.copies == 1

@@ -75,7 +75,7 @@ class SlotBlocks:
         parent = blocks[-1] if blocks else None
         run: list[tuple[int, int]] = []
         run_parent = parent
-        for s, loc in zip(seq, local):
+        for s, loc in zip(seq, local, strict=True):
             held = self._refs.get(s, 0)
             self._refs[s] = held + 1
             if held:  # another slot has it: the router knows it already

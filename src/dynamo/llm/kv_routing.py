@@ -127,7 +127,7 @@ class KvRouterPolicy:
                 if client is None:
                     endpoint = self._runtime.namespace(key[0]).component(key[1]).endpoint(KV_STATE_ENDPOINT)
                     client = self._kv_state_clients[key] = await endpoint.client()
-                while worker_id not in client.instance_ids():
+                while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
                     await asyncio.sleep(0.05)
                 async for dump in client.direct({}, worker_id):
                     n = self.router.apply_dump(worker_id, dump)

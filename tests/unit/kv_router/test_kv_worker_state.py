@@ -145,7 +145,7 @@ def test_dump_skips_orphans_and_orders_parents_first():
     _, seq = compute_hashes(toks(12), BS)
     local, _ = compute_hashes(toks(12), BS)
     state.send({"stored": {"parent_hash": None, "blocks": [{"block_hash": s, "tokens_hash": l}
-                                                           for s, l in zip(seq, local)]}})
+                                                           for s, l in zip(seq, local, strict=True)]}})
     state.send({"removed": {"block_hashes": [seq[0]]}})  # an engine that evicts a parent first
     assert state.dump()["blocks"] == []
     state.send({"stored": {"parent_hash": None, "blocks": [{"block_hash": seq[0], "tokens_hash": local[0]}]}})

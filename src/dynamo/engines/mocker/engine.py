@@ -31,7 +31,6 @@ worker.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
