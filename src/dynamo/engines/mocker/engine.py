@@ -31,6 +31,7 @@ worker.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -39,8 +40,8 @@ from typing import Any, AsyncIterator, Iterable
 
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
-from dynamo.llm.disagg.transfer import Ticket, TransferError
 from dynamo.errors import EngineError, RequestError, UserError
+from dynamo.llm.disagg.transfer import Ticket, TransferError
 from dynamo.llm.kv_router.hashing import compute_hashes
 from dynamo.llm.kv_router.protocols import removed_data, stored_data
 from dynamo.llm.kv_router.publisher import Publisher, emit
