@@ -206,6 +206,10 @@ class ModelWatcher:
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
             model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
+        elif entry.model_type is ModelType.Embedding:
+            from dynamo.llm.embeddings import EmbeddingModel, RemoteEmbeddingEngine
+
+            model = EmbeddingModel(entry.name, card, RemoteEmbeddingEngine(client))
         else:
             if key not in self._type_warned:
                 self._type_warned.add(key)

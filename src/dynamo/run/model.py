@@ -89,3 +89,21 @@ def _load_gguf(path: Path, *, name: str | None, need_tokenizer: bool = True) -> 
         raise ModelError(f"{path}: {kind}; the model must be a GGUF file, a Hugging Face model folder "
                          "or a Hugging Face repo id")
     return load_gguf(path, name=name, need_tokenizer=need_tokenizer)
+
+
+def apply_chat_template_file(card: ModelCard, path: Path) -> None:
+    """``--chat-template FILE``: the file's Jinja replaces the card's template (and so travels with the
+    card to remote frontends).  A file that does not compile is a ModelError now, not on the first request."""
+    from dynamo.llm.chat_template import ChatTemplate
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not text.strip():
+        raise ModelError(f"--chat-template {path}: the file is empty")
+    try:
+        ChatTemplate(text, {})
+    except ModelError as e:
+        raise ModelError(f"--chat-template {path}: {e}") from None
+    card.chat_template = text
