@@ -33,6 +33,16 @@ POOLING = {"mean": 1, "cls": 2, "last": 3}  # llama_pooling_type values
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
+_QUIET_LOG: Any = None  # module-level: llama.cpp keeps calling it after an engine is gone
+
+
+def _silence_llama_log(L: Any) -> None:
+    global _QUIET_LOG
+    if _QUIET_LOG is None:
+        _QUIET_LOG = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
+
+
 class LlamaCppEmbeddingEngine:
     kind = "embedding"
 
@@ -55,7 +65,6 @@ class LlamaCppEmbeddingEngine:
         self.verbose = verbose
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-embed")
         self._model = self._lctx = self._batch = None
-        self._log_cb: Any = None
         self.dimensions = 0
 
     async def start(self) -> None:
@@ -81,8 +90,7 @@ class LlamaCppEmbeddingEngine:
 
         self._L = L
         if not self.verbose:
-            self._log_cb = L.llama_log_callback(lambda level, text, data: None)
-            L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+            _silence_llama_log(L)
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = self.n_gpu_layers
