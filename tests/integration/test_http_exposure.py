@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
-import urllib.error
 from pathlib import Path
 from typing import Iterator
 

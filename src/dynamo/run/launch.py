@@ -111,6 +111,7 @@ async def run(cfg: RunConfig) -> int:
             resolve_card, cfg.model, name=cfg.model_name, model_config=cfg.model_config,
             context_length=cfg.context_length, kv_cache_block_size=cfg.kv_cache_block_size,
             migration_limit=cfg.migration_limit,
+            need_tokenizer=not (cfg.embedding and cfg.engine in (None, "llamacpp")),
         )
     except ModelError:
         # a pystr engine loads its own model: any existing path is its business, not ours

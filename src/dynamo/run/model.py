@@ -19,16 +19,19 @@ def looks_like_repo_id(arg: str) -> bool:
 
 def resolve_card(model: str | None, *, name: str | None, model_config: str | None = None,
                  context_length: int | None = None, kv_cache_block_size: int | None = None,
-                 migration_limit: int = 0) -> ModelCard:
+                 migration_limit: int = 0, need_tokenizer: bool = True) -> ModelCard:
+    """``need_tokenizer=False``: a GGUF whose vocabulary we cannot convert is still served (an engine that
+    tokenizes by itself, e.g. llama.cpp embeddings of a BERT-style model)."""
+    need_tokenizer = need_tokenizer and not model_config
     if model is None:
         card = ModelCard.placeholder(name or "dynamo")
     else:
         path = Path(model).expanduser()
         if path.is_dir():
             gguf = _lone_gguf(path)
-            card = _load_gguf(gguf, name=name, need_tokenizer=not model_config) if gguf else load_hf_folder(path, name=name)
+            card = _load_gguf(gguf, name=name, need_tokenizer=need_tokenizer) if gguf else load_hf_folder(path, name=name)
         elif path.is_file():
-            card = _load_gguf(path, name=name, need_tokenizer=not model_config)
+            card = _load_gguf(path, name=name, need_tokenizer=need_tokenizer)
         elif path.exists():
             raise ModelError(f"{model}: not a file or directory")
         elif looks_like_repo_id(model):
@@ -37,7 +40,7 @@ def resolve_card(model: str | None, *, name: str | None, model_config: str | Non
             repo = model.removeprefix("hf://")
             local = download(repo)
             gguf = _lone_gguf(local)
-            card = (_load_gguf(gguf, name=name or repo, need_tokenizer=not model_config) if gguf
+            card = (_load_gguf(gguf, name=name or repo, need_tokenizer=need_tokenizer) if gguf
                     else load_hf_folder(local, name=name or repo))
         else:
             hint = "" if model.lower().endswith(".gguf") or model.startswith((".", "/", "~")) else \
