@@ -1,12 +1,13 @@
-"""``out=llamacpp --embedding``: sentence embeddings from a GGUF with llama.cpp, one input at a time.
+"""``out=llamacpp --embedding``: sentence embeddings from a GGUF with llama.cpp.
 
 A separate engine from the generating one (``llamacpp.py``): its own model and context, created in
-embedding mode with one sequence whose batch holds a whole input.  The pooling is the model's own (an
-embedding model's GGUF says mean, CLS or last); a model that declares none (a chat model) is pooled by
+embedding mode.  The inputs of a request are decoded together, up to 16 sequences per ``llama_decode`` as
+long as their tokens fit the context, with no vocabulary logits asked for.  The pooling is the model's own
+(an embedding model's GGUF says mean, CLS or last); a model that declares none (a chat model) is pooled by
 the mean of its token vectors, since the OpenAI API needs one vector per input.  Vectors are
 L2-normalised, as llama-server's ``/v1/embeddings`` does.  Strings are tokenized by llama.cpp itself with
-the model's special tokens (BOS where the model wants one), so the vector is the one ``Llama.embed``
-gives for the same text and pooling.  Every llama.cpp call runs on one thread (they block and are not
+the model's special tokens (BOS where the model wants one), so the vector is the one ``Llama.embed`` gives
+for the same text and pooling.  Every llama.cpp call runs on one thread (they block and are not
 thread-safe); the event loop only awaits.
 """
 
@@ -28,6 +29,7 @@ from dynamo.llm.engine import Context
 log = logging.getLogger(__name__)
 
 DEFAULT_EMBED_CTX = 2048
+MAX_SEQS_PER_BATCH = 16  # inputs decoded together (as long as their tokens fit the context)
 ENGINE_ARGS = {"n_threads", "n_gpu_layers", "pooling"}
 POOLING = {"mean": 1, "cls": 2, "last": 3}  # llama_pooling_type values
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -75,7 +77,8 @@ class LlamaCppEmbeddingEngine:
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = self.n_ctx
         cparams.n_ubatch = self.n_ctx  # a pooled input must fit in one micro-batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = MAX_SEQS_PER_BATCH
+        cparams.kv_unified = True  # the sequences of a batch share the n_ctx cells
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.embeddings = True
         cparams.pooling_type = pooling
@@ -134,8 +137,10 @@ class LlamaCppEmbeddingEngine:
         return list(buf[:n])
 
     def _embed_all(self, inputs: list[EmbeddingInput]) -> Embeddings:
-        vectors, total = [], 0
+        """Tokenize and check every input first (a bad one fails the request before any work), then
+        decode them in batches of up to MAX_SEQS_PER_BATCH sequences that fit the context together."""
         n_vocab = self._L.llama_vocab_n_tokens(self._vocab)
+        seqs: list[list[int]] = []
         for i, item in enumerate(inputs):
             ids = self._tokenize(item) if isinstance(item, str) else list(item)
             if not ids:
@@ -146,29 +151,43 @@ class LlamaCppEmbeddingEngine:
             bad = next((t for t in ids if not 0 <= t < n_vocab), None)
             if bad is not None:
                 raise RequestError(f"Token id {bad} is out of vocabulary (size {n_vocab})", param="input")
-            vectors.append(self._embed_one(ids))
-            total += len(ids)
-        return Embeddings(vectors, total)
+            seqs.append(ids)
+        vectors: list[list[float]] = []
+        group: list[list[int]] = []
+        for ids in seqs:
+            if group and (len(group) == MAX_SEQS_PER_BATCH or sum(map(len, group)) + len(ids) > self.n_ctx):
+                vectors += self._embed_batch(group)
+                group = []
+            group.append(ids)
+        if group:
+            vectors += self._embed_batch(group)
+        return Embeddings(vectors, sum(map(len, seqs)))
 
-    def _embed_one(self, ids: list[int]) -> list[float]:
+    def _embed_batch(self, seqs: list[list[int]]) -> list[list[float]]:
         L, batch = self._L, self._batch
         L.llama_memory_clear(self._mem, True)
-        for pos, tok in enumerate(ids):
-            batch.token[pos] = tok
-            batch.pos[pos] = pos
-            batch.n_seq_id[pos] = 1
-            batch.seq_id[pos][0] = 0
-            batch.logits[pos] = True
-        batch.n_tokens = len(ids)
+        n = 0
+        for seq_id, ids in enumerate(seqs):
+            for pos, tok in enumerate(ids):
+                batch.token[n] = tok
+                batch.pos[n] = pos
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq_id
+                batch.logits[n] = False  # pooled: llama.cpp reads every token anyway; no vocabulary logits
+                n += 1
+        batch.n_tokens = n
         rc = L.llama_decode(self._lctx, batch)
         if rc != 0:
             from dynamo.errors import EngineError
 
             raise EngineError(f"llama_decode failed with {rc}")
-        ptr = L.llama_get_embeddings_seq(self._lctx, 0)
-        vec = [float(ptr[j]) for j in range(self.dimensions)]
-        norm = math.sqrt(sum(v * v for v in vec))
-        return [v / norm for v in vec] if norm > 0 else vec
+        out = []
+        for seq_id in range(len(seqs)):
+            ptr = L.llama_get_embeddings_seq(self._lctx, seq_id)
+            vec = [float(ptr[j]) for j in range(self.dimensions)]
+            norm = math.sqrt(sum(v * v for v in vec))
+            out.append([v / norm for v in vec] if norm > 0 else vec)
+        return out
 
     async def close(self) -> None:
         def free() -> None:
