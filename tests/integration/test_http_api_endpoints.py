@@ -77,6 +77,11 @@ def test_tokenize_messages_and_detokenize_round_trip(plain: DynamoRun):
         r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
         assert c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == rendered(
             ("user", "x"), prompt=False)
+        r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "q"},
+                                                   {"role": "assistant", "content": "The answer is"}],
+                                      "continue_final_message": True, "add_generation_prompt": False})
+        assert c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == (
+            "[user] q\n[assistant] The answer is")
         r = c.post("/tokenize", json={"prompt": "abc abc", "return_token_strs": True}).json()
         assert "".join(r["token_strs"]).replace("Ġ", " ") == "abc abc"
 

@@ -74,6 +74,8 @@ class TokenizeRoutes:
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 extra=req.chat_template_kwargs,
             )
+            if req.continue_final_message:
+                text = _cut_after_final(text, messages[-1].get("content"))
             add_special = bool(req.add_special_tokens)
         else:
             text = req.prompt or ""
@@ -98,3 +100,14 @@ class TokenizeRoutes:
         if bad is not None:
             raise RequestError(f"Token id {bad} is out of vocabulary (size {vocab})", param="tokens")
         return _json({"prompt": tok.decode(req.tokens)})
+
+
+def _cut_after_final(text: str, final: Any) -> str:
+    """``continue_final_message``: the rendered text ends where the last message's content ends (what
+    transformers does), so the template's end-of-turn after it is dropped and the model continues it."""
+    body = final.strip() if isinstance(final, str) else ""
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the last message's content is not in the rendered prompt",
+                           param="continue_final_message")
+    return text[: at + len(body)]
