@@ -113,3 +113,23 @@ def test_embeddings_survive_a_worker_killed(frontend: DynamoRun, workers):
         got = client.embeddings.create(model="d-emb", input="steady", encoding_format="float").data[0].embedding
         assert got == expected
     assert "sending it to another worker" in frontend.stderr_text()  # the dead instance was tried, and skipped
+
+
+def test_a_python_embedding_worker_gets_token_ids(rt_env, frontend: DynamoRun, tiny_model: Path):
+    """A worker using only the original's API: token ids in, ``embeddings`` out (spec 8.2)."""
+    import sys
+
+    data = Path(__file__).parent / "data" / "embedding_dyn_worker.py"
+    worker = DynamoWorker(str(tiny_model), command=[sys.executable, str(data)], env=rt_env, ready=None).start()
+    try:
+        wait_for_models(frontend, {"py-emb"})
+        ids = httpx.post(frontend.base_url + "/tokenize", json={"model": "py-emb", "prompt": "alpha beta gamma"},
+                         timeout=10).json()["tokens"]
+        client = sdk(frontend)
+        r = client.embeddings.create(model="py-emb", input=["alpha beta gamma", "x"], encoding_format="float")
+        assert r.data[0].embedding == [len(ids), ids[0], ids[-1]]
+        assert r.usage.prompt_tokens == len(ids) + int(r.data[1].embedding[0])
+        r = client.embeddings.create(model="py-emb", input=[[7, 8], [9]], encoding_format="float")
+        assert [d.embedding for d in r.data] == [[2, 7, 8], [1, 9, 9]]
+    finally:
+        worker.stop()

@@ -208,8 +208,11 @@ class ModelWatcher:
             model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
         elif entry.model_type is ModelType.Embedding:
             from dynamo.llm.embeddings import EmbeddingModel, RemoteEmbeddingEngine
+            from dynamo.llm.tokenizer import Tokenizer
 
-            model = EmbeddingModel(entry.name, card, RemoteEmbeddingEngine(client))
+            tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
+            engine = RemoteEmbeddingEngine(client, entry.name, tokenizer)  # token_ids on the wire, as the spec has
+            model = EmbeddingModel(entry.name, card, engine, tokenizer=tokenizer)
         else:
             if key not in self._type_warned:
                 self._type_warned.add(key)
