@@ -115,14 +115,22 @@ def test_embeddings_survive_a_worker_killed(frontend: DynamoRun, workers):
     assert "sending it to another worker" in frontend.stderr_text()  # the dead instance was tried, and skipped
 
 
-def test_a_python_embedding_worker_gets_token_ids(rt_env, frontend: DynamoRun, tiny_model: Path):
-    """A worker using only the original's API: token ids in, ``embeddings`` out (spec 8.2)."""
+def test_a_python_embedding_worker_gets_token_ids(rt_env, frontend: DynamoRun, tiny_model: Path, tmp_path: Path):
+    """A worker using only the original's API: token ids in, ``embeddings`` out (spec 8.2); its
+    ``register_llm(custom_template_path=...)`` template reaches the frontend in the card."""
     import sys
 
     data = Path(__file__).parent / "data" / "embedding_dyn_worker.py"
-    worker = DynamoWorker(str(tiny_model), command=[sys.executable, str(data)], env=rt_env, ready=None).start()
+    tpl = tmp_path / "py.jinja"
+    tpl.write_text("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}")
+    worker = DynamoWorker(str(tiny_model), str(tpl), command=[sys.executable, str(data)], env=rt_env,
+                          ready=None).start()
     try:
         wait_for_models(frontend, {"py-emb"})
+        tok = httpx.post(frontend.base_url + "/tokenize",
+                         json={"model": "py-emb", "messages": [{"role": "user", "content": "hey"}]}, timeout=10).json()
+        assert httpx.post(frontend.base_url + "/detokenize", json={"model": "py-emb", "tokens": tok["tokens"]},
+                          timeout=10).json()["prompt"] == "user=hey;"
         ids = httpx.post(frontend.base_url + "/tokenize", json={"model": "py-emb", "prompt": "alpha beta gamma"},
                          timeout=10).json()["tokens"]
         client = sdk(frontend)

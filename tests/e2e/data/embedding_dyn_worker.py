@@ -1,7 +1,8 @@
 # An Embedding worker written against the original's Python API only (`register_llm(ModelType.Embedding,
-# ...)`, `serve_endpoint`), run as `python embedding_dyn_worker.py MODEL`: it gets `token_ids` from the
+# ...)`, `serve_endpoint`), run as `python embedding_dyn_worker.py MODEL TEMPLATE`: it gets `token_ids` from the
 # frontend and answers `{"embeddings", "prompt_tokens", "total_tokens"}`, as the spec defines the type.
 # Each vector is [number of tokens, first token id, last token id], so the test can see what arrived.
+# TEMPLATE goes to register_llm's custom_template_path: the frontend's /tokenize renders messages with it.
 import asyncio
 import sys
 
@@ -16,7 +17,7 @@ async def worker(runtime: DistributedRuntime):
     component = runtime.namespace("pyemb").component("embedder")
     await component.create_service()
     endpoint = component.endpoint("generate")
-    await register_llm(ModelType.Embedding, endpoint, sys.argv[1], "py-emb")
+    await register_llm(ModelType.Embedding, endpoint, sys.argv[1], "py-emb", custom_template_path=sys.argv[2])
     await endpoint.serve_endpoint(generate)
 
 
