@@ -253,3 +253,26 @@ def test_embedding_flag_needs_a_supporting_engine():
     assert r.returncode != 0 and "--embedding is supported by" in r.stderr and "Traceback" not in r.stderr
     r = run_cli(["in=stdin", "out=echo_full", "--embedding"], input="x")
     assert r.returncode != 0 and "in=http or in=dyn://" in r.stderr
+
+
+def test_responses_and_embeddings_count_against_max_inflight(tiny_model: Path):
+    """Two /v1/responses streams hold both places of ``--max-inflight 2``: chat, responses and embeddings
+    get the overload 503 until they end."""
+    import contextlib
+
+    with DynamoRun("out=echo_full", "--model-name", "m", "--max-inflight", "2", delay_ms=20) as srv:
+        with contextlib.ExitStack() as held, httpx.Client(timeout=30) as client:
+            readers = []
+            for _ in range(2):
+                resp = held.enter_context(client.stream("POST", srv.api_url + "/responses",
+                                                        json={"model": "m", "input": "x" * 500, "stream": True}))
+                assert resp.status_code == 200
+                readers.append(resp.iter_lines())
+                next(readers[-1])
+            for path, body in (("/responses", {"model": "m", "input": "hi"}),
+                               ("/embeddings", {"model": "m", "input": "hi"}),
+                               ("/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+                refused = httpx.post(srv.api_url + path, json=body, timeout=10)
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1", (path, refused.text)
+        ok = sdk(srv).responses.create(model="m", input="again")
+        assert ok.output_text == "again"
