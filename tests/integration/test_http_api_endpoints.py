@@ -216,10 +216,10 @@ def test_embeddings_base64(emb: DynamoRun):
     raw = client.embeddings.create(model="emb", input="some text", encoding_format="base64").data[0].embedding
     assert isinstance(raw, str)
     decoded = struct.unpack(f"<{len(floats)}f", base64.b64decode(raw))
-    assert all(abs(a - b) < 1e-6 for a, b in zip(decoded, floats))
+    assert all(abs(a - b) < 1e-6 for a, b in zip(decoded, floats, strict=True))
     # the SDK's default asks for base64 and decodes it itself
     default = client.embeddings.create(model="emb", input="some text").data[0].embedding
-    assert all(abs(a - b) < 1e-6 for a, b in zip(default, floats))
+    assert all(abs(a - b) < 1e-6 for a, b in zip(default, floats, strict=True))
 
 
 def test_embeddings_token_ids_and_dimensions(emb: DynamoRun):

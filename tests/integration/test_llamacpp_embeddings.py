@@ -64,7 +64,7 @@ def reference(gguf: Path) -> list[list[float]]:
 
 
 def cosine(a: list[float], b: list[float]) -> float:
-    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
 
 
 def test_vectors_match_llama_embed(server: DynamoRun, reference: list[list[float]]):
@@ -72,15 +72,15 @@ def test_vectors_match_llama_embed(server: DynamoRun, reference: list[list[float
     r = client.embeddings.create(model="smol-embed", input=TEXTS, encoding_format="float")
     ours = [d.embedding for d in r.data]
     assert [len(v) for v in ours] == [len(v) for v in reference] == [576] * 3
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         assert abs(math.sqrt(sum(x * x for x in a)) - 1) < 1e-5  # L2-normalised, as llama-server does
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
     # related sentences are closer than unrelated ones: the vectors carry meaning, not noise
     assert cosine(ours[0], ours[1]) > cosine(ours[0], ours[2])
     assert r.usage.prompt_tokens > len(TEXTS)
     # base64 (the SDK's default) decodes to the same vectors
     b64 = client.embeddings.create(model="smol-embed", input=TEXTS[0]).data[0].embedding
-    assert max(abs(x - y) for x, y in zip(b64, ours[0])) < 1e-6
+    assert max(abs(x - y) for x, y in zip(b64, ours[0], strict=True)) < 1e-6
 
 
 def test_llamacpp_refuses_dimensions_and_chat(server: DynamoRun):

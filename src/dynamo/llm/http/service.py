@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -23,8 +22,8 @@ from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
-from dynamo.llm.http.errors import error_body, error_response, request_error_response
 from dynamo.llm.http.api_routes import register_api_routes
+from dynamo.llm.http.errors import error_body, error_response, request_error_response
 from dynamo.llm.http.metrics import FrontendMetrics
 from dynamo.llm.http.options import BODY_LIMIT_KEY, HttpOptions
 from dynamo.llm.model_manager import ModelManager

@@ -65,7 +65,7 @@ class TokenizeRoutes:
         tok = self._tokenizer(model)
         if req.messages is not None:
             messages = []
-            for sent, parsed in zip(raw["messages"], req.messages):
+            for sent, parsed in zip(raw["messages"], req.messages, strict=True):
                 if isinstance(sent.get("content"), list):
                     sent = dict(sent, content=content_text(parsed.content))
                 messages.append(sent)
