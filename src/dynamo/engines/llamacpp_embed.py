@@ -66,7 +66,13 @@ class LlamaCppEmbeddingEngine:
         self.n_gpu_layers = int(args.get("n_gpu_layers", 0))
         self.verbose = verbose
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-embed")
-        self._model = self._lctx = self._batch = None
+        # llama.cpp handles, set by _load on the llama.cpp thread
+        self._L: Any = None
+        self._model: Any = None
+        self._lctx: Any = None
+        self._batch: Any = None
+        self._vocab: Any = None
+        self._mem: Any = None
         self.dimensions = 0
 
     async def start(self) -> None:

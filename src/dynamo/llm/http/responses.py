@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import orjson
 from aiohttp import web
@@ -187,7 +187,7 @@ class ResponsesRoute:
             self.store.put(run.id, conversation + [{"role": "assistant", "content": "".join(run.text)}])
         return resp
 
-    async def _stream(self, request: web.Request, stream: AsyncIterator[str], run: _Run,
+    async def _stream(self, request: web.Request, stream: AsyncGenerator[str, None], run: _Run,
                       ctx: Context) -> tuple[web.StreamResponse, bool]:
         try:  # the first text before the 200, so a failure at the start gets its status code
             first: str | None = await stream.__anext__()
@@ -211,8 +211,8 @@ class ResponsesRoute:
                         await w(run.event("response.output_text.delta", delta=text, logprobs=[], **where))
             except (EngineError, RequestError) as e:
                 log.warning("response %s failed mid-stream: %s", run.id, e)
-                status = e.status if isinstance(e, RequestError) else 500
-                err = orjson.loads(error_body(str(e), status))["error"]
+                code = e.status if isinstance(e, RequestError) else 500
+                err = orjson.loads(error_body(str(e), code))["error"]
                 await w(run.event("error", code=str(err["code"]), message=err["message"], param=None))
                 await resp.write_eof()
                 return resp, False
@@ -228,11 +228,11 @@ class ResponsesRoute:
             ctx.kill()
             log.debug("response %s: client went away", run.id)
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         return resp, ok
 
 
-async def _texts(chunks: AsyncIterator[Any], run: _Run, ctx: Context, rm: Any) -> AsyncIterator[str]:
+async def _texts(chunks: AsyncIterator[Any], run: _Run, ctx: Context, rm: Any) -> AsyncGenerator[str, None]:
     """The text deltas of a chat chunk stream; finish reason and usage are noted on ``run``."""
     try:
         async for chunk in chunks:

@@ -54,7 +54,7 @@ def parse_tokenize_request(raw: Any) -> TokenizeRequest:
 
 
 def parse_detokenize_request(raw: Any) -> DetokenizeRequest:
-    return _convert(raw, DetokenizeRequest)  # type: ignore[no-any-return]
+    return _convert(raw, DetokenizeRequest)
 
 
 def parse_embedding_request(raw: Any) -> tuple[EmbeddingRequest, list[str | list[int]]]:
