@@ -59,7 +59,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         engine: Any = create_embedding_engine(engine_name, cfg, card)
         if hasattr(engine, "start"):
             await engine.start()  # weights load here, off the event loop
-        return EmbeddingModel(card.display_name, card, engine)  # type: ignore[return-value]
+        return EmbeddingModel(card.display_name, card, engine)
     engine = create_engine(engine_name, cfg, card)
     if getattr(cfg, "chat_template", None) is not None and engine.kind != "core":
         raise UserError(f"--chat-template: out={engine_name} applies its own template; the flag works with "

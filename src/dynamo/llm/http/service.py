@@ -167,7 +167,7 @@ class HttpService:
                 try:
                     body = await fold(stream, ctx, req.model)
                 finally:
-                    await stream.aclose()
+                    await stream.aclose()  # type: ignore[attr-defined]
                 resp = _json(body)
             ok = True
             return resp
@@ -243,7 +243,7 @@ class HttpService:
         finally:
             if pending is not None:  # a write failed while the next item was being awaited
                 await pending.abandon()
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]
         parts.append(_DONE)
         await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
         return resp, ok
