@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl as ssl_module
 from typing import Any, AsyncIterator, Callable, Generator, TypeVar
 
 log = logging.getLogger(__name__)
@@ -111,9 +112,10 @@ class Acceptor:
     """
 
     def __init__(self, sock: socket.socket, protocol_factory: Callable[[], asyncio.BaseProtocol],
-                 *, per_turn: int = 1024) -> None:
+                 *, per_turn: int = 1024, ssl: "ssl_module.SSLContext | None" = None) -> None:
         self.sock = sock
         self._factory = protocol_factory
+        self._ssl = ssl  # HTTPS (--tls-cert-path): the loop's TLS transport does the handshake
         self._per_turn = per_turn
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -137,7 +139,7 @@ class Acceptor:
             conn.setblocking(False)
             # Its first step sets the transport up and starts reading, now rather than a turn later;
             # what is left (waiting for connection_made) runs as a task.
-            coro = loop.connect_accepted_socket(self._factory, conn)
+            coro = loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl)
             try:
                 first = coro.send(None)
             except StopIteration:

@@ -32,6 +32,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
+from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.engines.token_engine_common import (
     common_sampling_params,
     engine_start_errors,
@@ -40,7 +41,6 @@ from dynamo.engines.token_engine_common import (
     relay_outputs,
     stop_finish_reason,
 )
-from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.errors import EngineError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard

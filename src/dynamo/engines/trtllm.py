@@ -60,7 +60,7 @@ def load_extra_args(path: Path | None) -> dict[str, Any]:
     """The ``--extra-engine-args`` YAML (JSON is YAML too) as a dict; a bad file is a clear error."""
     if path is None:
         return {}
-    import yaml  # type: ignore[import-untyped]
+    import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

@@ -70,7 +70,11 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
             engine = DisaggWorkerEngine(engine, mode)
             await engine.start()
             served.engine = engine  # type: ignore[attr-defined]  # closed below, with its transfer server
-        if engine.kind == "core":
+        if engine.kind == "embedding":
+            from dynamo.llm.embeddings import embedding_handler
+
+            handler, model_type = embedding_handler(engine), ModelType.Embedding
+        elif engine.kind == "core":
             handler = backend_handler(card, engine)
             model_type = ModelType.Prefill if mode == "prefill" else ModelType.Backend
         else:

@@ -207,6 +207,13 @@ class ModelWatcher:
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
             model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
+        elif entry.model_type is ModelType.Embedding:
+            from dynamo.llm.embeddings import EmbeddingModel, RemoteEmbeddingEngine
+            from dynamo.llm.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
+            engine = RemoteEmbeddingEngine(client, entry.name, tokenizer)  # token_ids on the wire, as the spec has
+            model = EmbeddingModel(entry.name, card, engine, tokenizer=tokenizer)
         else:
             if key not in self._type_warned:
                 self._type_warned.add(key)

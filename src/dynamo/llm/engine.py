@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Any, AsyncGenerator, Literal, Protocol, runtime_checkable
 
 
 class Context:
@@ -80,7 +80,7 @@ class Context:
 class Engine(Protocol):
     kind: Literal["core", "full"]
 
-    def generate(self, request: Any, context: Context) -> AsyncIterator[Any]: ...
+    def generate(self, request: Any, context: Context) -> AsyncGenerator[Any, None]: ...
 
 
 @dataclass

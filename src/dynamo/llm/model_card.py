@@ -136,7 +136,7 @@ def load_hf_folder(path: Path, *, name: str | None = None) -> ModelCard:
     elif chat_template is None and (path / "chat_template.json").is_file():
         chat_template = (_read_json(path / "chat_template.json", required=False) or {}).get("chat_template")
 
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     eos = _int_list(config.get("eos_token_id"))
     if not eos:
         eos = _int_list(text_config.get("eos_token_id"))

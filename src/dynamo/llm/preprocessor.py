@@ -67,7 +67,7 @@ class Preprocessor:
             raise RequestError(
                 f"model {self.card.display_name!r} has no chat template; use /v1/completions", status=400
             )
-        messages = [_template_message(m, parsed.content) for m, parsed in zip(raw["messages"], req.messages)]
+        messages = [_template_message(m, parsed.content) for m, parsed in zip(raw["messages"], req.messages, strict=True)]
         add_generation_prompt = req.add_generation_prompt
         if add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
@@ -134,7 +134,7 @@ class Preprocessor:
             )
         if choice == "required":
             return tools, None, ("required", required_schema(tools, req.parallel_tool_calls is False))
-        name = req.tool_choice["function"]["name"]  # type: ignore[index]
+        name = req.tool_choice["function"]["name"]
         tool = next((t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name), None)
         if tool is None:
             raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
@@ -170,7 +170,7 @@ class Preprocessor:
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         elif all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)  # type: ignore[arg-type]
+            token_ids = list(prompt)
             text = None
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in token_ids if not 0 <= t < vocab), None)

@@ -24,10 +24,13 @@ async def register_llm(
     migration_limit: int = 0,
     runtime_config: dict[str, Any] | None = None,
     user_data: dict[str, Any] | None = None,
+    custom_template_path: str | None = None,
 ) -> ModelCard:
     """Resolve ``model_path`` (HF repo id, folder or GGUF) into a card and publish it for ``endpoint``.
 
     The entry is bound to the process's lease: it disappears when the worker stops or dies.
+    ``custom_template_path`` (a Jinja file, as ``--chat-template``) replaces the model's chat template in
+    the published card, so frontends template with it.
     """
     from dynamo.run.model import resolve_card
 
@@ -36,6 +39,12 @@ async def register_llm(
         kv_cache_block_size=kv_cache_block_size, migration_limit=migration_limit,
     )
     card.user_data = user_data
+    if custom_template_path is not None:
+        from pathlib import Path
+
+        from dynamo.run.model import apply_chat_template_file
+
+        await asyncio.to_thread(apply_chat_template_file, card, Path(custom_template_path))
     await publish_model(endpoint, card, ModelType.parse(model_type), runtime_config=runtime_config)
     return card
 

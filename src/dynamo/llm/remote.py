@@ -29,7 +29,11 @@ from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
     Context as RtContext,
+)
+from dynamo.runtime import (
     EngineError as RtEngineError,
+)
+from dynamo.runtime import (
     InstanceNotFoundError,
     NoInstancesError,
     NoRespondersError,

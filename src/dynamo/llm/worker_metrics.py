@@ -166,13 +166,13 @@ class WorkerMetrics:
         models = self._models.get(worker_id)
         if not models or not isinstance(data, dict):
             return False
-        ws = data.get("worker_stats") if isinstance(data.get("worker_stats"), dict) else data
+        ws: dict[str, Any] = data["worker_stats"] if isinstance(data.get("worker_stats"), dict) else data
         rank = str(int(ws.get("data_parallel_rank") or 0))
         self._ranks.setdefault(worker_id, set()).add(rank)
         wid = str(worker_id)
         for gauge, (section, name) in self.gauges:
-            part = data.get(section) if isinstance(data.get(section), dict) else data
-            value = part.get(name)
+            part: dict[str, Any] = data[section] if isinstance(data.get(section), dict) else data
+            value: Any = part.get(name)
             if _is_number(value):
                 for m in models:
                     gauge.labels(m, wid, rank, WORKER_TYPE).set(value)
@@ -218,7 +218,7 @@ class WorkerMetrics:
                 if client is None:
                     endpoint = self.runtime.namespace(namespace).component(component).endpoint(LOAD_METRICS_ENDPOINT)
                     client = self._clients[key] = await endpoint.client()
-                while worker_id not in client.instance_ids():
+                while worker_id not in client.instance_ids():  # noqa: ASYNC110 - no per-id event; bounded by the timeout
                     await asyncio.sleep(0.05)
                 async for item in client.direct({}, worker_id):
                     self.set(worker_id, item)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,9 @@ USAGE = (
     "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
-    "[-v|-vv] [-- <python engine args>]"
+    "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
+    "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] [-v|-vv] "
+    "[-- <python engine args>]"
 )
 
 DESCRIPTION = """\
@@ -52,7 +53,8 @@ inputs (in=):
   text                 interactive chat in the terminal (the default when stdin is a terminal)
   stdin                read all of stdin as one prompt, print the answer, exit (default when piped)
   http                 OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions,
-                       /v1/models, /health, /live, /metrics
+                       /v1/embeddings, /v1/responses, /v1/models, /tokenize, /detokenize,
+                       /health, /live, /metrics
   batch:FILE.jsonl     run every {"text": ...} line of FILE, write output.jsonl beside it
   dyn://ns.comp.ep     serve the engine as a worker on the distributed runtime (etcd + NATS);
                        missing parts are defaulted (dyn://test)
@@ -75,7 +77,9 @@ Face folder, or a GGUF file.  The served name is --model-name, else the repo id,
 environment: DYN_LOG (like RUST_LOG: "debug", "info,dynamo.llm=debug"), DYN_TOKEN_ECHO_DELAY_MS (echo
 engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER, DYN_STREAM_LIVENESS_S
 (seconds a worker may send nothing, not even a heartbeat, before its streams count as dead and it gets
-no new requests until it answers again; default 5).
+no new requests until it answers again; default 5); in=http: DYN_API_KEY (keys separated by commas;
+--api-key replaces it), DYN_HTTP_BODY_LIMIT_MB (default 32), DYN_RESPONSES_STORE_SIZE (responses kept
+for previous_response_id, default 1000).
 
 metrics: in=http serves /metrics (dynamo_frontend_*; DYN_METRICS_PREFIX renames them).  A worker
 (in=dyn://...) serves /health, /live and /metrics (dynamo_component_*) with DYN_SYSTEM_ENABLED=true or
@@ -92,6 +96,8 @@ examples:
   dynamo-run in=text out=llamacpp ./SmolLM2-135M-Instruct.Q4_1.gguf
   dynamo-run in=dyn://llama.backend.generate out=llamacpp model.gguf   # worker
   dynamo-run in=http out=dyn --router-mode kv                          # frontend
+  dynamo-run in=http out=llamacpp model.gguf --embedding               # /v1/embeddings
+  dynamo-run in=http out=llamacpp model.gguf --api-key $KEY --tls-cert-path cert.pem --tls-key-path key.pem
 """
 
 
@@ -128,6 +134,13 @@ class RunConfig:
     reasoning_parser: str | None = None
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # issue 12: the served API and how it is exposed
+    chat_template: Path | None = None
+    embedding: bool = False
+    api_keys: list[str] = field(default_factory=list)
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
 
     @property
     def input_kind(self) -> str:
@@ -237,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", metavar="NAME", help="how to split reasoning from the answer: "
                    + ", ".join(reasoning_parser_names()) + " (default auto: from the chat template; worker side)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file replacing the model's (local engine or worker; travels in the model card)")
+    p.add_argument("--embedding", action="store_true", help="serve the model for /v1/embeddings (out=llamacpp, out=echo_core) instead of generation")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY", help="in=http: require 'Authorization: Bearer KEY' on every route but /health, /live, /metrics (repeat for several keys; default: DYN_API_KEY)")
+    p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
+    p.add_argument("--tls-key-path", metavar="PEM", help="in=http: the private key of --tls-cert-path")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS", help="in=http: CORS origins allowed to call the API ('https://app.example.com', comma-separated, repeatable, or '*'; default none)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
@@ -334,6 +353,12 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         reasoning_parser=ns.reasoning_parser,
         verbosity=ns.verbosity,
         extra_args=extra,
+        chat_template=Path(ns.chat_template).expanduser() if ns.chat_template else None,
+        embedding=ns.embedding,
+        api_keys=ns.api_keys or [],
+        tls_cert_path=ns.tls_cert_path,
+        tls_key_path=ns.tls_key_path,
+        allowed_origins=ns.allowed_origins or [],
     )
     validate(cfg)
     return cfg
@@ -419,7 +444,33 @@ def validate(cfg: RunConfig) -> None:
         path = Path(cfg.input[6:])
         if not path.is_file():
             raise UserError(f"Missing or not a file: {path}. in=batch: needs a JSON Lines file.")
+    _validate_api(cfg)
     if cfg.engine in ("pystr", "pytok"):
         file = Path(cfg.output.split(":", 1)[1])  # type: ignore[union-attr]
         if not file.is_file():
             raise UserError(f"out={cfg.output}: no such Python file: {file}")
+
+
+def _validate_api(cfg: RunConfig) -> None:
+    """--chat-template, --embedding and the HTTP exposure flags (issue 12)."""
+    http_flags = [name for name, value in (("--api-key", cfg.api_keys), ("--tls-cert-path", cfg.tls_cert_path),
+                                            ("--tls-key-path", cfg.tls_key_path),
+                                            ("--allowed-origins", cfg.allowed_origins)) if value]
+    if http_flags and cfg.input_kind != "http":
+        raise UserError(f"{', '.join(http_flags)}: only for in=http (the HTTP server), not in={cfg.input}")
+    if cfg.input_kind == "http":
+        from dynamo.llm.http.options import build_http_options
+
+        build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
+                           tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+    if cfg.chat_template is not None:
+        if cfg.engine == "dyn":
+            raise UserError("--chat-template goes on the worker (in=dyn://...): the frontend uses the template "
+                            "in the worker's model card")
+        if not cfg.chat_template.is_file():
+            raise UserError(f"--chat-template: no such file: {cfg.chat_template}")
+    if cfg.embedding:
+        if cfg.engine == "dyn":
+            raise UserError("--embedding goes on the worker (in=dyn://...): the frontend serves what workers register")
+        if cfg.input_kind not in ("http", "endpoint"):
+            raise UserError(f"--embedding serves /v1/embeddings: use it with in=http or in=dyn://..., not in={cfg.input}")

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
@@ -52,7 +52,18 @@ def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
 
 
 async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
+    if getattr(cfg, "embedding", False):
+        from dynamo.engines.embedding import create_embedding_engine
+        from dynamo.llm.embeddings import EmbeddingModel
+
+        engine: Any = create_embedding_engine(engine_name, cfg, card)
+        if hasattr(engine, "start"):
+            await engine.start()  # weights load here, off the event loop
+        return EmbeddingModel(card.display_name, card, engine)
     engine = create_engine(engine_name, cfg, card)
+    if getattr(cfg, "chat_template", None) is not None and engine.kind != "core":
+        raise UserError(f"--chat-template: out={engine_name} applies its own template; the flag works with "
+                        "engines that take tokens (llamacpp, vllm, sglang, trtllm, echo_core, pytok:, mocker)")
     start = getattr(engine, "start", None)
     if start is not None:
         await start()  # engines load weights here, off the event loop
@@ -100,12 +111,17 @@ async def run(cfg: RunConfig) -> int:
             resolve_card, cfg.model, name=cfg.model_name, model_config=cfg.model_config,
             context_length=cfg.context_length, kv_cache_block_size=cfg.kv_cache_block_size,
             migration_limit=cfg.migration_limit,
+            need_tokenizer=not (cfg.embedding and cfg.engine in (None, "llamacpp")),
         )
     except ModelError:
         # a pystr engine loads its own model: any existing path is its business, not ours
         if cfg.engine != "pystr" or cfg.model is None or not Path(cfg.model).exists():
             raise
         card = ModelCard.placeholder(cfg.model_name or Path(cfg.model).name)
+    if cfg.chat_template is not None:
+        from dynamo.run.model import apply_chat_template_file
+
+        apply_chat_template_file(card, cfg.chat_template)
     engine_name = choose_engine(cfg, card)
     card.tool_call_parser = resolve_parser("tool", cfg.tool_call_parser, card.chat_template)
     card.reasoning_parser = resolve_parser("reasoning", cfg.reasoning_parser, card.chat_template)
@@ -165,10 +181,14 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
 
 async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
                       metrics: "FrontendMetrics | None" = None) -> int:
+    from dynamo.llm.http.options import build_http_options
     from dynamo.llm.http.service import DEFAULT_MAX_INFLIGHT, HttpService
     from dynamo.run.heap import settle_heap
 
-    service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT)
+    options = build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
+                                 tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+    service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT,
+                          options=options)
     await service.start(cfg.http_host, cfg.http_port)
     settle_heap()
     await stop.wait()

@@ -19,16 +19,19 @@ def looks_like_repo_id(arg: str) -> bool:
 
 def resolve_card(model: str | None, *, name: str | None, model_config: str | None = None,
                  context_length: int | None = None, kv_cache_block_size: int | None = None,
-                 migration_limit: int = 0) -> ModelCard:
+                 migration_limit: int = 0, need_tokenizer: bool = True) -> ModelCard:
+    """``need_tokenizer=False``: a GGUF whose vocabulary we cannot convert is still served (an engine that
+    tokenizes by itself, e.g. llama.cpp embeddings of a BERT-style model)."""
+    need_tokenizer = need_tokenizer and not model_config
     if model is None:
         card = ModelCard.placeholder(name or "dynamo")
     else:
         path = Path(model).expanduser()
         if path.is_dir():
             gguf = _lone_gguf(path)
-            card = _load_gguf(gguf, name=name, need_tokenizer=not model_config) if gguf else load_hf_folder(path, name=name)
+            card = _load_gguf(gguf, name=name, need_tokenizer=need_tokenizer) if gguf else load_hf_folder(path, name=name)
         elif path.is_file():
-            card = _load_gguf(path, name=name, need_tokenizer=not model_config)
+            card = _load_gguf(path, name=name, need_tokenizer=need_tokenizer)
         elif path.exists():
             raise ModelError(f"{model}: not a file or directory")
         elif looks_like_repo_id(model):
@@ -37,7 +40,7 @@ def resolve_card(model: str | None, *, name: str | None, model_config: str | Non
             repo = model.removeprefix("hf://")
             local = download(repo)
             gguf = _lone_gguf(local)
-            card = (_load_gguf(gguf, name=name or repo, need_tokenizer=not model_config) if gguf
+            card = (_load_gguf(gguf, name=name or repo, need_tokenizer=need_tokenizer) if gguf
                     else load_hf_folder(local, name=name or repo))
         else:
             hint = "" if model.lower().endswith(".gguf") or model.startswith((".", "/", "~")) else \
@@ -89,3 +92,21 @@ def _load_gguf(path: Path, *, name: str | None, need_tokenizer: bool = True) -> 
         raise ModelError(f"{path}: {kind}; the model must be a GGUF file, a Hugging Face model folder "
                          "or a Hugging Face repo id")
     return load_gguf(path, name=name, need_tokenizer=need_tokenizer)
+
+
+def apply_chat_template_file(card: ModelCard, path: Path) -> None:
+    """``--chat-template FILE``: the file's Jinja replaces the card's template (and so travels with the
+    card to remote frontends).  A file that does not compile is a ModelError now, not on the first request."""
+    from dynamo.llm.chat_template import ChatTemplate
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not text.strip():
+        raise ModelError(f"--chat-template {path}: the file is empty")
+    try:
+        ChatTemplate(text, {})
+    except ModelError as e:
+        raise ModelError(f"--chat-template {path}: {e}") from None
+    card.chat_template = text

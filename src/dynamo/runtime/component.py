@@ -140,6 +140,7 @@ class Endpoint:
         key = None
         try:
             if not runtime.is_static:
+                assert runtime.etcd is not None  # a non-static runtime has etcd
                 key = self.id.instance_key(lease)
                 created = await runtime.etcd.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease=True)
                 if not created:
@@ -155,7 +156,7 @@ class Endpoint:
             if system is not None:
                 system.set_endpoint(self.name, False)
             await _stop_nats_endpoint(service, nats_endpoint)
-            if key is not None:
+            if key is not None and runtime.etcd is not None:
                 try:
                     await runtime.etcd.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway

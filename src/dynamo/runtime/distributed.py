@@ -23,8 +23,8 @@ from .config import RuntimeSettings
 from .errors import DynamoRuntimeError
 from .etcd import EtcdClient, KeyValue, PrefixWatch, _to_bytes
 from .lease import LeaseKeeper
-from .nats_conn import connect_nats
 from .names import lease_hex
+from .nats_conn import connect_nats
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
 from .tcp import TcpResponseServer
 from .transport import StreamState

@@ -23,10 +23,16 @@ import orjson
 from dynamo.aio import Pending, next_now
 
 from .codec import decode_frame
-from .component_metrics import (ERROR_DESERIALIZATION, ERROR_GENERATE, ERROR_INVALID_MESSAGE, ERROR_RESPONSE_STREAM,
-                                EndpointMetrics)
+from .component_metrics import (
+    ERROR_DESERIALIZATION,
+    ERROR_GENERATE,
+    ERROR_INVALID_MESSAGE,
+    ERROR_RESPONSE_STREAM,
+    EndpointMetrics,
+)
 from .context import Context
-from .tcp import TRANSPORT_NAME as TCP_TRANSPORT, TcpSink
+from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
+from .tcp import TcpSink
 from .transport import ACK_BUSY, ACK_REFUSED, encode_error_item, encode_item, parse_request_control
 
 log = logging.getLogger(__name__)

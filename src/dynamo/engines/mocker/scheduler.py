@@ -385,7 +385,7 @@ class Scheduler:
         self._extend_hashes(req)
         blocks: list[Block] = []
         prev: int | None = None
-        for local, seq in zip(req.local_hashes, req.seq_hashes):
+        for local, seq in zip(req.local_hashes, req.seq_hashes, strict=True):
             if self.caching:
                 blocks.append(Block(seq, local, prev))
             else:

@@ -58,6 +58,7 @@ class DisaggCoreEngine:
             pctx = Context(f"{context.id}-prefill")
             context.on_stop(lambda kind: pctx.kill() if kind == "kill" else pctx.stop_generating())
             ticket = None
+            assert pf is not None  # prefill() is only called when a prefill worker was found
             async for out in pf.generate(preq, pctx):
                 if out.disaggregated_params:
                     ticket = out.disaggregated_params

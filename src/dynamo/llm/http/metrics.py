@@ -100,7 +100,7 @@ class FrontendMetrics:
         index = worker_index()
         if index is None:
             return generate_latest(self.registry)
-        return generate_latest(_WithLabel(self.registry, "http_worker", str(index)))  # type: ignore[arg-type]
+        return generate_latest(_WithLabel(self.registry, "http_worker", str(index)))
 
     def request(self, model: str, endpoint: str, streaming: bool) -> "RequestMetrics":
         return RequestMetrics(self, model.lower(), endpoint, "stream" if streaming else "unary")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -23,8 +22,10 @@ from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
+from dynamo.llm.http.api_routes import register_api_routes
 from dynamo.llm.http.errors import error_body, error_response, request_error_response
 from dynamo.llm.http.metrics import FrontendMetrics
+from dynamo.llm.http.options import BODY_LIMIT_KEY, HttpOptions
 from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
@@ -35,7 +36,6 @@ from dynamo.llm.protocols.openai import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 LISTEN_BACKLOG = 1024  # a burst of hundreds of new connections must not overflow the accept queue
 DEFAULT_MAX_INFLIGHT = 1024  # --max-inflight on in=http: requests in progress (generating or queued) at once
 _DONE = b"data: [DONE]\n\n"
@@ -45,18 +45,23 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 class HttpService:
     def __init__(self, models: ModelManager, *, metrics: FrontendMetrics | None = None,
-                 max_inflight: int = DEFAULT_MAX_INFLIGHT):
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT, options: HttpOptions | None = None):
         self.models = models
         self.max_inflight = max_inflight
         self._admitted = 0
         self.metrics = metrics or FrontendMetrics()
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_error_middleware])
+        self.options = options or HttpOptions()
+        self.app = web.Application(client_max_size=self.options.body_limit,
+                                   middlewares=[*self.options.middlewares(), _error_middleware])
+        self.app[BODY_LIMIT_KEY] = self.options.body_limit
+        self.options.install(self.app)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/live", self.live)
         self.app.router.add_get("/metrics", self.prometheus)
+        register_api_routes(self)  # embeddings, responses, tokenize (their own modules)
         self._runner: web.AppRunner | None = None
         self._acceptor: Acceptor | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
@@ -70,9 +75,9 @@ class HttpService:
         await self._runner.setup()
         sock = _listen_socket(host, port)
         # our own accept loop: 256 clients connecting at once are accepted in one turn, not one per turn
-        self._acceptor = Acceptor(sock, self._runner.server)  # type: ignore[arg-type]
+        self._acceptor = Acceptor(sock, self._runner.server, ssl=self.options.ssl_context())  # type: ignore[arg-type]
         self.port = sock.getsockname()[1]
-        log.info("OpenAI-compatible HTTP service listening on http://%s:%d", host, self.port)
+        log.info("OpenAI-compatible HTTP service listening on %s://%s:%d", self.options.scheme, host, self.port)
         self.metrics.prepare_in_background()
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -162,7 +167,7 @@ class HttpService:
                 try:
                     body = await fold(stream, ctx, req.model)
                 finally:
-                    await stream.aclose()
+                    await stream.aclose()  # type: ignore[attr-defined]
                 resp = _json(body)
             ok = True
             return resp
@@ -238,7 +243,7 @@ class HttpService:
         finally:
             if pending is not None:  # a write failed while the next item was being awaited
                 await pending.abandon()
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]
         parts.append(_DONE)
         await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
         return resp, ok
@@ -272,7 +277,7 @@ async def _read_json(request: web.Request) -> Any:
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise RequestError(f"Request body too large (limit {MAX_BODY_BYTES} bytes)", status=413) from None
+        raise RequestError(f"Request body too large (limit {request.app[BODY_LIMIT_KEY]} bytes)", status=413) from None
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -307,7 +312,7 @@ async def _error_middleware(request: web.Request, handler: Callable[[web.Request
         if e.status == 405:
             return error_response(f"Method {request.method} not allowed for {request.path}", 405)
         if e.status == 413:
-            return error_response(f"Request body too large (limit {MAX_BODY_BYTES} bytes)", 413)
+            return error_response(f"Request body too large (limit {request.app[BODY_LIMIT_KEY]} bytes)", 413)
         return error_response(e.reason or "HTTP error", e.status)
     except EngineError as e:
         log.error("engine error: %s", e)

@@ -29,7 +29,7 @@ TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
 REASONING_PARSERS: dict[str, Callable[..., ThinkParser | HarmonyParser]] = {
     "deepseek_r1": deepseek_r1,
     "qwen3": qwen3,
-    "gpt_oss": lambda reasoning_first=False: HarmonyParser(tools=False),  # type: ignore[dict-item]
+    "gpt_oss": lambda reasoning_first=False: HarmonyParser(tools=False),
 }
 AUTO, NONE = "auto", "none"
 

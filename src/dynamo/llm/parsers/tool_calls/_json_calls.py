@@ -142,7 +142,7 @@ class JsonCallsParser:
             if not final:
                 return False
         elif head is not False:
-            name, length = head  # type: ignore[misc]
+            name, length = head
             self._raw += buf[:length]
             self._buf = buf[length:]
             out.call_start(self.calls, name)

@@ -1,0 +1,53 @@
+"""``POST /v1/embeddings``: the OpenAI shape, float or base64 (little-endian float32) vectors.
+
+Inputs: a string, a list of strings, a list of token ids or a list of token-id lists.  ``dimensions``
+goes to the engine, which refuses it with a 400 unless it can honour it.  A model that is not an
+embedding model gets a 400 naming the right endpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+from aiohttp import web
+
+from dynamo.errors import RequestError
+from dynamo.llm.engine import Context
+from dynamo.llm.http.service import _json, _read_json
+from dynamo.llm.protocols.extra import parse_embedding_request
+
+
+def encode_base64(vector: list[float]) -> str:
+    """What the OpenAI SDK decodes for ``encoding_format="base64"``: float32 little-endian bytes."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+class EmbeddingsRoute:
+    def __init__(self, service: Any):
+        self.service = service
+
+    async def handle(self, request: web.Request) -> web.Response:
+        raw = await _read_json(request)
+        req, inputs = parse_embedding_request(raw)
+        model = self.service.models.get(req.model)
+        embed = getattr(model, "embed", None)
+        if embed is None:
+            raise RequestError(f"The model '{req.model}' is not an embedding model", param="model")
+        ctx = Context()
+        rm = self.service.metrics.request(req.model, "embeddings", False)
+        ok = False
+        try:
+            result = await embed(inputs, req.dimensions, ctx)
+            rm.tokens(0, result.prompt_tokens)
+            ok = True
+        finally:
+            rm.done(ok)
+        b64 = req.encoding_format == "base64"
+        data = [
+            {"object": "embedding", "index": i, "embedding": encode_base64(v) if b64 else v}
+            for i, v in enumerate(result.vectors)
+        ]
+        usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+        return _json({"object": "list", "data": data, "model": req.model, "usage": usage})

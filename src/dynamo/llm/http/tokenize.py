@@ -1,0 +1,113 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shape.
+
+``/tokenize`` takes a ``prompt`` (special tokens added by default, as the tokenizer's post-processor
+defines them) or chat ``messages`` (rendered through the model's chat template, the same text
+``/v1/chat/completions`` would feed the engine; no special tokens added by default) and answers
+``{"count", "max_model_len", "tokens", "token_strs"}``.  ``/detokenize`` turns ``tokens`` back into
+``{"prompt": text}``.  ``model`` may be left out when one model is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from dynamo.errors import RequestError
+from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.http.service import _json, _read_json
+from dynamo.llm.model_manager import ModelManager
+from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
+from dynamo.llm.protocols.openai import content_text
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def pick_model(models: ModelManager, name: str | None) -> Any:
+    """The named model, or the only one served when no name is given."""
+    if name is not None:
+        return models.get(name)
+    names = models.names()
+    if len(names) != 1:
+        raise RequestError("Give 'model': this server serves " + (", ".join(names) or "no model"), param="model")
+    return models.get(names[0])
+
+
+class TokenizeRoutes:
+    def __init__(self, models: ModelManager):
+        self.models = models
+        self._templates: dict[tuple[str, int], ChatTemplate] = {}
+
+    def _tokenizer(self, model: Any) -> Any:
+        tok = getattr(model, "tokenizer", None)
+        if tok is None:
+            raise RequestError(f"The model '{model.name}' has no tokenizer on this server", param="model")
+        return tok
+
+    def _template(self, model: Any) -> ChatTemplate:
+        card = model.card
+        if not card.chat_template:
+            raise RequestError(f"The model '{model.name}' has no chat template; tokenize a 'prompt' instead",
+                               param="messages")
+        key = (model.name, id(card))
+        tpl = self._templates.get(key)
+        if tpl is None:
+            if len(self._templates) > 64:
+                self._templates.clear()
+            tpl = ChatTemplate(card.chat_template, {n: card.special_token(n) for n in _SPECIAL})
+            self._templates[key] = tpl
+        return tpl
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        raw = await _read_json(request)
+        req = parse_tokenize_request(raw)
+        model = pick_model(self.models, req.model)
+        tok = self._tokenizer(model)
+        if req.messages is not None:
+            messages = []
+            for sent, parsed in zip(raw["messages"], req.messages, strict=True):
+                if isinstance(sent.get("content"), list):
+                    sent = dict(sent, content=content_text(parsed.content))
+                messages.append(sent)
+            text = self._template(model).render(
+                messages, tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                extra=req.chat_template_kwargs,
+            )
+            if req.continue_final_message:
+                text = _cut_after_final(text, messages[-1].get("content"))
+            add_special = bool(req.add_special_tokens)
+        else:
+            text = req.prompt or ""
+            add_special = req.add_special_tokens is not False
+        enc = tok.hf.encode(text, add_special_tokens=add_special)
+        ids = list(enc.ids)
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": model.card.context_length or None,
+            "tokens": ids,
+            "token_strs": list(enc.tokens) if req.return_token_strs else None,
+        }
+        return _json(body)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        raw = await _read_json(request)
+        req = parse_detokenize_request(raw)
+        model = pick_model(self.models, req.model)
+        tok = self._tokenizer(model)
+        vocab = tok.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"Token id {bad} is out of vocabulary (size {vocab})", param="tokens")
+        return _json({"prompt": tok.decode(req.tokens)})
+
+
+def _cut_after_final(text: str, final: Any) -> str:
+    """``continue_final_message``: the rendered text ends where the last message's content ends (what
+    transformers does), so the template's end-of-turn after it is dropped and the model continues it."""
+    body = final.strip() if isinstance(final, str) else ""
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the last message's content is not in the rendered prompt",
+                           param="continue_final_message")
+    return text[: at + len(body)]
