@@ -87,6 +87,7 @@ class _Request:
     cancelled: bool = False
     grammar: str | None = None  # GBNF from guided decoding (llamacpp_grammar.py)
     cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
+    state_io: Any = None  # disaggregation (llm/disagg/worker.py StateIO): export or import the sequence state
 
 
 @dataclass
@@ -255,6 +256,9 @@ class LlamaCppEngine:
     kind = "core"
     guided_decoding = GRAMMAR_KINDS  # json schemas, choices and GBNF through llama.cpp grammars
     logit_bias = True  # llama.cpp's logit-bias sampler
+    # generate() takes state_io (llm/disagg/worker.py): the prefill worker exports a sequence's KV state
+    # after the prompt (llama_state_seq_get_data), the decode worker loads it into a slot (set_data)
+    supports_state_io = True
 
     @property
     def capacity(self) -> int:
@@ -496,7 +500,8 @@ class LlamaCppEngine:
             pass
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreprocessedRequest, context: Context,
+                       state_io: Any = None) -> AsyncIterator[EngineOutput]:
         if self._thread is None:
             raise EngineError("llamacpp engine is not started")
         sc = request.stop_conditions
@@ -512,7 +517,7 @@ class LlamaCppEngine:
             eos = frozenset(sc.stop_token_ids_hidden or ())
         loop = asyncio.get_running_loop()
         req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
-                       grammar=self._grammar(request.sampling_options.guided_decoding))
+                       grammar=self._grammar(request.sampling_options.guided_decoding), state_io=state_io)
         with self._cv:
             if self._closing:
                 raise EngineError("llamacpp engine is shutting down")
@@ -594,6 +599,8 @@ class LlamaCppEngine:
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
+            if req.state_io is not None and req.state_io.state is not None and self._admit_imported(req, free):
+                continue
             last = len(req.prompt) - 1
             prefix = {s.seq_id: _common_prefix(s.cached, req.prompt) for s in self._slots}
             best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
@@ -629,17 +636,73 @@ class LlamaCppEngine:
             req.cached_tokens = keep
             self._hits.append(keep / len(req.prompt))
             best.pending = req.prompt[keep:]
-            best.req = req
-            best.generated = 0
-            if best.sampler is not None:
-                L.llama_sampler_free(best.sampler)
-                best.sampler = None
-            best.greedy = _is_greedy(req.sampling) and req.grammar is None and not req.sampling.logit_bias
-            if not best.greedy:
-                best.sampler = self._make_sampler(req.sampling, req.grammar)
+            self._start_request(best, req)
             self.reused_tokens += keep
             log.debug("request %s: slot %d, %d prompt tokens, %d reused from the cache", req.ctx.id,
                       best.seq_id, len(req.prompt), keep)
+
+    def _start_request(self, slot: _Slot, req: _Request) -> None:
+        slot.req = req
+        slot.generated = 0
+        if slot.sampler is not None:
+            self._L.llama_sampler_free(slot.sampler)
+            slot.sampler = None
+        slot.greedy = _is_greedy(req.sampling) and req.grammar is None and not req.sampling.logit_bias
+        if not slot.greedy:
+            slot.sampler = self._make_sampler(req.sampling, req.grammar)
+
+    def _admit_imported(self, req: _Request, free: list[_Slot]) -> bool:
+        """Load a prefill worker's state of ``req.prompt`` into the least recently used free slot and
+        answer its first token; False (nothing changed, prefill locally) if llama.cpp refuses the state."""
+        io = req.state_io
+        data, io.state = io.state, None  # the bytes are not needed after this
+        L = self._L
+        slot = min(free, key=lambda s: s.used_at)
+        L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        t0 = time.perf_counter()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = L.llama_state_seq_set_data(self._lctx, buf, len(data), slot.seq_id)
+        ok = n == len(data) and L.llama_memory_seq_pos_max(self._mem, slot.seq_id) == len(req.prompt) - 1
+        if self._tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+        if not ok:
+            L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            log.warning("request %s: llama.cpp refused the transferred KV state (%d of %d bytes read); "
+                        "prefilling locally", req.ctx.id, n, len(data))
+            return False
+        io.imported = True
+        slot.cached = list(req.prompt)
+        slot.pending = []
+        if self._tracking:
+            self.slot_blocks.extend(slot.seq_id, slot.cached)
+        self._start_request(slot, req)
+        self._hits.append(0.0)
+        log.debug("request %s: slot %d loaded the KV state of %d prompt tokens (%d bytes) in %.1f ms", req.ctx.id,
+                  slot.seq_id, len(req.prompt), len(data), 1e3 * (time.perf_counter() - t0))
+        # the prefill worker's token is this sequence's first: answer it and decode from it
+        tok = int(io.first_token)
+        slot.generated = 1
+        slot.last = tok
+        reason = "eos" if tok in req.eos else ("length" if req.max_tokens <= 1 else None)
+        self._deliver([(req, EngineOutput(token_ids=[tok], finish_reason=reason, cached_tokens=0))])
+        if reason is not None:
+            self._finish(slot)
+        return True
+
+    def _export_state(self, slot: _Slot) -> bytes:
+        """The slot's sequence state (its KV cache of the prompt), for a decode worker."""
+        L = self._L
+        t0 = time.perf_counter()
+        size = L.llama_state_seq_get_size(self._lctx, slot.seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = L.llama_state_seq_get_data(self._lctx, buf, size, slot.seq_id)
+        if n != size:
+            raise EngineError(f"llama.cpp exported {n} of {size} bytes of sequence state")
+        data = bytes(buf)
+        log.debug("slot %d: exported the KV state of %d tokens (%d bytes) in %.1f ms", slot.seq_id, len(slot.cached),
+                  size, 1e3 * (time.perf_counter() - t0))
+        return data
 
     def _grammar(self, guided: dict[str, Any] | None) -> str | None:
         """The request's grammar, checked by llama.cpp's parser now (a bad one is the client's 400)."""
@@ -793,6 +856,13 @@ class LlamaCppEngine:
             out = EngineOutput(token_ids=[tok], finish_reason=reason)
             if slot.generated == 1:
                 out.cached_tokens = req.cached_tokens
+                if req.state_io is not None and req.state_io.export:
+                    try:
+                        req.state_io.state = self._export_state(slot)
+                    except EngineError as e:
+                        deliveries.append((req, str(e)))
+                        self._finish(slot)
+                        continue
             deliveries.append((req, out))
             if reason is not None:
                 self._finish(slot)

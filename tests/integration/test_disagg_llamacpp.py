@@ -1,0 +1,177 @@
+"""Disaggregated prefill/decode for real on llama.cpp with the SmolLM2 GGUF.
+
+In process: a prefill engine exports each prompt's KV state, the real TCP transfer moves it, a decode
+engine loads it and continues: greedy outputs equal aggregated serving's.  A damaged transfer, or a
+state llama.cpp refuses, ends in a local prefill with the same output.  Distributed: a prefill worker,
+a decode worker and a frontend on real etcd and NATS give the same answers as an aggregated worker, and
+keep answering when the prefill worker is killed -9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from dynamo.llm.disagg.worker import DisaggWorkerEngine
+from dynamo.llm.engine import Context
+from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.integration.test_llamacpp import _smollm2
+from tests.support.proc import DynamoRun, DynamoWorker
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.timeout(240)
+
+QUESTIONS = ["What is 2+2?", "Name three colors.", "Write one sentence about the sea.",
+             "Say hello in French. " * 8]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return _smollm2()
+
+
+@pytest.fixture(scope="module")
+def tok(gguf: Path) -> Any:
+    from dynamo.llm.gguf_card import load_gguf
+    from dynamo.llm.tokenizer import Tokenizer
+
+    return Tokenizer(load_gguf(gguf).tokenizer_json)
+
+
+def chat(tok: Any, user: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def req(prompt: list[int], n: int = 12, params: Any = None) -> PreprocessedRequest:
+    return PreprocessedRequest(token_ids=list(prompt), stop_conditions=StopConditions(max_tokens=n),
+                               sampling_options=SamplingOptions(temperature=0), eos_token_ids=[2],
+                               disaggregated_params=params)
+
+
+async def tokens(engine: Any, r: PreprocessedRequest) -> list[int]:
+    return [t async for out in engine.generate(r, Context()) for t in out.token_ids]
+
+
+async def _engine(gguf: Path) -> Any:
+    from dynamo.engines.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(gguf, context_length=512, args={"n_parallel": 2, "n_threads": 1})
+    await engine.start()
+    return engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines(gguf):
+    pre = DisaggWorkerEngine(await _engine(gguf), "prefill", host="127.0.0.1")
+    dec = DisaggWorkerEngine(await _engine(gguf), "decode", pull_timeout=10)
+    agg = await _engine(gguf)
+    await pre.start()
+    try:
+        yield pre, dec, agg
+    finally:
+        for e in (pre, dec, agg):
+            await e.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_greedy_output_equals_aggregated(engines, tok):
+    pre, dec, agg = engines
+    for q in QUESTIONS:
+        prompt = chat(tok, q)
+        [first] = [o async for o in pre.generate(req(prompt), Context())]
+        ticket = first.disaggregated_params
+        assert ticket["n_tokens"] == len(prompt) and ticket["size"] > 10_000 * len(prompt)
+        before = dec.imported
+        got = await tokens(dec, req(prompt, params=ticket))
+        assert dec.imported == before + 1
+        want = await tokens(agg, req(prompt))
+        assert got == want and len(got) >= 5, (q, got, want)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("damage", ["digest", "junk_state", "truncated_state"])
+async def test_bad_transfer_or_state_falls_back_to_local_prefill(engines, tok, damage):
+    pre, dec, agg = engines
+    prompt = chat(tok, "Name three colors.")
+    [first] = [o async for o in pre.generate(req(prompt), Context())]
+    ticket = dict(first.disaggregated_params)
+    if damage == "digest":  # what a corrupted stream looks like to the puller
+        ticket["sha256"] = hashlib.sha256(b"other").hexdigest()
+    else:  # an intact transfer of a state llama.cpp must refuse
+        data, _ = pre.store.take(ticket["key"])
+        bad = b"\x07" * 64 if damage == "junk_state" else data[: len(data) // 2]
+        key, digest = pre.store.put(bad)
+        ticket.update(key=key, sha256=digest, size=len(bad))
+    fallbacks = dec.fallbacks
+    got = await tokens(dec, req(prompt, params=ticket))
+    assert dec.fallbacks == fallbacks + 1
+    assert got == await tokens(agg, req(prompt))
+
+
+# -- distributed --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(gguf: Path) -> Iterator[dict[str, Any]]:
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url, "DYN_KV_TRANSFER_TIMEOUT": "5"}
+        common = ["out=llamacpp", str(gguf), "--context-length", "512"]
+        ws = {"prefill": DynamoWorker("in=dyn://dis.prefill.generate", *common, "--model-name", "dis",
+                                      "--disaggregation-mode", "prefill", env=env).start(wait=False),
+              "decode": DynamoWorker("in=dyn://dis.backend.generate", *common, "--model-name", "dis",
+                                     "--disaggregation-mode", "decode", env=env).start(wait=False),
+              "agg": DynamoWorker("in=dyn://agg.backend.generate", *common, "--model-name", "agg",
+                                  env=env).start(wait=False)}
+        fe = None
+        try:
+            for w in ws.values():
+                w.wait_ready(timeout=120)
+            fe = DynamoRun("out=dyn", "--max-local-prefill-length", "8", env=env).start()
+            want = {w.instance_id for w in ws.values()}
+            deadline = time.monotonic() + 30
+            while True:
+                health = httpx.get(fe.base_url + "/health").json()
+                if want <= {i["instance_id"] for i in health.get("instances", [])} and len(health["models"]) >= 2:
+                    break
+                assert time.monotonic() < deadline, health
+                time.sleep(0.05)
+            yield {"workers": ws, "frontend": fe}
+        finally:
+            if fe is not None:
+                fe.stop()
+            for w in ws.values():
+                w.kill()
+
+
+def ask(fe: DynamoRun, model: str, q: str) -> str:
+    r = httpx.post(fe.api_url + "/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def prefills(fe: DynamoRun) -> dict[str, float]:
+    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
+    for m in re.finditer(r'disagg_prefill_total\{model="dis",where="(\w+)"\} ([0-9.e+]+)',
+                         httpx.get(fe.base_url + "/metrics").text):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_distributed_answers_equal_aggregated_and_survive_prefill_worker_kill(cluster):
+    fe = cluster["frontend"]
+    for q in QUESTIONS[:3]:
+        assert ask(fe, "dis", q) == ask(fe, "agg", q)
+    assert prefills(fe)["remote"] == 3
+    cluster["workers"]["prefill"].kill()
+    before = prefills(fe)
+    for q in QUESTIONS[:3]:
+        assert ask(fe, "dis", q) == ask(fe, "agg", q)
+    after = prefills(fe)
+    assert after["local"] - before["local"] == 3 and after["remote"] == before["remote"]
