@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from dynamo.engines.kv_host_tier import HostKvTier
 from dynamo.engines.llamacpp_grammar import KINDS as GRAMMAR_KINDS
 from dynamo.engines.llamacpp_grammar import gbnf_for
 from dynamo.engines.slot_blocks import SlotBlocks
@@ -66,7 +67,9 @@ log = logging.getLogger(__name__)
 DEFAULT_N_PARALLEL = 8
 DEFAULT_MAX_CTX_PER_SEQ = 8192
 ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_gpu_layers", "flash_attn",
-               "type_k", "type_v", "seed"}
+               "type_k", "type_v", "seed", "host_cache_mb"}
+# KV offloading: a slot cache is saved to the host tier when at least this many of its tokens would be lost
+OFFLOAD_MIN_TOKENS = 32
 # KV cache types accepted for type_k / type_v (ggml_type values)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 # copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
@@ -287,6 +290,11 @@ class LlamaCppEngine:
         self.type_k = _kv_type(args.get("type_k"), "type_k")
         self.type_v = _kv_type(args.get("type_v"), "type_v")
         self.seed = int(args["seed"]) if args.get("seed") is not None else None
+        host_mb = float(args.get("host_cache_mb", 0) or 0)
+        if host_mb < 0:
+            raise UserError("--extra-engine-args: host_cache_mb must be at least 0")
+        # KV offloading (kv_host_tier.py): slot caches about to be overwritten are kept in host memory
+        self.host_tier = HostKvTier(int(host_mb * (1 << 20))) if host_mb > 0 else None
         if self.n_parallel < 1 or self.n_batch < 1 or self.n_ubatch < 1:
             raise UserError("--extra-engine-args: n_parallel, n_batch and n_ubatch must be at least 1")
         self.verbose = verbose
@@ -619,6 +627,7 @@ class LlamaCppEngine:
                 # free slot (the copy runs at the start of the next llama_decode)
                 best = min(free, key=lambda s: s.used_at)
                 keep = min(prefix[donor.seq_id], last)
+                self._offload(best, 0)
                 L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
                 L.llama_memory_seq_cp(self._mem, donor.seq_id, best.seq_id, -1, -1)
                 self.copies += 1
@@ -627,6 +636,9 @@ class LlamaCppEngine:
                 log.debug("request %s: slot %d copies %d cached tokens from busy slot %d", req.ctx.id,
                           best.seq_id, keep, donor.seq_id)
                 best.cached = donor.cached[:keep]
+            else:
+                self._offload(best, keep)
+            keep = self._restore(best, req.prompt, keep)
             if not L.llama_memory_seq_rm(self._mem, best.seq_id, keep, -1):
                 L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
                 keep = 0
@@ -689,6 +701,49 @@ class LlamaCppEngine:
         if reason is not None:
             self._finish(slot)
         return True
+
+    def _offload(self, slot: _Slot, keep: int) -> None:
+        """Save ``slot``'s cache to the host tier if more than OFFLOAD_MIN_TOKENS of it are about to go."""
+        tier = self.host_tier
+        if tier is None or len(slot.cached) - keep < OFFLOAD_MIN_TOKENS:
+            return
+        try:
+            tier.put(list(slot.cached), self._export_state(slot))
+        except EngineError as e:
+            log.warning("KV offload of slot %d failed: %s", slot.seq_id, e)
+
+    def _restore(self, slot: _Slot, prompt: list[int], keep: int) -> int:
+        """Load the host tier's best entry for ``prompt`` into ``slot`` if it saves OFFLOAD_MIN_TOKENS of
+        prefill over ``keep``; returns the tokens now reusable (the caller truncates to it)."""
+        tier = self.host_tier
+        if tier is None or not len(tier):
+            return keep
+        found = tier.best(prompt)
+        if found is None:
+            return keep
+        key, n = found
+        n = min(n, len(prompt) - 1)
+        if n < keep + OFFLOAD_MIN_TOKENS:
+            return keep
+        data = tier.get(key)
+        L = self._L
+        L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = (L.llama_state_seq_set_data(self._lctx, buf, len(data), slot.seq_id) == len(data)
+              and L.llama_memory_seq_pos_max(self._mem, slot.seq_id) == len(key) - 1)
+        if self._tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+        if not ok:
+            L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            log.warning("KV restore into slot %d failed; computing the prompt", slot.seq_id)
+            return 0
+        slot.cached = list(key)
+        if self._tracking:
+            self.slot_blocks.extend(slot.seq_id, slot.cached)
+        tier.restored += 1
+        log.debug("slot %d: restored %d cached tokens from the host tier", slot.seq_id, n)
+        return n
 
     def _export_state(self, slot: _Slot) -> bytes:
         """The slot's sequence state (its KV cache of the prompt), for a decode worker."""
