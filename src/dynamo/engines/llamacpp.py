@@ -188,6 +188,7 @@ class ThreadTuner:
     def _decide(self, ref: float, probed: float | None) -> None:
         now = self.clock()
         alt, self.probing = self.probing, None
+        assert alt is not None  # only called while probing
         if probed is not None and probed < self.margin * ref:
             log.debug("llama.cpp threads %d -> %d (%.2f -> %.2f ms per token)", self.current, alt, ref * 1e3,
                       probed * 1e3)
@@ -726,6 +727,7 @@ class LlamaCppEngine:
         if n < keep + OFFLOAD_MIN_TOKENS:
             return keep
         data = tier.get(key)
+        assert data is not None  # the key was just found in the tier
         L = self._L
         L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -870,7 +872,7 @@ class LlamaCppEngine:
             for slot in self._slots:
                 if slot.req is not None:
                     self.slot_blocks.extend(slot.seq_id, slot.cached)
-        if threads:
+        if threads and self.tuner is not None:
             self.tuner.record(threads, n, dt)
         self.decoded_tokens += n
         st = self._stats
@@ -888,7 +890,7 @@ class LlamaCppEngine:
                       self.tuner.summary() if self.tuner else self._threads_set[0])
             self._stats = [0, 0, 0.0, 0.0, 0]
             self._stats_at = t1
-        greedy_rows = None
+        greedy_rows: list[int] = []
         if any(slot.greedy for slot, _ in outputs):
             # logits rows are stored in batch order for the tokens that asked for them
             rows = self._np.ctypeslib.as_array(L.llama_get_logits(self._lctx), shape=(len(outputs), self._n_vocab))

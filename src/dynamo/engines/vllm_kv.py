@@ -89,7 +89,7 @@ def normalize_event(event: Any) -> dict[str, Any]:
         kind = event[0]
         names = _ARRAY_FIELDS.get(kind, ())
         out: dict[str, Any] = {"type": kind}
-        out.update(zip(names, event[1:]))
+        out.update(zip(names, event[1:], strict=False))
         return out
     raise BatchError(f"not an event: {event!r}")
 
@@ -173,14 +173,14 @@ class KvEventTranslator:
         local = compute_block_hashes(tokens, bs)
         seq = compute_seq_hashes(local, parent_seq)
         blocks = self._blocks
-        for h, lo, s in zip(hashes, local, seq):
+        for h, lo, s in zip(hashes, local, seq, strict=False):
             k = _key(h)
             entry = blocks.get(k)
             if entry is not None and entry[0] == s:
                 entry[2] += 1  # a second copy of a block the engine already holds
             else:
                 blocks[k] = [s, lo, 1]
-        return stored_data(parent_seq, zip(seq, local))
+        return stored_data(parent_seq, zip(seq, local, strict=False))
 
     def _removed(self, hashes: Iterable[Any]) -> Any:
         gone = []

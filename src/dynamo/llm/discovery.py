@@ -201,12 +201,14 @@ class ModelWatcher:
             engine: Any = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
                                            migration_limit=max(card.migration_limit, self.router_config.migration_limit),
                                            observer=observer)
-            engine = DisaggCoreEngine(engine, lambda name=entry.name: self._prefill_engine(name),
+            name = entry.name
+            engine = DisaggCoreEngine(engine, lambda: self._prefill_engine(name),
                                       max_local_prefill_length=self.router_config.max_local_prefill_length,
                                       stats=DisaggStats(self._observe_prefill(entry.name)))
             model: Any = CorePipeline(entry.name, card, engine)
         elif entry.model_type in (ModelType.Chat, ModelType.Completion):
-            model = FullPipeline(entry.name, card, RemoteChatEngine(client, self.router_config.queue, observer=observer))
+            chat_engine: Any = RemoteChatEngine(client, self.router_config.queue, observer=observer)
+            model = FullPipeline(entry.name, card, chat_engine)
         elif entry.model_type is ModelType.Embedding:
             from dynamo.llm.embeddings import EmbeddingModel, RemoteEmbeddingEngine
             from dynamo.llm.tokenizer import Tokenizer

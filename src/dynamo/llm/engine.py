@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Literal, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 
 class Context:
@@ -78,9 +78,9 @@ class Context:
 
 @runtime_checkable
 class Engine(Protocol):
-    kind: Literal["core", "full"]
+    kind: str  # "core" (token ids in and out) or "full" (OpenAI requests in, chunks out)
 
-    def generate(self, request: Any, context: Context) -> AsyncGenerator[Any, None]: ...
+    def generate(self, request: Any, context: Context) -> AsyncIterator[Any]: ...
 
 
 @dataclass
@@ -88,6 +88,6 @@ class EngineInfo:
     """What an engine tells the pipeline builder about itself."""
 
     name: str
-    kind: Literal["core", "full"]
+    kind: str  # "core" (token ids in and out) or "full" (OpenAI requests in, chunks out)
     needs_tokenizer: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -131,7 +131,7 @@ class CorePipeline:
                 reason = post.finished
         finally:
             ctx.stop_generating()  # idempotent: tells the engine we are done, whatever ended the loop
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason)
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
@@ -204,6 +204,6 @@ class FullPipeline:
                 yield chunk
         finally:
             ctx.stop_generating()
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         if want_usage and not saw_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)

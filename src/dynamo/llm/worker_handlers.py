@@ -52,7 +52,7 @@ def backend_handler(card: ModelCard, engine: Engine):
                 async for out in gen:
                     yield out.to_dict()
             finally:
-                await gen.aclose()
+                await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
             return
         post = PostProcessor(tokenizer, req)
         stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
@@ -72,7 +72,7 @@ def backend_handler(card: ModelCard, engine: Engine):
             yield item if stage is None else stage.annotate(item)
         finally:
             ctx.stop_generating()
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
 
     return generate
 

@@ -220,7 +220,7 @@ class MockerEngine:
 
         return min(range(n), key=score)
 
-    def _token_source(self, avoid: frozenset[int]):  # type: ignore[no-untyped-def]
+    def _token_source(self, avoid: frozenset[int]):
         rng, vocab = self.rng, self.vocab_size
 
         def next_token() -> int:

@@ -77,7 +77,7 @@ class KvRouter:
         self._peer_seen: dict[str, float] = {}  # peer router id -> when we last heard from it
         self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
-        self.last_costs: list[WorkerCost] = []  # of the last decision, for logs and tests
+        self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
