@@ -256,6 +256,18 @@ class BatchThreadTuner:
         return ", ".join(f"{b}+ tokens: {t.current}" for b, t in sorted(self.tuners.items()))
 
 
+_QUIET_LOG: Any = None  # module-level on purpose: llama.cpp keeps calling it after an engine is gone
+
+
+def silence_llama_log(L: Any) -> None:
+    """Send llama.cpp's log nowhere.  The ctypes callback must outlive every engine: llama.cpp keeps the
+    pointer, and a callback freed with its engine crashed the next model load in the same process."""
+    global _QUIET_LOG
+    if _QUIET_LOG is None:
+        _QUIET_LOG = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
+
+
 class LlamaCppEngine:
     kind = "core"
     guided_decoding = GRAMMAR_KINDS  # json schemas, choices and GBNF through llama.cpp grammars
@@ -305,7 +317,6 @@ class LlamaCppEngine:
         self._thread: threading.Thread | None = None
         self._model = self._lctx = self._vocab = self._mem = None
         self._slots: list[_Slot] = []
-        self._log_cb: Any = None
         self.tuner: BatchThreadTuner | None = None
         self._threads_set = (0, 0)
         self.steps = 0
@@ -343,8 +354,7 @@ class LlamaCppEngine:
         self._L = L
         self._np = np
         if not self.verbose:
-            self._log_cb = L.llama_log_callback(lambda level, text, data: None)
-            L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+            silence_llama_log(L)
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = self.n_gpu_layers

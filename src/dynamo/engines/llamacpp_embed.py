@@ -14,7 +14,6 @@ thread-safe); the event loop only awaits.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dynamo.engines.llamacpp import silence_llama_log as _silence_llama_log
 from dynamo.errors import ModelError, RequestError, UserError
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
@@ -33,16 +33,6 @@ MAX_SEQS_PER_BATCH = 16  # inputs decoded together (as long as their tokens fit 
 ENGINE_ARGS = {"n_threads", "n_gpu_layers", "pooling"}
 POOLING = {"mean": 1, "cls": 2, "last": 3}  # llama_pooling_type values
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-
-
-_QUIET_LOG: Any = None  # module-level: llama.cpp keeps calling it after an engine is gone
-
-
-def _silence_llama_log(L: Any) -> None:
-    global _QUIET_LOG
-    if _QUIET_LOG is None:
-        _QUIET_LOG = L.llama_log_callback(lambda level, text, data: None)
-    L.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
 
 
 class LlamaCppEmbeddingEngine:
