@@ -21,13 +21,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -44,15 +45,6 @@ MODEL = "chaos-model"
 # -- helpers -------------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _b64(text: str) -> str:

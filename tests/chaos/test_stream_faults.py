@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.chaos.det_engine import next_token, word_tokens
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(90)]
 
@@ -41,15 +42,6 @@ LOG = "info,dynamo.llm.worker_handlers=debug"  # a worker logs "request <id>" fo
 # -- helpers -------------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def rid_for(tag: str) -> str:

@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -26,6 +26,7 @@ import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker, free_port, run_cli
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,16 +39,6 @@ LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
 # -- small helpers -------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _b64(text: str) -> str:

@@ -12,28 +12,20 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker, free_port, run_cli
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
 REQUESTS = re.compile(r'_requests_total\{[^}]*http_worker="(\d+)"[^}]*status="success"[^}]*\} (\d+)')
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def children(pid: int) -> list[int]:

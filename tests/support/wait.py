@@ -1,0 +1,20 @@
+"""Awaiting an observable event in a test: poll a predicate with a deadline instead of sleeping blindly."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
