@@ -39,7 +39,6 @@ import os
 import random
 import resource
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any

@@ -170,7 +170,7 @@ def bench_events(args: argparse.Namespace, cache: Cache, router: KvRouter) -> di
 
 
 def prompts(args: argparse.Namespace, cache: Cache, rng: random.Random) -> list[list[int]]:
-    bs, isl = args.block_size, args.isl
+    isl = args.isl
     out = []
     for i in range(args.decisions):
         if i % 2 == 0 and cache.with_tokens:

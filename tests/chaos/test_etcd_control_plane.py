@@ -333,7 +333,6 @@ async def test_model_whose_card_failed_to_load_is_retried(etcd, nats, tiny_model
     watcher = ModelWatcher(frontend, manager, RouterConfig())
     try:
         ns = f"t{uuid.uuid4().hex[:8]}"
-        endpoint = worker.namespace(ns).component("backend").endpoint("generate")
         name = f"retry-{ns}"
         card = _card(tiny_model, name)
         data = card.to_json()

@@ -21,12 +21,10 @@ Inside pytest, import the fixtures into a ``conftest.py``::
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request

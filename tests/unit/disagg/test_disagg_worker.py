@@ -5,7 +5,6 @@ import hashlib
 
 import pytest
 
-from dynamo.llm.disagg.transfer import ExportStore
 from dynamo.llm.disagg.worker import DisaggWorkerEngine, StateIO
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
