@@ -91,6 +91,8 @@ class _Request:
     grammar: str | None = None  # GBNF from guided decoding (llamacpp_grammar.py)
     cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
     state_io: Any = None  # disaggregation (llm/disagg/worker.py StateIO): export or import the sequence state
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
 
 
 @dataclass
@@ -103,6 +105,7 @@ class _Slot:
     generated: int = 0
     sampler: Any = None
     greedy: bool = False  # plain argmax: no llama.cpp sampler needed
+    prompt_lp: list[Any] | None = None  # the prompt's logprobs so far (requests that asked for them)
     used_at: float = 0.0
 
 
@@ -272,6 +275,10 @@ class LlamaCppEngine:
     kind = "core"
     guided_decoding = GRAMMAR_KINDS  # json schemas, choices and GBNF through llama.cpp grammars
     logit_bias = True  # llama.cpp's logit-bias sampler
+    # logprobs: a log-softmax of the logits each token was sampled from, i.e. the model's raw distribution
+    # (before logit_bias, grammar, penalties and temperature), as vLLM reports by default
+    logprobs = True
+    prompt_logprobs = True  # computed by evaluating the whole prompt (no prefix-cache reuse for them)
     # generate() takes state_io (llm/disagg/worker.py): the prefill worker exports a sequence's KV state
     # after the prompt (llama_state_seq_get_data), the decode worker loads it into a slot (set_data)
     supports_state_io = True
@@ -535,8 +542,10 @@ class LlamaCppEngine:
         if sc.ignore_eos:
             eos = frozenset(sc.stop_token_ids_hidden or ())
         loop = asyncio.get_running_loop()
+        oo = request.output_options
         req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
-                       grammar=self._grammar(request.sampling_options.guided_decoding), state_io=state_io)
+                       grammar=self._grammar(request.sampling_options.guided_decoding), state_io=state_io,
+                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs)
         with self._cv:
             if self._closing:
                 raise EngineError("llamacpp engine is shutting down")
@@ -618,7 +627,11 @@ class LlamaCppEngine:
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
-            if req.state_io is not None and req.state_io.state is not None and self._admit_imported(req, free):
+            if (req.state_io is not None and req.state_io.state is not None and req.logprobs is None
+                    and self._admit_imported(req, free)):  # (logprobs: the first token's needs the logits)
+                continue
+            if req.prompt_logprobs is not None:
+                self._admit_whole_prompt(req, free)
                 continue
             last = len(req.prompt) - 1
             prefix = {s.seq_id: _common_prefix(s.cached, req.prompt) for s in self._slots}
@@ -664,9 +677,25 @@ class LlamaCppEngine:
             log.debug("request %s: slot %d, %d prompt tokens, %d reused from the cache", req.ctx.id,
                       best.seq_id, len(req.prompt), keep)
 
+    def _admit_whole_prompt(self, req: _Request, free: list[_Slot]) -> None:
+        """A request for the prompt's logprobs needs the logits at every prompt position, so nothing of
+        it comes from a cache: it takes the least recently used free slot and computes it all."""
+        best = min(free, key=lambda s: s.used_at)
+        self._offload(best, 0)
+        self._L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
+        if self._tracking:
+            self.slot_blocks.truncate(best.seq_id, 0)
+        best.cached = []
+        req.cached_tokens = 0
+        self._hits.append(0.0)
+        best.pending = list(req.prompt)
+        self._start_request(best, req)
+        best.prompt_lp = [None]  # the first prompt token has no logprob (nothing precedes it)
+
     def _start_request(self, slot: _Slot, req: _Request) -> None:
         slot.req = req
         slot.generated = 0
+        slot.prompt_lp = None
         if slot.sampler is not None:
             self._L.llama_sampler_free(slot.sampler)
             slot.sampler = None
@@ -828,6 +857,9 @@ class LlamaCppEngine:
         batch = self._batch
         n = 0
         outputs: list[tuple[_Slot, int]] = []  # (slot, batch index whose logits to sample)
+        rows: list[int] = []  # the logits row of each output (rows are stored in batch order)
+        prompt_rows: list[tuple[_Slot, int, int, int]] = []  # (slot, first row, prompt position, tokens)
+        n_rows = 0
         budget = self.n_batch
         self._reap()  # drop requests whose consumer went away or asked to stop
         # decode tokens first (one each), so running streams never wait behind a long prefill
@@ -835,6 +867,8 @@ class LlamaCppEngine:
             if slot.req is not None and not slot.pending:
                 _put(batch, n, slot.last, len(slot.cached), slot.seq_id, True)
                 outputs.append((slot, n))
+                rows.append(n_rows)
+                n_rows += 1
                 slot.cached.append(slot.last)
                 n += 1
                 budget -= 1
@@ -844,11 +878,17 @@ class LlamaCppEngine:
             take = slot.pending[:budget]
             last_chunk = len(take) == len(slot.pending)
             pos = len(slot.cached)
+            every = slot.prompt_lp is not None  # the prompt's logprobs: logits at every position
             for i, tok in enumerate(take):
-                _put(batch, n + i, tok, pos + i, slot.seq_id, False)
+                _put(batch, n + i, tok, pos + i, slot.seq_id, every)
+            if every:
+                prompt_rows.append((slot, n_rows, pos, len(take) - 1 if last_chunk else len(take)))
+                n_rows += len(take)
             if last_chunk:
                 batch.logits[n + len(take) - 1] = True
                 outputs.append((slot, n + len(take) - 1))
+                rows.append(n_rows - 1 if every else n_rows)
+                n_rows += 0 if every else 1
             slot.cached.extend(take)
             n += len(take)
             slot.pending = slot.pending[len(take):]
@@ -901,10 +941,16 @@ class LlamaCppEngine:
             self._stats = [0, 0, 0.0, 0.0, 0]
             self._stats_at = t1
         greedy_rows: list[int] = []
-        if any(slot.greedy for slot, _ in outputs):
+        want_lp = prompt_rows or any(slot.req.logprobs is not None for slot, _ in outputs)  # type: ignore[union-attr]
+        logits = None
+        if want_lp or any(slot.greedy for slot, _ in outputs):
             # logits rows are stored in batch order for the tokens that asked for them
-            rows = self._np.ctypeslib.as_array(L.llama_get_logits(self._lctx), shape=(len(outputs), self._n_vocab))
-            greedy_rows = rows.argmax(axis=1).tolist()
+            logits = self._np.ctypeslib.as_array(L.llama_get_logits(self._lctx), shape=(n_rows, self._n_vocab))
+            if any(slot.greedy for slot, _ in outputs):
+                picked = logits if n_rows == len(outputs) else logits[rows]
+                greedy_rows = picked.argmax(axis=1).tolist()
+        if prompt_rows:
+            self._prompt_logprobs(logits, prompt_rows)
         deliveries: list[tuple[_Request, Any]] = []
         for j, (slot, idx) in enumerate(outputs):
             req = slot.req
@@ -921,8 +967,14 @@ class LlamaCppEngine:
             elif slot.generated >= req.max_tokens:
                 reason = "length"
             out = EngineOutput(token_ids=[tok], finish_reason=reason)
+            if req.logprobs is not None:
+                lp, tops = _token_logprobs(self._np, logits[rows[j]], tok, req.logprobs)  # type: ignore[index]
+                out.log_probs = [lp]
+                out.top_logprobs = [tops]
             if slot.generated == 1:
                 out.cached_tokens = req.cached_tokens
+                if slot.prompt_lp is not None:
+                    out.prompt_logprobs, slot.prompt_lp = slot.prompt_lp, None
                 if req.state_io is not None and req.state_io.export:
                     try:
                         req.state_io.state = self._export_state(slot)
@@ -935,6 +987,24 @@ class LlamaCppEngine:
                 self._finish(slot)
         self._deliver(deliveries)
         self._last_end = time.perf_counter()
+
+    def _prompt_logprobs(self, logits: Any, prompt_rows: list[tuple[_Slot, int, int, int]]) -> None:
+        """Score each prompt token under the logits of the position before it (vectorised per chunk)."""
+        np = self._np
+        for slot, first, pos, count in prompt_rows:
+            if count <= 0 or slot.prompt_lp is None or slot.req is None:
+                continue
+            x = logits[first:first + count]
+            following = np.asarray(slot.req.prompt[pos + 1:pos + 1 + count])
+            lse = _logsumexp(np, x)
+            chosen = (x[np.arange(count), following] - lse).tolist()
+            n = slot.req.prompt_logprobs or 0
+            top_ids = np.argpartition(x, -n, axis=1)[:, -n:] if n > 0 else None
+            for i in range(count):
+                tops = []
+                if top_ids is not None:
+                    tops = [{"token_id": int(t), "logprob": float(x[i, t] - lse[i])} for t in top_ids[i]]
+                slot.prompt_lp.append({"logprob": chosen[i], "top_logprobs": tops})
 
     def _deliver(self, items: list[tuple[_Request, Any]]) -> None:
         """Hand items to the requests' event loops: one ``call_soon_threadsafe`` per loop per step."""
@@ -988,6 +1058,23 @@ def _put(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bool) ->
     batch.n_seq_id[i] = 1
     batch.seq_id[i][0] = seq_id
     batch.logits[i] = logits
+
+
+def _logsumexp(np: Any, x: Any) -> Any:
+    """log(sum(exp(x))) over the last axis, stable (float64 sums: the vocabulary is large)."""
+    m = x.max(axis=-1, keepdims=True)
+    return (np.log(np.exp(x - m, dtype=np.float64).sum(axis=-1, keepdims=True)) + m).squeeze(-1)
+
+
+def _token_logprobs(np: Any, row: Any, token: int, n: int) -> tuple[float, list[dict[str, Any]]]:
+    """The chosen token's logprob under one logits row and the ``n`` likeliest tokens' (log-softmax in
+    numpy: a few tens of microseconds over a 49k vocabulary)."""
+    lse = float(_logsumexp(np, row))
+    tops: list[dict[str, Any]] = []
+    if n > 0:
+        for t in np.argpartition(row, -n)[-n:].tolist():
+            tops.append({"token_id": t, "logprob": float(row[t]) - lse})
+    return float(row[token]) - lse, tops
 
 
 def _is_greedy(so: Any) -> bool:

@@ -478,6 +478,17 @@ class PyTokEngine(_PythonEngine):
         (all) or a list such as ``["json", "choice"]``; requests asking for others are 400s."""
         return getattr(self._generate, "guided_decoding", False)
 
+    @property
+    def logprobs(self) -> bool:
+        """The file yields ``log_probs`` / ``top_logprobs`` when ``output_options.logprobs`` asks, and says
+        so with ``generate.logprobs = True`` (else requests asking for logprobs are 400s)."""
+        return bool(getattr(self._generate, "logprobs", False))
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """``generate.prompt_logprobs = True``: the first item carries ``prompt_logprobs`` when asked."""
+        return bool(getattr(self._generate, "prompt_logprobs", False))
+
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         async for out in self._run(request.to_dict(), _engine_output):
             yield out

@@ -202,19 +202,22 @@ def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int]
 
 
 def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False,
-                   cached_tokens: bool = False) -> EngineOutput:
+                   cached_tokens: bool = False, prompt_logprobs: bool = False) -> EngineOutput:
     """One vLLM ``RequestOutput`` (DELTA kind: only the new tokens) -> our :class:`EngineOutput`.
 
     ``cached_tokens``: copy vLLM's ``num_cached_tokens`` (prompt tokens served from its prefix cache; the
-    caller asks for it on the first output only, which is where the usage needs it)."""
+    caller asks for it on the first output only, which is where the usage needs it); likewise
+    ``prompt_logprobs`` (asked for on the first output: vLLM sends them there)."""
     cached = getattr(output, "num_cached_tokens", None) if cached_tokens else None
     cached = int(cached) if isinstance(cached, int) and cached >= 0 else None
+    prompt = _prompt_logprobs(output) if prompt_logprobs else None
     if not output.outputs:
-        return EngineOutput(finish_reason=FINISH_CANCELLED if output.finished else None, cached_tokens=cached)
+        return EngineOutput(finish_reason=FINISH_CANCELLED if output.finished else None, cached_tokens=cached,
+                            prompt_logprobs=prompt)
     choice = output.outputs[0]
     item = EngineOutput(token_ids=[int(t) for t in choice.token_ids],
                         finish_reason=finish_reason(choice.finish_reason, choice.stop_reason, eos_token_ids),
-                        cached_tokens=cached)
+                        cached_tokens=cached, prompt_logprobs=prompt)
     if output.finished and item.finish_reason is None:
         item.finish_reason = FINISH_STOP
     if logprobs and choice.logprobs:
@@ -232,6 +235,24 @@ def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, l
     return item
 
 
+def _prompt_logprobs(output: Any) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` (per prompt token: None for the first, else {token id: Logprob}) in our
+    shape: None, or ``{"logprob", "top_logprobs": [{"token_id", "logprob"}]}`` of that prompt token."""
+    raw = getattr(output, "prompt_logprobs", None)
+    ids = getattr(output, "prompt_token_ids", None)
+    if raw is None or ids is None:
+        return None
+    out: list[Any] = []
+    for tok, entry in zip(ids, raw, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        picked = entry.get(tok)
+        out.append({"logprob": float(picked.logprob) if picked is not None else float("-inf"),
+                    "top_logprobs": [{"token_id": int(t), "logprob": float(lp.logprob)} for t, lp in entry.items()]})
+    return out
+
+
 def _is_cpu_only() -> bool:
     from vllm.platforms import current_platform
 
@@ -244,6 +265,10 @@ class VllmEngine:
     kind = "core"
     guided_decoding = True  # sampling_options.guided_decoding -> structured outputs
     logit_bias = True  # -> SamplingParams.logit_bias
+    # SamplingParams.logprobs / prompt_logprobs; vLLM reports the model's raw distribution (its default
+    # logprobs_mode, raw_logprobs: before temperature, penalties and logit_bias)
+    logprobs = True
+    prompt_logprobs = True
 
     def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):
@@ -464,6 +489,7 @@ class VllmEngine:
             raise EngineError(f"vLLM rejected the sampling parameters: {one_line(e)}") from None
         eos = tuple(request.eos_token_ids or self._eos)
         want_logprobs = request.output_options.logprobs is not None
+        want_prompt = request.output_options.prompt_logprobs is not None
         rid = f"{context.id}-{next(self._ids)}"
         llm = self._llm
         if context.is_stopped:  # stopped before it started: vLLM never sees it
@@ -473,7 +499,8 @@ class VllmEngine:
         first = [True]
 
         def convert(out: Any) -> EngineOutput:
-            item = convert_output(out, eos, logprobs=want_logprobs, cached_tokens=first[0])
+            item = convert_output(out, eos, logprobs=want_logprobs, cached_tokens=first[0],
+                                  prompt_logprobs=want_prompt and first[0])
             first[0] = False
             return item
 

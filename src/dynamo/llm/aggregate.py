@@ -10,12 +10,20 @@ from dynamo.llm.parsers.fold import ParsedFold
 
 
 class _Choice:
-    __slots__ = ("parts", "finish", "parsed")
+    __slots__ = ("parts", "finish", "parsed", "logprobs")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.finish: str | None = None
         self.parsed = ParsedFold()  # what a response parser added (reasoning, tool calls)
+        self.logprobs: dict[str, list[Any]] | None = None  # the chunks' logprobs lists, concatenated
+
+    def add_logprobs(self, lp: dict[str, Any]) -> None:
+        """Chat ``{"content": [...]}`` or the completions lists (``tokens``, ``token_logprobs``, ...)."""
+        if self.logprobs is None:
+            self.logprobs = {k: [] for k in lp}
+        for k, v in lp.items():
+            self.logprobs.setdefault(k, []).extend(v or ())
 
 
 async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], dict[int, _Choice], dict[str, Any] | None]:
@@ -42,6 +50,9 @@ async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], dict[int, _
                 acc.finish = choice["finish_reason"]
             if delta:
                 acc.parsed.add(delta)
+            lp = choice.get("logprobs")
+            if lp:
+                acc.add_logprobs(lp)
     return head, choices or {0: _Choice()}, usage
 
 
@@ -56,7 +67,7 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
             {
                 "index": i,
                 "message": c.parsed.message("".join(c.parts)),
-                "logprobs": None,
+                "logprobs": c.logprobs,
                 "finish_reason": c.finish or "stop",
             }
             for i, c in sorted(choices.items())
@@ -72,7 +83,7 @@ async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) 
         "object": "text_completion",
         "created": head.get("created", 0),
         "model": head.get("model", model),
-        "choices": [{"index": i, "text": "".join(c.parts), "logprobs": None, "finish_reason": c.finish or "stop"}
+        "choices": [{"index": i, "text": "".join(c.parts), "logprobs": c.logprobs, "finish_reason": c.finish or "stop"}
                     for i, c in sorted(choices.items())],
         "usage": usage or _usage(ctx),
     }

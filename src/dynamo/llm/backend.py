@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dynamo.errors import EngineError
 from dynamo.llm.detokenizer import IncrementalDetokenizer
+from dynamo.llm.logprobs import Entry, LogprobCarrier
 from dynamo.llm.protocols.common import (
     FINISH_CONTENT_FILTER,
     FINISH_LENGTH,
@@ -30,9 +31,11 @@ def openai_finish_reason(engine_reason: str) -> str:
 
 
 class PostProcessor:
-    """One request's decoder and stop checker.  ``process`` returns (text, finish_reason or None)."""
+    """One request's decoder and stop checker.  ``process`` returns (text, finish_reason or None); with
+    logprobs asked for, :meth:`take_logprobs` then gives the entries of the tokens that text came from."""
 
-    __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "generated", "finished")
+    __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_request", "_tokenizer",
+                 "generated", "finished")
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest):
         sc = request.stop_conditions
@@ -41,6 +44,11 @@ class PostProcessor:
         self._hidden = frozenset(sc.stop_token_ids_hidden or ())
         self._min = sc.min_tokens or 0
         self._max = sc.max_tokens
+        n = request.output_options.logprobs
+        self._lp = LogprobCarrier(tokenizer.token_bytes, n) if n is not None else None
+        self._released: list[Entry] = []
+        self._request = request
+        self._tokenizer = tokenizer
         self.generated = 0
         self.finished: str | None = None
 
@@ -55,26 +63,34 @@ class PostProcessor:
             if reason is None and self._max is not None and self.generated >= self._max:
                 reason = "length"
             self.finished = reason
+            if self._lp is not None and out.logprobs_content:
+                self._released += out.logprobs_content
             return out.text, reason
 
+        lp = self._lp
         pieces: list[str] = []
         reason = None
-        for token_id in out.token_ids:
+        for i, token_id in enumerate(out.token_ids):
             self.generated += 1
             text = self._detok.step(token_id)
             if self.generated > self._min:
                 if token_id in self._hidden:
                     reason = "stop"
                     break
+                if lp is not None:
+                    self._carry(out, i, len(text))
                 if self._stops is not None and text:
                     text, matched = self._stops.feed(text)
                     if matched:
                         pieces.append(text)
                         self.finished = "stop"
-                        return "".join(pieces), "stop"
-            elif self._stops is not None and text:
-                # before min_tokens nothing stops, but held-back text must keep its order
-                text = self._stops.flush() + text
+                        return self._done("".join(pieces), "stop", cut=True)
+            else:
+                if lp is not None:
+                    self._carry(out, i, len(text))
+                if self._stops is not None and text:
+                    # before min_tokens nothing stops, but held-back text must keep its order
+                    text = self._stops.flush() + text
             pieces.append(text)
             if self._max is not None and self.generated >= self._max:
                 reason = "length"
@@ -82,21 +98,53 @@ class PostProcessor:
         if reason is None and out.finish_reason is not None:
             reason = openai_finish_reason(out.finish_reason)  # type: ignore[arg-type]
         if reason is not None:
-            pieces.append(self._flush())
+            tail, cut = self._flush()
+            pieces.append(tail)
             self.finished = reason
-        return "".join(pieces), reason
+            return self._done("".join(pieces), reason, cut)
+        return self._done("".join(pieces), None)
 
     def end(self) -> str:
         """The engine's stream ended without a finish reason: release what is held back."""
         self.finished = self.finished or "stop"
-        return self._flush()
+        tail, cut = self._flush()
+        return self._done(tail, "stop", cut)[0]
 
-    def _flush(self) -> str:
+    def take_logprobs(self) -> list[Entry] | None:
+        """The entries released with the text of the last ``process``/``end`` (None: not asked for)."""
+        if self._lp is None:
+            return None
+        out, self._released = self._released, []
+        return out
+
+    def prompt_logprobs(self, out: EngineOutput) -> list[Entry] | None:
+        """The prompt's entries (``echo``), from an item that carries the engine's prompt logprobs."""
+        if out.prompt_logprobs is None:
+            return None
+        n = self._request.output_options.prompt_logprobs or 0
+        return self._tokenizer.token_bytes.prompt_entries(self._request.token_ids, out.prompt_logprobs, n)
+
+    def _carry(self, out: EngineOutput, i: int, n_chars: int) -> None:
+        lps = out.log_probs
+        if lps is None or i >= len(lps):
+            return  # the engine sent none for this token (capability checks make this an engine bug)
+        tops = out.top_logprobs[i] if out.top_logprobs is not None and i < len(out.top_logprobs) else None
+        self._lp.token(out.token_ids[i], lps[i], tops, n_chars)  # type: ignore[union-attr]
+
+    def _done(self, text: str, reason: str | None, cut: bool = False) -> tuple[str, str | None]:
+        if self._lp is not None:
+            self._released += self._lp.release(len(text), final=reason is not None, cut=cut)
+        return text, reason
+
+    def _flush(self) -> tuple[str, bool]:
+        """Everything held back, and whether a stop string cut some of it off."""
         text = self._detok.flush()
+        if self._lp is not None:
+            self._lp.flushed(len(text))
         if self._stops is not None:
             if text:
                 text, matched = self._stops.feed(text)
                 if matched:
-                    return text
+                    return text, True
             text += self._stops.flush()
-        return text
+        return text, False

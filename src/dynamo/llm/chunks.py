@@ -10,6 +10,8 @@ import time
 import uuid
 from typing import Any
 
+from dynamo.llm.logprobs import CompletionLogprobs, Entry
+
 
 class Annotation:
     """An in-stream event that is not a chunk (``nvext.annotations``): SSE ``event: name``."""
@@ -30,7 +32,9 @@ class ChatChunks:
         self.model = model
         self._first = True
 
-    def delta(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    def delta(self, text: str | None, finish_reason: str | None = None,
+              logprobs: list[Entry] | None = None) -> dict[str, Any]:
+        """``logprobs``: the entries of the tokens this text came from (None: not asked for)."""
         if self._first:
             self._first = False
             delta: dict[str, Any] = {"role": "assistant", "content": text if text is not None else ""}
@@ -41,10 +45,12 @@ class ChatChunks:
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason}],
         }
 
-    def parsed(self, delta: dict[str, Any]) -> dict[str, Any]:
+    def parsed(self, delta: dict[str, Any], logprobs: list[Entry] | None = None) -> dict[str, Any]:
         """A chunk for a delta from the response parser (reasoning_content or tool_calls or content)."""
         if self._first:
             self._first = False
@@ -54,7 +60,8 @@ class ChatChunks:
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": None}],
         }
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -69,20 +76,29 @@ class ChatChunks:
 
 
 class CompletionChunks:
-    __slots__ = ("id", "created", "model")
+    __slots__ = ("id", "created", "model", "_lp")
 
     def __init__(self, model: str, request_id: str | None = None):
         self.id = f"cmpl-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self._lp: CompletionLogprobs | None = None
 
-    def delta(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    def delta(self, text: str | None, finish_reason: str | None = None,
+              logprobs: list[Entry] | None = None) -> dict[str, Any]:
+        """``logprobs``: the entries of the tokens this text came from (None: not asked for), given in the
+        legacy shape with offsets counted over the whole choice."""
+        shaped = None
+        if logprobs is not None:
+            if self._lp is None:
+                self._lp = CompletionLogprobs()
+            shaped = self._lp.shape(logprobs)
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}],
         }
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:

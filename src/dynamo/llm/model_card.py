@@ -41,6 +41,10 @@ class ModelCard:
     # vllm and sglang all, pytok files what they declare); others are 400s (constraints.py)
     guided_decoding: list[str] = field(default_factory=list)
     logit_bias: bool = False  # the engine applies ``sampling_options.logit_bias`` (llamacpp, vllm)
+    # the engine reports logprobs of generated tokens / of the prompt (llm/logprobs.py; llamacpp, vllm);
+    # a card without them (another engine, an older worker) makes requests asking for them 400s
+    logprobs: bool = False
+    prompt_logprobs: bool = False
 
     @property
     def has_tokenizer(self) -> bool:
@@ -77,6 +81,8 @@ class ModelCard:
             "reasoning_parser": self.reasoning_parser,
             "guided_decoding": self.guided_decoding,
             "logit_bias": self.logit_bias,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
     @classmethod

@@ -16,6 +16,7 @@ from dynamo.errors import RequestError
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.fanout import child_contexts, merge_choices
+from dynamo.llm.logprobs import Entry
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
@@ -58,19 +59,34 @@ class CorePipeline:
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
-        _no_logprobs(pre)
+        self._check_logprobs(pre)
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: ChatChunks(req.model, ctx.id), include_usage(req), ctx)  # type: ignore[arg-type]
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         pre = self.preprocessor.completion(req, raw)
-        _no_logprobs(pre)
+        self._check_logprobs(pre, echo=bool(req.echo))
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
+        oo = pre.request.output_options
+        if echo and oo.logprobs is not None:
+            oo.prompt_logprobs = oo.logprobs  # the echoed prompt comes with its tokens' logprobs
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: CompletionChunks(req.model, ctx.id), include_usage(req), ctx,  # type: ignore[arg-type]
                                  echo)
         return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
+
+    def _check_logprobs(self, pre: Preprocessed, echo: bool = False) -> None:
+        """Logprobs from an engine that gives none would be ``null`` or made up: a 400 instead.  ``echo``
+        with logprobs needs the prompt's too, which not every engine computes."""
+        if pre.request.output_options.logprobs is None:
+            return
+        if not self.card.logprobs:
+            raise RequestError(f"logprobs: the engine serving {self.name!r} does not return logprobs",
+                               param="logprobs")
+        if echo and not self.card.prompt_logprobs:
+            raise RequestError(f"echo with logprobs: the engine serving {self.name!r} does not compute the "
+                               "prompt's logprobs", param="echo")
 
     def _choices(self, pre: Preprocessed, n: int, make_chunks: Any, with_usage: bool, ctx: Context,
                  echo: str | None = None) -> AsyncIterator[StreamItem]:
@@ -100,8 +116,11 @@ class CorePipeline:
             value = _annotation(name, pre, ctx)
             if value is not None:
                 yield Annotation(name, value)
-        if echo:
-            yield chunks.delta(echo)
+        # logprobs: entries ride on the next chunk sent after their text was released (``carried``)
+        carried: list[Entry] | None = [] if request.output_options.logprobs is not None else None
+        if echo and request.output_options.prompt_logprobs is None:
+            yield chunks.delta(echo, logprobs=carried)
+            echo = None  # else sent with the prompt's logprobs, which come with the engine's first item
         from dynamo.llm.backend import PostProcessor
 
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
@@ -112,36 +131,42 @@ class CorePipeline:
             async for out in gen:
                 if out.cached_tokens is not None and ctx.cached_tokens is None:
                     ctx.cached_tokens = min(out.cached_tokens, ctx.prompt_tokens)
+                if echo:
+                    yield chunks.delta(echo, logprobs=post.prompt_logprobs(out) or [])
+                    echo = None
                 text, reason = post.process(out)
                 ctx.completion_tokens = post.generated
+                if carried is not None:
+                    carried += post.take_logprobs() or ()
                 if stage is not None:
                     for delta in stage.deltas(out, text, reason is not None):
-                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                        yield chunks.parsed(delta, carried)  # type: ignore[union-attr]
+                        carried = [] if carried is not None else None
                 elif text:
-                    yield chunks.delta(text)
+                    yield chunks.delta(text, logprobs=carried)
+                    carried = [] if carried is not None else None
                 if reason is not None:
                     break
             else:
                 tail = post.end()
+                if carried is not None:
+                    carried += post.take_logprobs() or ()
                 if stage is not None:
                     for delta in stage.parse(tail, True):
-                        yield chunks.parsed(delta)  # type: ignore[union-attr]
+                        yield chunks.parsed(delta, carried)  # type: ignore[union-attr]
+                        carried = [] if carried is not None else None
                 elif tail:
-                    yield chunks.delta(tail)
+                    yield chunks.delta(tail, logprobs=carried)
+                    carried = [] if carried is not None else None
                 reason = post.finished
         finally:
             ctx.stop_generating()  # idempotent: tells the engine we are done, whatever ended the loop
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
-        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason)
+        if echo:  # the engine sent nothing at all: the echo still goes out
+            yield chunks.delta(echo, logprobs=[])
+        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
-
-
-def _no_logprobs(pre: Preprocessed) -> None:
-    """Token engines' logprobs do not reach the client yet (issue 11, item 4): say so rather than
-    answer with ``logprobs: null``."""
-    if pre.request.output_options.logprobs is not None:
-        raise RequestError("logprobs are not returned by this model's engine yet", param="logprobs")
 
 
 def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:

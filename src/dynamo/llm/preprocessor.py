@@ -223,7 +223,7 @@ class Preprocessor:
         logprobs = None
         if isinstance(req, ChatCompletionRequest):
             if req.logprobs:
-                logprobs = req.top_logprobs or 1
+                logprobs = req.top_logprobs or 0  # alternatives besides the chosen token
         elif req.logprobs is not None:
             logprobs = req.logprobs
         return PreprocessedRequest(

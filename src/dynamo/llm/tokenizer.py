@@ -9,6 +9,8 @@ from dynamo.errors import ModelError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _HFTokenizer
 
+    from dynamo.llm.logprobs import TokenBytes
+
 
 class Tokenizer:
     def __init__(self, tokenizer_json: str):
@@ -18,6 +20,7 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_str(tokenizer_json)
         except Exception as e:  # the Rust side raises plain Exception
             raise ModelError(f"cannot load tokenizer: {e}") from None
+        self._token_bytes: TokenBytes | None = None
         self._special_ids = {
             tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         }
@@ -44,3 +47,12 @@ class Tokenizer:
 
     def count(self, text: str) -> int:
         return len(self.encode(text)) if text else 0
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's exact bytes, for logprob entries (built on first use: most requests never ask)."""
+        if self._token_bytes is None:
+            from dynamo.llm.logprobs import TokenBytes
+
+            self._token_bytes = TokenBytes(self)
+        return self._token_bytes

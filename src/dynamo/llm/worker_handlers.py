@@ -64,11 +64,19 @@ def backend_handler(card: ModelCard, engine: Engine):
                     item["cached_tokens"] = out.cached_tokens
                 if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
                     item["disaggregated_params"] = out.disaggregated_params
+                if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
+                    item["prompt_logprobs"] = out.prompt_logprobs
+                entries = post.take_logprobs()
+                if entries is not None:  # asked for: the entries of the tokens this text came from
+                    item["logprobs_content"] = entries
                 yield item if stage is None else stage.annotate(item)
                 if reason is not None:
                     return
             tail = post.end()
             item = {"token_ids": [], "text": tail, "finish_reason": post.finished}
+            entries = post.take_logprobs()
+            if entries is not None:
+                item["logprobs_content"] = entries
             yield item if stage is None else stage.annotate(item)
         finally:
             ctx.stop_generating()

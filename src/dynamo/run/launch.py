@@ -71,6 +71,8 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
     if engine.kind == "core":
         card.guided_decoding = engine_guided_kinds(getattr(engine, "guided_decoding", False))
         card.logit_bias = bool(getattr(engine, "logit_bias", False))
+        card.logprobs = bool(getattr(engine, "logprobs", False))
+        card.prompt_logprobs = card.logprobs and bool(getattr(engine, "prompt_logprobs", False))
         return CorePipeline(name, card, engine)
     for flag, value in (("--tool-call-parser", cfg.tool_call_parser), ("--reasoning-parser", cfg.reasoning_parser)):
         if value not in (None, "auto", "none"):

@@ -112,6 +112,12 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     # a prefill worker's answer carries its KV transfer ticket here (llm/disagg/transfer.py)
     disaggregated_params: dict[str, Any] | None = None
     deltas: list[dict[str, Any]] | None = None  # ours: OpenAI deltas a worker parsed from the text
+    # ours (llm/logprobs.py): the prompt's logprobs, aligned with the request's token_ids (None for the
+    # first), sent once on the first item when ``output_options.prompt_logprobs`` asked for them
+    prompt_logprobs: list[Any] | None = None
+    # ours: a Backend worker's OpenAI chat logprob entries of the tokens whose text this item carries
+    # (hold-back and stop strings applied, so they match ``text``, not ``token_ids``)
+    logprobs_content: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

@@ -100,6 +100,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 MAX_STOP_SEQUENCES = 4
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit (chat's top_logprobs: 20)
 MAX_CHOICES = 16  # n: each choice is an engine request of its own (llm/fanout.py)
 
 
@@ -114,6 +115,8 @@ def parse_chat_request(raw: Any) -> ChatCompletionRequest:
         raise RequestError("max_completion_tokens must be at least 1", param="max_completion_tokens")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     _check_min_max(req)
     return req
 
@@ -134,6 +137,8 @@ def parse_completion_request(raw: Any) -> CompletionRequest:
                 param="prompt",
             )
     _validate_common(req)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise RequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs")
     _check_min_max(req)
     return req
 
