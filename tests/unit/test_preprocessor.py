@@ -197,7 +197,7 @@ def test_annotations_are_copied(pre):
 
 def test_logprobs_mapping(pre):
     assert chat(pre, logprobs=True, top_logprobs=3).request.output_options.logprobs == 3
-    assert chat(pre, logprobs=True).request.output_options.logprobs == 1
+    assert chat(pre, logprobs=True).request.output_options.logprobs == 0  # the chosen token, no alternatives
     assert chat(pre).request.output_options.logprobs is None
     assert completion(pre, logprobs=2).request.output_options.logprobs == 2
 
