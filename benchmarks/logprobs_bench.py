@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Cost of logprobs on out=llamacpp (SmolLM2 GGUF): decode tokens/s of one greedy request at a time with no
+logprobs, ``logprobs: true`` and ``top_logprobs: 20``, interleaved round by round so the machine's load
+hits each kind alike; then the per-token pieces in-process (log-softmax over the vocabulary in numpy, and
+the post-processor's entry for a token with 20 alternatives).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/logprobs_bench.py [--runs 7] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import openai  # noqa: E402
+
+from dynamo.engines.llamacpp import _token_logprobs  # noqa: E402
+from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
+from tests.support.proc import DynamoRun  # noqa: E402
+
+
+def pieces(repeat: int = 2000) -> None:
+    from dynamo.llm.gguf_card import load_gguf
+    from dynamo.llm.logprobs import LogprobCarrier
+    from dynamo.llm.tokenizer import Tokenizer
+
+    tok = Tokenizer(load_gguf(_smollm2()).tokenizer_json)
+    row = (np.random.default_rng(0).standard_normal(tok.vocab_size) * 8).astype(np.float32)
+    for n in (0, 20):
+        t0 = time.perf_counter()
+        for i in range(repeat):
+            _token_logprobs(np, row, i, n)
+        print(f"log-softmax + top {n:2d} over {tok.vocab_size} logits: {1e6 * (time.perf_counter() - t0) / repeat:6.1f} µs/token")
+    tops = [{"token_id": int(t), "logprob": -float(k)} for k, t in enumerate(np.argsort(-row)[:20])]
+    for n in (0, 20):
+        carrier = LogprobCarrier(tok.token_bytes, n)
+        t0 = time.perf_counter()
+        for i in range(repeat):
+            carrier.token(i % 5000, -0.5, tops, 3)
+            carrier.release(3)
+        print(f"post-processor entry, top {n:2d}: {1e6 * (time.perf_counter() - t0) / repeat:6.1f} µs/token")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    pieces()
+    with DynamoRun("out=llamacpp", str(_smollm2()), startup_timeout=120) as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="x", timeout=120)
+        msgs = [{"role": "user", "content": "Tell me a long story about a cat."}]
+        kinds = {"none": {}, "logprobs": {"logprobs": True}, "top_logprobs=20": {"logprobs": True, "top_logprobs": 20}}
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(args.runs + 1):
+            for name, extra in kinds.items():
+                t0 = time.perf_counter()
+                r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=args.tokens, temperature=0,
+                                                   extra_body={"nvext": {"ignore_eos": True}}, **extra)
+                dt = time.perf_counter() - t0
+                if i:  # the first round warms up
+                    rates[name].append(r.usage.completion_tokens / dt)
+        base = statistics.median(rates["none"])
+        for name, xs in rates.items():
+            print(f"{name:16s} tokens/s median {statistics.median(xs):6.1f}  min {min(xs):6.1f}  max {max(xs):6.1f}"
+                  f"  ratio to none {statistics.median(xs) / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()
