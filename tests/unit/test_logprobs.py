@@ -295,3 +295,25 @@ def test_llamacpp_log_softmax_matches_a_reference():
     assert all(t["logprob"] == pytest.approx(ref[t["token_id"]], abs=1e-5) for t in tops)
     rows = np.stack([row, row[::-1]])
     assert _logsumexp(np, rows).shape == (2,)
+
+
+async def test_disaggregation_prefills_on_the_decode_worker_when_logprobs_are_asked():
+    """The first token's logprob needs the logits of the engine that ran the prompt."""
+    from dynamo.llm.disagg.frontend import DisaggCoreEngine
+
+    class _Remote:
+        def __init__(self) -> None:
+            self.client = SimpleNamespace(instance_ids=lambda: [1])
+            self.requests: list[PreprocessedRequest] = []
+
+        async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+            self.requests.append(request)
+            yield EngineOutput(token_ids=[1], finish_reason="length", disaggregated_params=None)
+
+    decode, prefill = _Remote(), _Remote()
+    engine = DisaggCoreEngine(decode, lambda: prefill, max_local_prefill_length=0)
+    for logprobs in (None, 0):
+        req = PreprocessedRequest(token_ids=list(range(10, 60)), output_options=OutputOptions(logprobs=logprobs))
+        _ = [o async for o in engine.generate(req, Context())]
+    assert len(prefill.requests) == 1 and prefill.requests[0].output_options.logprobs is None
+    assert len(decode.requests) == 2 and decode.requests[1].disaggregated_params is None

@@ -49,6 +49,10 @@ class DisaggCoreEngine:
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         pf = self.prefill()
         workers = len(pf.client.instance_ids()) if pf is not None else 0
+        if request.output_options.logprobs is not None:
+            # logprobs need the logits the first token was sampled from (and echo the prompt's), which only
+            # the engine that computes the prompt has: prefill on the decode worker
+            workers = 0
         cached = decode_cached_tokens(getattr(self.decode, "router", None), request.token_ids) if workers else 0
 
         async def prefill(req: PreprocessedRequest) -> dict[str, Any]:
