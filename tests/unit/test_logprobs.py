@@ -317,3 +317,31 @@ async def test_disaggregation_prefills_on_the_decode_worker_when_logprobs_are_as
         _ = [o async for o in engine.generate(req, Context())]
     assert len(prefill.requests) == 1 and prefill.requests[0].output_options.logprobs is None
     assert len(decode.requests) == 2 and decode.requests[1].disaggregated_params is None
+
+
+@pytest.mark.parametrize("remote", [False, True])
+async def test_with_a_tool_call_parser_every_token_keeps_its_entry(tiny_model: Path, tok, remote: bool):
+    """Parsed text (a call's markup, reasoning) has no content to match, but its tokens' entries still go
+    out, in order, with the chunks that follow; locally and from a worker."""
+    import json
+
+    from tests.unit.test_parse_stage import ANSWER, TOOLS, Relay
+
+    card = load_hf_folder(tiny_model)
+    card.logprobs = True
+    ids = tok.encode(ANSWER)
+    engine: Any = _Engine(ids, finish="stop")
+    if remote:
+        engine = Relay(backend_handler(card, engine))
+    p = CorePipeline("tiny-chat", card, engine)
+    raw = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+           "logprobs": True, "stream": True}
+    chunks = [c async for c in p.chat(parse_chat_request(raw), raw, Context())]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    entries = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
+    assert "".join(e["token"] for e in entries) == ANSWER
+    unary = await fold_chat(p.chat(parse_chat_request({**raw, "stream": False}), {**raw, "stream": False},
+                                   Context()), Context(), "tiny-chat")
+    assert unary["choices"][0]["logprobs"]["content"] == entries
+    assert json.loads(unary["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
