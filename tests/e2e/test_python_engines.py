@@ -418,3 +418,16 @@ def test_pytok_stdin(tiny_model: Path):
     result = run_cli([f"out=pytok:{DATA / 'token_engine.py'}", "--model-path", str(tiny_model)], input="hi\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout == SENTENCE + "\n"
+
+
+def test_pytok_logprobs_when_the_file_declares_them(token_engine: DynamoRun):
+    client = _client(token_engine)
+    resp = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=1)
+    entries = resp.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == resp.choices[0].message.content == SENTENCE
+    assert all(e.logprob == -0.25 and [t.token for t in e.top_logprobs] == [e.token] for e in entries)
+    # the file does not declare prompt logprobs: echo + logprobs is a 400 naming echo
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-chat", prompt="hi", logprobs=1, echo=True)
+    assert err.value.body["param"] == "echo"  # type: ignore[index]

@@ -34,6 +34,13 @@ async def generate(request):
             yield {"token_ids": [tid]}
         yield {"token_ids": [], "finish_reason": "stop"}
         return
+    logprobs = request["output_options"]["logprobs"]  # not None: the client asked for logprobs
     for tid in ANSWER:
-        yield {"token_ids": [tid]}
+        if logprobs is None:
+            yield {"token_ids": [tid]}
+        else:
+            yield {"token_ids": [tid], "log_probs": [-0.25], "top_logprobs": [[{"token_id": tid, "logprob": -0.25}]]}
     yield {"token_ids": [], "finish_reason": "stop"}
+
+
+generate.logprobs = True  # it yields log_probs when asked (not the prompt's: echo + logprobs is a 400)
