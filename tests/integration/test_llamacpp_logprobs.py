@@ -95,6 +95,15 @@ def test_chat_logprobs_unary_and_streamed(client):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-3)
 
 
+def test_each_of_n_choices_has_its_own_entries(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0.8, seed=5, max_tokens=5, n=2,
+                                       logprobs=True, top_logprobs=1, extra_body={"nvext": {"ignore_eos": True}})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.content) == 5
+        check_entries(c.message.content, c.logprobs.content, 1)
+
+
 def test_an_answer_ended_by_eos_has_no_entry_for_it(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=40, logprobs=True)
     choice = r.choices[0]
