@@ -179,7 +179,9 @@ def test_through_out_dyn(dyn_client, client):
     assert [e.token for e in entries] == [e.token for e in local_entries]
     assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in local_entries], abs=1e-3)
     r = dyn_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
-                                      logprobs=1, echo=True)
+                                      logprobs=2, echo=True)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and lp.token_logprobs[0] is None
     assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the prompt's tokens have their alternatives too (2 asked for, plus the token itself)
+    assert all(tok in top and 2 <= len(top) <= 3 for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))

@@ -170,3 +170,50 @@ def test_unknown_extra_engine_arg_is_one_clear_error(model: Path, vllm_env: dict
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "no_such_engine_argument" in errors[0] and str(extra) in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_logprobs_unary_and_streamed(client: openai.OpenAI) -> None:
+    """vLLM's logprobs reach the client (they were dropped before issue 11): entries spell the text, and
+    under greedy decoding the chosen token is the likeliest of vLLM's raw distribution."""
+    r = greedy(client, 6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 6
+    # a random model writes invalid UTF-8 too: the bytes are exact, the text has U+FFFD where they are invalid
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace") == content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.top_logprobs[0].token == e.token for e in entries)
+    stream = client.chat.completions.create(model="tiny-chat", messages=PROMPT, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-3)
+
+
+def test_completions_echo_gives_vllms_prompt_logprobs(client: openai.OpenAI) -> None:
+    prompt = "The quick brown fox"
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == n + r.usage.completion_tokens and r.choices[0].text.startswith(prompt)
+    assert "".join(lp.tokens[:n]) == prompt
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
+
+
+def test_structured_outputs_constrain_the_random_model(client: openai.OpenAI) -> None:
+    """guided_choice, guided_regex and response_format json_schema through vLLM's structured outputs:
+    a random-weight model's output obeys them, so the constraint did the work."""
+    r = greedy(client, 10, extra_body={"guided_choice": ["sunny", "rainy"]})
+    assert r.choices[0].message.content in ("sunny", "rainy")
+    r = greedy(client, 10, extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch(r"[0-9]{3}", r.choices[0].message.content)
+    schema = {"type": "object", "properties": {"sky": {"enum": ["blue", "grey"]}}, "required": ["sky"],
+              "additionalProperties": False}
+    r = greedy(client, 40, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert json.loads(text)["sky"] in ("blue", "grey")
+    else:  # cut by max_tokens (a random model may pad with whitespace): still the schema's beginning
+        assert text.lstrip().startswith("{")

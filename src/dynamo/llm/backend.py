@@ -34,7 +34,7 @@ class PostProcessor:
     """One request's decoder and stop checker.  ``process`` returns (text, finish_reason or None); with
     logprobs asked for, :meth:`take_logprobs` then gives the entries of the tokens that text came from."""
 
-    __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_request", "_tokenizer",
+    __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_prompt", "_prompt_n", "_tokenizer",
                  "generated", "finished")
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest):
@@ -47,7 +47,8 @@ class PostProcessor:
         n = request.output_options.logprobs
         self._lp = LogprobCarrier(tokenizer.token_bytes, n) if n is not None else None
         self._released: list[Entry] = []
-        self._request = request
+        self._prompt = request.token_ids  # (an engine may resume the request with more: not ours to show)
+        self._prompt_n = request.output_options.prompt_logprobs or 0
         self._tokenizer = tokenizer
         self.generated = 0
         self.finished: str | None = None
@@ -121,8 +122,7 @@ class PostProcessor:
         """The prompt's entries (``echo``), from an item that carries the engine's prompt logprobs."""
         if out.prompt_logprobs is None:
             return None
-        n = self._request.output_options.prompt_logprobs or 0
-        return self._tokenizer.token_bytes.prompt_entries(self._request.token_ids, out.prompt_logprobs, n)
+        return self._tokenizer.token_bytes.prompt_entries(self._prompt, out.prompt_logprobs, self._prompt_n)
 
     def _carry(self, out: EngineOutput, i: int, n_chars: int) -> None:
         lps = out.log_probs

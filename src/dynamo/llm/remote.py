@@ -23,6 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
+import msgspec
+
 from dynamo.errors import EngineError as LlmEngineError
 from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.llm.engine import Context
@@ -171,6 +173,9 @@ class RemoteCoreEngine:
                         if first:
                             first = False
                             self.router.first_token(context.id)
+                        if out.prompt_logprobs is not None:  # received: another worker need not compute them
+                            request.output_options = msgspec.structs.replace(request.output_options,
+                                                                             prompt_logprobs=None)
                         if attempts_left > 0 and out.token_ids:
                             # keep the request resumable: prompt + what was generated, fewer tokens to go
                             request.token_ids = request.token_ids + out.token_ids
