@@ -5,6 +5,10 @@ hits each kind alike; then the per-token pieces in-process (log-softmax over the
 the post-processor's entry for a token with 20 alternatives).
 
     PYTHONPATH=src .venv/bin/python benchmarks/logprobs_bench.py [--runs 7] [--tokens 64]
+
+``--plain`` only times the post-processor of a request *without* logprobs (µs per token, 15 runs over
+about 600 tokens, with a stop string): run it with ``PYTHONPATH`` on two checkouts to see what the
+logprob hooks cost the plain path.
 """
 from __future__ import annotations
 
@@ -19,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 
-from dynamo.engines.llamacpp import _token_logprobs  # noqa: E402
 from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
 from tests.support.proc import DynamoRun  # noqa: E402
 
 
 def pieces(repeat: int = 2000) -> None:
+    from dynamo.engines.llamacpp import _token_logprobs
     from dynamo.llm.gguf_card import load_gguf
     from dynamo.llm.logprobs import LogprobCarrier
     from dynamo.llm.tokenizer import Tokenizer
@@ -46,11 +50,33 @@ def pieces(repeat: int = 2000) -> None:
         print(f"post-processor entry, top {n:2d}: {1e6 * (time.perf_counter() - t0) / repeat:6.1f} µs/token")
 
 
+def plain() -> None:
+    from dynamo.llm.backend import PostProcessor
+    from dynamo.llm.gguf_card import load_gguf
+    from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
+    from dynamo.llm.tokenizer import Tokenizer
+
+    tok = Tokenizer(load_gguf(_smollm2()).tokenizer_json)
+    outs = [EngineOutput(token_ids=[i]) for i in tok.encode("The quick brown fox jumps over the lazy dog. " * 60)]
+    res = []
+    for _ in range(15):
+        post = PostProcessor(tok, PreprocessedRequest(token_ids=[1, 2], stop_conditions=StopConditions(stop=["zz!"])))
+        t0 = time.perf_counter()
+        for o in outs:
+            post.process(o)
+        res.append(1e6 * (time.perf_counter() - t0) / len(outs))
+    print(f"post-processor without logprobs: median {statistics.median(res):.2f} min {min(res):.2f} µs/token")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--plain", action="store_true")
     args = ap.parse_args()
+    if args.plain:
+        plain()
+        return
     pieces()
     with DynamoRun("out=llamacpp", str(_smollm2()), startup_timeout=120) as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="x", timeout=120)

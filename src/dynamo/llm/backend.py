@@ -71,7 +71,9 @@ class PostProcessor:
         lp = self._lp
         pieces: list[str] = []
         reason = None
-        for i, token_id in enumerate(out.token_ids):
+        if lp is not None:
+            lp.item_index = 0
+        for token_id in out.token_ids:
             self.generated += 1
             text = self._detok.step(token_id)
             if self.generated > self._min:
@@ -79,7 +81,7 @@ class PostProcessor:
                     reason = "stop"
                     break
                 if lp is not None:
-                    self._carry(out, i, len(text))
+                    self._carry(out, len(text))
                 if self._stops is not None and text:
                     text, matched = self._stops.feed(text)
                     if matched:
@@ -88,7 +90,7 @@ class PostProcessor:
                         return self._done("".join(pieces), "stop", cut=True)
             else:
                 if lp is not None:
-                    self._carry(out, i, len(text))
+                    self._carry(out, len(text))
                 if self._stops is not None and text:
                     # before min_tokens nothing stops, but held-back text must keep its order
                     text = self._stops.flush() + text
@@ -103,7 +105,10 @@ class PostProcessor:
             pieces.append(tail)
             self.finished = reason
             return self._done("".join(pieces), reason, cut)
-        return self._done("".join(pieces), None)
+        text = "".join(pieces)
+        if lp is not None:
+            self._released += lp.release(len(text))
+        return text, None
 
     def end(self) -> str:
         """The engine's stream ended without a finish reason: release what is held back."""
@@ -124,12 +129,17 @@ class PostProcessor:
             return None
         return self._tokenizer.token_bytes.prompt_entries(self._prompt, out.prompt_logprobs, self._prompt_n)
 
-    def _carry(self, out: EngineOutput, i: int, n_chars: int) -> None:
+    def _carry(self, out: EngineOutput, n_chars: int) -> None:
+        """The item's next token (in order: every token up to a hidden one is carried) produced n_chars."""
+        lp = self._lp
+        assert lp is not None
+        i = lp.item_index
+        lp.item_index += 1
         lps = out.log_probs
         if lps is None or i >= len(lps):
             return  # the engine sent none for this token (capability checks make this an engine bug)
         tops = out.top_logprobs[i] if out.top_logprobs is not None and i < len(out.top_logprobs) else None
-        self._lp.token(out.token_ids[i], lps[i], tops, n_chars)  # type: ignore[union-attr]
+        lp.token(out.token_ids[i], lps[i], tops, n_chars)
 
     def _done(self, text: str, reason: str | None, cut: bool = False) -> tuple[str, str | None]:
         if self._lp is not None:

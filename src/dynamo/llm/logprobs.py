@@ -139,7 +139,7 @@ class LogprobCarrier:
     (:meth:`token`, :meth:`flushed`), then how much text it released (:meth:`release`); entries go out
     once all of their token's text has gone out."""
 
-    __slots__ = ("_tb", "_n", "_pending", "_glue", "produced", "emitted")
+    __slots__ = ("_tb", "_n", "_pending", "_glue", "produced", "emitted", "item_index")
 
     def __init__(self, token_bytes: TokenBytes, n: int):
         self._tb = token_bytes
@@ -148,6 +148,7 @@ class LogprobCarrier:
         self._glue: list[Entry] = []  # tokens that produced no text yet (inside a UTF-8 character)
         self.produced = 0
         self.emitted = 0
+        self.item_index = 0  # the post-processor's position in the engine item it is reading
 
     def token(self, token_id: int, logprob: float | None, tops: list[dict[str, Any]] | None, n_chars: int) -> None:
         entry = self._tb.entry(token_id, logprob, tops, self._n)
