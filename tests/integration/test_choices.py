@@ -59,7 +59,13 @@ def test_n_out_of_range_and_full_engines(core: openai.OpenAI, full_server: Dynam
     assert e.value.body["param"] == "n"  # type: ignore[index]
 
 
-def test_logprobs_we_cannot_return_are_a_400(core: openai.OpenAI):
+def test_logprobs_we_cannot_return_are_a_400(core: openai.OpenAI, full_server: DynamoRun):
+    """echo_core and echo_full have no distribution to report: a 400, not nulls or made-up numbers."""
+    full = openai.OpenAI(base_url=full_server.api_url, api_key="unused", max_retries=0, timeout=30)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            full.chat.completions.create(model="echo", messages=HELLO, logprobs=True, stream=stream)
+        assert e.value.body["param"] == "logprobs"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         core.chat.completions.create(model="tiny-chat", messages=HELLO, logprobs=True, top_logprobs=2)
     assert e.value.body["param"] == "logprobs"  # type: ignore[index]

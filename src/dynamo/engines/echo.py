@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, AsyncIterator
 
+from dynamo.errors import RequestError
 from dynamo.llm.chunks import ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
@@ -78,6 +79,9 @@ class EchoFullEngine:
         self.delay = echo_delay_seconds() if delay is None else delay
 
     async def generate(self, request: ChatCompletionRequest | CompletionRequest, context: Context) -> AsyncIterator[dict[str, Any]]:
+        if request.logprobs or (isinstance(request, CompletionRequest) and request.logprobs is not None):
+            # an echo has no distribution: made-up numbers or ``null`` would both be lies
+            raise RequestError("logprobs: the echo engine has no token probabilities", param="logprobs")
         if isinstance(request, ChatCompletionRequest):
             text = last_user_text(request)
             chunks: ChatChunks | CompletionChunks = ChatChunks(request.model, context.id)
