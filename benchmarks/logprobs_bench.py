@@ -8,7 +8,9 @@ the post-processor's entry for a token with 20 alternatives).
 
 ``--plain`` only times the post-processor of a request *without* logprobs (µs per token, 15 runs over
 about 600 tokens, with a stop string): run it with ``PYTHONPATH`` on two checkouts to see what the
-logprob hooks cost the plain path.
+logprob hooks cost the plain path.  ``--echo``: a ~1,450-token completions prompt (fresh each time, so no
+prefix cache), ``max_tokens`` 1, with and without ``logprobs: 5, echo: true``, two rounds: what prompt
+logprobs cost.
 """
 from __future__ import annotations
 
@@ -68,14 +70,31 @@ def plain() -> None:
     print(f"post-processor without logprobs: median {statistics.median(res):.2f} min {min(res):.2f} µs/token")
 
 
+def echo() -> None:
+    with DynamoRun("out=llamacpp", str(_smollm2()), startup_timeout=120) as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="x", timeout=600)
+        for i in range(2):
+            for lp in (None, 5):
+                prompt = f"Round {i} {lp}. " + "The history of the city is long and full of events. " * 120
+                t0 = time.perf_counter()
+                r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=lp,
+                                              echo=lp is not None)
+                print(f"round {i} logprobs={lp}: {time.perf_counter() - t0:.1f} s for {r.usage.prompt_tokens} "
+                      "prompt tokens")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--echo", action="store_true")
     args = ap.parse_args()
     if args.plain:
         plain()
+        return
+    if args.echo:
+        echo()
         return
     pieces()
     with DynamoRun("out=llamacpp", str(_smollm2()), startup_timeout=120) as server:
