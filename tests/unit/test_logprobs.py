@@ -345,3 +345,21 @@ async def test_with_a_tool_call_parser_every_token_keeps_its_entry(tiny_model: P
                                    Context()), Context(), "tiny-chat")
     assert unary["choices"][0]["logprobs"]["content"] == entries
     assert json.loads(unary["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("decoder", ["sequence", "metaspace"])
+def test_sentencepiece_style_tokens_bytes(decoder: str):
+    """Llama/Mistral-style vocabularies: "▁" is a space and <0xNN> pieces are single bytes."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "<0xE6>": 2, "<0x97>": 3, "<0xA5>": 4, "world": 5}
+    hf = HF(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    hf.decoder = (decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)]) if decoder == "sequence" else decoders.Metaspace())
+    tb = Tokenizer(hf.to_str()).token_bytes
+    assert tb.piece(1) == (" hello", list(b" hello"))  # the leading space a decoder strips at the start
+    assert tb.piece(5) == ("world", list(b"world"))
+    if decoder == "sequence":
+        assert [tb.piece(i) for i in (2, 3, 4)] == [("\\xe6", [0xE6]), ("\\x97", [0x97]), ("\\xa5", [0xA5])]
+        assert bytes(b for i in (2, 3, 4) for b in tb.piece(i)[1]).decode() == "日"
