@@ -191,10 +191,6 @@ class LogprobCarrier:
         return out
 
 
-def chat_logprobs(entries: list[Entry] | None) -> dict[str, Any] | None:
-    return None if entries is None else {"content": entries}
-
-
 class CompletionLogprobs:
     """The legacy completions shape, chunk after chunk of one choice: ``top_logprobs`` maps each of the
     likeliest tokens and the chosen one to its logprob (OpenAI's ``logprobs: N`` gives up to N+1);
