@@ -22,7 +22,6 @@ from dynamo.llm.model_card import load_hf_folder
 from dynamo.llm.pipeline import CorePipeline
 from dynamo.llm.protocols.common import EngineOutput, OutputOptions, PreprocessedRequest, StopConditions
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
-from dynamo.llm.remote import RemoteCoreEngine  # noqa: F401  (the frontend side of the wire: EngineOutput)
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.llm.worker_handlers import backend_handler
 from tests.support.tiny_model import IM_END_ID
