@@ -179,11 +179,14 @@ class RemoteCoreEngine:
                         if attempts_left > 0 and out.token_ids:
                             # keep the request resumable: prompt + what was generated, fewer tokens to go
                             request.token_ids = request.token_ids + out.token_ids
+                            # replaced, not mutated: the n choices of one request share these structs
                             if request.parsing is not None:  # the next worker's parser catches up on them
-                                request.parsing.resumed_tokens = (request.parsing.resumed_tokens or 0) + len(out.token_ids)
+                                request.parsing = msgspec.structs.replace(
+                                    request.parsing, resumed_tokens=(request.parsing.resumed_tokens or 0) + len(out.token_ids))
                             sc = request.stop_conditions
                             if sc.max_tokens is not None:
-                                sc.max_tokens = max(0, sc.max_tokens - len(out.token_ids))
+                                request.stop_conditions = msgspec.structs.replace(
+                                    sc, max_tokens=max(0, sc.max_tokens - len(out.token_ids)))
                         yield out
                         if out.finish_reason is not None:
                             return
