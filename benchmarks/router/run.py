@@ -194,7 +194,8 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
     records: list[Record] = []
     start = time.perf_counter()
 
-    async def one(c: Conversation) -> None:
+    async def one(c: Conversation) -> bool:
+        """Run one conversation; False if a request failed (the conversation stops there)."""
         await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
         for turn in range(cfg.turns):
             if turn:
@@ -206,7 +207,7 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
                 req, status, err = await client.chat(body)
             except (OSError, ConnectionError, asyncio.TimeoutError) as e:
                 records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
-                return
+                return False
             rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
             rec.ttft = None if req.first is None else req.first - req.t0
             rec.gaps = req.gaps
@@ -221,9 +222,21 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
                 rec.error = "stream ended without [DONE]"
             records.append(rec)
             if status != 200 or rec.error:
-                return
+                return False
+        return True
 
-    await asyncio.gather(*(one(c) for c in convs))
+    if cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
+        pool = iter(convs)
+
+        async def client_loop() -> None:
+            while time.perf_counter() - start < cfg.duration:
+                c = next(pool, None)
+                if c is None or not await one(c):
+                    return
+
+        await asyncio.gather(*(client_loop() for _ in range(cfg.clients)))
+    else:
+        await asyncio.gather(*(one(c) for c in convs))
     end = time.perf_counter()
     client.close()
     return records, start, end
@@ -593,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=d.rate, help="requests/s (Poisson; conversations at rate/turns)")
     p.add_argument("--duration", type=float, default=d.duration, help="seconds during which conversations start")
     p.add_argument("--think-time", type=float, default=d.think_time, help="mean pause before a follow-up turn, s")
+    p.add_argument("--clients", type=int, default=0,
+                   help="closed loop: this many clients, each running conversations back to back for --duration "
+                        "(0: open loop at --rate)")
+    p.add_argument("--system-words", type=int, default=0,
+                   help="system prompts of this many random words (then the first user message has --turn-tokens "
+                        "tokens); 0: prefix ratio x --isl tokens")
     p.add_argument("--warmup", type=float, default=5.0, help="requests sent in the first seconds are not measured")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-gpu-blocks", type=int, default=768, help="mocker KV cache per worker, in blocks")
@@ -670,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         for ratio in ratios:
             cfg = WorkloadConfig(prefix_ratio=ratio, isl=args.isl, groups=args.groups, turns=args.turns,
                                  turn_tokens=args.turn_tokens, osl=args.osl, rate=args.rate,
-                                 duration=args.duration, think_time=args.think_time, seed=args.seed)
+                                 duration=args.duration, think_time=args.think_time, seed=args.seed,
+                                 system_words=args.system_words, clients=args.clients)
             convs = build(cfg, tokenizer)
             if args.concurrent:
                 # all modes at once, each with its own workers and frontend: they share the machine's

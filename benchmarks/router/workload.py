@@ -7,7 +7,10 @@ same order at the same offsets (only the follow-up turns depend on when the prev
   template's short default system prompt, less than one KV block, is then the only shared text);
 * conversations start at Poisson times (rate ``rate / turns``, open loop: a start never waits for the
   server) during ``duration`` seconds; each belongs to a random group;
-* turn 1 is the group's system prompt plus a unique user message, ``isl`` tokens in all;
+* turn 1 is the group's system prompt plus a unique user message, ``isl`` tokens in all (with
+  ``system_words``, the system prompt is that many random words and the user message ``turn_tokens``);
+* with ``clients`` > 0 the load is a closed loop instead: that many clients each run one conversation
+  after another (taken in order from a pool drawn up front) until ``duration`` has passed;
 * turn k > 1 resends the whole history: the previous messages, the assistant's answer to turn k-1 and a
   new user message of ``turn_tokens`` tokens.  The answer in the history is a fixed synthetic text of
   ``osl`` tokens, not the mocker's output (random token ids, which would make the prompts differ between
@@ -38,6 +41,8 @@ class WorkloadConfig:
     duration: float = 40.0  # seconds during which conversations start
     think_time: float = 1.0  # mean seconds between an answer and the next turn
     seed: int = 0
+    system_words: int = 0  # > 0: system prompts of this many words (not prefix_ratio x isl tokens)
+    clients: int = 0  # > 0: closed loop, this many clients each running conversations back to back
 
 
 @dataclass
@@ -75,6 +80,10 @@ class TextMaker:
         self.singles = [w for w, n in self.words if n == 1]
         assert self.singles, "tokenizer has no one-token words"
 
+    def words_text(self, words: int) -> str:
+        """``words`` random words (as many tokens as the tokenizer makes of them)."""
+        return " ".join(self.rng.choice(self.words)[0] for _ in range(words))
+
     def text(self, tokens: int) -> str:
         out: list[str] = []
         left = tokens
@@ -88,21 +97,31 @@ class TextMaker:
 
 
 def build(cfg: WorkloadConfig, tokenizer: Any) -> list[Conversation]:
+    """The conversations of a run.  Open loop: each with its start offset.  Closed loop
+    (``cfg.clients``): a pool the clients take from in order, more than they can use (start 0)."""
     rng = random.Random(cfg.seed)
     maker = TextMaker(tokenizer, random.Random(cfg.seed + 1))
-    sys_tokens = int(round(cfg.prefix_ratio * cfg.isl))
-    systems = [maker.text(sys_tokens) if sys_tokens > 0 else None for _ in range(cfg.groups)]
+    if cfg.system_words > 0:
+        systems: list[str | None] = [maker.words_text(cfg.system_words) for _ in range(cfg.groups)]
+        first_user = cfg.turn_tokens
+    else:
+        sys_tokens = int(round(cfg.prefix_ratio * cfg.isl))
+        systems = [maker.text(sys_tokens) if sys_tokens > 0 else None for _ in range(cfg.groups)]
+        first_user = max(1, cfg.isl - sys_tokens)
     conv_rate = cfg.rate / max(1, cfg.turns)
     convs: list[Conversation] = []
-    t = rng.expovariate(conv_rate)
-    while t < cfg.duration:
+    # closed loop: enough conversations for clients that each finish one every 50 ms
+    pool = int(cfg.duration * 20 * cfg.clients / max(1, cfg.turns)) + cfg.clients if cfg.clients > 0 else 0
+    t = 0.0 if pool else rng.expovariate(conv_rate)
+    while (len(convs) < pool) if pool else (t < cfg.duration):
         c = Conversation(len(convs), rng.randrange(cfg.groups), t)
         c.system = systems[c.group]
-        c.users.append(maker.text(max(1, cfg.isl - sys_tokens)))
+        c.users.append(maker.text(first_user))
         for _ in range(1, cfg.turns):
             c.answers.append(maker.text(cfg.osl))
             c.users.append(maker.text(cfg.turn_tokens))
             c.thinks.append(rng.expovariate(1.0 / cfg.think_time) if cfg.think_time > 0 else 0.0)
         convs.append(c)
-        t += rng.expovariate(conv_rate)
+        if not pool:
+            t += rng.expovariate(conv_rate)
     return convs

@@ -54,18 +54,51 @@ class CorePipeline:
         self.preprocessor = Preprocessor(card)
         self.tokenizer: Tokenizer | None = self.preprocessor.tokenizer
 
-    def preprocess_chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
-        return self.preprocessor.chat(req, raw)
-
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        pre = self.preprocessor.chat(req, raw)  # raises RequestError before any streaming starts
+        from dynamo.llm.tokenizer import OFF_LOOP_CHARS
+
+        rendered = self.preprocessor.render_chat(req, raw)  # raises RequestError before any streaming starts
+        if len(rendered.prompt) >= OFF_LOOP_CHARS:
+            # a long prompt is tokenized in a thread: the stream starts with that (errors come with its
+            # first item, which every input awaits before it answers)
+            return self._chat_off_loop(rendered, req, ctx)
+        pre = self.preprocessor.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))  # type: ignore[union-attr]
+        return self._chat_stream(pre, req, ctx)
+
+    async def _chat_off_loop(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
+        ids = await self.tokenizer.encode_prompt_async(rendered.prompt)  # type: ignore[union-attr]
+        stream = self._chat_stream(self.preprocessor.finish_chat(rendered, ids), req, ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _chat_stream(self, pre: Preprocessed, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_logprobs(pre)
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: ChatChunks(req.model, ctx.id), include_usage(req), ctx)  # type: ignore[arg-type]
         return self._stream(pre, ChatChunks(req.model, ctx.id), include_usage(req), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
-        pre = self.preprocessor.completion(req, raw)
+        from dynamo.llm.tokenizer import OFF_LOOP_CHARS
+
+        text = self.preprocessor.completion_text(req)
+        if text is not None and len(text) >= OFF_LOOP_CHARS:
+            return self._completions_off_loop(text, req, raw, ctx)
+        return self._completions_stream(self.preprocessor.completion(req, raw), req, ctx)
+
+    async def _completions_off_loop(self, text: str, req: CompletionRequest, raw: dict[str, Any],
+                                    ctx: Context) -> AsyncIterator[StreamItem]:
+        ids = await self.tokenizer.encode_prompt_async(text)  # type: ignore[union-attr]
+        stream = self._completions_stream(self.preprocessor.completion(req, raw, ids), req, ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _completions_stream(self, pre: Preprocessed, req: CompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_logprobs(pre, echo=bool(req.echo))
         echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
         oo = pre.request.output_options

@@ -41,6 +41,17 @@ class Preprocessed:
     formatted_prompt: str | None
 
 
+@dataclass
+class RenderedChat:
+    """A chat request with its template applied, not yet tokenized."""
+
+    req: ChatCompletionRequest
+    raw: dict[str, Any]
+    prompt: str
+    tool_parser: Any
+    forced: Any
+
+
 class Preprocessor:
     def __init__(self, card: ModelCard):
         if not card.has_tokenizer:
@@ -63,6 +74,16 @@ class Preprocessor:
 
     # -- chat
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
+        rendered = self.render_chat(req, raw)
+        return self.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))
+
+    async def chat_async(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
+        """:meth:`chat`, with a long prompt tokenized off the event loop."""
+        rendered = self.render_chat(req, raw)
+        return self.finish_chat(rendered, await self.tokenizer.encode_prompt_async(rendered.prompt))
+
+    def render_chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> RenderedChat:
+        """The chat template applied (template errors are raised here, before any tokenizing)."""
         if self._template is None:
             raise RequestError(
                 f"model {self.card.display_name!r} has no chat template; use /v1/completions", status=400
@@ -79,10 +100,13 @@ class Preprocessor:
             add_generation_prompt=add_generation_prompt,
             extra=req.chat_template_kwargs,
         )
-        token_ids = self.tokenizer.encode(prompt)
+        return RenderedChat(req, raw, prompt, tool_parser, forced)
+
+    def finish_chat(self, rendered: RenderedChat, token_ids: list[int]) -> Preprocessed:
+        req, raw, prompt, forced = rendered.req, rendered.raw, rendered.prompt, rendered.forced
         request = self._build(req, token_ids, max_tokens_of(req))
         self._constrain(request, raw, forced[1] if forced else None)
-        request.parsing = self._parsing(req, prompt, tool_parser, forced[0] if forced else None)
+        request.parsing = self._parsing(req, prompt, rendered.tool_parser, forced[0] if forced else None)
         return Preprocessed(request, prompt)
 
     def _constrain(self, request: PreprocessedRequest, raw: dict[str, Any] | None,
@@ -162,12 +186,22 @@ class Preprocessor:
         )
 
     # -- completions: the prompt is used raw, as the OpenAI API defines it
-    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None) -> Preprocessed:
+    @staticmethod
+    def completion_text(req: CompletionRequest) -> str | None:
+        """The prompt of a completions request when it is one text (to be tokenized)."""
+        prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+
+    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None,
+                   token_ids: list[int] | None = None) -> Preprocessed:
+        """``token_ids``: the prompt text already tokenized (off the loop, by the caller)."""
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = token_ids if token_ids is not None else self.tokenizer.encode_prompt(prompt)
             text: str | None = prompt
         elif all(isinstance(t, int) for t in prompt):
             token_ids = list(prompt)

@@ -1,10 +1,25 @@
-"""Tokenizer access through Hugging Face ``tokenizers`` (Rust; releases the GIL on batch calls)."""
+"""Tokenizer access through Hugging Face ``tokenizers`` (Rust; releases the GIL on batch calls only).
+
+Prompts go through :meth:`Tokenizer.encode_prompt`: long ones are cut after special tokens and their
+long pieces remembered (segment_cache.py), and :meth:`Tokenizer.encode_prompt_async` tokenizes a long
+prompt in a thread, so that the event loop keeps serving other requests meanwhile.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING
 
+import orjson
+
 from dynamo.errors import ModelError
+from dynamo.llm.segment_cache import SegmentCache, segmentable
+
+log = logging.getLogger(__name__)
+
+# prompts at least this long (characters; ~1,000 tokens, ~0.5 ms) are tokenized in a thread
+OFF_LOOP_CHARS = 4096
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _HFTokenizer
@@ -21,9 +36,17 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises plain Exception
             raise ModelError(f"cannot load tokenizer: {e}") from None
         self._token_bytes: TokenBytes | None = None
-        self._special_ids = {
-            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
-        }
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {tid for tid, tok in added.items() if tok.special}
+        self.segments: SegmentCache | None = None
+        try:
+            why_not = segmentable(orjson.loads(tokenizer_json))
+        except orjson.JSONDecodeError:
+            why_not = "its tokenizer.json does not parse as JSON"
+        if why_not is None:
+            self.segments = SegmentCache(self._tok, [t.content for t in added.values() if t.special])
+        else:
+            log.debug("prompt segment cache off: %s", why_not)
 
     @property
     def vocab_size(self) -> int:
@@ -36,6 +59,27 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # the chat template already supplies BOS and friends, so no special tokens are added here
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """:meth:`encode`, reusing the ids of long pieces seen before (a system prompt, a history)."""
+        if self.segments is None:
+            return self.encode(text)
+        return self.segments.encode(text, self.encode)
+
+    async def encode_prompt_async(self, text: str) -> list[int]:
+        """:meth:`encode_prompt`; a long prompt in a thread (the GIL is released while it tokenizes)."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode_prompt(text)
+        return await asyncio.to_thread(self._encode_off_loop, text)
+
+    def _encode_off_loop(self, text: str) -> list[int]:
+        if self.segments is not None and self.segments.enabled:
+            return self.segments.encode(text, self._encode_batch)
+        return self._encode_batch(text)
+
+    def _encode_batch(self, text: str) -> list[int]:
+        # encode() holds the GIL for the whole text; encode_batch() gives it up
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
