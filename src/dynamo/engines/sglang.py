@@ -32,6 +32,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
+from dynamo.engines.engine_kv_events import SglangKvEvents, serves_router, sglang_kv_events_wanted
 from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.engines.token_engine_common import (
     common_sampling_params,
@@ -187,6 +188,13 @@ class SglangEngine:
         self.incremental = bool(self.args.get("incremental_streaming_output", False))
         self._engine: Any = None
         self._ids = itertools.count()
+        # KV events for a KV router (a dyn:// worker with the radix cache; engine_kv_events.py)
+        self._kv: Any = None
+        why_not = sglang_kv_events_wanted(cfg, self.args, extra)
+        if why_not is None:
+            self._kv = SglangKvEvents(card.kv_cache_block_size)
+        elif serves_router(cfg):
+            log.info("sglang: no KV events for the router: %s", why_not)
 
     async def start(self) -> None:
         if self.follower:
@@ -197,6 +205,12 @@ class SglangEngine:
         except ImportError as e:
             raise UserError(f"out=sglang cannot import SGLang ({one_line(e)}): {INSTALL_HINT}") from None
         log.info("starting SGLang for %s", self.card.display_name)
+        if self._kv is not None:
+            try:
+                self._kv.configure(self.args, self.card.kv_cache_block_size)
+            except ImportError:  # pragma: no cover - pyzmq comes with SGLang
+                log.warning("sglang: pyzmq is missing: no KV events for the router")
+                self._kv = None
         where = f"--extra-engine-args {self.extra_path}: " if self.extra_path else ""
         with engine_start_errors("SGLang", where):
             # built in a thread so the loop (lease keep-alive, NATS) keeps running during a long load; the
@@ -211,8 +225,31 @@ class SglangEngine:
         page = self.args.get("page_size")
         if page:
             self.card.kv_cache_block_size = int(page)
+        if self._kv is not None:
+            self._kv.set_block_size(self.card.kv_cache_block_size)
+            self._kv.start()
+
+    # -- KV events for the router (inputs/endpoint.py) ----------------------------------------------
+    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
+        if self._kv is not None:
+            self._kv.attach(worker_id, publish_kv_event)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self._kv is not None and self._kv.running
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        if self._kv is None:
+            return {"worker_id": 0, "last_event_id": None, "blocks": []}
+        return self._kv.dump()
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return []  # SGLang's scheduler load is not read (the router balances on its own bookkeeping)
 
     async def close(self) -> None:
+        kv, self._kv = self._kv, None
+        if kv is not None:
+            await kv.close()
         engine, self._engine = self._engine, None
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)

@@ -30,6 +30,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
+from dynamo.engines.engine_kv_events import TrtllmKvEvents, serves_router, trtllm_kv_events_wanted
 from dynamo.engines.token_engine_common import (
     apply_base_gpu_id,
     common_sampling_params,
@@ -197,6 +198,14 @@ class TrtllmEngine:
         self.extra_path = extra_path
         self._llm: Any = None
         self._SamplingParams: Any = None
+        # KV events for a KV router (a dyn:// worker with block reuse; engine_kv_events.py)
+        self._kv: TrtllmKvEvents | None = None
+        why_not = trtllm_kv_events_wanted(cfg, self.args)
+        if why_not is None:
+            TrtllmKvEvents.configure(self.args)
+            self._kv = TrtllmKvEvents(card.kv_cache_block_size)
+        elif serves_router(cfg):
+            log.info("trtllm: no KV events for the router: %s", why_not)
         if int(getattr(cfg, "num_nodes", 1) or 1) > 1:
             log.info("trtllm: %s nodes; TensorRT-LLM places its ranks through MPI or Ray, so --node-rank %s and "
                      "--leader-addr %s are not passed to it", cfg.num_nodes, cfg.node_rank, cfg.leader_addr)
@@ -225,8 +234,31 @@ class TrtllmEngine:
         block = getattr(kv, "tokens_per_block", None)
         if block:
             self.card.kv_cache_block_size = int(block)
+        if self._kv is not None:
+            self._kv.set_block_size(self.card.kv_cache_block_size)
+            self._kv.start(self._llm)
+
+    # -- KV events for the router (inputs/endpoint.py) ----------------------------------------------
+    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
+        if self._kv is not None:
+            self._kv.attach(worker_id, publish_kv_event)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self._kv is not None and self._kv.running
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        if self._kv is None:
+            return {"worker_id": 0, "last_event_id": None, "blocks": []}
+        return self._kv.dump()
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return []  # TensorRT-LLM's iteration stats are not read (the router balances on its own bookkeeping)
 
     async def close(self) -> None:
+        kv, self._kv = self._kv, None
+        if kv is not None:
+            await kv.close()
         llm, self._llm = self._llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)

@@ -473,11 +473,13 @@ def trtllm_events_to_common(events: Sequence[Mapping[str, Any]]) -> list[dict[st
             tokens = [int(t["token_id"]) if isinstance(t, Mapping) else int(t)
                       for b in blocks for t in (b.get("tokens") or ())]
             primary = all(int(b.get("cache_level", 0) or 0) == 0 for b in blocks)
+            # a token_extra_id (multimodal content) makes the block match only requests with that content
+            extra = any(isinstance(t, Mapping) and t.get("token_extra_id") for b in blocks for t in (b.get("tokens") or ()))
             lora = next((b.get("lora_id") for b in blocks if b.get("lora_id") is not None), None)
             out.append({"type": "BlockStored", "block_hashes": [b["block_hash"] for b in blocks],
                         "parent_block_hash": data.get("parent_hash"), "token_ids": tokens,
                         "block_size": sizes.pop() if len(sizes) == 1 else -1, "lora_id": lora,
-                        "medium": "GPU" if primary else "CPU"})
+                        "medium": "GPU" if primary else "CPU", "extra_keys": [True] if extra else None})
         elif kind == "removed":
             out.append({"type": "BlockRemoved", "block_hashes": list(data.get("block_hashes") or ()),
                         "medium": None})

@@ -116,10 +116,10 @@ class SegmentCache:
         with self._lock:
             for i, p in enumerate(parts):
                 if len(p) >= self.min_chars:
-                    ids = self._lru.get(p)
-                    if ids is not None:
+                    known = self._lru.get(p)
+                    if known is not None:
                         self._lru.move_to_end(p)
-                        found[i] = ids
+                        found[i] = known
         if not found:
             self.misses += 1
         else:
