@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from dynamo.llm.kv_router import ApproxKvIndexer, KvRouter
+from dynamo.llm.kv_router.hashing import compute_hashes_async
 from dynamo.llm.kv_router.router import DEFAULT_PEER_TTL_S
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.protocols.common import PreprocessedRequest
@@ -34,6 +35,7 @@ from dynamo.runtime.names import component_event_subject, namespace_event_subjec
 log = logging.getLogger(__name__)
 
 KV_STATE_ENDPOINT = "kv_state"
+HASH_OFF_LOOP_TOKENS = 8192  # prompts this long are hashed in slices before the decision (prepare)
 KV_STATE_TIMEOUT_S = 5.0
 RECONNECT_CHECK_S = 0.5
 
@@ -65,9 +67,25 @@ class KvRouterPolicy:
         self._kv_state_clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> client
         self._timer: asyncio.Task[None] | None = None
         self._mismatch_logged = False
+        # id(request) -> (its token ids, their block hashes), from prepare() for open()
+        self._prepared: dict[int, tuple[Any, tuple[list[int], list[int]]]] = {}
+
+    async def prepare(self, request: PreprocessedRequest) -> None:
+        """Hash a long prompt before :meth:`open`, in slices that let the event loop run in between
+        (a 128k-token prompt is about 6 ms of hashing; docs/routing.md)."""
+        ids = request.token_ids
+        if len(ids) < HASH_OFF_LOOP_TOKENS:
+            return
+        entry = self._prepared.get(id(request))
+        if entry is not None and entry[0] is ids:
+            return
+        hashes = await compute_hashes_async(ids, self.router.block_size)
+        self._prepared[id(request)] = (ids, hashes)
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: Any) -> Any:
         body_id = rt_ctx.id()
+        entry = self._prepared.pop(id(request), None)
+        hashes = entry[1] if entry is not None and entry[0] is request.token_ids else None
         if request.backend_instance_id is not None:
             self.router.add_request(body_id, request.token_ids, request.backend_instance_id)
             self._tracked.add(body_id)
@@ -76,7 +94,7 @@ class KvRouterPolicy:
             self.router.on_finished(body_id)
         # workers at their limit of requests in flight are left out (all of them only in a race)
         candidates = client.free_instance_ids() or client.instance_ids()
-        decision = self.router.select(request.token_ids, candidates, request_id=body_id)
+        decision = self.router.select(request.token_ids, candidates, request_id=body_id, hashes=hashes)
         self._tracked.add(body_id)
         request.estimated_prefix_hit_num_blocks = decision.overlap_blocks
         log.debug("request %s -> worker %x (%d cached blocks)", body_id, decision.worker_id, decision.overlap_blocks)

@@ -140,6 +140,9 @@ class RemoteCoreEngine:
                 if deadline is None:
                     deadline = loop.time() + self.queue.timeout
                 await _admit(self.client, self.queue, deadline)
+                prepare = getattr(self.router, "prepare", None)
+                if prepare is not None:  # the KV router hashes a long prompt without holding the loop
+                    await prepare(request)
                 try:
                     stream = self.router.open(self.client, request, rt_ctx)
                     await stream.start()

@@ -88,3 +88,60 @@ def test_bad_input():
         compute_block_hashes([-1, 2], 2)
     with pytest.raises(ValueError):
         compute_block_hashes([2**32, 2], 2)
+
+
+# -- long prompts: hashed in slices, so that the frontend's event loop keeps running ---------------------
+
+@pytest.mark.parametrize("n_tokens,chunk", [(0, 4), (15, 4), (16, 4), (16 * 9 + 5, 4), (16 * 8, 8), (1000, 1)])
+async def test_hashing_in_slices_gives_the_same_hashes(n_tokens, chunk):
+    from dynamo.llm.kv_router.hashing import compute_hashes, compute_hashes_async
+
+    tokens = [(i * 7919) % 50000 for i in range(n_tokens)]
+    assert await compute_hashes_async(tokens, 16, chunk_blocks=chunk) == compute_hashes(tokens, 16)
+
+
+async def test_hashing_a_long_prompt_lets_the_loop_run():
+    import asyncio
+
+    from dynamo.llm.kv_router.hashing import compute_hashes_async
+
+    ticks = 0
+    done = False
+
+    async def ticker():
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    await compute_hashes_async(list(range(128 * 1024)), 16, chunk_blocks=512)  # 8,192 blocks, 16 slices
+    done = True
+    await t
+    assert ticks >= 15
+
+
+async def test_the_kv_policy_routes_a_long_prompt_on_hashes_made_beforehand():
+    from types import SimpleNamespace
+
+    from dynamo.llm.kv_router import KvRouter
+    from dynamo.llm.kv_router.hashing import compute_hashes
+    from dynamo.llm.kv_routing import HASH_OFF_LOOP_TOKENS, KvRouterPolicy
+    from dynamo.llm.protocols.common import PreprocessedRequest
+
+    router = KvRouter(block_size=16, seed=1)
+    tokens = [(i * 31) % 40000 for i in range(HASH_OFF_LOOP_TOKENS + 100)]
+    local, seq = compute_hashes(tokens, 16)
+    router.apply_event({"worker_id": 2, "event": {"event_id": 1, "data": {"stored": {
+        "parent_hash": None, "blocks": [{"block_hash": s, "tokens_hash": lo} for s, lo in zip(seq, local, strict=True)]}}}})
+    policy = KvRouterPolicy(router, nats=None)
+    request = PreprocessedRequest(token_ids=tokens, model="m")
+    await policy.prepare(request)
+    assert len(policy._prepared) == 1
+    sent = []
+    client = SimpleNamespace(free_instance_ids=lambda: [1, 2, 3], instance_ids=lambda: [1, 2, 3],
+                             direct=lambda body, worker, context=None: sent.append(worker) or "stream")
+    assert policy.open(client, request, SimpleNamespace(id=lambda: "r1")) == "stream"
+    assert sent == [2] and request.estimated_prefix_hit_num_blocks == len(seq)
+    assert policy._prepared == {}  # used once, then dropped

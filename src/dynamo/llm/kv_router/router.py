@@ -81,16 +81,22 @@ class KvRouter:
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
-               request_id: str | None = None) -> RoutingDecision:
+               request_id: str | None = None,
+               hashes: tuple[list[int], list[int]] | None = None) -> RoutingDecision:
         """Pick a worker for a prompt.  With ``request_id`` the request is tracked as in flight on the
-        chosen worker until :meth:`on_finished`; without it the call is a pure query."""
+        chosen worker until :meth:`on_finished`; without it the call is a pure query.  ``hashes``: the
+        prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
+        prompt, so that hashing does not hold the event loop)."""
         candidates = list(dict.fromkeys(workers))
         if not candidates:
             raise ValueError("no workers to route to")
         if self._peer_seen:
             self.expire_peers()
-        local = compute_block_hashes(token_ids, self.block_size)
-        seq = compute_seq_hashes(local)
+        if hashes is None:
+            local = compute_block_hashes(token_ids, self.block_size)
+            seq = compute_seq_hashes(local)
+        else:
+            local, seq = hashes
         overlaps = self.indexer.find_matches(local, seq)
         blocks = self._request_blocks(seq, len(token_ids))
         costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
