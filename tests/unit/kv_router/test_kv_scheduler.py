@@ -318,3 +318,75 @@ def test_cost_table_reads_like_a_list_of_worker_costs():
     assert costs[1] == WorkerCost(2, 2, 4, 3, 2.0 * 4 / 4 + 3)
     assert costs[-1].worker_id == 3 and costs[1:] == [costs[1], costs[2]]
     assert select_worker(costs, 0.0, random.Random(0)).worker_id == 2
+
+
+# -- many workers: the decision visits only the workers the prompt touches (scheduler.fast_pick) ---------
+
+class _Recorder:
+    """An rng whose choice() records the tie set it was offered."""
+
+    def __init__(self) -> None:
+        self.offered: list = []
+
+    def choice(self, seq):
+        self.offered = list(seq)
+        return seq[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_pick_chooses_among_exactly_the_workers_the_full_pass_would(seed):
+    """Random loads, cached prefixes and in-flight prefixes on 150 workers: the fast pick offers the
+    random tie-break exactly the workers with the lowest logit of the full pass (compute_costs)."""
+    from dynamo.llm.kv_router.scheduler import compute_costs, fast_pick
+
+    rng = random.Random(seed)
+    bs, weight = 4, rng.choice([0.5, 1.0, 2.0])
+    r = KvRouter(block_size=bs, overlap_score_weight=weight, seed=seed)
+    workers = list(range(1, 151))
+    groups = [[g * 1000 + i for i in range(rng.choice([8, 16, 24]))] for g in range(6)]
+    for w in rng.sample(workers, 40):  # cached prefixes
+        publish_prefix(r, w, rng.choice(groups)[: bs * rng.randint(1, 4)])
+    n = 0
+    for w in rng.sample(workers, 60):  # requests in flight, some sharing a group's prefix, some prefilled
+        for _ in range(rng.randint(1, 3)):
+            n += 1
+            prompt = rng.choice(groups) + [rng.randrange(10**6) for _ in range(rng.randint(0, 9))]
+            r.add_request(f"r{n}", prompt, w, overlap_blocks=rng.randint(0, 2))
+            if rng.random() < 0.5:
+                r.on_first_token(f"r{n}")
+    for w in workers[:5]:  # idle workers the router has never booked anything on
+        r._loads.update(w, r.trackers.get(w))
+    for trial in range(30):
+        prompt = rng.choice(groups) + [rng.randrange(10**6) for _ in range(rng.randint(0, 12))]
+        if trial % 5 == 0:
+            prompt = [rng.randrange(10**6) for _ in range(17)]  # touches nobody
+        cands = rng.sample(workers, rng.randint(100, 150))
+        for w in cands:
+            if w not in r._loads.base:
+                r._loads.update(w, r.trackers.get(w))
+        local, seq = compute_hashes(prompt, bs)
+        overlaps = r.indexer.find_matches(local, seq)
+        blocks = r._request_blocks(seq, len(prompt))
+        full = compute_costs(cands, overlaps, blocks, len(prompt), bs, weight, r.trackers)
+        best = min(full.logits)
+        want = {c.worker_id for c in full if c.logit <= best + 1e-9 * max(1.0, abs(best))}
+        rec = _Recorder()
+        picked = fast_pick(cands, overlaps, blocks, len(prompt), bs, weight, r.trackers, r._heads, r._loads, rec)
+        got = {c.worker_id if isinstance(c, WorkerCost) else c for c in rec.offered}
+        assert got == want
+        chosen = {c.worker_id: c for c in full}[picked.choice.worker_id]
+        assert picked.choice == chosen  # the same numbers as the full pass
+        touched = set(overlaps) | (r._heads.get(blocks[0], set()) if blocks else set())
+        assert {c.worker_id for c in picked.evaluated} <= touched  # nobody else was costed one by one
+
+
+def test_router_with_many_workers_spreads_idle_ties_and_keeps_the_index_true():
+    r = KvRouter(block_size=BS, seed=3)
+    workers = list(range(100))
+    picks = [r.select([7000 + i + 100 * k for i in range(8)], workers, request_id=f"q{k}").worker_id for k in range(100)]
+    assert len(set(picks)) == 100  # every request to a different idle worker: the least loaded wins
+    for k in range(100):
+        r.on_finished(f"q{k}")
+    assert set(r._loads.buckets) == {0.0} and r._heads == {}
+    r.remove_worker(5)
+    assert 5 not in r._loads.base

@@ -31,7 +31,15 @@ from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashe
 from dynamo.llm.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
 from dynamo.llm.kv_router.protocols import EventError, KvEvent, StoredBlock, parse_kv_event
 from dynamo.llm.kv_router.publisher import Publisher, emit
-from dynamo.llm.kv_router.scheduler import ActiveSequences, WorkerCost, compute_costs, select_worker
+from dynamo.llm.kv_router.scheduler import (
+    FAST_PICK_MIN_WORKERS,
+    ActiveSequences,
+    BaseCostIndex,
+    WorkerCost,
+    compute_costs,
+    fast_pick,
+    select_worker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,10 @@ class KvRouter:
         self.publish_active_sequence = publish_active_sequence
         self.router_id = router_id or str(uuid.uuid4())
         self.trackers: dict[WorkerId, ActiveSequences] = {}
+        # for decisions over many workers (scheduler.fast_pick): each worker's base cost, and which
+        # workers have an in-flight request starting with a given block
+        self._loads = BaseCostIndex(overlap_score_weight / block_size)
+        self._heads: dict[int | str, set[WorkerId]] = {}
         self._owner: dict[str, WorkerId] = {}  # request id -> worker it was routed to
         self.clock = clock
         self.peer_ttl = peer_ttl
@@ -99,15 +111,29 @@ class KvRouter:
             local, seq = hashes
         overlaps = self.indexer.find_matches(local, seq)
         blocks = self._request_blocks(seq, len(token_ids))
-        costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
-                              self.overlap_score_weight, self.trackers)
-        choice = select_worker(costs, self.temperature, self.rng)
+        costs: Sequence[WorkerCost]
+        if self.temperature <= 0 and len(candidates) >= FAST_PICK_MIN_WORKERS:
+            # many workers: exact costs for those the prompt touches, the best of the rest by base cost
+            loads = self._loads
+            for w in set(candidates).difference(loads.base):
+                loads.update(w, self.trackers.get(w))
+            picked = fast_pick(candidates, overlaps, blocks, len(token_ids), self.block_size,
+                               self.overlap_score_weight, self.trackers, self._heads, loads, self.rng)
+            choice, costs = picked.choice, picked.evaluated
+            if choice.worker_id not in {c.worker_id for c in costs}:
+                costs = [*costs, choice]
+        else:
+            costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
+                                  self.overlap_score_weight, self.trackers)
+            choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s",
+            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s%s",
                       len(token_ids), choice.worker_id, choice.overlap_blocks,
                       {f"{c.worker_id:x}": round(c.logit, 2) for c in costs},
-                      {f"{c.worker_id:x}": c.overlap_blocks for c in costs})
+                      {f"{c.worker_id:x}": c.overlap_blocks for c in costs},
+                      "" if len(costs) == len(candidates) else
+                      f" ({len(candidates) - len(costs)} other workers hold none of the prompt)")
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
         if request_id is not None:
@@ -133,7 +159,7 @@ class KvRouter:
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
         worker = self._owner.get(request_id)
-        if worker is not None and self.trackers[worker].mark_prefill_completed(request_id):
+        if worker is not None and self._mark(worker, request_id):
             emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
                  "active sequence event")
 
@@ -142,9 +168,7 @@ class KvRouter:
         worker = self._owner.pop(request_id, None)
         if worker is None:
             return
-        tracker = self.trackers.get(worker)
-        if tracker is not None:
-            tracker.free(request_id)
+        self._free(worker, request_id)
         emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
 
     # -- inputs from the outside ---------------------------------------------------------------
@@ -231,13 +255,11 @@ class KvRouter:
                 if peer is not None:
                     self._peer_of[request_id] = str(peer)
             elif data == "MarkPrefillCompleted":
-                if worker in self.trackers:
-                    self.trackers[worker].mark_prefill_completed(request_id)
+                self._mark(worker, request_id)
             elif data == "Free":
                 self._peer_of.pop(request_id, None)
                 self._owner.pop(request_id, None)
-                if worker in self.trackers:
-                    self.trackers[worker].free(request_id)
+                self._free(worker, request_id)
             else:
                 raise ValueError(f"unknown data {data!r}")
             return True
@@ -269,8 +291,8 @@ class KvRouter:
     def _free_peer(self, request_id: str) -> None:
         self._peer_of.pop(request_id, None)
         worker = self._owner.pop(request_id, None)
-        if worker is not None and worker in self.trackers:
-            self.trackers[worker].free(request_id)
+        if worker is not None:
+            self._free(worker, request_id)
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """A worker left: forget its cached blocks and the requests tracked on it."""
@@ -278,7 +300,10 @@ class KvRouter:
         self._resync.pop(worker_id, None)
         self._dumped_upto.pop(worker_id, None)
         tracker = self.trackers.pop(worker_id, None)
+        self._loads.remove(worker_id)
         if tracker is not None:
+            for head in tracker.heads:
+                self._drop_head(head, worker_id)
             for rid in tracker.requests:
                 self._owner.pop(rid, None)
                 self._peer_of.pop(rid, None)
@@ -304,10 +329,43 @@ class KvRouter:
 
     def _add(self, request_id: str, worker: WorkerId, blocks: Sequence[int], prefill: int) -> None:
         old = self._owner.get(request_id)
-        if old is not None and old != worker and old in self.trackers:
-            self.trackers[old].free(request_id)
+        if old is not None and old != worker:
+            self._free(old, request_id)
         self._owner[request_id] = worker
-        self.trackers.setdefault(worker, ActiveSequences()).add_request(request_id, blocks, prefill)
+        tracker = self.trackers.get(worker)
+        if tracker is None:
+            tracker = self.trackers[worker] = ActiveSequences()
+        if request_id in tracker.requests:
+            self._free(worker, request_id)
+        tracker.add_request(request_id, blocks, prefill)
+        if blocks:
+            self._heads.setdefault(blocks[0], set()).add(worker)
+        self._loads.update(worker, tracker)
+
+    def _mark(self, worker: WorkerId, request_id: str) -> bool:
+        tracker = self.trackers.get(worker)
+        if tracker is None or not tracker.mark_prefill_completed(request_id):
+            return False
+        self._loads.update(worker, tracker)
+        return True
+
+    def _free(self, worker: WorkerId, request_id: str) -> None:
+        tracker = self.trackers.get(worker)
+        if tracker is None:
+            return
+        req = tracker.requests.get(request_id)
+        if req is None or not tracker.free(request_id):
+            return
+        if req.blocks and req.blocks[0] not in tracker.heads:
+            self._drop_head(req.blocks[0], worker)
+        self._loads.update(worker, tracker)
+
+    def _drop_head(self, head: int | str, worker: WorkerId) -> None:
+        workers = self._heads.get(head)
+        if workers is not None:
+            workers.discard(worker)
+            if not workers:
+                del self._heads[head]
 
     def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
         return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}

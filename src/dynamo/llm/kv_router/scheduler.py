@@ -30,10 +30,11 @@ about 6 ms to about 0.7 ms (benchmarks/router/scale.py; docs/routing.md).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 WorkerId = int
 
@@ -233,3 +234,158 @@ def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.R
         return costs[rng.choice([i for i, v in enumerate(logits) if v <= limit])]
     probs = softmax_probabilities(logits, temperature)
     return costs[rng.choices(range(len(logits)), weights=probs, k=1)[0]]
+
+
+# -- many workers: visit only those the prompt touches ----------------------------------------------------
+
+FAST_PICK_MIN_WORKERS = 64  # below this, the plain pass over every worker is as fast (and lists all costs)
+
+
+class BaseCostIndex:
+    """Workers grouped by their *base cost*, the part of the logit that does not depend on the prompt::
+
+        base_w = overlap_score_weight / block_size * active_tokens_w + active_blocks_w
+
+    For a worker that holds none of the prompt (no cached prefix, no in-flight request sharing its first
+    block), ``logit_w = K + base_w`` with ``K = overlap_score_weight * isl / block_size + request blocks``
+    the same for all of them.  So the best of those is the lowest base, and a decision computes exact
+    costs only for the workers the prompt touches: with 1,000 workers, a few dozen instead of all.
+
+    ``buckets`` maps each base value to its workers (ties are whole buckets, for the uniform random
+    tie-break); ``heap`` holds the distinct values, cleaned lazily.  Updated by the router whenever a
+    worker's in-flight set changes (add, first token, free).
+    """
+
+    __slots__ = ("scale", "base", "buckets", "heap")
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.base: dict[WorkerId, float] = {}
+        self.buckets: dict[float, set[WorkerId]] = {}
+        self.heap: list[float] = []
+
+    def update(self, worker: WorkerId, seqs: ActiveSequences | None) -> None:
+        new = 0.0 if seqs is None else self.scale * seqs.active_tokens + seqs.num_blocks
+        old = self.base.get(worker)
+        if old == new:
+            return
+        if old is not None:
+            self._leave(worker, old)
+        self.base[worker] = new
+        bucket = self.buckets.get(new)
+        if bucket is None:
+            self.buckets[new] = {worker}
+            heapq.heappush(self.heap, new)
+            if len(self.heap) > 2 * len(self.buckets) + 64:
+                self.heap = sorted(self.buckets)  # drop the stale values (a sorted list is a heap)
+        else:
+            bucket.add(worker)
+
+    def remove(self, worker: WorkerId) -> None:
+        old = self.base.pop(worker, None)
+        if old is not None:
+            self._leave(worker, old)
+
+    def _leave(self, worker: WorkerId, value: float) -> None:
+        bucket = self.buckets[value]
+        bucket.discard(worker)
+        if not bucket:
+            del self.buckets[value]
+
+    def ascending(self) -> Iterator[tuple[float, set[WorkerId]]]:
+        """(base, workers) from the lowest base up; stale heap entries are dropped on the way.  The heap is
+        whole again once the iteration is closed (the values taken out are put back)."""
+        heap, buckets = self.heap, self.buckets
+        taken: list[float] = []
+        try:
+            last = None
+            while heap:
+                value = heapq.heappop(heap)
+                if value == last or value not in buckets:
+                    continue  # a duplicate, or a value no worker has any more
+                taken.append(value)
+                last = value
+                yield value, buckets[value]
+        finally:
+            for value in taken:
+                heapq.heappush(heap, value)
+
+
+class FastPick(NamedTuple):
+    choice: WorkerCost
+    evaluated: list[WorkerCost]  # the touched workers' exact costs (the rest share K + their base)
+
+
+def fast_pick(candidates: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
+              isl: int, block_size: int, overlap_score_weight: float,
+              trackers: Mapping[WorkerId, ActiveSequences], heads: Mapping[int | str, set[WorkerId]],
+              index: BaseCostIndex, rng: random.Random) -> FastPick:
+    """Temperature 0: the lowest logit over ``candidates`` (ties uniformly at random), as
+    :func:`compute_costs` + :func:`select_worker` would pick, visiting only the touched workers plus the
+    lowest base-cost buckets.  ``heads`` maps a block to the workers with an in-flight request starting
+    with it; every candidate must be in ``index`` (unknown workers with base 0)."""
+    cand = set(candidates)
+    n = len(request_blocks)
+    scale = overlap_score_weight / block_size
+    k = scale * isl + n
+    touched = [w for w in overlaps if w in cand]
+    if n:
+        sharing = heads.get(request_blocks[0])
+        if sharing:
+            seen = set(touched)
+            touched += [w for w in sharing if w in cand and w not in seen]
+    evaluated: list[WorkerCost] = []
+    hint = 0
+    first = request_blocks[0] if n else None
+    for w in touched:
+        o = overlaps.get(w, 0)
+        prefill = max(0, isl - o * block_size)
+        decode = n
+        seqs = trackers.get(w)
+        if seqs is not None:
+            prefill += seqs.active_tokens
+            decode += seqs.num_blocks
+            if first in seqs.heads:
+                hint = seqs.shared_prefix(request_blocks, hint)
+                decode -= hint
+        evaluated.append(WorkerCost(w, o, prefill, decode, scale * prefill + decode))
+    touched_set = {c.worker_id for c in evaluated}
+    best = min((c.logit for c in evaluated), default=math.inf)
+    untouched_best = None
+    buckets = index.ascending()
+    chosen_buckets: list[tuple[float, set[WorkerId]]] = []
+    try:
+        for base, workers in buckets:
+            current = best if untouched_best is None else min(best, k + untouched_best)
+            if k + base > _limit(current):
+                break  # this bucket and every higher one lose to what we have
+            eligible = (workers & cand) - touched_set
+            if not eligible:
+                continue
+            if untouched_best is None:
+                untouched_best = base
+            chosen_buckets.append((base, eligible))
+    finally:
+        buckets.close()
+    if untouched_best is not None:
+        best = min(best, k + untouched_best)
+    if best == math.inf:
+        raise ValueError("no workers to choose from")
+    limit = _limit(best)
+    ties: list[WorkerCost | WorkerId] = [c for c in evaluated if c.logit <= limit]
+    for base, eligible in chosen_buckets:
+        if k + base <= limit:
+            ties.extend(sorted(eligible))
+    pick = rng.choice(ties)
+    if not isinstance(pick, WorkerCost):
+        seqs = trackers.get(pick)
+        tokens = seqs.active_tokens if seqs is not None else 0
+        blocks = seqs.num_blocks if seqs is not None else 0
+        prefill = isl + tokens
+        pick = WorkerCost(pick, 0, prefill, n + blocks, scale * prefill + n + blocks)
+    return FastPick(pick, evaluated)
+
+
+def _limit(best: float) -> float:
+    """Logits up to this are ties with ``best`` (rounding: 0.1 * 48 / 16 + 2 against 0.1 * 32 / 16 + 3)."""
+    return best + 1e-9 * max(1.0, abs(best))
