@@ -34,7 +34,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Generator, Iterable, Mapping, NamedTuple, Sequence
 
 WorkerId = int
 
@@ -292,7 +292,7 @@ class BaseCostIndex:
         if not bucket:
             del self.buckets[value]
 
-    def ascending(self) -> Iterator[tuple[float, set[WorkerId]]]:
+    def ascending(self) -> Generator[tuple[float, set[WorkerId]], None, None]:
         """(base, workers) from the lowest base up; stale heap entries are dropped on the way.  The heap is
         whole again once the iteration is closed (the values taken out are put back)."""
         heap, buckets = self.heap, self.buckets
