@@ -99,7 +99,10 @@ class KvRouter:
         chosen worker until :meth:`on_finished`; without it the call is a pure query.  ``hashes``: the
         prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
         prompt, so that hashing does not hold the event loop)."""
-        candidates = list(dict.fromkeys(workers))
+        many = self.temperature <= 0 and isinstance(workers, (list, tuple, set, frozenset)) \
+            and len(workers) >= FAST_PICK_MIN_WORKERS
+        # the fast pick works on a set; the full pass keeps the callers' order (duplicates dropped)
+        candidates: Any = set(workers) if many else list(dict.fromkeys(workers))
         if not candidates:
             raise ValueError("no workers to route to")
         if self._peer_seen:
@@ -112,10 +115,10 @@ class KvRouter:
         overlaps = self.indexer.find_matches(local, seq)
         blocks = self._request_blocks(seq, len(token_ids))
         costs: Sequence[WorkerCost]
-        if self.temperature <= 0 and len(candidates) >= FAST_PICK_MIN_WORKERS:
+        if many:
             # many workers: exact costs for those the prompt touches, the best of the rest by base cost
             loads = self._loads
-            for w in set(candidates).difference(loads.base):
+            for w in candidates.difference(loads.base):
                 loads.update(w, self.trackers.get(w))
             picked = fast_pick(candidates, overlaps, blocks, len(token_ids), self.block_size,
                                self.overlap_score_weight, self.trackers, self._heads, loads, self.rng)

@@ -316,7 +316,7 @@ class FastPick(NamedTuple):
     evaluated: list[WorkerCost]  # the touched workers' exact costs (the rest share K + their base)
 
 
-def fast_pick(candidates: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
+def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
               isl: int, block_size: int, overlap_score_weight: float,
               trackers: Mapping[WorkerId, ActiveSequences], heads: Mapping[int | str, set[WorkerId]],
               index: BaseCostIndex, rng: random.Random) -> FastPick:
@@ -324,7 +324,7 @@ def fast_pick(candidates: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], 
     :func:`compute_costs` + :func:`select_worker` would pick, visiting only the touched workers plus the
     lowest base-cost buckets.  ``heads`` maps a block to the workers with an in-flight request starting
     with it; every candidate must be in ``index`` (unknown workers with base 0)."""
-    cand = set(candidates)
+    cand = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
     n = len(request_blocks)
     scale = overlap_score_weight / block_size
     k = scale * isl + n
