@@ -100,6 +100,7 @@ class Tokenizer:
             self._token_bytes = TokenBytes(self)
         return self._token_bytes
 
+
 def _spec(tok: Any) -> dict[str, Any]:
     """What :func:`segmentable` reads, from the loaded tokenizer (parsing tokenizer.json again would take
     0.5 s for a 10 MB vocabulary): added tokens with their flags, normalizer and pre-tokenizer settings."""
