@@ -102,6 +102,18 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def _bool_env(name: str, default: bool) -> bool:
+    """A switch from the environment; anything but a yes/no word is a clear error, not a silent default."""
+    raw = _env(name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise RuntimeConfigError(f"{name}={raw!r}: use true or false")
+
+
 @dataclass(slots=True)
 class SystemSettings:
     """The worker's own status server (``/health``, ``/live``, ``/metrics``; docs/metrics.md).
@@ -180,6 +192,9 @@ class RuntimeSettings:
     response_transport: str = "tcp"
     # Seconds of silence after which a stream's worker counts as frozen (docs/reliability.md).
     stream_liveness: float = DEFAULT_STREAM_LIVENESS
+    # One call-home connection per worker for all streams (runtime/mux.py), offered by clients and
+    # accepted by workers; DYN_TCP_MUX=0 keeps a connection per stream (the original's protocol).
+    tcp_mux: bool = True
     system: SystemSettings = field(default_factory=SystemSettings)
 
     @classmethod
@@ -193,6 +208,7 @@ class RuntimeSettings:
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
             stream_liveness=_float_env("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS, minimum=0.05),
+            tcp_mux=_bool_env("DYN_TCP_MUX", True),
             system=SystemSettings.from_env(),
         )
 

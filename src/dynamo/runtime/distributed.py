@@ -26,6 +26,10 @@ from .lease import LeaseKeeper
 from .names import lease_hex
 from .nats_conn import connect_nats
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
+from .ingress import open_tcp_sink
+from .mux import INFO_KEY as MUX_INFO_KEY
+from .mux import MuxPool
+from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
 from .tcp import TcpResponseServer
 from .transport import StreamState
 
@@ -110,6 +114,7 @@ class DistributedRuntime:
         self._services: dict[str, Any] = {}
         self._receiver: TcpResponseServer | NatsResponseReceiver | None = None
         self._nats_hub: NatsSinkHub | None = None
+        self._mux_pool: MuxPool | None = None  # worker: multiplexed call-home connections (runtime/mux.py)
         self._shutdown_task: asyncio.Task | None = None
         # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
         self.system: "SystemStatusServer | None" = None
@@ -233,6 +238,9 @@ class DistributedRuntime:
         if self._nats_hub is not None:
             await self._nats_hub.close()
             self._nats_hub = None
+        if self._mux_pool is not None:
+            self._mux_pool.close()
+            self._mux_pool = None
         for service in list(self._services.values()):
             try:
                 await service.stop()
@@ -264,7 +272,8 @@ class DistributedRuntime:
             if self.settings.response_transport == "nats":
                 receiver = NatsResponseReceiver(self.nats)
             else:
-                receiver = TcpResponseServer(self.settings.tcp_host, self.settings.stream_liveness)
+                receiver = TcpResponseServer(self.settings.tcp_host, self.settings.stream_liveness,
+                                             mux=self.settings.tcp_mux)
             self._receiver = receiver
         if not receiver.address:
             await receiver.start()
@@ -278,7 +287,18 @@ class DistributedRuntime:
                 self._nats_hub = NatsSinkHub(self.nats)
             return await self._nats_hub.open(transport, info, context)
 
-        return {"nats": open_nats}
+        async def open_tcp(transport: str, info: dict, context: Any) -> Any:
+            mux_id = info.get(MUX_INFO_KEY)
+            if type(mux_id) is int and mux_id > 0 and self.settings.tcp_mux:  # the client offers multiplexing
+                if self._mux_pool is None:
+                    self._mux_pool = MuxPool()
+                heartbeat_ms = info.get("heartbeat_ms")
+                conn = await self._mux_pool.get(str(info["address"]),
+                                                heartbeat_ms if type(heartbeat_ms) is int and heartbeat_ms > 0 else None)
+                return conn.open(mux_id, context)
+            return await open_tcp_sink(transport, info, context)
+
+        return {"nats": open_nats, TCP_TRANSPORT: open_tcp}
 
     def _on_instance_gone(self, instance_id: int, states: list[StreamState]) -> None:
         if self._receiver is not None and states:

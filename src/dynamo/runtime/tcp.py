@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 import uuid
 import weakref
 
@@ -28,9 +29,11 @@ import orjson
 
 from dynamo.aio import Acceptor
 
-from .codec import FrameDecoder, FrameError, encode_frame
+from .codec import PREFIX_LEN, FrameDecoder, FrameError, encode_frame
 from .context import Context
 from .errors import EngineError, StreamStalledError
+from .mux import INFO_KEY as MUX_INFO_KEY
+from .mux import MuxClientProtocol, is_mux_handshake
 from .transport import (
     CONTROL_FRAMES,
     FRAME_COMPLETE,
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_NAME = "tcp_server"
 _loads = orjson.loads
+_PREFIX_UNPACK = struct.Struct(">QQQ").unpack_from
 LIVENESS_TICKS = 4  # the client checks its streams LIVENESS_TICKS times per liveness bound
 HEARTBEATS_PER_BOUND = 5  # the worker is asked for a heartbeat every bound / HEARTBEATS_PER_BOUND
 _TCP_KEEPALIVE = tuple((getattr(socket, name), value) for name, value in
@@ -101,10 +105,14 @@ async def _listen(host: str) -> socket.socket:
 class TcpResponseServer:
     """The client process's listener for call-home streams; one per DistributedRuntime."""
 
-    def __init__(self, host: str | None = None, liveness: float = 5.0) -> None:
+    def __init__(self, host: str | None = None, liveness: float = 5.0, mux: bool = True) -> None:
         self.host = advertise_host(host)
         self.address = ""
         self.pending: dict[str, StreamState] = {}
+        self.mux = mux  # offer workers one shared connection for all streams (runtime/mux.py)
+        self.mux_pending: dict[int, StreamState] = {}  # by mux id: streams no frame has arrived for yet
+        self.mux_connections: set[MuxClientProtocol] = set()
+        self._next_mux_id = 0
         self._acceptor: Acceptor | None = None
         self._lock = asyncio.Lock()
         self.liveness = liveness
@@ -139,17 +147,38 @@ class TcpResponseServer:
         self.pending[key] = state
         info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response",
                 "heartbeat_ms": self._heartbeat_ms}
+        if self.mux:
+            self._next_mux_id += 1
+            state.mux_id = self._next_mux_id
+            self.mux_pending[state.mux_id] = state
+            info[MUX_INFO_KEY] = state.mux_id  # ignored by workers that only call home per stream
         return {"transport": TRANSPORT_NAME, "info": info}
 
     def unregister(self, state: StreamState) -> None:
         self.pending.pop(state.key, None)
+        if state.mux_id:
+            self.mux_pending.pop(state.mux_id, None)
+
+    def take(self, key: str) -> StreamState | None:
+        """The stream a per-stream call-home names in its handshake (no longer waiting either way)."""
+        state = self.pending.pop(key, None)
+        if state is not None and state.mux_id:
+            self.mux_pending.pop(state.mux_id, None)
+        return state
+
+    def take_mux(self, mux_id: int) -> StreamState | None:
+        """The stream whose first frame arrived on a multiplexed connection."""
+        state = self.mux_pending.pop(mux_id, None)
+        if state is not None:
+            self.pending.pop(state.key, None)
+        return state
 
     def after_send(self, state: StreamState, handshake_timeout: float) -> None:
         """The worker acked: if it never calls home (it died in between), fail the stream."""
 
         def check() -> None:
             if not state.connected and not state.finished:
-                self.pending.pop(state.key, None)
+                self.unregister(state)
                 state.fail(StreamStalledError())  # acked, then froze or died before calling home
 
         if not state.connected and not state.finished:
@@ -180,6 +209,14 @@ class TcpResponseServer:
                     state.quiet += 1
                     if state.quiet > LIVENESS_TICKS:
                         stalled.append(proto)
+            for mux in list(self.mux_connections):
+                mux.quiet += 1
+                if mux.quiet > LIVENESS_TICKS:
+                    self.mux_connections.discard(mux)
+                    streams = sum(1 for st in mux.streams.values() if st is not None and not st.finished)
+                    log.warning("multiplexed connection from a worker: nothing, not even a heartbeat, for %.1fs; "
+                                "treating its %d stream(s) as dead", self.liveness, streams)
+                    mux.stalled()
             for proto in stalled:
                 self.live.discard(proto)
                 state = proto.state
@@ -199,38 +236,89 @@ class TcpResponseServer:
         for state in list(self.pending.values()):
             state.fail_incomplete()
         self.pending.clear()
+        self.mux_pending.clear()
+        for mux in list(self.mux_connections):
+            mux.close()
 
 
 class _CallHomeProtocol(asyncio.Protocol):
-    """One worker's connection carrying one response stream."""
+    """A worker's call-home connection: one response stream, or, when its first frame is the mux
+    handshake, handed over to a :class:`MuxClientProtocol` carrying many (runtime/mux.py)."""
 
-    __slots__ = ("server", "transport", "decoder", "state")
+    __slots__ = ("server", "transport", "decoder", "state", "_head")
 
     def __init__(self, server: TcpResponseServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder()
         self.state: StreamState | None = None
+        self._head = bytearray()  # bytes before the first frame (the handshake) is complete
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         _nodelay(transport)
 
+    def _handshake(self, data: bytes, transport: asyncio.Transport) -> bytes | None:
+        """Read the first frame: which stream this is, or the switch to multiplexing.  Returns the bytes
+        after it for this protocol, or None when there is nothing more for it (waiting, closed, handed over)."""
+        head = self._head
+        head += data
+        if len(head) < PREFIX_LEN:
+            return None
+        header_len, body_len, _check = _PREFIX_UNPACK(head, 0)
+        end = PREFIX_LEN + header_len + body_len
+        if header_len > 65536 or body_len:  # a handshake is a small header-only frame
+            transport.close()
+            return None
+        if len(head) < end:
+            return None
+        try:
+            ctl = _loads(bytes(head[PREFIX_LEN:end]))
+        except orjson.JSONDecodeError:
+            transport.close()
+            return None
+        rest = bytes(head[end:])
+        self._head = bytearray()
+        if is_mux_handshake(ctl):
+            mux = MuxClientProtocol(self.server, transport)
+            self.transport = None
+            if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold the connection to the bound
+                self.server.mux_connections.add(mux)
+            transport.set_protocol(mux)
+            if rest:
+                mux.data_received(rest)
+            return None
+        state = self.server.take(ctl.get("subject", "") if isinstance(ctl, dict) else "")
+        if state is None or state.finished:
+            transport.close()
+            return None
+        self.state = state
+        state.attach(self.send_control)
+        if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold it to the bound
+            self.server.live.add(self)
+        state.quiet = 0
+        return rest
+
     def data_received(self, data: bytes) -> None:
         transport = self.transport
-        assert transport is not None  # data only arrives after connection_made
+        if transport is None:
+            return
+        state = self.state
+        if state is None:
+            rest = self._handshake(data, transport)
+            if not rest:
+                return
+            data = rest
+            state = self.state
+            assert state is not None
         try:
             frames = self.decoder.feed(data)
         except FrameError as exc:
             log.warning("bad frame from worker: %s", exc)
             transport.close()
             return
-        state = self.state
         for header, body in frames:
             if body:
-                if state is None:
-                    transport.close()
-                    return
                 msg = _loads(body)
                 ann = msg.get("data")
                 if ann is not None:
@@ -244,25 +332,15 @@ class _CallHomeProtocol(asyncio.Protocol):
                     state.fail(EngineError("Empty response received - this should never happen"))
             elif header:
                 ctl = _loads(header)
-                if state is None:
-                    state = self.server.pending.pop(ctl.get("subject", "") if isinstance(ctl, dict) else "", None)
-                    if state is None or state.finished:
-                        transport.close()
-                        return
-                    self.state = state
-                    state.attach(self.send_control)
-                    if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold it to the bound
-                        self.server.live.add(self)
-                elif isinstance(ctl, dict):
+                if isinstance(ctl, dict):
                     if ctl.get("error"):
                         state.fail(EngineError(str(ctl["error"])))
                 elif ctl == "sentinel":
                     transport.close()
-        if state is not None:
-            state.quiet = 0
-            if len(state.items) > state.HIGH_WATER and not state.finished:
-                state.pause(transport.pause_reading, transport.resume_reading)
-            state.wake()
+        state.quiet = 0
+        if len(state.items) > state.HIGH_WATER and not state.finished:
+            state.pause(transport.pause_reading, transport.resume_reading)
+        state.wake()
 
     def send_control(self, kind: str) -> None:
         transport = self.transport

@@ -108,7 +108,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet")
+                 "_resume", "quiet", "mux_id")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -130,6 +130,7 @@ class StreamState:
         self.paused = False
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
+        self.mux_id = 0  # its id on a multiplexed call-home connection (0: not offered; runtime/mux.py)
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:
