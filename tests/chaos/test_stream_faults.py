@@ -380,6 +380,8 @@ def test_kill9_mid_stream_with_migration_loses_and_repeats_nothing(fe_mig, fleet
         for t in threads:
             t.join(30)
         assert on_extra, "no stream was on the killed worker"
+        # its streams shared one multiplexed call-home connection (runtime/mux.py), all lost at once
+        assert "share one multiplexed connection" in extra.stderr_text()
         assert len(results) == n
         for rid, out in results.items():
             assert out.done and not out.errors, (rid, out.errors)

@@ -510,6 +510,7 @@ class MuxPool:
         if heartbeat_ms:
             conn.start_heartbeats(heartbeat_ms / 1000)
         self._conns[address] = conn
+        log.info("response streams to %s share one multiplexed connection", address)
         return conn
 
     def forget(self, conn: MuxConnection) -> None:

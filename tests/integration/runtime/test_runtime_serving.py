@@ -20,7 +20,15 @@ from dynamo.runtime.config import RuntimeSettings, EtcdSettings, NatsSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 
-TRANSPORTS = ["tcp", "nats"]
+# "tcp": multiplexed call-home (our default); "tcp-per-stream": a connection per stream (the original's
+# protocol, DYN_TCP_MUX=0 on the caller); "nats": NATS response streams
+TRANSPORTS = ["tcp", "tcp-per-stream", "nats"]
+
+
+def caller_settings(transport: str) -> dict:
+    if transport == "tcp-per-stream":
+        return {"response_transport": "tcp", "tcp_mux": False}
+    return {"response_transport": transport}
 
 
 async def echo(request):
@@ -35,7 +43,7 @@ async def collect(stream):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_echo_all_client_modes(make_runtime, ns, serve, transport):
     worker = await make_runtime()
-    caller = await make_runtime(response_transport=transport)
+    caller = await make_runtime(**caller_settings(transport))
     endpoint = worker.namespace(ns).component("backend").endpoint("generate")
     await endpoint.component.create_service()
     await serve(endpoint, echo)
@@ -139,7 +147,7 @@ async def test_client_cancel_stops_handler(make_runtime, ns, serve, transport, h
                 outcome.set_result(type(exc).__name__)
             raise
 
-    worker, caller = await make_runtime(), await make_runtime(response_transport=transport)
+    worker, caller = await make_runtime(), await make_runtime(**caller_settings(transport))
     await serve(worker.namespace(ns).component("b").endpoint("g"), endless)
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     await client.wait_for_instances(5)
