@@ -1,12 +1,16 @@
-"""Micro-benchmark of the response transports: TCP call-home vs NATS inbox.
+"""Micro-benchmark of the response transports: TCP call-home (multiplexed, or a connection per stream)
+vs NATS inbox.
 
     .venv/bin/python tests/integration/runtime/bench_transport.py [--streams 64 256] [--items 200] [--uvloop]
+                                                                 [--transports tcp tcp-per-stream nats]
 
 Starts its own etcd and nats-server, one worker subprocess serving a handler that yields small items
 (``{"token_ids": [i]}``), and drives it from this process with N concurrent streams of M items, once per
 transport. By default the handler awaits between items (``asyncio.sleep(0)``), as an engine does, so
 each item leaves in its own event-loop turn; ``--burst`` lets it yield without awaiting. Prints items/s
-(all items of all streams divided by wall time) and the median time to the first item. Bounded: every
+(all items of all streams divided by wall time), the median time to the first item, and the CPU time
+per item of this process (the client) and of the worker over the measured rounds (less sensitive to a
+busy machine than the rates). Bounded: every
 run is a fixed number of requests against loopback servers it started itself.
 """
 
@@ -49,9 +53,17 @@ async def run_worker(burst: bool) -> None:
         await runtime.close()
 
 
-async def drive(transport: str, streams: int, items: int, rounds: int) -> tuple[float, float]:
+def _cpu_s(pid: int | None = None) -> float:
+    """utime + stime of a process (this one when None), from /proc."""
+    fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(transport: str, streams: int, items: int, rounds: int,
+                worker_pid: int) -> tuple[float, float, float, float]:
     settings = RuntimeSettings.from_env()
-    settings.response_transport = transport
+    settings.response_transport = "tcp" if transport == "tcp-per-stream" else transport
+    settings.tcp_mux = transport != "tcp-per-stream"
     runtime = await DistributedRuntime.connect(settings)
     try:
         client = await runtime.namespace(NS).component(COMP).endpoint(EP).client()
@@ -70,14 +82,18 @@ async def drive(transport: str, streams: int, items: int, rounds: int) -> tuple[
         await asyncio.gather(*[one() for _ in range(min(streams, 16))])  # warm-up
         best = 0.0
         ttfts.clear()
+        cpu0 = (_cpu_s(), _cpu_s(worker_pid))
         for _ in range(rounds):
             t0 = time.perf_counter()
             counts = await asyncio.gather(*[one() for _ in range(streams)])
             elapsed = time.perf_counter() - t0
             assert sum(counts) == streams * items, counts
             best = max(best, streams * items / elapsed)
+        total = rounds * streams * items
+        client_us = (_cpu_s() - cpu0[0]) / total * 1e6
+        worker_us = (_cpu_s(worker_pid) - cpu0[1]) / total * 1e6
         await client.close()
-        return best, statistics.median(ttfts)
+        return best, statistics.median(ttfts), client_us, worker_us
     finally:
         await runtime.close()
 
@@ -88,7 +104,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--transports", nargs="+", default=["tcp", "nats"])
+    parser.add_argument("--transports", nargs="+", default=["tcp", "tcp-per-stream", "nats"],
+                        choices=["tcp", "tcp-per-stream", "nats"])
     parser.add_argument("--burst", action="store_true")
     parser.add_argument("--uvloop", action="store_true")
     args = parser.parse_args()
@@ -112,11 +129,14 @@ def main() -> None:
             loop_name = "uvloop" if args.uvloop else "asyncio"
             mode = "burst" if args.burst else "await-per-item"
             print(f"# {os.cpu_count()} cores, {loop_name}, handler {mode}, {args.items} items/stream")
-            print(f"{'transport':<10}{'streams':>8}{'items/s':>12}{'median ttft ms':>16}")
+            print(f"{'transport':<16}{'streams':>8}{'items/s':>12}{'median ttft ms':>16}"
+                  f"{'client CPU us/item':>20}{'worker CPU us/item':>20}")
             for streams in args.streams:
                 for transport in args.transports:
-                    rate, ttft = asyncio.run(drive(transport, streams, args.items, args.rounds))
-                    print(f"{transport:<10}{streams:>8}{rate:>12,.0f}{ttft * 1000:>16.1f}", flush=True)
+                    rate, ttft, client_us, worker_us = asyncio.run(
+                        drive(transport, streams, args.items, args.rounds, worker.pid))
+                    print(f"{transport:<16}{streams:>8}{rate:>12,.0f}{ttft * 1000:>16.1f}{client_us:>20.2f}"
+                          f"{worker_us:>20.2f}", flush=True)
         finally:
             worker.terminate()
             worker.wait(30)

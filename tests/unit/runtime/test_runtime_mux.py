@@ -20,7 +20,9 @@ from dynamo.runtime.mux import (
     split_frames,
 )
 from dynamo.runtime.tcp import TcpResponseServer, TcpSink
-from dynamo.runtime.transport import FRAME_COMPLETE, FRAME_SENTINEL, StreamState, encode_item
+from dynamo.runtime.transport import FRAME_COMPLETE, FRAME_PROLOGUE_OK, FRAME_SENTINEL, StreamState, encode_item
+
+FRAME_PROLOGUE = FRAME_PROLOGUE_OK
 
 
 def test_envelope_layout_and_decoder_handles_split_and_joined_envelopes():
@@ -271,3 +273,62 @@ def test_handshake_is_ordinary_frame_json():
 
     frame = encode_mux_handshake(1000)
     assert orjson.loads(frame[24:]) == {"stream_type": "mux", "mux": 1, "heartbeat_ms": 1000}
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _FakeServer:
+    def __init__(self, states: dict[int, StreamState]) -> None:
+        self.states = states
+        self.mux_connections: set = set()
+
+    def take_mux(self, sid: int) -> StreamState | None:
+        return self.states.pop(sid, None)
+
+
+def test_demultiplexing_any_split_of_the_byte_stream():
+    from dynamo.runtime.mux import MuxClientProtocol
+
+    def wire() -> bytes:
+        return (envelope(1, FRAME_PROLOGUE + encode_item("a1")) + envelope(2, FRAME_PROLOGUE)
+                + envelope(0, encode_frame(b'"heartbeat"')) + envelope(2, encode_item("b1") + encode_item("b2"))
+                + envelope(1, encode_item("a2") + FRAME_COMPLETE + FRAME_SENTINEL)
+                + envelope(3, encode_item("x")) + envelope(2, FRAME_SENTINEL))
+
+    data = wire()
+    for step in (1, 7, 16, 23, len(data)):
+        s1, s2 = StreamState("1", 1), StreamState("2", 1)
+        transport = _FakeTransport()
+        proto = MuxClientProtocol(_FakeServer({1: s1, 2: s2}), transport)  # type: ignore[arg-type]
+        for i in range(0, len(data), step):
+            proto.data_received(data[i:i + step])
+        assert list(s1.items) == [{"data": "a1"}, {"data": "a2"}] and s1.finished and s1.error is None
+        assert list(s2.items) == [{"data": "b1"}, {"data": "b2"}] and isinstance(s2.error, StreamIncompleteError)  # aborted
+        # stream 3 is not ours: a kill goes back for it, the connection stays
+        assert transport.written == [envelope(3, encode_frame(b'"kill"'))] and not transport.closed
+        assert proto.streams == {3: None}
+
+
+def test_a_garbled_envelope_closes_the_connection_and_fails_its_streams():
+    from dynamo.runtime.mux import MuxClientProtocol
+
+    s1 = StreamState("1", 1)
+    transport = _FakeTransport()
+    proto = MuxClientProtocol(_FakeServer({1: s1}), transport)  # type: ignore[arg-type]
+    proto.data_received(envelope(1, FRAME_PROLOGUE + b"\x00" * 30))
+    assert transport.closed
+    proto.connection_lost(None)
+    assert isinstance(s1.error, StreamIncompleteError)
