@@ -55,6 +55,7 @@ _unpack_envelope = _ENVELOPE.unpack_from
 _unpack_prefix = struct.Struct(">QQQ").unpack_from
 _loads = orjson.loads
 MAX_ENVELOPE = 256 * 1024 * 1024
+WRITE_HIGH_WATER = 4 * 1024 * 1024  # a worker's bytes waiting for the kernel before its streams pause
 
 FRAME_PAUSE = encode_frame(header=b'"pause"')
 FRAME_RESUME = encode_frame(header=b'"resume"')
@@ -328,6 +329,9 @@ class MuxConnection(asyncio.Protocol):
 
         self.transport = transport  # type: ignore[assignment]
         _nodelay(transport)
+        # the buffer a connection per stream had, for all streams together: a frontend a few turns
+        # behind should not pause every stream at once (per-stream back-pressure is "pause"/"resume")
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         try:
