@@ -443,9 +443,9 @@ class ResponseStream:
         frame = encode_request(ctx.id(), conn, _encode_request(self._request))
         bound = runtime.settings.stream_liveness
         try:
-            ack = await runtime.nats.request(subject, frame, timeout=bound)
-            if ack.data:
-                if ack.data == ACK_BUSY:
+            ack = await runtime._request_sender().send(subject, frame, bound, state)  # or the first frame
+            if ack:
+                if ack == ACK_BUSY:
                     client._mark_busy(instance_id)
                     raise WorkerBusyError(subject, instance_id)
                 raise nats.errors.NoRespondersError  # a draining worker refuses: as good as gone

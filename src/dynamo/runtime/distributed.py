@@ -26,6 +26,7 @@ from .lease import LeaseKeeper
 from .names import lease_hex
 from .nats_conn import connect_nats
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
+from .ack import RequestSender
 from .ingress import open_tcp_sink
 from .mux import INFO_KEY as MUX_INFO_KEY
 from .mux import MuxPool
@@ -114,7 +115,8 @@ class DistributedRuntime:
         self._services: dict[str, Any] = {}
         self._receiver: TcpResponseServer | NatsResponseReceiver | None = None
         self._nats_hub: NatsSinkHub | None = None
-        self._mux_pool: MuxPool | None = None  # worker: multiplexed call-home connections (runtime/mux.py)
+        self._mux_pool: MuxPool | None = None
+        self._sender: RequestSender | None = None  # client: requests and their acks (runtime/ack.py)  # worker: multiplexed call-home connections (runtime/mux.py)
         self._shutdown_task: asyncio.Task | None = None
         # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
         self.system: "SystemStatusServer | None" = None
@@ -278,6 +280,11 @@ class DistributedRuntime:
         if not receiver.address:
             await receiver.start()
         return receiver
+
+    def _request_sender(self) -> RequestSender:
+        if self._sender is None:
+            self._sender = RequestSender(self.nats)
+        return self._sender
 
     def _sink_openers(self) -> dict:
         """Worker side: how to open a response stream for each transport a client may ask for."""

@@ -161,6 +161,18 @@ class StreamState:
                 except Exception:  # noqa: BLE001 - transport already closed
                     pass
 
+    def set_waiter(self, fut: asyncio.Future) -> None:
+        """Before the consumer reads: ``fut`` gets None at the stream's first data (runtime/ack.py)."""
+        if self.items or self.finished:
+            if not fut.done():
+                fut.set_result(None)
+        else:
+            self._waiter = fut
+
+    def clear_waiter(self, fut: asyncio.Future) -> None:
+        if self._waiter is fut:
+            self._waiter = None
+
     def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
