@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NatsClient
 
+from .ack import RequestSender
 from .component import Namespace
 from .config import RuntimeSettings
 from .errors import DynamoRuntimeError
 from .etcd import EtcdClient, KeyValue, PrefixWatch, _to_bytes
+from .ingress import open_tcp_sink
 from .lease import LeaseKeeper
+from .mux import INFO_KEY as MUX_INFO_KEY
+from .mux import MuxPool
 from .names import lease_hex
 from .nats_conn import connect_nats
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
-from .ack import RequestSender
-from .ingress import open_tcp_sink
-from .mux import INFO_KEY as MUX_INFO_KEY
-from .mux import MuxPool
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
 from .tcp import TcpResponseServer
 from .transport import StreamState

@@ -38,8 +38,15 @@ import orjson
 from .codec import PREFIX_LEN, FrameError, encode_frame
 from .context import Context
 from .errors import EngineError, StreamStalledError
-from .transport import CONTROL_FRAMES, FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_PROLOGUE_OK, FRAME_SENTINEL, \
-    StreamState, encode_prologue_error
+from .transport import (
+    CONTROL_FRAMES,
+    FRAME_COMPLETE,
+    FRAME_HEARTBEAT,
+    FRAME_PROLOGUE_OK,
+    FRAME_SENTINEL,
+    StreamState,
+    encode_prologue_error,
+)
 
 if TYPE_CHECKING:
     from .tcp import TcpResponseServer

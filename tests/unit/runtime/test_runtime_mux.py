@@ -264,8 +264,11 @@ async def test_a_connection_closed_by_the_worker_fails_its_streams_at_once():
 
 
 async def _until(cond) -> None:
-    while not cond():
+    for _ in range(500):
+        if cond():
+            return
         await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 5 s")
 
 
 def test_handshake_is_ordinary_frame_json():
