@@ -65,7 +65,7 @@ async def run_batch(model: ServedModel, path: Path, *, concurrency: int, ignore_
                     stream = model.chat(req, raw, ctx)
                     try:
                         async for chunk in stream:
-                            if type(chunk) is dict:
+                            if isinstance(chunk, dict):
                                 parts.append(chunk_text(chunk))
                                 finish = chunk_finish_reason(chunk) or finish
                     finally:

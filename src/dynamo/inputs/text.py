@@ -107,7 +107,7 @@ async def answer(model: ServedModel, messages: list[dict[str, Any]], *, ignore_e
     stream = model.chat(req, raw, ctx)
     try:
         async for chunk in stream:
-            if type(chunk) is not dict:
+            if not isinstance(chunk, dict):
                 continue
             text = chunk_text(chunk)
             if text:

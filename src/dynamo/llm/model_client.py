@@ -114,25 +114,28 @@ class ModelClient:
     # -- routing ---------------------------------------------------------------------------------
 
     def direct(self, request: Any, instance_id: int, *, context: Context | None = None,
-               annotated: bool = False) -> ResponseStream:
-        return self._owner(instance_id).direct(request, instance_id, context=context, annotated=annotated)
+               annotated: bool = False, lazy: bool = False) -> ResponseStream:
+        return self._owner(instance_id).direct(request, instance_id, context=context, annotated=annotated,
+                                               lazy=lazy)
 
-    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
+    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False,
+                    lazy: bool = False) -> ResponseStream:
         if len(self._clients) == 1:
-            return self._clients[0].round_robin(request, context=context, annotated=annotated)
+            return self._clients[0].round_robin(request, context=context, annotated=annotated, lazy=lazy)
         ids = self.free_instance_ids() or self.instance_ids()
         if not ids:  # let the first client raise NoInstancesError
-            return self._clients[0].round_robin(request, context=context, annotated=annotated)
+            return self._clients[0].round_robin(request, context=context, annotated=annotated, lazy=lazy)
         chosen = ids[self._counter % len(ids)]
         self._counter += 1
-        return self.direct(request, chosen, context=context, annotated=annotated)
+        return self.direct(request, chosen, context=context, annotated=annotated, lazy=lazy)
 
-    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> ResponseStream:
+    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False,
+               lazy: bool = False) -> ResponseStream:
         if len(self._clients) == 1:
-            return self._clients[0].random(request, context=context, annotated=annotated)
+            return self._clients[0].random(request, context=context, annotated=annotated, lazy=lazy)
         ids = self.free_instance_ids() or self.instance_ids()
         if not ids:
-            return self._clients[0].random(request, context=context, annotated=annotated)
-        return self.direct(request, _random.choice(ids), context=context, annotated=annotated)
+            return self._clients[0].random(request, context=context, annotated=annotated, lazy=lazy)
+        return self.direct(request, _random.choice(ids), context=context, annotated=annotated, lazy=lazy)
 
     generate = random

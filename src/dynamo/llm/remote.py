@@ -27,6 +27,7 @@ import msgspec
 
 from dynamo.errors import EngineError as LlmEngineError
 from dynamo.errors import RequestError, ServiceUnavailableError
+from dynamo.lazyjson import LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
@@ -237,7 +238,8 @@ class RemoteChatEngine:
             await _ensure_instances(self.client)
             await _admit(self.client, self.queue, deadline)
             try:
-                stream = self.client.round_robin(request, context=rt_ctx)
+                # lazy: the chunks' JSON passes through to the SSE writer undecoded (dynamo/lazyjson.py)
+                stream = self.client.round_robin(request, context=rt_ctx, lazy=True)
                 await stream.start()
                 break
             except RuntimeConnectionError:
@@ -260,6 +262,9 @@ class RemoteChatEngine:
                 if usage:
                     context.prompt_tokens = usage.get("prompt_tokens", 0)
                     context.completion_tokens = usage.get("completion_tokens", 0)
+                elif type(chunk) is LazyJson:
+                    if chunk.has_items("choices"):  # from the bytes: no decoding per token
+                        context.completion_tokens += 1
                 elif isinstance(chunk, dict) and chunk.get("choices"):
                     context.completion_tokens += 1
                 yield chunk

@@ -26,6 +26,7 @@ import nats.errors
 import orjson
 
 from dynamo.aio import cancel_and_wait
+from dynamo.lazyjson import LazyJson
 
 from .annotated import Annotated
 from .context import Context
@@ -334,19 +335,25 @@ class Client:
         inst = self._instances[chosen]
         return chosen, inst.subject or ep.subject(chosen)
 
-    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
-        return ResponseStream(self, request, "random", None, context, annotated)
+    def random(self, request: Any, *, context: Context | None = None, annotated: bool = False,
+              lazy: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "random", None, context, annotated, lazy)
 
-    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
-        return ResponseStream(self, request, "round_robin", None, context, annotated)
+    def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False,
+                   lazy: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "round_robin", None, context, annotated, lazy)
 
     def direct(self, request: Any, instance_id: int, *, context: Context | None = None,
-               annotated: bool = False) -> "ResponseStream":
-        return ResponseStream(self, request, "direct", instance_id, context, annotated)
+               annotated: bool = False, lazy: bool = False) -> "ResponseStream":
+        return ResponseStream(self, request, "direct", instance_id, context, annotated, lazy)
 
-    def generate(self, request: Any, *, context: Context | None = None, annotated: bool = False) -> "ResponseStream":
-        """Random instance (the static subject for static clients), as the original binding does."""
-        return ResponseStream(self, request, "random", None, context, annotated)
+    def generate(self, request: Any, *, context: Context | None = None, annotated: bool = False,
+                lazy: bool = False) -> "ResponseStream":
+        """Random instance (the static subject for static clients), as the original binding does.
+
+        ``lazy=True`` (any of these methods): JSON-object items may come as :class:`LazyJson`, decoded
+        when first looked into, their bytes at hand for passing on (dynamo/lazyjson.py)."""
+        return ResponseStream(self, request, "random", None, context, annotated, lazy)
 
     def _track(self, state: StreamState) -> None:
         if state.instance_id is not None:
@@ -372,10 +379,10 @@ class ResponseStream:
     """
 
     __slots__ = ("_client", "_request", "_mode", "_instance_id", "_context", "_annotated", "_state",
-                 "_starting", "_closed", "__weakref__")
+                 "_starting", "_closed", "_lazy", "__weakref__")
 
     def __init__(self, client: Client, request: Any, mode: str, instance_id: int | None,
-                 context: Context | None, annotated: bool) -> None:
+                 context: Context | None, annotated: bool, lazy: bool = False) -> None:
         self._client = client
         self._request = request
         self._mode = mode
@@ -385,6 +392,7 @@ class ResponseStream:
         self._state: StreamState | None = None
         self._starting: asyncio.Future | None = None
         self._closed = False
+        self._lazy = lazy and not annotated
 
     @property
     def instance_id(self) -> int | None:
@@ -493,6 +501,12 @@ class ResponseStream:
                         state.resume()
                 else:
                     ann = await state.next_raw()
+                if type(ann) is bytes:  # a plain item's JSON (multiplexed connection, runtime/mux.py)
+                    if self._lazy and ann[:1] == b"{":
+                        return LazyJson(ann)
+                    if self._annotated:
+                        return Annotated(data=orjson.loads(ann))
+                    return orjson.loads(ann)
                 if "event" in ann and ann["event"] == "error":
                     raise EngineError(Annotated.from_dict(ann).error_message())
                 if self._annotated:

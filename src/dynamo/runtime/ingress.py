@@ -219,7 +219,7 @@ class Ingress:
         The bytes written are added to ``sent[0]`` when it ends (a ``len`` per write, and a write carries
         every item the handler had ready: no per-token bookkeeping beyond that)."""
         write = sink.write
-        encode = encode_item
+        encode = getattr(sink, "encode_item", encode_item)  # a multiplexed stream's is more compact
         batch: list[bytes] = []
         in_a_row = 0  # items taken without the handler waiting
         pending: Pending | None = None

@@ -18,7 +18,9 @@ Wire format on a multiplexed connection:
       bytes holding whole ordinary frames of that stream: the prologue, items, completion marker and
       ``"sentinel"`` (worker -> client; a sentinel without the completion marker is an aborted stream),
       ``"stop"``/``"kill"``/``"pause"``/``"resume"`` (client -> worker).  Stream id 0 is the
-      connection itself: ``"heartbeat"`` frames while the connection is idle.
+      connection itself: ``"heartbeat"`` frames while the connection is idle.  A plain item (not an
+      ``Annotated``) travels as a frame with header ``"item"`` and the item's own JSON as its body, so
+      a client can pass it on without decoding it (dynamo/lazyjson.py).
 
 Liveness is per connection (heartbeats when idle; the client fails every stream of a connection that
 was silent for the bound). Back-pressure is per stream: a client holding too many unread items of one
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .annotated import Annotated
 from .codec import PREFIX_LEN, FrameError, encode_frame
 from .context import Context
 from .errors import EngineError, StreamStalledError
@@ -45,6 +48,7 @@ from .transport import (
     FRAME_PROLOGUE_OK,
     FRAME_SENTINEL,
     StreamState,
+    encode_item,
     encode_prologue_error,
 )
 
@@ -68,6 +72,19 @@ FRAME_PAUSE = encode_frame(header=b'"pause"')
 FRAME_RESUME = encode_frame(header=b'"resume"')
 _CLIENT_CONTROL = {**CONTROL_FRAMES, "pause": FRAME_PAUSE, "resume": FRAME_RESUME}
 _HEARTBEAT_ENVELOPE = _pack_envelope(0, len(FRAME_HEARTBEAT)) + FRAME_HEARTBEAT
+ITEM_HEADER = b'"item"'  # a plain item, its JSON as the body: no Annotated wrapping to decode
+_ITEM_HEADER_LEN = len(ITEM_HEADER)
+_pack_prefix = struct.Struct(">QQQ").pack
+_dumps = orjson.dumps
+
+
+def encode_plain_item(item: Any) -> bytes:
+    """A stream item as a multiplexed connection carries it: an ``"item"`` frame whose body is the
+    item's JSON (Annotated items, errors included, keep the ordinary frame)."""
+    if isinstance(item, Annotated):
+        return encode_item(item)
+    body = _dumps(item)
+    return _pack_prefix(_ITEM_HEADER_LEN, len(body), 0) + ITEM_HEADER + body
 _END_OK = FRAME_COMPLETE + FRAME_SENTINEL
 
 
@@ -208,7 +225,10 @@ class MuxClientProtocol(asyncio.Protocol):
                     p = b + body_len
                     if p > end:
                         raise FrameError("envelope ends inside a frame")
-                    if body_len:
+                    if header_len == _ITEM_HEADER_LEN and body_len:  # "item": a plain item's JSON
+                        if not state.finished:
+                            items.append(src[b:p])  # bytes: the consumer decodes it (dynamo/lazyjson.py)
+                    elif body_len:
                         msg = loads(src[b:p])
                         ann = msg.get("data")
                         if ann is not None:
@@ -453,6 +473,8 @@ class MuxSink:
         self.context = context
         self.finished = False
         self.paused = False  # the client asked us to hold this stream (its consumer is behind)
+
+    encode_item = staticmethod(encode_plain_item)  # what the ingress pump encodes items with
 
     def write(self, frame: bytes) -> None:
         self.conn.send(self.stream_id, frame)

@@ -123,3 +123,27 @@ async def test_errors_and_worker_shutdown_over_a_multiplexed_connection(make_run
         raise AssertionError("the stream ended cleanly")
     except StreamIncompleteError:
         pass
+
+
+async def test_lazy_streams_pass_json_objects_on_undecoded(make_runtime, ns, serve):
+    from dynamo.lazyjson import LazyJson
+    from dynamo.runtime import Annotated
+
+    async def handler(request):
+        yield {"k": 1, "text": 'a "quoted" word'}
+        yield [1, 2]
+        yield "plain"
+        yield Annotated(data={"k": 2}, event="note")
+
+    worker, caller = await make_runtime(), await make_runtime()
+    await serve(worker.namespace(ns).component("b").endpoint("g"), handler)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    got = await collect(client.generate({}, lazy=True))
+    assert got == [{"k": 1, "text": 'a "quoted" word'}, [1, 2], "plain", {"k": 2}]
+    assert type(got[0]) is LazyJson and got[0].raw == b'{"k":1,"text":"a \\"quoted\\" word"}'
+    assert type(got[3]) is dict  # an Annotated item keeps the ordinary frame
+    plain = await collect(client.generate({}))
+    assert plain == got and all(type(x) is not LazyJson for x in plain)
+    annotated = await collect(client.generate({}, annotated=True))
+    assert [a.data() for a in annotated] == got and annotated[3].event() == "note"

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from dynamo.aio import Acceptor, Pending, next_now
 from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
+from dynamo.lazyjson import LazyJson
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
@@ -259,6 +260,9 @@ async def _write_parts(resp: web.StreamResponse, parts: list[bytes]) -> None:
 def _sse(item: Any, dumps: Callable[[Any], bytes]) -> bytes:
     if type(item) is dict:
         return b"data: " + dumps(item) + b"\n\n"
+    if type(item) is LazyJson:  # a remote worker's chunk: its own bytes when nothing changed it
+        raw = item.raw
+        return b"data: " + (raw if raw is not None else dumps(dict(item.items()))) + b"\n\n"
     if isinstance(item, Annotation):
         return b"event: " + item.name.encode() + b"\n: " + dumps(item.value) + b"\n\n"
     return b""

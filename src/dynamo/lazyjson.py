@@ -1,0 +1,142 @@
+"""A JSON object decoded only when something looks inside it.
+
+Why: a frontend serving a remote Chat worker receives every OpenAI chunk as JSON and sends it on as
+JSON. Decoding it (a nested dict per token) and encoding it again were about a quarter of the
+frontend's CPU per token (py-spy, docs/performance.md). A :class:`LazyJson` keeps the worker's bytes:
+the SSE writer sends them as they are (``raw``) when nobody changed the object, and the per-token
+questions the pipeline asks ("is there a usage block?", "are there choices?") are answered from the
+bytes. Anything else (a unary response folding the chunks, a parser, a change) decodes it first, so it
+behaves as the dict it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import orjson
+
+_loads = orjson.loads
+_MISSING = object()
+
+
+class LazyJson(dict):
+    """A dict whose content is the JSON object ``raw``, decoded on first use.
+
+    ``raw`` is the exact JSON while the object is unchanged, and None once anything modified it.
+    C code reading dict storage directly (``orjson.dumps``, ``json`` module) must call :meth:`load`
+    first; Python-level access loads by itself.
+    """
+
+    __slots__ = ("raw", "_loaded")
+
+    def __init__(self, raw: bytes) -> None:
+        super().__init__()
+        self.raw: bytes | None = raw
+        self._loaded = False
+
+    def load(self) -> "LazyJson":
+        if not self._loaded:
+            self._loaded = True
+            assert self.raw is not None
+            dict.update(self, _loads(self.raw))
+        return self
+
+    def mentions(self, key: str) -> bool:
+        """False when ``key`` is certainly not a key of this object (from the bytes, without decoding);
+        True means it may be."""
+        if self._loaded:
+            return dict.__contains__(self, key)
+        assert self.raw is not None
+        return b'"' + key.encode() + b'":' in self.raw  # a quote inside a JSON string is escaped
+
+    def has_items(self, key: str) -> bool:
+        """``bool(self.get(key))`` for a list-valued key, from the bytes when they tell."""
+        if not self._loaded:
+            raw = self.raw
+            assert raw is not None
+            needle = b'"' + key.encode() + b'":['
+            at = raw.find(needle)
+            if at < 0 and not self.mentions(key):
+                return False
+            if at >= 0 and raw.find(needle, at + 1) < 0:  # one list under that name: look at it
+                return raw[at + len(needle):at + len(needle) + 1] != b"]"
+        return bool(self.load().get(key))
+
+    # reading: load first (or answer from the bytes when the key is absent)
+    def get(self, key: Any, default: Any = None) -> Any:
+        if not self._loaded and isinstance(key, str) and not self.mentions(key):
+            return default
+        return dict.get(self.load(), key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if not self._loaded and isinstance(key, str) and not self.mentions(key):
+            return False
+        return dict.__contains__(self.load(), key)
+
+    def __getitem__(self, key: Any) -> Any:
+        return dict.__getitem__(self.load(), key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return dict.__iter__(self.load())
+
+    def __len__(self) -> int:
+        return dict.__len__(self.load())
+
+    def __eq__(self, other: object) -> bool:
+        return dict.__eq__(self.load(), other)
+
+    def __ne__(self, other: object) -> bool:
+        return dict.__ne__(self.load(), other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self.load())
+
+    def keys(self):  # type: ignore[override]
+        return dict.keys(self.load())
+
+    def values(self):  # type: ignore[override]
+        return dict.values(self.load())
+
+    def items(self):  # type: ignore[override]
+        return dict.items(self.load())
+
+    def copy(self) -> dict:  # type: ignore[override]
+        return dict(dict.items(self.load()))
+
+    # changing: load, then the bytes no longer describe the object
+    def _changing(self) -> None:
+        self.load()
+        self.raw = None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._changing()
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._changing()
+        dict.__delitem__(self, key)
+
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:  # type: ignore[override]
+        self._changing()
+        return dict.pop(self, key) if default is _MISSING else dict.pop(self, key, default)
+
+    def popitem(self) -> tuple[Any, Any]:
+        self._changing()
+        return dict.popitem(self)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._changing()
+        return dict.setdefault(self, key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._changing()
+        dict.update(self, *args, **kwargs)
+
+    def clear(self) -> None:
+        self._changing()
+        dict.clear(self)
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self.items()),))
