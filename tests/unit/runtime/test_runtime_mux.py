@@ -335,3 +335,16 @@ def test_a_garbled_envelope_closes_the_connection_and_fails_its_streams():
     assert transport.closed
     proto.connection_lost(None)
     assert isinstance(s1.error, StreamIncompleteError)
+
+
+def test_plain_items_travel_as_their_own_json():
+    from dynamo.runtime.annotated import Annotated
+    from dynamo.runtime.mux import MuxClientProtocol, encode_plain_item
+
+    assert encode_plain_item({"a": 1})[24:] == b'"item"{"a":1}'
+    assert encode_plain_item(Annotated(data=1, event="e")) == encode_item(Annotated(data=1, event="e"))
+    s1 = StreamState("1", 1)
+    proto = MuxClientProtocol(_FakeServer({1: s1}), _FakeTransport())  # type: ignore[arg-type]
+    proto.data_received(envelope(1, FRAME_PROLOGUE + encode_plain_item({"a": 1}) + encode_plain_item("x")
+                                 + encode_plain_item(Annotated(data=2, event="e"))))
+    assert list(s1.items) == [b'{"a":1}', b'"x"', {"data": 2, "event": "e"}]  # decoded by the consumer
