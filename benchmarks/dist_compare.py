@@ -230,12 +230,12 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
         try:
             out["ready_s"] = wait_ready(url, procs)
             asyncio.run(loadgen.run_load(url, MODEL, concurrency=4, duration=None, requests=8, prompt_words=5))
-            spies = []
+            if quiet is not None:
+                out["machine_busy_before"] = wait_quiet(*quiet)
+            spies = []  # started after the wait for a quiet machine, so they record the load, not the wait
             if profile is not None and impl == "ours":
                 spies = start_profilers({"frontend": frontend.pid, "worker": worker.pid}, duration, profile,
                                         f"{stamp}-{key}", raw_profile)
-            if quiet is not None:
-                out["machine_busy_before"] = wait_quiet(*quiet)
             with open("/proc/loadavg") as f:
                 out["loadavg_before"] = f.read().split()[:3]
             cpu0 = {"frontend": cpu_of(frontend.pid), "worker": cpu_of(worker.pid), "nats": cpu_of(nats.proc.pid),
