@@ -17,6 +17,14 @@ import orjson
 
 _loads = orjson.loads
 _MISSING = object()
+_NEEDLES: dict[str, bytes] = {}  # key -> b'"key":', built once per key (asked per token)
+
+
+def _needle(key: str) -> bytes:
+    needle = _NEEDLES.get(key)
+    if needle is None:
+        needle = _NEEDLES[key] = orjson.dumps(key) + b":"
+    return needle
 
 
 class LazyJson(dict):
@@ -47,16 +55,16 @@ class LazyJson(dict):
         if self._loaded:
             return dict.__contains__(self, key)
         assert self.raw is not None
-        return b'"' + key.encode() + b'":' in self.raw  # a quote inside a JSON string is escaped
+        return _needle(key) in self.raw  # a quote inside a JSON string is escaped: no false absence
 
     def has_items(self, key: str) -> bool:
         """``bool(self.get(key))`` for a list-valued key, from the bytes when they tell."""
         if not self._loaded:
             raw = self.raw
             assert raw is not None
-            needle = b'"' + key.encode() + b'":['
+            needle = _needle(key) + b"["
             at = raw.find(needle)
-            if at < 0 and not self.mentions(key):
+            if at < 0 and _needle(key) not in raw:
                 return False
             if at >= 0 and raw.find(needle, at + 1) < 0:  # one list under that name: look at it
                 return raw[at + len(needle):at + len(needle) + 1] != b"]"
