@@ -23,7 +23,9 @@ _NEEDLES: dict[str, bytes] = {}  # key -> b'"key":', built once per key (asked p
 def _needle(key: str) -> bytes:
     needle = _NEEDLES.get(key)
     if needle is None:
-        needle = _NEEDLES[key] = orjson.dumps(key) + b":"
+        needle = orjson.dumps(key) + b":"
+        if len(_NEEDLES) < 256:  # the keys asked are the code's own few
+            _NEEDLES[key] = needle
     return needle
 
 
