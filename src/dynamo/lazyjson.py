@@ -98,21 +98,21 @@ class LazyJson(dict):
     def __ne__(self, other: object) -> bool:
         return dict.__ne__(self.load(), other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         return dict.__repr__(self.load())
 
-    def keys(self):  # type: ignore[override]
+    def keys(self):
         return dict.keys(self.load())
 
-    def values(self):  # type: ignore[override]
+    def values(self):
         return dict.values(self.load())
 
-    def items(self):  # type: ignore[override]
+    def items(self):
         return dict.items(self.load())
 
-    def copy(self) -> dict:  # type: ignore[override]
+    def copy(self) -> dict:
         return dict(dict.items(self.load()))
 
     # changing: load, then the bytes no longer describe the object
@@ -128,7 +128,7 @@ class LazyJson(dict):
         self._changing()
         dict.__delitem__(self, key)
 
-    def pop(self, key: Any, default: Any = _MISSING) -> Any:  # type: ignore[override]
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:
         self._changing()
         return dict.pop(self, key) if default is _MISSING else dict.pop(self, key, default)
 

@@ -116,7 +116,7 @@ class StreamState:
     def __init__(self, request_id: str, instance_id: int | None) -> None:
         self.request_id = request_id
         self.instance_id = instance_id
-        self.items: deque[dict] = deque()
+        self.items: deque[Any] = deque()  # Annotated dicts; bytes: a plain item's JSON (runtime/mux.py)
         self.finished = False
         self.error: BaseException | None = None
         self.connected = False
