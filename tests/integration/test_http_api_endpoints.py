@@ -146,6 +146,25 @@ def test_responses_message_items_and_previous_response_id(plain: DynamoRun):
         client.responses.create(model="plain", input="y", previous_response_id=unstored.id)
 
 
+def test_responses_retrieve_and_delete(plain: DynamoRun):
+    client = sdk(plain)
+    first = client.responses.create(model="plain", input="Keep me", instructions="Rules", metadata={"k": "v"})
+    got = client.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()  # the stored object, as it was returned
+    streamed = [e for e in client.responses.create(model="plain", input="Streamed", stream=True)][-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text == rendered(("user", "Streamed"))
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.create(model="plain", input="x", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = client.responses.create(model="plain", input="x", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    r = httpx.delete(plain.api_url + "/responses/" + streamed.id, timeout=10)
+    assert r.json() == {"id": streamed.id, "object": "response", "deleted": True}
+
+
 def test_responses_stream_event_sequence(plain: DynamoRun):
     events = list(sdk(plain).responses.create(model="plain", input="Stream me", stream=True))
     types = [e.type for e in events]
@@ -174,11 +193,16 @@ def test_responses_max_output_tokens_is_incomplete(plain: DynamoRun):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no tool-call parser
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]}, "tools[1].type"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
 ])
 def test_responses_unsupported_parts_are_400(plain: DynamoRun, extra, param):
     body = {"model": "plain", "input": "hi", **extra}

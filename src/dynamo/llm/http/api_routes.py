@@ -1,6 +1,6 @@
 """The routes beyond chat and completions, each in its own module, registered on the service's app.
 
-``/v1/embeddings`` (embeddings.py), ``/v1/responses`` (responses.py), ``/tokenize`` and ``/detokenize``
+``/v1/embeddings`` (embeddings.py), ``/v1/responses`` and ``/v1/responses/{id}`` (responses.py), ``/tokenize`` and ``/detokenize``
 (tokenize.py).  They share the service's model manager, metrics and in-flight bookkeeping; the two that
 run an engine count against the frontend-wide ``--max-inflight`` like chat and completions do.
 """
@@ -24,7 +24,10 @@ def register_api_routes(service: Any) -> None:
     router.add_post("/tokenize", tokenize.tokenize)
     router.add_post("/detokenize", tokenize.detokenize)
     router.add_post("/v1/embeddings", admitted(service, EmbeddingsRoute(service).handle))
-    router.add_post("/v1/responses", admitted(service, ResponsesRoute(service).handle))
+    responses = ResponsesRoute(service)
+    router.add_post("/v1/responses", admitted(service, responses.handle))
+    router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    router.add_delete("/v1/responses/{response_id}", responses.delete)
 
 
 def admitted(service: Any, handler: Handler) -> Handler:

@@ -1,16 +1,17 @@
-"""``POST /v1/responses``: the Responses API for text, on top of the chat pipeline.
+"""``/v1/responses``: the Responses API on top of the chat pipeline.
 
-The request becomes a chat completion (see ``protocols/responses.py``), runs through the model's
-``chat`` stream like any other, and the chunks are folded into a ``response`` object, or streamed as the
-documented events: ``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``, then ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` cut it short), each with a ``sequence_number``.
+The request becomes a chat completion (see ``protocols/responses.py``: messages, function tools and
+the items of an agent loop), runs through the model's ``chat`` stream like any other, and the deltas
+become output items (``responses_output.py``: reasoning, message, function calls), folded into a
+``response`` object or streamed as the documented events: ``response.created``,
+``response.in_progress``, per item ``response.output_item.added`` ... ``response.output_item.done``,
+then ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens`` cut it short), each
+with a ``sequence_number``.
 
-``previous_response_id`` continues a conversation: the stored responses (the conversation up to and
-including each answer, without its ``instructions``, as the API defines) live in a bounded in-memory
-store, ``DYN_RESPONSES_STORE_SIZE`` entries (default 1000, oldest evicted first); ``store: false`` keeps
-a response out of it.
+Responses live in a bounded in-memory store, ``DYN_RESPONSES_STORE_SIZE`` entries (default 1000, least
+recently used evicted first; ``store: false`` keeps one out): ``GET /v1/responses/{id}`` returns one,
+``DELETE`` forgets it, and ``previous_response_id`` continues its conversation (the turns up to and
+including its answer, without its ``instructions``, as the API defines).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator
 
 import orjson
@@ -30,34 +32,54 @@ from dynamo.errors import EngineError, RequestError
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 from dynamo.llm.http.errors import error_body
+from dynamo.llm.http.responses_output import Event, OutputItems
 from dynamo.llm.http.service import _SSE_HEADERS, _json, _read_json
 from dynamo.llm.protocols.openai import parse_chat_request
-from dynamo.llm.protocols.responses import ResponsesRequest, input_messages, parse_responses_request
+from dynamo.llm.protocols.responses import (
+    ResponsesRequest,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    parse_responses_request,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_SIZE = 1000
 
 
+@dataclass
+class Stored:
+    """A stored response: the object ``GET /v1/responses/{id}`` returns, and the conversation up to and
+    including its answer (chat messages, without its ``instructions``) that ``previous_response_id``
+    continues."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+
+
 class ResponseStore:
-    """Conversations by response id, least recently used evicted first."""
+    """Stored responses by id, least recently used evicted first."""
 
     def __init__(self, size: int):
         self.size = size
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        conv = self._items.get(response_id)
-        if conv is not None:
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
             self._items.move_to_end(response_id)
-        return conv
+        return stored
 
-    def put(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+    def put(self, response_id: str, stored: Stored) -> None:
         if self.size <= 0:
             return
-        self._items[response_id] = conversation
+        self._items[response_id] = stored
         while len(self._items) > self.size:
             self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -75,24 +97,16 @@ def store_size_from_env() -> int:
 
 
 class _Run:
-    """One response being produced: ids, the text so far, and the shapes of the response object."""
+    """One response being produced: its id, its output items so far, and the response object's shape."""
 
     def __init__(self, req: ResponsesRequest):
         self.req = req
         self.id = "resp_" + uuid.uuid4().hex
-        self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text: list[str] = []
+        self.out = OutputItems()
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.seq = 0
-
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def item(self, status: str, done: bool) -> dict[str, Any]:
-        content = [self.part("".join(self.text))] if done else []
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
     @property
     def status(self) -> str:
@@ -109,7 +123,7 @@ class _Run:
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": pt + ct}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": req.model, "output": [self.item(status, True)] if done else [],
+            "model": req.model, "output": self.out.output() if done else [],
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -117,7 +131,8 @@ class _Run:
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-            "tool_choice": req.tool_choice or "auto", "tools": [], "truncation": "disabled",
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
+            "max_tool_calls": req.max_tool_calls,
             "text": {"format": {"type": "text"}}, "reasoning": None, "background": False,
             "usage": usage,
         }
@@ -127,11 +142,34 @@ class _Run:
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
 
+    def events(self, events: list[Event]) -> bytes:
+        return b"".join(self.event(kind, **fields) for kind, fields in events)
+
 
 class ResponsesRoute:
     def __init__(self, service: Any):
         self.service = service
         self.store = ResponseStore(store_size_from_env())
+
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}``: a stored response as it was returned."""
+        if request.query.get("stream") not in (None, "false"):
+            raise RequestError("Streaming a stored response is for background responses, which are not "
+                               "supported", param="stream")
+        return _json(self._stored(request).response)
+
+    async def delete(self, request: web.Request) -> web.StreamResponse:
+        """``DELETE /v1/responses/{id}``: forget a stored response."""
+        stored = self._stored(request)
+        self.store.delete(stored.response["id"])
+        return _json({"id": stored.response["id"], "object": "response", "deleted": True})
+
+    def _stored(self, request: web.Request) -> Stored:
+        response_id = request.match_info["response_id"]
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise RequestError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
+        return stored
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await _read_json(request)
@@ -143,13 +181,19 @@ class ResponsesRoute:
             if prev is None:
                 raise RequestError(f"Previous response with id '{req.previous_response_id}' not found.",
                                    status=404, param="previous_response_id")
-            history = list(prev)
+            history = list(prev.conversation)
         conversation = history + input_messages(req)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         chat_raw: dict[str, Any] = {"model": req.model, "messages": messages, "stream": True,
                                     "stream_options": {"include_usage": True}}
+        tools = chat_tools(req)
+        if tools:
+            chat_raw["tools"] = tools
+        tool_choice = chat_tool_choice(req)
+        if tool_choice is not None:
+            chat_raw["tool_choice"] = tool_choice
         for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("user", "user")):
+                         ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
             value = getattr(req, src)
             if value is not None:
                 chat_raw[dst] = value
@@ -164,15 +208,16 @@ class ResponsesRoute:
         self.service._contexts.add(ctx)
         ok = False
         try:
-            stream = _texts(model.chat(chat_req, chat_raw, ctx), run, ctx, rm)
+            stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, rm)
             if streaming:
                 resp, ok = await self._stream(request, stream, run, ctx)
             else:
                 try:
-                    async for _ in stream:
-                        pass
+                    async for delta in stream:
+                        run.out.feed(delta)
                 finally:
                     await stream.aclose()
+                run.out.finish(run.status)
                 resp = _json(run.response(run.status))
                 ok = True
         except asyncio.CancelledError:
@@ -184,13 +229,13 @@ class ResponsesRoute:
             if task is not None:
                 self.service._inflight.discard(task)
         if ok and req.store is not False:
-            self.store.put(run.id, conversation + [{"role": "assistant", "content": "".join(run.text)}])
+            self.store.put(run.id, Stored(run.response(run.status), conversation + [run.out.assistant_message()]))
         return resp
 
-    async def _stream(self, request: web.Request, stream: AsyncGenerator[str, None], run: _Run,
+    async def _stream(self, request: web.Request, stream: AsyncGenerator[dict[str, Any], None], run: _Run,
                       ctx: Context) -> tuple[web.StreamResponse, bool]:
-        try:  # the first text before the 200, so a failure at the start gets its status code
-            first: str | None = await stream.__anext__()
+        try:  # the first delta before the 200, so a failure at the start gets its status code
+            first: dict[str, Any] | None = await stream.__anext__()
         except StopAsyncIteration:
             first = None
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
@@ -198,17 +243,13 @@ class ResponsesRoute:
         try:
             await resp.prepare(request)
             w = resp.write
-            await w(run.event("response.created", response=run.response("in_progress")))
-            await w(run.event("response.in_progress", response=run.response("in_progress")))
-            await w(run.event("response.output_item.added", output_index=0, item=run.item("in_progress", False)))
-            await w(run.event("response.content_part.added", item_id=run.msg_id, output_index=0, content_index=0,
-                              part=run.part("")))
-            where = {"item_id": run.msg_id, "output_index": 0, "content_index": 0}
+            await w(run.event("response.created", response=run.response("in_progress"))
+                    + run.event("response.in_progress", response=run.response("in_progress")))
             try:
                 if first is not None:
-                    await w(run.event("response.output_text.delta", delta=first, logprobs=[], **where))
-                    async for text in stream:
-                        await w(run.event("response.output_text.delta", delta=text, logprobs=[], **where))
+                    await _write(w, run.events(run.out.feed(first)))
+                    async for delta in stream:
+                        await _write(w, run.events(run.out.feed(delta)))
             except (EngineError, RequestError) as e:
                 log.warning("response %s failed mid-stream: %s", run.id, e)
                 code = e.status if isinstance(e, RequestError) else 500
@@ -216,12 +257,9 @@ class ResponsesRoute:
                 await w(run.event("error", code=str(err["code"]), message=err["message"], param=None))
                 await resp.write_eof()
                 return resp, False
-            full = "".join(run.text)
-            await w(run.event("response.output_text.done", text=full, logprobs=[], **where))
-            await w(run.event("response.content_part.done", part=run.part(full), **where))
-            await w(run.event("response.output_item.done", output_index=0, item=run.item("completed", True)))
             status = run.status
-            await w(run.event(f"response.{status}", response=run.response(status)))
+            await w(run.events(run.out.finish(status))
+                    + run.event(f"response.{status}", response=run.response(status)))
             await resp.write_eof()
             ok = True
         except (ConnectionResetError, ConnectionError):
@@ -232,8 +270,15 @@ class ResponsesRoute:
         return resp, ok
 
 
-async def _texts(chunks: AsyncIterator[Any], run: _Run, ctx: Context, rm: Any) -> AsyncGenerator[str, None]:
-    """The text deltas of a chat chunk stream; finish reason and usage are noted on ``run``."""
+async def _write(write: Any, data: bytes) -> None:
+    if data:  # a delta may make no event (an empty arguments fragment of a call)
+        await write(data)
+
+
+async def _deltas(chunks: AsyncIterator[Any], run: _Run, ctx: Context,
+                  rm: Any) -> AsyncGenerator[dict[str, Any], None]:
+    """The deltas of a chat chunk stream (content, reasoning_content, tool_calls); finish reason and
+    usage are noted on ``run``."""
     try:
         async for chunk in chunks:
             if isinstance(chunk, Annotation) or not isinstance(chunk, dict):
@@ -243,10 +288,9 @@ async def _texts(chunks: AsyncIterator[Any], run: _Run, ctx: Context, rm: Any) -
             for choice in chunk.get("choices") or ():
                 if choice.get("finish_reason"):
                     run.finish = choice["finish_reason"]
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    run.text.append(text)
+                delta = choice.get("delta")
+                if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
                     rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
-                    yield text
+                    yield delta
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

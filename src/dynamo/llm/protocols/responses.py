@@ -1,9 +1,10 @@
-"""The Responses API request (``POST /v1/responses``), text only, mapped onto a chat request.
+"""The Responses API request (``POST /v1/responses``) mapped onto a chat completion request.
 
-What we can honour becomes a chat completion request (``input`` string or message items,
-``instructions`` as a system message, ``max_output_tokens``, ``temperature``, ``top_p``); what we cannot
-(tools, images and files, background runs, structured output formats, reasoning options) is a 400 that
-names the field, never silently dropped.
+What we can honour becomes a chat completion request: ``input`` (a string, or items: messages,
+``function_call`` and ``function_call_output`` from an agent loop, ``reasoning``), ``instructions`` as
+a system message, function ``tools`` and ``tool_choice`` as chat tools, ``max_output_tokens``,
+``temperature``, ``top_p``.  What we cannot (built-in tools, images and files, background runs,
+structured output formats, reasoning options) is a 400 that names the field, never silently dropped.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     include: list[str] | None = None
     prompt: Any = None
     top_logprobs: int | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = None  # a bound on built-in tool calls, of which we run none
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -46,18 +47,16 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 def parse_responses_request(raw: Any) -> ResponsesRequest:
     req: ResponsesRequest = _convert(raw, ResponsesRequest)
-    if req.tools:
-        raise RequestError("'tools' are not supported on /v1/responses yet; use /v1/chat/completions",
-                           param="tools")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise RequestError("'tool_choice' is not supported without tools", param="tool_choice")
+    chat_tools(req)  # a built-in tool or a malformed one is a 400 before anything runs
+    chat_tool_choice(req)
     if req.background:
         raise RequestError("Background responses are not supported", param="background")
     fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("Only the 'text' output format is supported", param="text.format")
-    if req.reasoning:
-        raise RequestError("'reasoning' options are not supported", param="reasoning")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise RequestError("'reasoning' options are not supported (the model's reasoning, if it writes any, "
+                           "comes back as a 'reasoning' output item)", param="reasoning")
     if req.truncation not in (None, "disabled"):
         raise RequestError("Only truncation 'disabled' is supported", param="truncation")
     if req.include:
@@ -71,39 +70,129 @@ def parse_responses_request(raw: Any) -> ResponsesRequest:
     return req
 
 
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """Function tools (``{"type": "function", "name", "description", "parameters", "strict"}``) as chat
+    tools; a built-in tool (web_search, file_search, ...) is a 400 naming it: we have none to run."""
+    if not req.tools:
+        return None
+    out = []
+    for i, tool in enumerate(req.tools):
+        if not isinstance(tool, dict):
+            raise RequestError(f"tools[{i}] must be an object", param=f"tools[{i}]")
+        kind = tool.get("type")
+        if kind != "function":
+            raise RequestError(f"Built-in tool '{kind}' is not supported (tools[{i}]); only function tools are",
+                               param=f"tools[{i}].type")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"tools[{i}].name must be a non-empty string", param=f"tools[{i}].name")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].parameters must be a JSON schema object", param=f"tools[{i}].parameters")
+        fn = {"name": name, **{k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(req: ResponsesRequest) -> Any:
+    """``tool_choice`` in the chat shape: ``none``/``auto``/``required`` as they are, a function
+    ``{"type": "function", "name"}`` as ``{"type": "function", "function": {"name"}}``."""
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto", "required"):
+        if choice == "required" and not req.tools:
+            raise RequestError("tool_choice 'required' needs tools", param="tool_choice")
+        return choice
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function" and isinstance(choice.get("name"), str):
+            names = {t.get("name") for t in req.tools or () if isinstance(t, dict)}
+            if choice["name"] not in names:
+                raise RequestError(f"tool_choice names function {choice['name']!r}, which is not in tools",
+                                   param="tool_choice")
+            return {"type": "function", "function": {"name": choice["name"]}}
+        if isinstance(kind, str) and kind != "function":
+            raise RequestError(f"tool_choice of type '{kind}' is not supported (function tools only)",
+                               param="tool_choice")
+    raise RequestError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                       param="tool_choice")
+
+
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``input`` as chat messages (``developer`` becomes ``system``, as most chat templates know it)."""
+    """``input`` as chat messages.  ``developer`` becomes ``system``, as most chat templates know it;
+    ``function_call`` items become the ``tool_calls`` of an assistant message (joined to the assistant
+    text just before them, as the model wrote both in one turn), ``function_call_output`` items become
+    ``tool`` messages, and a ``reasoning`` item's text the ``reasoning_content`` of the assistant turn
+    after it (templates that show earlier thinking, such as Qwen3's in a tool loop, render it)."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     if not req.input:
         raise RequestError("'input' cannot be empty", param="input")
-    out = []
+    out: list[dict[str, Any]] = []
+    reasoning: str | None = None
     for i, item in enumerate(req.input):
         if not isinstance(item, dict):
-            raise RequestError(f"input[{i}] must be a message object", param=f"input[{i}]")
+            raise RequestError(f"input[{i}] must be an object", param=f"input[{i}]")
         kind = item.get("type", "message")
-        if kind != "message":
-            raise RequestError(f"input items of type '{kind}' are not supported (text messages only)",
-                               param=f"input[{i}].type")
-        role = item.get("role")
-        if role not in ("user", "assistant", "system", "developer"):
-            raise RequestError(f"input[{i}].role must be user, assistant, system or developer",
-                               param=f"input[{i}].role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content_text(item.get("content"), i)})
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"input[{i}].role must be user, assistant, system or developer",
+                                   param=f"input[{i}].role")
+            msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                   "content": _content_text(item.get("content"), f"input[{i}].content")}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = {"id": _str_field(item, "call_id", i), "type": "function",
+                    "function": {"name": _str_field(item, "name", i), "arguments": _str_field(item, "arguments", i)}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                out.append(msg)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _content_text(output, f"input[{i}].output")
+            out.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", i), "content": text})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item)
+        else:
+            raise RequestError(f"input items of type '{kind}' are not supported (messages, function_call, "
+                               "function_call_output and reasoning are)", param=f"input[{i}].type")
     return out
 
 
-def _content_text(content: Any, i: int) -> str:
+def _str_field(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"input[{i}].{key} must be a string", param=f"input[{i}].{key}")
+    return value
+
+
+def _reasoning_text(item: dict[str, Any]) -> str | None:
+    """The reasoning item's text (its ``content``, else its ``summary``); None when it has none (an
+    encrypted one from another service: nothing we can read)."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or ()
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            return "".join(texts)
+    return None
+
+
+def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"input[{i}].content must be a string or a list of parts", param=f"input[{i}].content")
+        raise RequestError(f"{where} must be a string or a list of parts", param=where)
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise RequestError(f"content parts of type '{kind}' are not supported (text only)",
-                               param=f"input[{i}].content")
+            raise RequestError(f"content parts of type '{kind}' are not supported (text only)", param=where)
         texts.append(part["text"])
     return "\n".join(texts)
