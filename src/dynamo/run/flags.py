@@ -53,8 +53,8 @@ inputs (in=):
   text                 interactive chat in the terminal (the default when stdin is a terminal)
   stdin                read all of stdin as one prompt, print the answer, exit (default when piped)
   http                 OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions,
-                       /v1/embeddings, /v1/responses, /v1/models, /tokenize, /detokenize,
-                       /health, /live, /metrics
+                       /v1/embeddings, /v1/responses (and GET/DELETE /v1/responses/ID),
+                       /v1/models, /tokenize, /detokenize, /health, /live, /metrics
   batch:FILE.jsonl     run every {"text": ...} line of FILE, write output.jsonl beside it
   dyn://ns.comp.ep     serve the engine as a worker on the distributed runtime (etcd + NATS);
                        missing parts are defaulted (dyn://test)
@@ -79,7 +79,7 @@ engines, default 10), HF_TOKEN, HF_HUB_OFFLINE, ETCD_ENDPOINTS, NATS_SERVER, DYN
 (seconds a worker may send nothing, not even a heartbeat, before its streams count as dead and it gets
 no new requests until it answers again; default 5); in=http: DYN_API_KEY (keys separated by commas;
 --api-key replaces it), DYN_HTTP_BODY_LIMIT_MB (default 32), DYN_RESPONSES_STORE_SIZE (responses kept
-for previous_response_id, default 1000).
+for previous_response_id and GET /v1/responses/ID, default 1000).
 
 metrics: in=http serves /metrics (dynamo_frontend_*; DYN_METRICS_PREFIX renames them).  A worker
 (in=dyn://...) serves /health, /live and /metrics (dynamo_component_*) with DYN_SYSTEM_ENABLED=true or
