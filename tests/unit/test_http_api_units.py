@@ -13,9 +13,10 @@ from dynamo.errors import RequestError, UserError
 from dynamo.llm.http.auth import KeyChecker, bearer_token
 from dynamo.llm.http.embeddings import encode_base64
 from dynamo.llm.http.options import DEFAULT_BODY_LIMIT_BYTES, body_limit_from_env, build_http_options, parse_origins
-from dynamo.llm.http.responses import ResponseStore
+from dynamo.llm.http.responses import ResponseStore, Stored
+from dynamo.llm.http.responses_output import OutputItems
 from dynamo.llm.protocols.extra import parse_embedding_request
-from dynamo.llm.protocols.responses import input_messages, parse_responses_request
+from dynamo.llm.protocols.responses import chat_tool_choice, chat_tools, input_messages, parse_responses_request
 from dynamo.run.flags import parse_args
 
 
@@ -76,14 +77,18 @@ def test_flags(tmp_path: Path):
 
 
 def test_response_store_is_bounded_and_evicts_the_least_recently_used():
+    def entry(rid: str) -> Stored:
+        return Stored({"id": rid}, [{"role": "user", "content": rid}])
+
     store = ResponseStore(2)
-    store.put("a", [{"role": "user", "content": "1"}])
-    store.put("b", [])
+    store.put("a", entry("a"))
+    store.put("b", entry("b"))
     assert store.get("a") is not None  # a is now the most recent
-    store.put("c", [])
+    store.put("c", entry("c"))
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    assert store.delete("a") and not store.delete("a") and store.get("a") is None
     off = ResponseStore(0)
-    off.put("x", [])
+    off.put("x", entry("x"))
     assert off.get("x") is None
 
 
@@ -99,6 +104,90 @@ def test_responses_input_mapping():
         input_messages(parse_responses_request({"model": "m", "input": [{"role": "tool", "content": "x"}]}))
     with pytest.raises(RequestError):
         parse_responses_request({"model": "m", "input": "x", "max_output_tokens": 0})
+
+
+def test_responses_tools_and_tool_choice_become_chat_tools():
+    req = parse_responses_request({"model": "m", "input": "x", "tool_choice": {"type": "function", "name": "f"},
+                                   "tools": [{"type": "function", "name": "f", "description": "d",
+                                              "parameters": {"type": "object"}, "strict": True}]})
+    assert chat_tools(req) == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                                 "parameters": {"type": "object"}, "strict": True}}]
+    assert chat_tool_choice(req) == {"type": "function", "function": {"name": "f"}}
+    for bad, param in (({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+                       ({"tools": [{"type": "function"}]}, "tools[0].name"),
+                       ({"tool_choice": "required"}, "tool_choice"),
+                       ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice")):
+        with pytest.raises(RequestError) as e:
+            parse_responses_request({"model": "m", "input": "x", **bad})
+        assert e.value.param == param
+    with pytest.raises(RequestError, match="code_interpreter"):
+        parse_responses_request({"model": "m", "input": "x", "tools": [{"type": "code_interpreter"}]})
+
+
+def test_responses_agent_loop_items_become_chat_messages():
+    req = parse_responses_request({"model": "m", "input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+    ]})
+    calls = [{"id": c, "type": "function", "function": {"name": n, "arguments": a}}
+             for c, n, a in (("c1", "f", "{}"), ("c2", "g", '{"a": 1}'))]
+    assert input_messages(req) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "think", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]
+
+
+def test_output_items_follow_the_deltas_in_order():
+    out = OutputItems()
+    events = []
+    for delta in ({"reasoning_content": "th"}, {"reasoning_content": "ink"}, {"content": "Hi"},
+                  {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                   "function": {"name": "f", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]},
+                  {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                   "function": {"name": "g", "arguments": "[1]"}}]}):
+        events += out.feed(delta)
+    events += out.finish("completed")
+    assert [e[0] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert [e[1]["output_index"] for e in events if e[0] == "response.output_item.done"] == [0, 1, 2, 3]
+    items = out.output()
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call", "function_call"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert items[2] | {"id": None} == {"type": "function_call", "id": None, "call_id": "call_a", "name": "f",
+                                       "arguments": "{}", "status": "completed"}
+    assert out.assistant_message() == {
+        "role": "assistant", "content": "Hi", "reasoning_content": "think",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                       {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "[1]"}}]}
+
+
+def test_an_empty_answer_still_has_a_message_and_a_cut_one_is_incomplete():
+    empty = OutputItems()
+    assert [e[0] for e in empty.finish("completed")][0] == "response.output_item.added"
+    assert empty.output()[0]["type"] == "message" and empty.output()[0]["content"][0]["text"] == ""
+    cut = OutputItems()
+    cut.feed({"content": "partial"})
+    cut.finish("incomplete")
+    assert cut.output()[0]["status"] == "incomplete"
 
 
 def test_embedding_inputs_and_base64():
