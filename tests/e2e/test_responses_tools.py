@@ -9,7 +9,6 @@ renders them.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -102,7 +101,7 @@ def test_agent_loop_streaming(client: openai.OpenAI):
     assert [i.type for i in added] == [i.type for i in done] == ["reasoning", "message", "function_call"]
     assert added[2].arguments == "" and added[2].status == "in_progress" and added[2].name == "get_weather"
     # each item's events sit between its added and done, in the output order
-    for index, item in enumerate(done):
+    for index in range(len(done)):
         mine = [e.type for e in events if getattr(e, "output_index", None) == index]
         assert mine[0] == "response.output_item.added" and mine[-1] == "response.output_item.done"
         assert len(mine) > 4, mine  # the text and the arguments stream, they are not sent at the end

@@ -4,7 +4,7 @@
 ids into a fixed vector (a hashed bag of tokens with their positions, L2-normalised), so the same input
 always gives the same vector, different inputs give different ones, and the usage counts are real
 tokens.  It honours ``dimensions`` (a prefix of the vector, normalised again, as Matryoshka models do);
-``out=llamacpp --embedding`` refuses it.
+``out=llamacpp --embedding`` refuses it.  ``out=vllm --embedding`` is vLLM's pooling runner (vllm_embed.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 
 ECHO_DIMENSIONS = 32
-EMBEDDING_ENGINES = ("echo_core", "llamacpp")
+EMBEDDING_ENGINES = ("echo_core", "llamacpp", "vllm")
 
 
 class EchoEmbeddingEngine:
@@ -79,4 +79,15 @@ def create_embedding_engine(name: str, cfg: Any, card: ModelCard) -> Any:
         card.context_length = ctx_len
         return LlamaCppEmbeddingEngine(card.gguf_path, context_length=ctx_len, args=extra_engine_args(cfg),
                                        verbose=getattr(cfg, "verbosity", 0) >= 2)
-    raise UserError(f"--embedding is supported by out={' and out='.join(EMBEDDING_ENGINES)}, not out={name}")
+    if name == "vllm":
+        from dynamo.engines.registry import _json_engine_args, require_package
+
+        require_package("vllm")
+        if card.path is None and card.gguf_path is None:
+            raise UserError("out=vllm --embedding needs a model: a Hugging Face folder or repo id")
+        if not card.has_tokenizer:
+            raise UserError("out=vllm --embedding needs the model's tokenizer (tokenizer.json)")
+        from dynamo.engines.vllm_embed import create
+
+        return create(cfg, card, _json_engine_args(cfg), getattr(cfg, "extra_engine_args", None))
+    raise UserError(f"--embedding is supported by out={', out='.join(EMBEDDING_ENGINES)}, not out={name}")

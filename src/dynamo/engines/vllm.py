@@ -124,9 +124,12 @@ def split_host_port(addr: str, default_port: int) -> tuple[str, int]:
 
 
 def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None, *,
-                cpu: bool = False) -> dict[str, Any]:
-    """The ``AsyncEngineArgs`` keyword arguments for this run (flags, then ``--extra-engine-args``)."""
-    args: dict[str, Any] = {}
+                cpu: bool = False, pooling: bool = False) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` keyword arguments for this run (flags, then ``--extra-engine-args``).
+
+    ``pooling`` (``--embedding``): vLLM's pooling runner (``runner="pooling"``; vLLM converts a
+    generative model into an embedding model, ``convert="auto"``, and serves an embedding model as is)."""
+    args: dict[str, Any] = {"runner": "pooling"} if pooling else {}
     if card.gguf_path is not None:
         args["model"] = str(card.gguf_path)
         if card.path is not None and Path(card.path).is_dir():
@@ -271,7 +274,8 @@ class VllmEngine:
     prompt_logprobs = True
 
     def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
-                 extra_path: Path | None = None):
+                 extra_path: Path | None = None, *, pooling: bool = False):
+        self.pooling = pooling  # vLLM's pooling runner, for embeddings (vllm_embed.py drives it)
         self.cfg = cfg
         self.card = card
         self.extra = dict(extra or {})
@@ -291,7 +295,7 @@ class VllmEngine:
         self._prepare_environment(os.environ)
         log.info("starting vLLM for %s (the first start takes a minute: imports, engine process, weights)",
                  self.card.display_name)
-        if not self.follower and kv_events_wanted(self.cfg, self.extra):
+        if not self.follower and not self.pooling and kv_events_wanted(self.cfg, self.extra):
             self._prepare_kv_events()
         try:
             await asyncio.to_thread(self._start_blocking)
@@ -401,7 +405,7 @@ class VllmEngine:
             def make_prompt(ids: list[int]) -> Any:
                 return TokensPrompt(prompt_token_ids=ids)
         self._types = (SamplingParams, make_prompt, RequestOutputKind, StructuredOutputsParams)
-        kwargs = engine_args(self.cfg, self.card, self.extra, cpu=_is_cpu_only())
+        kwargs = engine_args(self.cfg, self.card, self.extra, cpu=_is_cpu_only(), pooling=self.pooling)
         stat_loggers = None
         if self._kv_sub is not None:
             from vllm.config import KVEventsConfig
@@ -454,6 +458,11 @@ class VllmEngine:
             pass
         log.info("vLLM ready: %s, context %d tokens, KV block %d tokens", self.card.display_name,
                  self.card.context_length, self.card.kv_cache_block_size)
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` once started (None before, and on follower nodes)."""
+        return self._llm
 
     async def close(self) -> None:
         await self._close_kv_events()
