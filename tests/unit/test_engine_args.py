@@ -73,6 +73,13 @@ class TestVllmEngineArgs:
         assert args["max_model_len"] == 512 and args["enforce_eager"] is False
         assert args["dtype"] == "half" and args["trust_remote_code"] is True
 
+    def test_embedding_uses_the_pooling_runner(self, folder: Path) -> None:
+        args = vl.engine_args(RunConfig(output="vllm", embedding=True), card_for(folder), pooling=True)
+        assert args["runner"] == "pooling" and "convert" not in args  # vLLM converts a generative model itself
+        args = vl.engine_args(RunConfig(output="vllm"), card_for(folder), {"convert": "embed"}, pooling=True)
+        assert args["convert"] == "embed"
+        assert "runner" not in vl.engine_args(RunConfig(output="vllm"), card_for(folder))
+
     def test_gguf_with_model_config_folder(self, folder: Path, tmp_path: Path) -> None:
         gguf = tmp_path / "m.gguf"
         card = card_for(folder, gguf_path=gguf)
