@@ -81,6 +81,8 @@ def test_agent_loop_through_previous_response_id(client: openai.OpenAI):
                                      tools=TOOLS)
     assert second.output_text == FINAL
     assert client.responses.retrieve(first.id).output[2].arguments == call.arguments
+    (listed,) = client.responses.input_items.list(second.id).data  # this turn's input only
+    assert listed.type == "function_call_output" and listed.call_id == call.call_id and listed.id
 
 
 def test_the_call_alone_with_a_hand_written_history(client: openai.OpenAI):

@@ -165,6 +165,28 @@ def test_responses_retrieve_and_delete(plain: DynamoRun):
     assert r.json() == {"id": streamed.id, "object": "response", "deleted": True}
 
 
+def test_responses_input_items_are_listed_back(plain: DynamoRun):
+    client = sdk(plain)
+    given = [{"role": "developer", "content": "Dev"}, {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+             {"type": "message", "role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    r = client.responses.create(model="plain", input=given)
+    items = list(client.responses.input_items.list(r.id))  # newest first, every page
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "c"), ("assistant", "b"), ("user", "a"),
+                                                             ("developer", "Dev")]
+    assert all(i.id.startswith("msg_") and i.type == "message" for i in items)
+    page = client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert [i.content[0].text for i in page.data] == ["Dev", "a"] and page.has_more
+    rest = client.responses.input_items.list(r.id, limit=2, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["b", "c"] and not rest.has_more
+    one = client.responses.create(model="plain", input="just text")
+    (item,) = client.responses.input_items.list(one.id).data
+    assert item.role == "user" and item.content[0].type == "input_text" and item.content[0].text == "just text"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(r.id, limit=101)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_responses_stream_event_sequence(plain: DynamoRun):
     events = list(sdk(plain).responses.create(model="plain", input="Stream me", stream=True))
     types = [e.type for e in events]

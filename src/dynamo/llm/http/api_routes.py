@@ -27,6 +27,7 @@ def register_api_routes(service: Any) -> None:
     responses = ResponsesRoute(service)
     router.add_post("/v1/responses", admitted(service, responses.handle))
     router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    router.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
     router.add_delete("/v1/responses/{response_id}", responses.delete)
 
 

@@ -10,8 +10,9 @@ with a ``sequence_number``.
 
 Responses live in a bounded in-memory store, ``DYN_RESPONSES_STORE_SIZE`` entries (default 1000, least
 recently used evicted first; ``store: false`` keeps one out): ``GET /v1/responses/{id}`` returns one,
-``DELETE`` forgets it, and ``previous_response_id`` continues its conversation (the turns up to and
-including its answer, without its ``instructions``, as the API defines).
+``GET /v1/responses/{id}/input_items`` its input, ``DELETE`` forgets it, and ``previous_response_id``
+continues its conversation (the turns up to and including its answer, without its ``instructions``, as
+the API defines).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator
 
 import orjson
@@ -39,6 +40,7 @@ from dynamo.llm.protocols.responses import (
     ResponsesRequest,
     chat_tool_choice,
     chat_tools,
+    input_items,
     input_messages,
     parse_responses_request,
 )
@@ -56,6 +58,7 @@ class Stored:
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as listed back
 
 
 class ResponseStore:
@@ -164,6 +167,31 @@ class ResponsesRoute:
         self.store.delete(stored.response["id"])
         return _json({"id": stored.response["id"], "object": "response", "deleted": True})
 
+    async def list_input_items(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}/input_items``: the request's input items, paginated as the API does
+        (``limit`` 1-100, default 20; ``order`` ``desc`` (default) or ``asc``; ``after`` an item id)."""
+        stored = self._stored(request)
+        q = request.query
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise RequestError("limit must be a whole number from 1 to 100", param="limit")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise RequestError("order must be 'asc' or 'desc'", param="order")
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise RequestError(f"No input item with id '{after}' in this response", status=404, param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
     def _stored(self, request: web.Request) -> Stored:
         response_id = request.match_info["response_id"]
         stored = self.store.get(response_id)
@@ -229,7 +257,8 @@ class ResponsesRoute:
             if task is not None:
                 self.service._inflight.discard(task)
         if ok and req.store is not False:
-            self.store.put(run.id, Stored(run.response(run.status), conversation + [run.out.assistant_message()]))
+            self.store.put(run.id, Stored(run.response(run.status), conversation + [run.out.assistant_message()],
+                                          input_items(req)))
         return resp
 
     async def _stream(self, request: web.Request, stream: AsyncGenerator[dict[str, Any], None], run: _Run,

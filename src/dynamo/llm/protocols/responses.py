@@ -9,6 +9,7 @@ structured output formats, reasoning options) is a 400 that names the field, nev
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -164,6 +165,35 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             raise RequestError(f"input items of type '{kind}' are not supported (messages, function_call, "
                                "function_call_output and reasoning are)", param=f"input[{i}].type")
     return out
+
+
+_ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as the API lists it back (``GET /v1/responses/{id}/input_items``): items with ids, a
+    string as a user message, string contents as text parts.  Call after :func:`input_messages`, which
+    validates the items."""
+    if isinstance(req.input, str):
+        return [_listed_message({"role": "user", "content": req.input})]
+    out = []
+    for item in req.input:
+        kind = item.get("type", "message")
+        listed = _listed_message(item) if kind == "message" else dict(item)
+        listed.setdefault("id", _ITEM_ID_PREFIX.get(kind, "item_") + uuid.uuid4().hex)
+        if kind != "reasoning":
+            listed.setdefault("status", "completed")
+        out.append(listed)
+    return out
+
+
+def _listed_message(item: dict[str, Any]) -> dict[str, Any]:
+    role, content = item.get("role"), item.get("content")
+    if isinstance(content, str):
+        part = "output_text" if role == "assistant" else "input_text"
+        content = [{"type": part, "text": content, **({"annotations": []} if role == "assistant" else {})}]
+    return {**item, "type": "message", "id": item.get("id") or "msg_" + uuid.uuid4().hex, "role": role,
+            "content": content, "status": item.get("status") or "completed"}
 
 
 def _str_field(item: dict[str, Any], key: str, i: int) -> str:
