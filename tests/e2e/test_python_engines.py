@@ -286,6 +286,33 @@ def test_client_disconnect_closes_the_generator(behaviour: DynamoRun):
     assert _stream_text(_client(behaviour), "behave", "hello")[0] == "Hello from the behaviour engine."
 
 
+def test_responses_stream_mid_stream_failure_and_client_disconnect(behaviour: DynamoRun):
+    """/v1/responses streams as chat does: an engine failure after the start is an ``error`` event (no
+    ``response.completed``), and a client that leaves closes the engine's generator."""
+    body = {"model": "behave", "input": "raise-mid", "stream": True}
+    with httpx.stream("POST", behaviour.api_url + "/responses", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    types = [e["type"] for e in events]
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["partial"]
+    assert types[-1] == "error" and "mid-stream failure" in events[-1]["message"]
+    assert "response.completed" not in types
+    events_file: Path = behaviour.events  # type: ignore[attr-defined]
+    body = {"model": "behave", "input": "slow-responses", "stream": True}
+    with httpx.stream("POST", behaviour.api_url + "/responses", json=body, timeout=30) as resp:
+        deltas = 0
+        for line in resp.iter_lines():
+            deltas += '"response.output_text.delta"' in line
+            if deltas == 3:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 10
+    while "closed slow-responses" not in events_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "closed slow-responses" in events_file.read_text().splitlines()
+    r = _client(behaviour).responses.create(model="behave", input="hello")
+    assert r.output_text == "Hello from the behaviour engine."
+
+
 def test_blocking_engine_does_not_freeze_the_server(behaviour: DynamoRun):
     result: dict[str, object] = {}
 

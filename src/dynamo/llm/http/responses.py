@@ -29,12 +29,13 @@ from typing import Any, AsyncGenerator, AsyncIterator
 import orjson
 from aiohttp import web
 
+from dynamo.aio import Pending, next_now
 from dynamo.errors import EngineError, RequestError
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 from dynamo.llm.http.errors import error_body
 from dynamo.llm.http.responses_output import Event, OutputItems
-from dynamo.llm.http.service import _SSE_HEADERS, _json, _read_json
+from dynamo.llm.http.service import _SSE_HEADERS, SSE_BATCH, _json, _read_json, _write_parts
 from dynamo.llm.protocols.openai import parse_chat_request
 from dynamo.llm.protocols.responses import (
     ResponsesRequest,
@@ -269,39 +270,51 @@ class ResponsesRoute:
             first = None
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         ok = False
+        # as the chat stream does (service.py): every event that is ready leaves in one write
+        parts = [run.event("response.created", response=run.response("in_progress")),
+                 run.event("response.in_progress", response=run.response("in_progress"))]
+        pending: Pending | None = None
         try:
             await resp.prepare(request)
-            w = resp.write
-            await w(run.event("response.created", response=run.response("in_progress"))
-                    + run.event("response.in_progress", response=run.response("in_progress")))
             try:
                 if first is not None:
-                    await _write(w, run.events(run.out.feed(first)))
-                    async for delta in stream:
-                        await _write(w, run.events(run.out.feed(delta)))
+                    parts.append(run.events(run.out.feed(first)))
+                    while True:
+                        try:
+                            item: Any = next_now(stream)
+                            if type(item) is Pending:
+                                pending = item
+                                await _write_parts(resp, parts)
+                                pending = None
+                                item = await item
+                        except StopAsyncIteration:
+                            break
+                        data = run.events(run.out.feed(item))
+                        if data:
+                            parts.append(data)
+                            if len(parts) >= SSE_BATCH:  # a long backlog: let the other streams have a turn
+                                await _write_parts(resp, parts)
+                                await asyncio.sleep(0)
             except (EngineError, RequestError) as e:
                 log.warning("response %s failed mid-stream: %s", run.id, e)
                 code = e.status if isinstance(e, RequestError) else 500
                 err = orjson.loads(error_body(str(e), code))["error"]
-                await w(run.event("error", code=str(err["code"]), message=err["message"], param=None))
-                await resp.write_eof()
+                parts.append(run.event("error", code=str(err["code"]), message=err["message"], param=None))
+                await resp.write_eof(b"".join(parts))
                 return resp, False
             status = run.status
-            await w(run.events(run.out.finish(status))
-                    + run.event(f"response.{status}", response=run.response(status)))
-            await resp.write_eof()
+            parts.append(run.events(run.out.finish(status)))
+            parts.append(run.event(f"response.{status}", response=run.response(status)))
+            await resp.write_eof(b"".join(parts))  # the last events and the end of the body: one send
             ok = True
         except (ConnectionResetError, ConnectionError):
             ctx.kill()
             log.debug("response %s: client went away", run.id)
         finally:
+            if pending is not None:  # a write failed while the next delta was being awaited
+                await pending.abandon()
             await stream.aclose()
         return resp, ok
-
-
-async def _write(write: Any, data: bytes) -> None:
-    if data:  # a delta may make no event (an empty arguments fragment of a call)
-        await write(data)
 
 
 async def _deltas(chunks: AsyncIterator[Any], run: _Run, ctx: Context,
