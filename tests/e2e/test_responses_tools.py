@@ -125,6 +125,16 @@ def test_agent_loop_streaming(client: openai.OpenAI):
     assert second[-1].response.output_text == FINAL
 
 
+def test_the_sdks_stream_helper_accumulates_our_events(client: openai.OpenAI):
+    """``client.responses.stream`` rebuilds the response from the events as they come, and checks them."""
+    with client.responses.stream(model=MODEL, input=QUESTION, tools=TOOLS) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    call = check_first_turn(final.output)
+    assert final.output_text == "Let me check.\n" and call.name == "get_weather"
+
+
 def test_tool_choice_none_and_a_named_function(client: openai.OpenAI):
     r = client.responses.create(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice="none")
     assert r.output_text == "No tools here." and [i.type for i in r.output] == ["message"]
