@@ -42,15 +42,20 @@ class VllmEmbeddingEngine:
         self.core = VllmEngine(cfg, card, extra, extra_path, pooling=True)
         self.tokenizer = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
         self._ids = itertools.count()
-        self._params: Any = None  # vLLM's PoolingParams class, once started
+        self._params: Any = None  # vLLM's PoolingParams, VLLMClientError and tokens_input, once started
+        self._client_error: Any = None
+        self._tokens_input: Any = None
 
     async def start(self) -> None:
         await self.core.start()
         if self.core.llm is None:  # a follower node of a multi-node engine serves nothing itself
             return
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+
         from vllm import PoolingParams
 
-        self._params = PoolingParams
+        self._params, self._client_error, self._tokens_input = PoolingParams, VLLMClientError, tokens_input
         tasks = await self.core.llm.get_supported_tasks()
         if "embed" not in tasks:
             await self.core.close()
@@ -77,19 +82,22 @@ class VllmEmbeddingEngine:
                                    param="input")
             token_lists.append(ids)
         base = f"{ctx.id}-{next(self._ids)}"
-        vectors = await asyncio.gather(*(self._one(llm, ids, params, f"{base}-{i}")
-                                         for i, ids in enumerate(token_lists)))
+        tasks = [asyncio.ensure_future(self._one(llm, ids, params, f"{base}-{i}")) for i, ids in enumerate(token_lists)]
+        try:
+            vectors = await asyncio.gather(*tasks)
+        except BaseException:  # one input failed (or we were cancelled): the others stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return Embeddings(list(vectors), sum(len(ids) for ids in token_lists))
 
     async def _one(self, llm: Any, ids: list[int], params: Any, rid: str) -> list[float]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.inputs.engine import tokens_input
-
         final = None
         try:  # a client that goes away cancels us; vLLM's encode aborts the request then
-            async for out in llm.encode(tokens_input(ids), params, rid):
+            async for out in llm.encode(self._tokens_input(ids), params, rid):
                 final = out
-        except VLLMClientError as e:  # the request itself: dimensions this model does not have, ...
+        except self._client_error as e:  # the request itself: dimensions this model does not have, ...
             param = getattr(e, "parameter", None) or ("dimensions" if params.dimensions is not None else None)
             raise RequestError(f"vLLM rejected the request: {one_line(e)}", param=param) from None
         except Exception as e:  # EngineDeadError, EngineGenerateError
