@@ -235,6 +235,25 @@ def raw_decode(gguf: Path, batches: list[int], threads: list[int], reps: int = 3
 
 # ----------------------------------------------------------------------------- servers
 
+def wait_quiet(threshold: float, max_wait: float) -> float:
+    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy (the
+    machine is shared: a run taken while others hold the cores measures the scheduler, not the server)."""
+    deadline = time.monotonic() + max_wait
+    busy = _busy()
+    while busy > threshold and time.monotonic() < deadline:
+        print(f"  (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
+        time.sleep(3)
+        busy = _busy()
+    return busy
+
+
+def _busy(seconds: float = 2.0) -> float:
+    b0, t0 = loadgen.machine_cpu()
+    time.sleep(seconds)
+    b1, t1 = loadgen.machine_cpu()
+    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
 class Server(echo_compare.Server):
     """echo_compare's subprocess handling; readiness = /v1/models answers 200 (any model)."""
 
@@ -374,9 +393,23 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
             d = Done(job.index, job.prompt_index, t0)
             out.append(d)
             try:
-                if proto is None or proto.lost:
+                reused = proto is not None and not proto.lost
+                if not reused:
                     _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
-                status = await asyncio.wait_for(proto.start(job.request, st), timeout)
+                try:
+                    status = await asyncio.wait_for(proto.start(job.request, st), timeout)
+                except ConnectionError:
+                    # llama-server announces keep-alive but closes the connection after a stream; a reused
+                    # connection that closes before any byte of the answer is retried once on a fresh one
+                    # (as HTTP clients do), timed from the retry
+                    if not reused or proto.status:
+                        raise
+                    proto.transport.close()
+                    d.extra["reconnected"] = True
+                    t0 = d.t_start = time.perf_counter()
+                    st = Stream(t0)
+                    _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
+                    status = await asyncio.wait_for(proto.start(job.request, st), timeout)
             except (OSError, ConnectionError, asyncio.TimeoutError) as e:
                 d.error = f"{type(e).__name__}: {e}"
                 if proto is not None:
@@ -443,6 +476,7 @@ async def run_level(srv: Server, concurrency: int, n_requests: int, max_tokens: 
         "requests": n_requests,
         "requests_ok": len(ok),
         "errors": [d.error for d in done if d.error],
+        "reconnects": sum(1 for d in done if d.extra.get("reconnected")),
         "elapsed_s": elapsed,
         "tokens": tokens,
         "chunks": sum(d.chunks for d in ok),
@@ -657,6 +691,10 @@ def main() -> None:
                     help="run each server this many times, alternating (ours, theirs, ours, ...); the table "
                          "shows medians: use it on a busy machine")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    ap.add_argument("--quiet", type=float, default=1.0, metavar="SHARE",
+                    help="before each server run, wait until other work leaves the machine at most this busy "
+                         "(e.g. 0.3; default 1: do not wait); the share seen is recorded with the run")
+    ap.add_argument("--quiet-max-wait", type=float, default=300.0, help="give up waiting after this many seconds")
     ap.add_argument("--no-raw", action="store_true",
                     help="skip the in-process llama_decode ceiling measurement (about 15 s, after the servers)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
@@ -725,12 +763,14 @@ def main() -> None:
         for name, build, no_eos, env in servers:
             print(f"\n== {name}" + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + f": {shlex.join(build(0, ''))}", flush=True)
+            busy = wait_quiet(args.quiet, args.quiet_max_wait) if args.quiet < 1 else None
             try:
                 run = run_server(name, build, gguf, levels, args.max_tokens, args.rounds, no_eos, args.timeout,
                                  RESULTS / f"server-llamacpp-{name}-{stamp}.log", env)
             except echo_compare.ServerError as e:
                 print(f"  FAILED: {e}", flush=True)
                 run = {"error": str(e)}
+            run["machine_busy_before"] = busy
             results[name]["runs"].append(run)
     summary = {name: summarize(r["runs"], levels) for name, r in results.items()}
     for name, sm in summary.items():

@@ -271,3 +271,44 @@ def test_batch_tuner_chooses_per_batch_size() -> None:
     assert tuner.tuner(1).current == 1 and tuner.tuner(8).current == 2
     # a size class never timed before starts from the nearest smaller one that was
     assert tuner.threads(40) == 2
+
+
+def _one_thread_for_single_tokens(tuner: BatchThreadTuner, clock: _Clock) -> None:
+    """Decode one token per step until the tuner settles on 1 thread (a second one does not help there)."""
+    for _ in range(200):
+        n = tuner.threads(1)
+        dt = {1: 0.0066, 2: 0.0064}[n]
+        clock.t += dt
+        tuner.record(n, 1, dt)
+    assert tuner.tuner(1).current == 1
+
+
+def test_prompt_steps_start_with_every_idle_core() -> None:
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0)
+    _one_thread_for_single_tokens(tuner, clock)
+    # a 30-token prompt: its class was never timed; the cores are idle, so it gets both threads, though the
+    # one-token class it would otherwise follow chose one
+    assert tuner.threads(30) == 2
+
+
+def test_prompt_steps_follow_the_smaller_class_on_busy_cores() -> None:
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 0.1)
+    _one_thread_for_single_tokens(tuner, clock)
+    assert tuner.threads(30) == 1
+
+
+def test_prompt_steps_started_wide_still_tune_themselves() -> None:
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0)
+    cost = {1: 0.004, 2: 0.040}  # per token: two threads collapse (the machine got busy meanwhile)
+    used = []
+    for _ in range(200):
+        n = tuner.threads(30)
+        used.append(n)
+        dt = cost[n] * 30
+        clock.t += dt
+        tuner.record(n, 30, dt)
+    assert used[0] == 2 and tuner.tuner(30).current == 1
+    assert used[-100:].count(2) <= 2
