@@ -710,7 +710,9 @@ def main() -> None:
     eog = eog_tokens(gguf)
     servers: list[tuple[str, Callable[[int, str], list[str]], dict[str, Any], dict[str, str]]] = []
     if args.only in (None, OURS):
-        servers.append((OURS, ours_cmd(gguf, args.ours_args), {"ignore_eos": True}, {}))
+        # this checkout's code, whatever the virtualenv has installed (a worktree may share another's venv)
+        src = str(REPO / "src") + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+        servers.append((OURS, ours_cmd(gguf, args.ours_args), {"ignore_eos": True}, {"PYTHONPATH": src}))
     if args.only == ANCHOR or (args.only is None and args.llama_server is not None):
         exe = args.llama_server
         if exe is None or not os.access(exe, os.X_OK):

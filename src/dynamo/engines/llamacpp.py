@@ -125,20 +125,26 @@ class ThreadTuner:
 
     ``idle()`` (optional) returns how many cores the machine left idle recently; a probe with more
     threads is skipped (and looked at again after ``min_gap``) unless ``idle_per_thread`` idle cores per
-    extra thread are there: on a saturated machine such probes only cost a slow step.  Per-token costs
-    are compared only between steps of similar size (see :class:`BatchThreadTuner`).
+    extra thread are there: on a saturated machine such probes often cost a slow step.  Not always, so
+    the ``force_after``-th skip in a row probes anyway (a failed one still doubles the gap): when other
+    processes keep the cores busy, each of our threads gets its share of them, and two threads were
+    measured about 3x faster than one at one token per step (llama-server's 11.3 ms per token against
+    our 31 ms at load average 5.5; docs/performance.md), while at load average 10 two threads were 18x
+    slower.  Only a measurement tells which case this is.  Per-token costs are compared only between
+    steps of similar size (see :class:`BatchThreadTuner`).
     """
 
     def __init__(self, candidates: list[int], *, start: int | None = None, window: int = 8, probe_steps: int = 4,
                  margin: float = 0.9, abort: float = 2.0, degrade: float = 1.6, min_gap: float = 1.0,
-                 max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25,
+                 max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25, force_after: int = 4,
                  clock: Any = time.monotonic):
         self.candidates = sorted(set(candidates))
         self.current = start if start is not None else self.candidates[0]
         self.window, self.probe_steps, self.margin, self.abort = window, probe_steps, margin, abort
         self.degrade, self.min_gap, self.max_gap = degrade, min_gap, max_gap
-        self.idle, self.idle_per_thread = idle, idle_per_thread
+        self.idle, self.idle_per_thread, self.force_after = idle, idle_per_thread, force_after
         self.skipped = 0
+        self._skips_in_row = 0
         self.clock = clock
         self.recent: deque[float] = deque(maxlen=window)
         self.baseline: float | None = None
@@ -164,11 +170,14 @@ class ThreadTuner:
             self._turn += 1
             if alt > self.current and self.idle is not None:
                 idle = self.idle()
-                if idle is not None and idle < self.idle_per_thread * (alt - self.current):
+                if idle is not None and idle < self.idle_per_thread * (alt - self.current) \
+                        and self._skips_in_row + 1 < self.force_after:
                     self.skipped += 1
+                    self._skips_in_row += 1
                     self.next_probe = max(self.next_probe, now + self.min_gap)
                     self.last_change = now
                     return self.current
+            self._skips_in_row = 0
             self.probing = alt
             self.probe = []
             return self.probing
