@@ -127,10 +127,10 @@ class ThreadTuner:
     threads is skipped (and looked at again after ``min_gap``) unless ``idle_per_thread`` idle cores per
     extra thread are there: on a saturated machine such probes often cost a slow step.  Not always, so
     the ``force_after``-th skip in a row probes anyway (a failed one still doubles the gap): when other
-    processes keep the cores busy, each of our threads gets its share of them, and two threads were
-    measured about 3x faster than one at one token per step (llama-server's 11.3 ms per token against
-    our 31 ms at load average 5.5; docs/performance.md), while at load average 10 two threads were 18x
-    slower.  Only a measurement tells which case this is.  Per-token costs are compared only between
+    processes keep the cores busy, each of our threads gets its share of them: llama-server's two
+    threads made 11.3 ms per token where our one made 31 ms, minutes apart at load average 5 to 6
+    (docs/performance.md), while at load average 10, beside multi-threaded jobs, two threads were 18x
+    slower than one.  Only a measurement tells which case this is.  Per-token costs are compared only between
     steps of similar size (see :class:`BatchThreadTuner`).
     """
 
