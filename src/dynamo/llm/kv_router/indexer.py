@@ -22,6 +22,12 @@ Differences from the original, on purpose:
 * An engine that evicted a parent block before its children, and stores the parent again, has its
   children count again at once: they are keyed by content, not by a place in a tree.
 
+Lower tiers.  Blocks a worker offloaded to host memory or disk (events with a ``storage_tier``,
+protocols.py) go to one more index per tier, never into the device index: ``find_matches`` stays the
+resident prefix, and :meth:`KvIndexer.find_lower_matches` says, per tier, how far a worker's prefix
+reaches when that tier's blocks (and the nearer tiers') are counted too.  The router prices the
+difference (docs/routing.md, "Offloaded blocks").
+
 ``ApproxKvIndexer`` (``--use-kv-events false``) has no events: after each routing decision it assumes
 the request's blocks are cached on the chosen worker for a TTL (120 s), refreshed by each decision that
 reuses them, and expired lazily on the next call (or by an explicit :meth:`ApproxKvIndexer.expire`).
@@ -39,7 +45,7 @@ import msgspec
 import xxhash
 
 from dynamo.llm.kv_router.hashing import KV_HASH_SEED, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import EventError, KvEvent, parse_kv_event
+from dynamo.llm.kv_router.protocols import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +246,13 @@ class RadixTree:
                 scores[w] = depth
         return scores
 
+    def holders(self, seq_hash: int) -> list[WorkerId]:
+        """The workers holding the block named ``seq_hash``."""
+        mask = self._holders.get(seq_hash)
+        if mask is None:
+            return []
+        return self._workers_in(1 << ~mask if mask < 0 else mask)
+
     def workers(self) -> list[WorkerId]:
         return list(self._lookup)
 
@@ -255,9 +268,18 @@ class KvIndexer:
     """The event-driven indexer: apply the workers' KV events, answer overlap queries."""
 
     def __init__(self) -> None:
-        self.tree = RadixTree()
+        self.tree = RadixTree()  # the device tier: blocks in the engines' own KV caches
+        self.lower: dict[str, RadixTree] = {}  # host_pinned, disk: restorable blocks, made on first use
         self.events_applied = 0
         self.events_rejected = 0
+
+    def tier_tree(self, tier: str) -> RadixTree:
+        if tier == DEVICE:
+            return self.tree
+        tree = self.lower.get(tier)
+        if tree is None:
+            tree = self.lower[tier] = RadixTree()
+        return tree
 
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
         """Apply one wrapped KV event (parsed or raw JSON).  Bad events are logged and skipped (False).
@@ -270,22 +292,27 @@ class KvIndexer:
                 wire = _decode_wire(event)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 wire = None
-            if wire is not None:
+            if wire is not None and wire.event.medium is None and (wire.storage_tier is None
+                                                                  or wire.storage_tier in LOWER_TIERS):
                 data = wire.event.data
+                tree = self.tree if wire.storage_tier is None else self.tier_tree(wire.storage_tier)
                 if isinstance(data, str):
                     if data == "cleared":
-                        self.tree.remove_worker(wire.worker_id)
+                        if wire.storage_tier is None:
+                            self.remove_worker(wire.worker_id)
+                        else:
+                            tree.remove_worker(wire.worker_id)
                         self.events_applied += 1
                         return True
                 elif data.stored is not None and data.removed is None:
                     try:
-                        ok = self.tree.apply_stored(wire.worker_id, data.stored.parent_hash, data.stored.blocks)
+                        ok = tree.apply_stored(wire.worker_id, data.stored.parent_hash, data.stored.blocks)
                     except struct.error:  # a hash beyond u64 (msgspec checks only the lower bound)
                         log.warning("undecodable KV event skipped: a block hash does not fit in 64 bits")
                         ok = False
                     return self._count(ok)
                 elif data.removed is not None and data.stored is None:
-                    self.tree.apply_removed(wire.worker_id, data.removed.block_hashes)
+                    tree.apply_removed(wire.worker_id, data.removed.block_hashes)
                     self.events_applied += 1
                     return True
         if not isinstance(event, KvEvent):
@@ -296,12 +323,15 @@ class KvIndexer:
                 log.warning("undecodable KV event skipped: %s", e)
                 return False
         ok = True
+        tree = self.tier_tree(event.tier or DEVICE)
         if event.kind == "stored":
-            ok = self.tree.apply_stored(event.worker_id, event.parent_hash, event.blocks)
+            ok = tree.apply_stored(event.worker_id, event.parent_hash, event.blocks)
         elif event.kind == "removed":
-            self.tree.apply_removed(event.worker_id, event.block_hashes)
+            tree.apply_removed(event.worker_id, event.block_hashes)
+        elif event.tier is None:
+            self.remove_worker(event.worker_id)
         else:
-            self.tree.remove_worker(event.worker_id)
+            tree.remove_worker(event.worker_id)
         return self._count(ok)
 
     def _count(self, ok: bool) -> bool:
@@ -314,8 +344,46 @@ class KvIndexer:
     def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
         return self.tree.find_matches(local_hashes, seq_hashes)
 
+    def find_lower_matches(self, seq_hashes: Sequence[int]) -> dict[str, OverlapScores]:
+        """Per lower tier (nearest first), each worker's contiguous prefix of ``seq_hashes`` counting the
+        blocks it holds on the device *or* in that tier or a nearer one (only workers with > 0).  Empty
+        when no worker announced offloaded blocks: then nothing here costs anything."""
+        levels = [self.tree]
+        out: dict[str, OverlapScores] = {}
+        for tier in LOWER_TIERS:
+            tree = self.lower.get(tier)
+            if tree is None or not tree.node_count():
+                continue
+            levels.append(tree)
+            out[tier] = _union_prefix(levels, seq_hashes)
+        return out
+
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)
+        for tree in self.lower.values():
+            tree.remove_worker(worker)
+
+
+def _union_prefix(trees: Sequence[RadixTree], seq_hashes: Sequence[int]) -> OverlapScores:
+    """Each worker's contiguous prefix of blocks held in any of ``trees``: a few sets per block, for the
+    rare query that has offloaded blocks to consider (workers are few next to blocks)."""
+    scores: OverlapScores = {}
+    active: set[WorkerId] = set()
+    for depth, s in enumerate(seq_hashes):
+        held: set[WorkerId] = set()
+        for tree in trees:
+            held.update(tree.holders(s))
+        if depth == 0:
+            active = held
+        else:
+            for w in active - held:
+                scores[w] = depth
+            active &= held
+        if not active:
+            return scores
+    for w in active:
+        scores[w] = len(seq_hashes)
+    return scores
 
 
 # The wire shape of a KV event (protocols.py), for msgspec's typed JSON decoding.  Hashes must be u64 here;
@@ -345,11 +413,13 @@ class _WireData(msgspec.Struct, gc=False, forbid_unknown_fields=True):
 class _WireEvent(msgspec.Struct, gc=False):
     data: _WireData | str
     event_id: _U64 = 0
+    medium: str | None = None  # vLLM's spelling of the tier: parsed by parse_kv_event
 
 
 class _WireKvEvent(msgspec.Struct, gc=False):
     worker_id: int
     event: _WireEvent
+    storage_tier: str | None = None  # only our canonical names take the fast path; others are parsed
 
 
 _decode_wire = msgspec.json.Decoder(_WireKvEvent).decode

@@ -2,7 +2,14 @@
 
 KV event (published by a worker on ``namespace.<ns>.component.<comp>.kv_events``)::
 
-    {"worker_id": <i64>, "event": {"event_id": <u64>, "data": <data>}}
+    {"worker_id": <i64>, "event": {"event_id": <u64>, "data": <data>}, "storage_tier": <tier>}
+
+``storage_tier`` (Dynamo's RouterEvent field) says where the blocks are: ``"device"`` (absent: the
+engine's own KV cache, the only tier before offloading), ``"host_pinned"`` (host memory) or ``"disk"``.
+Blocks in a lower tier are *restorable*, not resident: the router credits them less (docs/routing.md).
+vLLM's ``medium`` spellings (``GPU``, ``CPU``, ``CPU_PINNED``, ``CPU_TIER2``, ``DISK``...) are accepted
+for the same field; an unknown tier makes the event invalid (never silently counted as resident).
+``"cleared"`` without a tier clears every tier of that worker (it restarted); with one, that tier only.
 
     data = {"stored": {"parent_hash": <u64|null>, "blocks": [{"block_hash": <u64>, "tokens_hash": <u64>}, ...]}}
          | {"removed": {"block_hashes": [<u64>, ...]}}
@@ -46,9 +53,33 @@ def removed_data(block_hashes: Iterable[int]) -> dict[str, Any]:
 
 CLEARED_DATA = "cleared"
 
+DEVICE = "device"
+HOST = "host_pinned"
+DISK = "disk"
+# the tiers below the device, nearest first (the order restorable prefixes are extended in)
+LOWER_TIERS = (HOST, DISK)
+_TIER_NAMES = {
+    "device": DEVICE, "gpu": DEVICE, "xpu": DEVICE,
+    "host_pinned": HOST, "cpu": HOST, "cpu_pinned": HOST, "cpu_tier1": HOST, "host": HOST,
+    "disk": DISK, "cpu_tier2": DISK, "nvme": DISK, "storage": DISK,
+}
 
-def kv_event(worker_id: int, event_id: int, data: Any) -> dict[str, Any]:
-    return {"worker_id": worker_id, "event": {"event_id": event_id, "data": data}}
+
+def parse_tier(value: Any) -> str:
+    """A tier name (``storage_tier`` or vLLM's ``medium``) to one of DEVICE, HOST, DISK; None is DEVICE."""
+    if value is None:
+        return DEVICE
+    tier = _TIER_NAMES.get(value.lower()) if isinstance(value, str) else None
+    if tier is None:
+        raise EventError(f"unknown storage tier {value!r}; known: device, host_pinned, disk")
+    return tier
+
+
+def kv_event(worker_id: int, event_id: int, data: Any, tier: str = DEVICE) -> dict[str, Any]:
+    event: dict[str, Any] = {"worker_id": worker_id, "event": {"event_id": event_id, "data": data}}
+    if tier != DEVICE:  # absent means device: what every consumer before tiers expects
+        event["storage_tier"] = tier
+    return event
 
 
 # -- parsing (router side) ---------------------------------------------------------------------------
@@ -69,6 +100,7 @@ class KvEvent:
     parent_hash: int | None = None
     blocks: tuple[StoredBlock, ...] = ()
     block_hashes: tuple[int, ...] = ()
+    tier: str | None = None  # DEVICE, HOST or DISK; None only for a ``cleared`` of every tier
 
 
 def _u64(value: Any, what: str) -> int:
@@ -95,9 +127,11 @@ def parse_kv_event(raw: bytes | str | dict[str, Any]) -> KvEvent:
         raise EventError("missing 'event' object")
     event_id = event.get("event_id", 0)
     event_id = _u64(event_id, "event_id")
+    raw_tier = raw.get("storage_tier", event.get("medium"))
+    tier = parse_tier(raw_tier)
     data = event.get("data")
     if data == "cleared" or (isinstance(data, dict) and "cleared" in data):
-        return KvEvent(worker_id, event_id, "cleared")
+        return KvEvent(worker_id, event_id, "cleared", tier=None if raw_tier is None else tier)
     if not isinstance(data, dict) or len(data) != 1:
         raise EventError(f"event data must be {{'stored': ...}}, {{'removed': ...}} or 'cleared', got {data!r}")
     (kind, body), = data.items()
@@ -118,10 +152,10 @@ def parse_kv_event(raw: bytes | str | dict[str, Any]) -> KvEvent:
             if type(bh) is not int or type(th) is not int or bh < 0 or th < 0 or bh > MASK64 or th > MASK64:
                 bh, th = _u64(bh, "block_hash"), _u64(th, "tokens_hash")
             blocks.append(StoredBlock(bh, th))
-        return KvEvent(worker_id, event_id, "stored", parent_hash=parent, blocks=tuple(blocks))
+        return KvEvent(worker_id, event_id, "stored", parent_hash=parent, blocks=tuple(blocks), tier=tier)
     if kind == "removed":
         hashes = body.get("block_hashes")
         if not isinstance(hashes, list):
             raise EventError("removed.block_hashes must be a list")
-        return KvEvent(worker_id, event_id, "removed", block_hashes=tuple(_u64(h, "block_hash") for h in hashes))
+        return KvEvent(worker_id, event_id, "removed", block_hashes=tuple(_u64(h, "block_hash") for h in hashes), tier=tier)
     raise EventError(f"unknown event kind {kind!r}")

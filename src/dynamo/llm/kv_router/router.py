@@ -23,13 +23,21 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
 from dynamo.llm.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
-from dynamo.llm.kv_router.protocols import EventError, KvEvent, StoredBlock, parse_kv_event
+from dynamo.llm.kv_router.protocols import (
+    DISK,
+    HOST,
+    LOWER_TIERS,
+    EventError,
+    KvEvent,
+    StoredBlock,
+    parse_kv_event,
+)
 from dynamo.llm.kv_router.publisher import Publisher, emit
 from dynamo.llm.kv_router.scheduler import (
     FAST_PICK_MIN_WORKERS,
@@ -45,6 +53,9 @@ log = logging.getLogger(__name__)
 
 WorkerId = int
 DEFAULT_PEER_TTL_S = 10.0
+# An offloaded block saves this fraction of a resident block's prefill (docs/decisions.md): restoring
+# costs something (a copy back, a read and a checksum), and the entry may be gone when the request comes.
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {HOST: 0.8, DISK: 0.5}
 
 
 class RoutingDecision(NamedTuple):
@@ -60,13 +71,18 @@ class KvRouter:
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic,
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
-                 router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S):
+                 router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
+                 tier_weights: Mapping[str, float] | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
             raise ValueError("overlap_score_weight must be >= 0")
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        for tier, weight in self.tier_weights.items():
+            if tier not in LOWER_TIERS or not 0 <= weight <= 1:
+                raise ValueError(f"tier weight {tier}={weight}: tiers are {LOWER_TIERS}, weights 0..1")
         self.block_size = block_size
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
@@ -99,7 +115,16 @@ class KvRouter:
         chosen worker until :meth:`on_finished`; without it the call is a pure query.  ``hashes``: the
         prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
         prompt, so that hashing does not hold the event loop)."""
-        many = self.temperature <= 0 and isinstance(workers, (list, tuple, set, frozenset)) \
+        if hashes is None:
+            local = compute_block_hashes(token_ids, self.block_size)
+            seq = compute_seq_hashes(local)
+        else:
+            local, seq = hashes
+        overlaps = self.indexer.find_matches(local, seq)
+        restorable = self._restorable(seq, overlaps)
+        # offloaded blocks of this prompt somewhere: the full pass, which prices them (the fast pick
+        # only knows resident overlaps)
+        many = self.temperature <= 0 and not restorable and isinstance(workers, (list, tuple, set, frozenset)) \
             and len(workers) >= FAST_PICK_MIN_WORKERS
         # the fast pick works on a set; the full pass keeps the callers' order (duplicates dropped)
         candidates: Any = set(workers) if many else list(dict.fromkeys(workers))
@@ -107,12 +132,6 @@ class KvRouter:
             raise ValueError("no workers to route to")
         if self._peer_seen:
             self.expire_peers()
-        if hashes is None:
-            local = compute_block_hashes(token_ids, self.block_size)
-            seq = compute_seq_hashes(local)
-        else:
-            local, seq = hashes
-        overlaps = self.indexer.find_matches(local, seq)
         blocks = self._request_blocks(seq, len(token_ids))
         costs: Sequence[WorkerCost]
         if many:
@@ -127,7 +146,7 @@ class KvRouter:
                 costs = [*costs, choice]
         else:
             costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
-                                  self.overlap_score_weight, self.trackers)
+                                  self.overlap_score_weight, self.trackers, restorable)
             choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
@@ -137,6 +156,9 @@ class KvRouter:
                       {f"{c.worker_id:x}": c.overlap_blocks for c in costs},
                       "" if len(costs) == len(candidates) else
                       f" ({len(candidates) - len(costs)} other workers hold none of the prompt)")
+            if restorable:
+                log.debug("kv route: restorable (weighted blocks) %s",
+                          {f"{w:x}": round(v, 2) for w, v in restorable.items()})
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
         if request_id is not None:
@@ -209,20 +231,11 @@ class KvRouter:
         pending = self._resync.pop(worker_id, [])
         if isinstance(self.indexer, ApproxKvIndexer):
             return 0
-        tree = self.indexer.tree
-        tree.remove_worker(worker_id)
-        n = 0
-        chain: list[StoredBlock] = []
-        chain_parent: int | None = None
-        for h, tokens_hash, parent in dump.get("blocks") or ():
-            if chain and parent == chain[-1].block_hash:
-                chain.append(StoredBlock(int(h), int(tokens_hash)))
-                continue
-            if chain:
-                n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
-            chain, chain_parent = [StoredBlock(int(h), int(tokens_hash))], parent
-        if chain:
-            n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+        self.indexer.remove_worker(worker_id)
+        n = _apply_chains(self.indexer.tree, worker_id, dump.get("blocks") or ())
+        for tier, blocks in (dump.get("tiers") or {}).items():
+            if tier in LOWER_TIERS:
+                n += _apply_chains(self.indexer.tier_tree(tier), worker_id, blocks)
         last = dump.get("last_event_id")
         if last is not None:
             self._dumped_upto[worker_id] = int(last)
@@ -323,7 +336,33 @@ class KvRouter:
         return {"active_blocks": t.active_blocks, "active_tokens": t.active_tokens,
                 "active_requests": len(t.requests)}
 
+    def restorable(self, token_ids: Sequence[int]) -> dict[WorkerId, float]:
+        """Per worker, the weighted blocks of ``token_ids`` it could restore from a lower tier beyond its
+        resident prefix (what :meth:`select` credits)."""
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        return self._restorable(seq, self.indexer.find_matches([], seq))
+
     # -- internals -----------------------------------------------------------------------------
+    def _restorable(self, seq: Sequence[int], overlaps: OverlapScores) -> dict[WorkerId, float]:
+        """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
+        weight (a block reachable through host memory is priced as host, through disk as disk)."""
+        find = getattr(self.indexer, "find_lower_matches", None)
+        lower = find(seq) if find is not None else None
+        if not lower:
+            return {}
+        credit: dict[WorkerId, float] = {}
+        for w in set().union(*(scores.keys() for scores in lower.values())):
+            reached = overlaps.get(w, 0)
+            c = 0.0
+            for tier in LOWER_TIERS:
+                n = lower.get(tier, {}).get(w, 0)
+                if n > reached:
+                    c += self.tier_weights.get(tier, 0.0) * (n - reached)
+                    reached = n
+            if c > 0:
+                credit[w] = c
+        return credit
+
     def _request_blocks(self, seq_hashes: list[int], isl: int) -> list[int]:
         if isl % self.block_size:
             # the partial tail is private to the request: a random name nobody else will share
@@ -372,3 +411,21 @@ class KvRouter:
 
     def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
         return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}
+
+
+def _apply_chains(tree: Any, worker_id: WorkerId, rows: Iterable[Sequence[Any]]) -> int:
+    """Store a dump's ``[block_hash, tokens_hash, parent]`` rows (parents first) in ``tree``, one
+    ``apply_stored`` per chain; returns the blocks applied."""
+    n = 0
+    chain: list[StoredBlock] = []
+    chain_parent: int | None = None
+    for h, tokens_hash, parent in rows:
+        if chain and parent == chain[-1].block_hash:
+            chain.append(StoredBlock(int(h), int(tokens_hash)))
+            continue
+        if chain:
+            n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+        chain, chain_parent = [StoredBlock(int(h), int(tokens_hash))], parent
+    if chain:
+        n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+    return n

@@ -12,6 +12,10 @@ For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on wor
     decode_blocks_w  = |request blocks not already active on w| + active_blocks_w
     logit_w          = overlap_score_weight * prefill_tokens_w / block_size + decode_blocks_w
 
+Offloaded blocks (docs/routing.md): ``r_w``, the blocks past ``o_w`` that worker ``w`` can restore from
+host memory or disk, each weighted by its tier (``KvRouter.tier_weights``), also come off the prefill:
+``prefill_tokens_w = (isl - (o_w + r_w) * block_size) + active_tokens_w``.
+
 Lower is better.  Temperature 0 picks the minimum, breaking ties uniformly at random; a temperature
 T > 0 samples from a softmax of the negated, range-normalised logits divided by T.
 
@@ -175,8 +179,10 @@ class CostTable(Sequence[WorkerCost]):
 
 def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
                   isl: int, block_size: int, overlap_score_weight: float,
-                  trackers: Mapping[WorkerId, ActiveSequences]) -> CostTable:
+                  trackers: Mapping[WorkerId, ActiveSequences],
+                  restorable: Mapping[WorkerId, float] | None = None) -> CostTable:
     """The cost of each worker; ``request_blocks`` must be prefix-closed (a request's blocks are).
+    ``restorable``: weighted offloaded blocks per worker, beyond its resident prefix (None: no worker has any).
 
     One plain loop that reads two numbers and a tiny dict per worker, and builds no object per worker:
     with 1,000 workers it is most of a decision."""
@@ -190,8 +196,11 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
     scale = overlap_score_weight / block_size
     workers = workers if isinstance(workers, (list, tuple)) else list(workers)
     hint = 0
+    get_restorable = restorable.get if restorable else None
     for w in workers:
         prefill = isl - get_overlap(w, 0) * block_size
+        if get_restorable is not None:
+            prefill -= int(get_restorable(w, 0.0) * block_size)
         if prefill < 0:
             prefill = 0
         seqs = get_tracker(w)

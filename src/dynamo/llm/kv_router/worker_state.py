@@ -6,6 +6,9 @@ hands it to the publisher, and keeps the blocks the events describe.  That recor
 has just started (or lost its NATS connection) asks for with the ``kv_state`` query, instead of staying
 blind until new events happen to cover the cache (:meth:`dump`, applied by ``KvRouter.apply_dump``).
 
+Blocks offloaded to a lower tier (host memory, disk: ``tier``) are numbered in the same sequence and kept
+apart per tier; the dump carries them under ``tiers``.
+
 Call it from one thread (the worker's event loop): the dump is consistent with the events published so
 far because both happen there, and ``last_event_id`` says which events it already includes.
 """
@@ -17,7 +20,7 @@ import random
 from typing import Any
 
 from dynamo.llm.kv_router.hashing import MASK64
-from dynamo.llm.kv_router.protocols import kv_event
+from dynamo.llm.kv_router.protocols import DEVICE, kv_event
 from dynamo.llm.kv_router.publisher import Publisher, emit
 
 
@@ -30,41 +33,56 @@ class WorkerKvState:
         self.last_event_id: int | None = None
         # block_hash -> (tokens_hash, parent block_hash or None), in the order the blocks were stored
         self.blocks: dict[int, tuple[int, int | None]] = {}
+        self.lower: dict[str, dict[int, tuple[int, int | None]]] = {}  # tier -> its blocks, as ``blocks``
 
-    def send(self, data: Any) -> dict[str, Any]:
-        """Record one event's data and publish it, wrapped; returns the wrapped event."""
+    def send(self, data: Any, tier: str = DEVICE) -> dict[str, Any]:
+        """Record one event's data (of ``tier``) and publish it, wrapped; returns the wrapped event."""
         event_id = next(self._ids) & MASK64
         self.last_event_id = event_id
+        blocks = self.blocks if tier == DEVICE else self.lower.setdefault(tier, {})
         if data == "cleared":
-            self.blocks.clear()
+            blocks.clear()
+            if tier == DEVICE:  # a cleared device is a restarted cache: every tier goes
+                self.lower.clear()
         elif "stored" in data:
             body = data["stored"]
             parent = body.get("parent_hash")
             for b in body["blocks"]:
-                self.blocks[b["block_hash"]] = (b["tokens_hash"], parent)
+                blocks[b["block_hash"]] = (b["tokens_hash"], parent)
                 parent = b["block_hash"]
         elif "removed" in data:
             for h in data["removed"]["block_hashes"]:
-                self.blocks.pop(h, None)
-        event = kv_event(self.worker_id, event_id, data)
+                blocks.pop(h, None)
+        # a device ``cleared`` goes out without a tier: every tier of this worker is void
+        event = kv_event(self.worker_id, event_id, data, tier)
         emit(self.publish, event, "KV event")
         return event
 
     def dump(self) -> dict[str, Any]:
         """Every block this worker holds, parents before children:
-        ``{"worker_id", "last_event_id", "blocks": [[block_hash, tokens_hash, parent_hash | None], ...]}``.
+        ``{"worker_id", "last_event_id", "blocks": [[block_hash, tokens_hash, parent_hash | None], ...],
+        "tiers": {tier: [...same shape...]}}`` (``tiers`` only when a lower tier holds blocks).
 
         A block whose parent is no longer held is left out: no prefix can reach it, and a router would
         reject it (unknown parent) anyway.
         """
-        children: dict[int | None, list[int]] = {}
-        for h, (_, parent) in self.blocks.items():
-            children.setdefault(parent, []).append(h)
-        out: list[list[int | None]] = []
-        stack = list(reversed(children.get(None, [])))
-        while stack:
-            h = stack.pop()
-            tokens_hash, parent = self.blocks[h]
-            out.append([h, tokens_hash, parent])
-            stack.extend(reversed(children.get(h, [])))
-        return {"worker_id": self.worker_id, "last_event_id": self.last_event_id, "blocks": out}
+        out: dict[str, Any] = {"worker_id": self.worker_id, "last_event_id": self.last_event_id,
+                               "blocks": _chains(self.blocks)}
+        tiers = {t: _chains(b) for t, b in self.lower.items() if b}
+        if tiers:
+            out["tiers"] = tiers
+        return out
+
+
+def _chains(blocks: dict[int, tuple[int, int | None]]) -> list[list[int | None]]:
+    children: dict[int | None, list[int]] = {}
+    for h, (_, parent) in blocks.items():
+        children.setdefault(parent, []).append(h)
+    out: list[list[int | None]] = []
+    stack = list(reversed(children.get(None, [])))
+    while stack:
+        h = stack.pop()
+        tokens_hash, parent = blocks[h]
+        out.append([h, tokens_hash, parent])
+        stack.extend(reversed(children.get(h, [])))
+    return out
