@@ -3,6 +3,7 @@ the host-memory tier (reported as cached prompt tokens) with the same greedy out
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,58 @@ def test_host_tier_is_bounded_lru_and_drops_covered_prefixes():
     t.put([7], b"d" * 40)
     assert t.best([5, 6, 9]) is None and t.best([1, 2, 3, 9]) == ((1, 2, 3, 4), 3) and t.evicted == 1
     assert not t.put([8], b"x" * 101)
+
+
+def _holding(store, prompt: list[int]) -> tuple[int, ...] | None:
+    """The key of ``store`` (host or disk tier) that holds ``prompt``, if any."""
+    return next((k for k in store.keys() if k[:len(prompt)] == tuple(prompt)), None)
+
+
+async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):
+    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.llm.kv_router import KvRouter
+    from dynamo.llm.kv_router.protocols import DISK, HOST
+
+    system = "You answer questions about {} in one short sentence, politely and precisely. " * 6
+    prompts = [chat(tok, system.replace("{}", topic), "What is it?") for topic in ("cats", "ships", "rain", "bread")]
+    # host memory for one saved prefix only: the next one pushes it to disk
+    one_entry_mb = max(len(p) for p in prompts) * 23_100 * 1.5 / (1 << 20)
+    engine = LlamaCppEngine(gguf, context_length=512, block_size=16, args={
+        "n_parallel": 2, "n_threads": 1, "host_cache_mb": one_entry_mb, "disk_cache_mb": 64,
+        "disk_cache_dir": str(tmp_path)})
+    await engine.start()
+    events: list[dict] = []
+    engine.attach(0x5EED, publish_kv_event=events.append)
+    router = KvRouter(block_size=16)
+    try:
+        first = [await ask(engine, p) for p in prompts]
+        assert len(engine.host_tier) == 1 and len(engine.disk_tier) >= 1
+        on_disk = [i for i, p in enumerate(prompts) if _holding(engine.disk_tier, p)]
+        (in_host,) = [i for i, p in enumerate(prompts) if _holding(engine.host_tier, p)]
+        # the router was told where each prefix is: resident, restorable from host memory, from disk
+        await asyncio.sleep(0.1)  # the scheduler thread's last events reach the loop
+        for e in events:
+            assert router.apply_event(e)
+        wid = 0x5EED
+        assert router.find_matches(prompts[3]) == {wid: len(prompts[3]) // 16}  # the last one is resident
+        assert router.restorable(prompts[in_host]) == {
+            wid: pytest.approx(router.tier_weights[HOST] * (len(prompts[in_host]) // 16))}
+        for i in on_disk:
+            assert router.restorable(prompts[i]) == {
+                wid: pytest.approx(router.tier_weights[DISK] * (len(prompts[i]) // 16))}
+        again, cached = await ask(engine, prompts[on_disk[0]])
+        assert engine.disk_tier.restored == 1 and cached >= len(prompts[on_disk[0]]) - 16
+        assert again == first[on_disk[0]][0]
+        assert _holding(engine.host_tier, prompts[on_disk[0]])  # promoted back to host memory
+        # a damaged file falls back to computing the prompt, with the same answer
+        victim = next(i for i, p in enumerate(prompts) if _holding(engine.disk_tier, p) and i != 3)
+        path = engine.disk_tier.path_of(_holding(engine.disk_tier, prompts[victim]))
+        blob = bytearray(path.read_bytes())
+        blob[len(blob) // 2] ^= 0x55
+        path.write_bytes(blob)
+        again1, cached1 = await ask(engine, prompts[victim])
+        assert engine.disk_tier.corrupt == 1 and cached1 < 16 and again1 == first[victim][0]
+        assert engine.disk_tier.restored == 1 and not path.exists()
+    finally:
+        await engine.close()
+    assert list(tmp_path.iterdir()) == []  # the tier's files go with the engine

@@ -43,6 +43,7 @@ import ctypes
 import logging
 import os
 import statistics
+import tempfile
 import threading
 import time
 from collections import deque
@@ -50,13 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from dynamo.engines.kv_disk_tier import DiskKvTier
 from dynamo.engines.kv_host_tier import HostKvTier
 from dynamo.engines.llamacpp_grammar import KINDS as GRAMMAR_KINDS
 from dynamo.engines.llamacpp_grammar import gbnf_for
 from dynamo.engines.slot_blocks import SlotBlocks
 from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
-from dynamo.llm.kv_router.protocols import CLEARED_DATA
+from dynamo.llm.kv_router.protocols import CLEARED_DATA, DEVICE, DISK, HOST
 from dynamo.llm.kv_router.publisher import Publisher, emit
 from dynamo.llm.kv_router.worker_state import WorkerKvState
 from dynamo.llm.model_card import DEFAULT_KV_CACHE_BLOCK_SIZE
@@ -67,7 +69,7 @@ log = logging.getLogger(__name__)
 DEFAULT_N_PARALLEL = 8
 DEFAULT_MAX_CTX_PER_SEQ = 8192
 ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_gpu_layers", "flash_attn",
-               "type_k", "type_v", "seed", "host_cache_mb"}
+               "type_k", "type_v", "seed", "host_cache_mb", "disk_cache_mb", "disk_cache_dir"}
 # KV offloading: a slot cache is saved to the host tier when at least this many of its tokens would be lost
 OFFLOAD_MIN_TOKENS = 32
 # KV cache types accepted for type_k / type_v (ggml_type values)
@@ -344,8 +346,21 @@ class LlamaCppEngine:
         host_mb = float(args.get("host_cache_mb", 0) or 0)
         if host_mb < 0:
             raise UserError("--extra-engine-args: host_cache_mb must be at least 0")
-        # KV offloading (kv_host_tier.py): slot caches about to be overwritten are kept in host memory
-        self.host_tier = HostKvTier(int(host_mb * (1 << 20))) if host_mb > 0 else None
+        # KV offloading (kv_host_tier.py): slot caches about to be overwritten are kept in host memory,
+        # and what that tier's LRU pushes out goes to disk (kv_disk_tier.py) when disk_cache_mb is given
+        self.host_tier = (HostKvTier(int(host_mb * (1 << 20)), block_size, spill=self._spill)
+                          if host_mb > 0 else None)
+        disk_mb = float(args.get("disk_cache_mb", 0) or 0)
+        if disk_mb < 0:
+            raise UserError("--extra-engine-args: disk_cache_mb must be at least 0")
+        if disk_mb and self.host_tier is None:
+            raise UserError("--extra-engine-args: disk_cache_mb needs host_cache_mb (the disk tier takes what "
+                            "the host-memory tier evicts)")
+        if args.get("disk_cache_dir") and not disk_mb:
+            raise UserError("--extra-engine-args: disk_cache_dir is given but disk_cache_mb is not")
+        self._disk_args = (Path(args.get("disk_cache_dir") or Path(tempfile.gettempdir()) / "dynamo-kv-cache"),
+                           int(disk_mb * (1 << 20))) if disk_mb else None
+        self.disk_tier: DiskKvTier | None = None  # made by _load
         if self.n_parallel < 1 or self.n_batch < 1 or self.n_ubatch < 1:
             raise UserError("--extra-engine-args: n_parallel, n_batch and n_ubatch must be at least 1")
         self.verbose = verbose
@@ -391,6 +406,12 @@ class LlamaCppEngine:
 
         self._L = L
         self._np = np
+        if self._disk_args is not None:
+            root, max_bytes = self._disk_args
+            try:
+                self.disk_tier = DiskKvTier(root, max_bytes, self.block_size)
+            except OSError as e:
+                raise UserError(f"--extra-engine-args: disk_cache_dir {root}: {e}") from None
         if not self.verbose:
             silence_llama_log(L)
         L.llama_backend_init()
@@ -456,6 +477,8 @@ class LlamaCppEngine:
             L.llama_free(self._lctx)
             L.llama_model_free(self._model)
             self._lctx = self._model = None
+        if self.disk_tier is not None:
+            self.disk_tier.close()
         log.debug("llama.cpp engine closed: %d steps, %d tokens decoded, %d prompt tokens reused, "
                   "thread switches %s (probes skipped on busy cores %s), threads now %s", self.steps,
                   self.decoded_tokens, self.reused_tokens, self.tuner.switches if self.tuner else "-",
@@ -477,9 +500,12 @@ class LlamaCppEngine:
             for slot in self._slots:  # anything cached before now is named from scratch
                 self.slot_blocks.extend(slot.seq_id, slot.cached)
             self._tracking = True
-            events = [CLEARED_DATA, *self.slot_blocks.take_events()]
-        for data in events:
-            self.kv_state.send(data)
+            events = [(DEVICE, CLEARED_DATA), *((DEVICE, d) for d in self.slot_blocks.take_events())]
+            for tier, store in ((HOST, self.host_tier), (DISK, self.disk_tier)):
+                if store is not None:
+                    events += [(tier, d) for d in store.names.rename_all(store.keys())]
+        for tier, data in events:
+            self.kv_state.send(data, tier)
         self._metrics_changed()
 
     @property
@@ -537,17 +563,20 @@ class LlamaCppEngine:
         self._metrics_timer = None
         self._metrics_changed()
 
-    def _on_kv_changes(self, events: list[Any]) -> None:
-        """On the loop, in step order: publish one step's KV events, then the metrics if they moved."""
-        for data in events:
-            self.kv_state.send(data)
+    def _on_kv_changes(self, events: list[tuple[str, Any]]) -> None:
+        """On the loop, in step order: publish one step's KV events (tier, data), then the metrics if they
+        moved."""
+        for tier, data in events:
+            self.kv_state.send(data, tier)
         self._metrics_changed()
 
     def _flush_kv_changes(self) -> None:
         """In the scheduler thread, after admitting or a step: hand the changes to the loop."""
+        lower = [(tier, d) for tier, store in ((HOST, self.host_tier), (DISK, self.disk_tier)) if store is not None
+                 for d in store.names.take_events()]  # taken even when nobody listens: they would pile up
         if not self._tracking or self._loop is None:
             return
-        events = self.slot_blocks.take_events()
+        events = [(DEVICE, d) for d in self.slot_blocks.take_events()] + lower
         key = (sum(1 for s in self._slots if s.req is not None), len(self._waiting), self.slot_blocks.cached_blocks)
         if not events and key == self._metrics_key:
             return
@@ -783,21 +812,37 @@ class LlamaCppEngine:
         except EngineError as e:
             log.warning("KV offload of slot %d failed: %s", slot.seq_id, e)
 
+    def _spill(self, key: tuple[int, ...], data: bytes) -> None:
+        """The host tier's LRU pushed an entry out: keep it on disk if there is a disk tier."""
+        if self.disk_tier is not None:
+            self.disk_tier.put(key, data)
+
     def _restore(self, slot: _Slot, prompt: list[int], keep: int) -> int:
-        """Load the host tier's best entry for ``prompt`` into ``slot`` if it saves OFFLOAD_MIN_TOKENS of
-        prefill over ``keep``; returns the tokens now reusable (the caller truncates to it)."""
-        tier = self.host_tier
-        if tier is None or not len(tier):
+        """Load the best host or disk entry for ``prompt`` into ``slot`` if it saves OFFLOAD_MIN_TOKENS of
+        prefill over ``keep``; returns the tokens now reusable (the caller truncates to it).  An entry read
+        from disk moves back to host memory; a damaged one is dropped and the prompt computed."""
+        host, disk = self.host_tier, self.disk_tier
+        if host is None:
             return keep
-        found = tier.best(prompt)
+        found = host.best(prompt) if len(host) else None
+        source: HostKvTier | DiskKvTier = host
+        if disk is not None and len(disk):
+            on_disk = disk.best(prompt)
+            if on_disk is not None and (found is None or on_disk[1] > found[1]):
+                found, source = on_disk, disk
         if found is None:
             return keep
         key, n = found
         n = min(n, len(prompt) - 1)
         if n < keep + OFFLOAD_MIN_TOKENS:
             return keep
-        data = tier.get(key)
-        assert data is not None  # the key was just found in the tier
+        data = source.get(key)
+        if data is None:  # a damaged file (logged, removed): compute the prompt
+            return keep
+        if source is disk:
+            disk.remove(key)
+            host.put(key, data)
+        tier = source
         L = self._L
         L.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -814,7 +859,8 @@ class LlamaCppEngine:
         if self._tracking:
             self.slot_blocks.extend(slot.seq_id, slot.cached)
         tier.restored += 1
-        log.debug("slot %d: restored %d cached tokens from the host tier", slot.seq_id, n)
+        log.debug("slot %d: restored %d cached tokens from the %s tier", slot.seq_id, n,
+                  "disk" if tier is disk else "host")
         return n
 
     def _export_state(self, slot: _Slot) -> bytes:
