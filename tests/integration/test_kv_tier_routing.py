@@ -1,0 +1,116 @@
+"""Offloaded blocks steer the KV router, with real llama.cpp workers on real etcd and NATS.
+
+Worker A (one slot, a host-memory tier) computes a long prompt, then another one that pushes the first
+out of its slot into host memory: A announces those blocks as ``host_pinned``.  Worker B (one slot, no
+tier) holds the first block of that prompt, resident.  The same long prompt again goes to A, which
+restores it instead of recomputing it; a router blind to tiers would pick B (one resident block against
+none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import nats
+import pytest
+
+from tests.integration.test_kv_routing import text
+from tests.integration.test_llamacpp import _smollm2
+from tests.support.proc import DynamoRun, DynamoWorker
+from tests.support.servers import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.timeout(240)
+MODEL = "tierllama"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, str]]:
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+
+
+def _worker(servers: dict[str, str], gguf: Path, args_file: Path, args: dict[str, Any]) -> DynamoWorker:
+    args_file.write_text(json.dumps(args))
+    return DynamoWorker(f"in=dyn://{MODEL}.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", MODEL,
+                        "--context-length", "512", "--extra-engine-args", str(args_file),
+                        env={**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}, startup_timeout=120)
+
+
+async def _complete(fe: DynamoRun, prompt: str, worker: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "nvext": {"ignore_eos": True}}
+    if worker is not None:
+        body["nvext"]["backend_instance_id"] = worker
+    async with httpx.AsyncClient(timeout=60) as client:
+        resp = await client.post(fe.api_url + "/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: DynamoWorker) -> None:
+    nc = await nats.connect(servers["NATS_SERVER"])
+    decisions: list[dict[str, Any]] = []
+    offloaded = asyncio.Event()
+    b_stored = asyncio.Event()
+
+    async def on_event(msg: Any) -> None:
+        e = json.loads(msg.data)
+        data = e["event"]["data"]
+        if isinstance(data, dict) and "stored" in data:
+            if e["worker_id"] == a.instance_id and e.get("storage_tier") == "host_pinned":
+                offloaded.set()
+            if e["worker_id"] == b.instance_id and "storage_tier" not in e:
+                b_stored.set()
+
+    async def on_decision(msg: Any) -> None:
+        decisions.append(json.loads(msg.data))
+
+    try:
+        await nc.subscribe(f"namespace.{MODEL}.component.llamacpp.kv_events", cb=on_event)
+        await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
+        await nc.flush()
+        long_prompt = text(90)
+        await _complete(fe, long_prompt, worker=a.instance_id)
+        await _complete(fe, text(60), worker=a.instance_id)  # pushes the long prompt out of A's only slot
+        await asyncio.wait_for(offloaded.wait(), 10)
+        await _complete(fe, " ".join(long_prompt.split()[:12]), worker=b.instance_id)  # B: its first block
+        await asyncio.wait_for(b_stored.wait(), 10)
+        await asyncio.sleep(0.2)  # the frontend's subscription got the same events (no event to await there)
+        decisions.clear()
+        out = await _complete(fe, long_prompt)
+        await nc.flush()
+        (decision,) = decisions
+        assert decision["worker_id"] == a.instance_id, decision
+        assert decision["overlap_blocks"] == 0  # nothing resident on A: the host tier won it
+        # and A restored the prefix instead of computing it
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= out["usage"]["prompt_tokens"] - 48
+        assert re.search(r"restored \d+ cached tokens from the host tier", a.stderr_text())
+    finally:
+        await nc.close()
+
+
+def test_a_prefix_offloaded_on_a_worker_brings_its_request_back_there(servers, tmp_path):
+    gguf = _smollm2()
+    a = _worker(servers, gguf, tmp_path / "a.json", {"n_parallel": 1, "n_threads": 1, "host_cache_mb": 64})
+    b = _worker(servers, gguf, tmp_path / "b.json", {"n_parallel": 1, "n_threads": 1})
+    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers)
+    try:
+        a.start(wait=False)
+        b.start(wait=False)
+        a.wait_ready()
+        b.wait_ready()
+        fe.start()
+        deadline = time.monotonic() + 30
+        while len(re.findall(r"KV state of worker", fe.stderr_text())) < 2:
+            assert time.monotonic() < deadline, fe.stderr_text()
+            time.sleep(0.05)
+        asyncio.run(_scenario(servers, fe, a, b))
+    finally:
+        fe.stop()
+        a.kill()
+        b.kill()
