@@ -38,6 +38,13 @@ outside address), ``VLLM_NO_USAGE_STATS=1``, ``DO_NOT_TRACK=1``, ``VLLM_LOGGING_
 (stdout stays clean for ``in=text``/``stdin``), and ``VLLM_LOGGING_LEVEL`` from ``-v``/``-vv``.  The
 KV cache and host-IP defaults apply on a machine without a GPU only.
 
+Disaggregated serving (``--disaggregation-mode prefill|decode``, docs/disaggregation.md) is vLLM's own:
+its KV connector (``kv_transfer_config`` in ``--extra-engine-args``, required) moves the blocks; we only
+carry the request-level hand-over.  A prefill worker runs each request for one token with
+``kv_transfer_params`` ``{"do_remote_decode": true}`` and answers the ``kv_transfer_params`` vLLM returns
+as ``disaggregated_params``; a decode worker puts those on its request (``SamplingParams.extra_args``), and
+vLLM's connector fetches the blocks.  A prefill answer without them makes the frontend prefill locally.
+
 Everything here except :class:`VllmEngine`'s start-up imports nothing from vLLM, so the argument mapping
 and the output conversion are unit-tested without vLLM installed.
 """
@@ -63,6 +70,8 @@ from dynamo.engines.token_engine_common import (
     relay_outputs,
 )
 from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.llm.disagg.handover import KV_TRANSFER_PARAMS
+from dynamo.llm.disagg.mode import DisaggregationMode
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (
@@ -198,6 +207,20 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
     return params
 
 
+def disagg_params(mode: DisaggregationMode, request: PreprocessedRequest, params: dict[str, Any]) -> None:
+    """Put the disaggregation hand-over on ``SamplingParams`` keyword arguments (see the module docstring):
+    a prefill request runs for one token asking vLLM's connector to keep its blocks for a remote decode;
+    a decode request carries the prefill's ``kv_transfer_params`` back to vLLM."""
+    if mode is DisaggregationMode.PREFILL:
+        params["max_tokens"] = 1
+        params["min_tokens"] = 1
+        params["extra_args"] = {KV_TRANSFER_PARAMS: {"do_remote_decode": True}}
+        return
+    handed = request.disaggregated_params
+    if isinstance(handed, dict) and isinstance(handed.get(KV_TRANSFER_PARAMS), dict):
+        params["extra_args"] = {KV_TRANSFER_PARAMS: dict(handed[KV_TRANSFER_PARAMS])}
+
+
 def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int] | tuple[int, ...]) -> Any:
     """vLLM's ``finish_reason``/``stop_reason`` -> ours (``eos``/``stop``/``length``/``cancelled``/error)."""
     # stop_reason None: the model's EOS; an int: a stop token id (ours include the EOS ids)
@@ -205,7 +228,8 @@ def finish_reason(reason: str | None, stop_reason: Any, eos_token_ids: list[int]
 
 
 def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, logprobs: bool = False,
-                   cached_tokens: bool = False, prompt_logprobs: bool = False) -> EngineOutput:
+                   cached_tokens: bool = False, prompt_logprobs: bool = False,
+                   kv_transfer: bool = False) -> EngineOutput:
     """One vLLM ``RequestOutput`` (DELTA kind: only the new tokens) -> our :class:`EngineOutput`.
 
     ``cached_tokens``: copy vLLM's ``num_cached_tokens`` (prompt tokens served from its prefix cache; the
@@ -223,6 +247,9 @@ def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, l
                         cached_tokens=cached, prompt_logprobs=prompt)
     if output.finished and item.finish_reason is None:
         item.finish_reason = FINISH_STOP
+    handed = getattr(output, KV_TRANSFER_PARAMS, None) if kv_transfer and output.finished else None
+    if isinstance(handed, dict) and handed:  # a prefill worker's hand-over for the decode request
+        item.disaggregated_params = {KV_TRANSFER_PARAMS: handed}
     if logprobs and choice.logprobs:
         chosen: list[float] = []
         tops: list[list[dict[str, Any]]] = []
@@ -281,6 +308,11 @@ class VllmEngine:
         self.extra = dict(extra or {})
         self.extra_path = extra_path
         self.follower = int(getattr(cfg, "num_nodes", 1) or 1) > 1 and int(getattr(cfg, "node_rank", 0)) > 0
+        self.mode = DisaggregationMode.parse(getattr(cfg, "disaggregation_mode", "agg"))
+        if self.mode is not DisaggregationMode.AGG and not self.extra.get("kv_transfer_config"):
+            raise UserError(f"--disaggregation-mode {self.mode.value} with out=vllm needs vLLM's KV connector: put a "
+                            "kv_transfer_config in --extra-engine-args (e.g. {\"kv_transfer_config\": "
+                            "{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}})")
         self._llm: Any = None
         self._executor: Any = None  # follower nodes: vLLM's headless MultiprocExecutor
         self._ids = itertools.count()
@@ -490,6 +522,7 @@ class VllmEngine:
             kwargs = sampling_params(request)
         except UserError as e:
             raise EngineError(str(e)) from None
+        disagg_params(self.mode, request, kwargs)
         if "structured_outputs" in kwargs:
             kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         try:
@@ -506,10 +539,11 @@ class VllmEngine:
         stream = llm.generate(make_prompt(list(request.token_ids)), params, rid)
         # errors: EngineDeadError, EngineGenerateError, a rejected request; abort: the coroutine AsyncLLM.abort
         first = [True]
+        prefill = self.mode is DisaggregationMode.PREFILL
 
         def convert(out: Any) -> EngineOutput:
             item = convert_output(out, eos, logprobs=want_logprobs, cached_tokens=first[0],
-                                  prompt_logprobs=want_prompt and first[0])
+                                  prompt_logprobs=want_prompt and first[0], kv_transfer=prefill)
             first[0] = False
             return item
 

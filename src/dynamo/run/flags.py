@@ -28,7 +28,7 @@ MAX_HTTP_WORKERS = 64
 HTTP_WORKER_ENGINES = ("dyn", "echo_full", "echo_core")
 DISAGG_MODES = ("agg", "prefill", "decode")
 # engines that can serve --disaggregation-mode prefill/decode (others: a clear error, never ignored)
-DISAGG_ENGINES = ("llamacpp", "mocker")
+DISAGG_ENGINES = ("llamacpp", "mocker", "vllm")
 
 USAGE = (
     "dynamo-run [in=text|stdin|http|batch:<file.jsonl>|dyn://<namespace.component.endpoint>|none] "

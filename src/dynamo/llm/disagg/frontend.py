@@ -18,7 +18,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 from .plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
-from .transfer import Ticket
+from .handover import HandOver
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class DisaggCoreEngine:
                 raise EngineError("the prefill worker returned no KV transfer ticket")
             return ticket
 
-        async def decode(req: PreprocessedRequest, ticket: Ticket | None) -> AsyncIterator[EngineOutput]:
+        async def decode(req: PreprocessedRequest, ticket: HandOver | None) -> AsyncIterator[EngineOutput]:
             req.disaggregated_params = ticket.to_dict() if ticket is not None else None
             async for out in self.decode.generate(req, context):
                 yield out

@@ -20,7 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from .transfer import Ticket, TransferError
+from .handover import HandOver, parse_hand_over
+from .transfer import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,10 @@ def decide(prompt_tokens: int, decode_cached_tokens: int, prefill_workers: int,
     return Decision(True, f"{uncached} tokens to compute")
 
 
-# prefill(request) -> the prefill worker's ticket as a dict (raises on failure)
+# prefill(request) -> the prefill worker's hand-over (handover.py) as a dict (raises on failure)
 PrefillFn = Callable[[Any], Awaitable[dict[str, Any]]]
-# decode(request, ticket or None) -> the decode worker's stream
-DecodeFn = Callable[[Any, "Ticket | None"], AsyncIterator[Any]]
+# decode(request, hand-over or None) -> the decode worker's stream
+DecodeFn = Callable[[Any, "HandOver | None"], AsyncIterator[Any]]
 
 
 class DisaggStats:
@@ -76,10 +77,10 @@ async def serve(request: Any, *, prompt_tokens: int, decode_cached_tokens: int, 
     decode worker does the same when the pull of the state fails: see the engine.)
     """
     d = decide(prompt_tokens, decode_cached_tokens, prefill_workers, max_local_prefill_length)
-    ticket: Ticket | None = None
+    ticket: HandOver | None = None
     if d.remote:
         try:
-            ticket = Ticket.from_dict(await prefill(request))
+            ticket = parse_hand_over(await prefill(request))
         except Exception as e:  # noqa: BLE001 - any prefill failure means local prefill, never an error
             log.warning("remote prefill failed (%s); prefilling on the decode worker", e)
             if stats:
