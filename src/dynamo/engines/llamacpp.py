@@ -839,7 +839,7 @@ class LlamaCppEngine:
         data = source.get(key)
         if data is None:  # a damaged file (logged, removed): compute the prompt
             return keep
-        if source is disk:
+        if source is disk and len(data) <= host.max_bytes:  # back to host memory (it never fits: stays on disk)
             disk.remove(key)
             host.put(key, data)
         tier = source
