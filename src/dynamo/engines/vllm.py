@@ -43,7 +43,8 @@ its KV connector (``kv_transfer_config`` in ``--extra-engine-args``, required) m
 carry the request-level hand-over.  A prefill worker runs each request for one token with
 ``kv_transfer_params`` ``{"do_remote_decode": true}`` and answers the ``kv_transfer_params`` vLLM returns
 as ``disaggregated_params``; a decode worker puts those on its request (``SamplingParams.extra_args``), and
-vLLM's connector fetches the blocks.  A prefill answer without them makes the frontend prefill locally.
+vLLM's connector fetches the blocks.  A connector whose store is keyed by content (ExampleConnector,
+LMCache) returns none: the hand-over is empty and the decode worker's connector finds the blocks itself.
 
 Everything here except :class:`VllmEngine`'s start-up imports nothing from vLLM, so the argument mapping
 and the output conversion are unit-tested without vLLM installed.
@@ -217,7 +218,7 @@ def disagg_params(mode: DisaggregationMode, request: PreprocessedRequest, params
         params["extra_args"] = {KV_TRANSFER_PARAMS: {"do_remote_decode": True}}
         return
     handed = request.disaggregated_params
-    if isinstance(handed, dict) and isinstance(handed.get(KV_TRANSFER_PARAMS), dict):
+    if isinstance(handed, dict) and isinstance(handed.get(KV_TRANSFER_PARAMS), dict) and handed[KV_TRANSFER_PARAMS]:
         params["extra_args"] = {KV_TRANSFER_PARAMS: dict(handed[KV_TRANSFER_PARAMS])}
 
 
@@ -247,9 +248,10 @@ def convert_output(output: Any, eos_token_ids: list[int] | tuple[int, ...], *, l
                         cached_tokens=cached, prompt_logprobs=prompt)
     if output.finished and item.finish_reason is None:
         item.finish_reason = FINISH_STOP
-    handed = getattr(output, KV_TRANSFER_PARAMS, None) if kv_transfer and output.finished else None
-    if isinstance(handed, dict) and handed:  # a prefill worker's hand-over for the decode request
-        item.disaggregated_params = {KV_TRANSFER_PARAMS: handed}
+    if kv_transfer and output.finished:  # a prefill worker's hand-over for the decode request
+        handed = getattr(output, KV_TRANSFER_PARAMS, None)
+        # none from a connector whose store is keyed by content: the decode worker's finds the blocks itself
+        item.disaggregated_params = {KV_TRANSFER_PARAMS: dict(handed) if isinstance(handed, dict) else {}}
     if logprobs and choice.logprobs:
         chosen: list[float] = []
         tops: list[list[dict[str, Any]]] = []

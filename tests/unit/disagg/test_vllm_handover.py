@@ -48,8 +48,11 @@ def test_the_prefill_output_carries_vllms_kv_transfer_params():
     out = SimpleNamespace(outputs=[choice], finished=True, kv_transfer_params=NIXL)
     assert vl.convert_output(out, [2], kv_transfer=True).disaggregated_params == {"kv_transfer_params": NIXL}
     assert vl.convert_output(out, [2]).disaggregated_params is None  # agg/decode workers hand nothing over
-    out.kv_transfer_params = None  # the connector kept nothing: no hand-over, the frontend prefills locally
-    assert vl.convert_output(out, [2], kv_transfer=True).disaggregated_params is None
+    out.kv_transfer_params = None  # a connector keyed by content: nothing to carry, the decode finds it
+    assert vl.convert_output(out, [2], kv_transfer=True).disaggregated_params == {"kv_transfer_params": {}}
+    params = vl.sampling_params(request())
+    vl.disagg_params(DisaggregationMode.DECODE, request(disaggregated_params={"kv_transfer_params": {}}), params)
+    assert "extra_args" not in params
 
 
 def test_disaggregation_without_a_kv_connector_is_a_clear_error(tmp_path):
@@ -65,7 +68,8 @@ def test_hand_overs_are_tickets_or_engine_params():
     t = Ticket("127.0.0.1:1", "k", 10, "00" * 32, 300, 5)
     assert parse_hand_over(t.to_dict()) == t
     assert parse_hand_over({"kv_transfer_params": NIXL}) == EngineParams(NIXL)
-    for bad in ({"kv_transfer_params": None}, {"kv_transfer_params": {}}, {"key": "x"}, "x"):
+    assert parse_hand_over({"kv_transfer_params": None}) == EngineParams({})
+    for bad in ({"kv_transfer_params": [1]}, {"key": "x"}, "x"):
         with pytest.raises(TransferError):
             parse_hand_over(bad)
 
