@@ -17,8 +17,8 @@ from dynamo.errors import EngineError
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
-from .plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 from .handover import HandOver
+from .plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 
 log = logging.getLogger(__name__)
 
