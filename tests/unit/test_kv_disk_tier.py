@@ -102,3 +102,16 @@ def test_the_same_prefix_saved_again_keeps_its_blocks_announced(tmp_path):
     assert h.names.take_events() == [] and h.get(key(8)) == b"b" * 10
     h.put(list(key(9)), b"c" * 10)  # covers it, and holds the same two blocks: nothing to say
     assert h.names.take_events() == [] and len(h) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"disk_cache_mb": 64}, "needs host_cache_mb"),
+    ({"host_cache_mb": 64, "disk_cache_dir": "/tmp/x"}, "disk_cache_mb is not"),
+    ({"host_cache_mb": 64, "disk_cache_mb": -1}, "at least 0"),
+])
+def test_disk_tier_arguments_that_cannot_work_are_errors(tmp_path, args, message):
+    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        LlamaCppEngine(tmp_path / "m.gguf", context_length=64, args=args)
