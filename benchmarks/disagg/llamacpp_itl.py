@@ -2,13 +2,13 @@
 worker processes (SmolLM2 GGUF) behind a real frontend on etcd and NATS: two aggregated workers against one
 prefill worker + one decode worker, each worker pinned to its own core (taskset), one llama.cpp thread each.
 
-Running streams (short prompts, prefilled where they decode) are started first; then a long prompt arrives
-every ``--every`` seconds until the streams end.  Aggregated, a worker's running streams share each step
+Running streams (short prompts, prefilled where they decode) are started first; then ``--count`` long
+prompts arrive ``--every`` seconds apart, and the streams are measured until the last one is answered.  Aggregated, a worker's running streams share each step
 with a long prompt's prefill chunk; disaggregated, the prefill worker computes it and the decode worker
 only loads its KV state.  The client measures each stream's gaps between tokens (SSE chunks).
 
     PYTHONPATH=src .venv/bin/python benchmarks/disagg/llamacpp_itl.py [--streams 4] [--tokens 120]
-        [--long 1000] [--every 4] [--svg docs/img/disagg_itl.svg]
+        [--long 1000] [--count 3] [--every 8] [--svg docs/img/disagg_itl.svg]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,14 +48,14 @@ def words(n: int, rng: random.Random) -> str:
 
 def worker(env: dict[str, str], core: int, mode: str, component: str, args_file: Path) -> DynamoWorker:
     return DynamoWorker(f"in=dyn://{MODEL}.{component}.generate", "out=llamacpp", gguf(), "--model-name", MODEL,
-                        "--context-length", "1600", "--extra-engine-args", str(args_file),
+                        "--context-length", "2048", "--extra-engine-args", str(args_file),
                         "--disaggregation-mode", mode, env=env, startup_timeout=180,
                         command=["taskset", "-c", str(core), *cli_command()])
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> list[float]:
-    """One streaming completion; the gaps (ms) between its token chunks."""
-    gaps: list[float] = []
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int, gaps: list[float]) -> None:
+    """One streaming completion; appends the gaps (ms) between its token chunks to ``gaps`` as they come
+    (the caller cancels it when the measurement ends)."""
     last = None
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "nvext": {"ignore_eos": True}}
     async with client.stream("POST", url + "/completions", json=body) as resp:
@@ -69,17 +70,21 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> li
             if last is not None:
                 gaps.append((now - last) * 1e3)
             last = now
-    return gaps
 
 
 long_tokens: list[int] = []
 
 
 async def load(fe: DynamoRun, a: argparse.Namespace, rng: random.Random) -> tuple[list[float], list[float]]:
-    """Run the mix once: (running streams' gaps in ms, long prompts' times to completion in s)."""
+    """Run the mix once: (running streams' gaps in ms, long prompts' times to completion in s).
+
+    The streams start first and run until every long prompt has been answered (then they are cancelled),
+    so both layouts measure the streams for as long as long prompts are being prefilled and handed over."""
     async with httpx.AsyncClient(timeout=600) as client:
-        await stream(client, fe.api_url, words(5, rng), 2)  # warm both paths' connections
-        streams = [asyncio.create_task(stream(client, fe.api_url, words(8, rng), a.tokens)) for _ in range(a.streams)]
+        await stream(client, fe.api_url, words(5, rng), 2, [])  # warm the connections
+        gaps: list[float] = []
+        streams = [asyncio.create_task(stream(client, fe.api_url, words(8, rng), a.tokens, gaps))
+                   for _ in range(a.streams)]
         long_times: list[float] = []
 
         async def long_prompt() -> None:
@@ -92,11 +97,17 @@ async def load(fe: DynamoRun, a: argparse.Namespace, rng: random.Random) -> tupl
 
         await asyncio.sleep(a.every / 2)
         arrivals = []
-        while not all(s.done() for s in streams):
+        for _ in range(a.count):
             arrivals.append(asyncio.create_task(long_prompt()))
-            done, _ = await asyncio.wait(streams, timeout=a.every, return_when=asyncio.ALL_COMPLETED)
-        gaps = [g for s in streams for g in s.result()]
-        await asyncio.gather(*arrivals)
+            await asyncio.sleep(a.every)
+        try:
+            await asyncio.wait_for(asyncio.gather(*arrivals), a.deadline)
+        except asyncio.TimeoutError:
+            print(f"  (deadline: {len(long_times)} of {a.count} long prompts answered)", flush=True)
+        await asyncio.sleep(0.5)
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, *arrivals, return_exceptions=True)
     return gaps, long_times
 
 
@@ -154,12 +165,15 @@ def svg_cdf(series: dict[str, list[float]], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=4, help="running streams")
-    ap.add_argument("--tokens", type=int, default=120, help="tokens each running stream decodes")
+    ap.add_argument("--tokens", type=int, default=1200, help="most tokens a running stream decodes")
     ap.add_argument("--long", type=int, default=1000, help="about this many tokens per arriving long prompt")
-    ap.add_argument("--every", type=float, default=4.0, help="seconds between long prompts")
+    ap.add_argument("--count", type=int, default=3, help="long prompts")
+    ap.add_argument("--every", type=float, default=8.0, help="seconds between long prompts")
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds to wait for the long prompts")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--svg", type=Path, default=None, help="write the gaps' distributions here")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still stops the servers (finally)
     results: dict[str, list[float]] = {"2 agg workers": [], "1 prefill + 1 decode": []}
     with EtcdServer() as etcd, NatsServer() as nats_srv, tempfile.TemporaryDirectory() as tmp:
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url, "DYN_LOG": "info"}
@@ -197,14 +211,15 @@ def main() -> None:
                 results[name] += gaps
                 print(f"run {rep} {name}: {len(gaps)} gaps, ITL p50 {statistics.median(gaps):.0f} ms, "
                       f"p99 {pct(gaps, .99):.0f} ms, max {max(gaps):.0f} ms; {len(longs)} long prompts, "
-                      f"median {statistics.median(longs):.1f} s each, {statistics.mean(long_tokens):.0f} tokens; load average "
+                      f"median {statistics.median(longs or [0]):.1f} s each, {statistics.mean(long_tokens or [0]):.0f} tokens; "
+                      f"load average "
                       f"at start {load1:.2f}; {' '.join(x.split('{')[1] for x in where) or 'no disagg counters'}",
                       flush=True)
     agg, dis = results.values()
     print(f"running streams' ITL p99: 2 agg {pct(agg, .99):.0f} ms, disagg {pct(dis, .99):.0f} ms: "
           f"{pct(agg, .99) / pct(dis, .99):.1f}x lower disaggregated")
     if a.svg:
-        svg_cdf(results, a.svg, f"SmolLM2 on llama.cpp, {a.streams} streams, ~{a.long}-token prompts every {a.every:g} s")
+        svg_cdf(results, a.svg, f"SmolLM2 on llama.cpp, {a.streams} streams, {a.count} ~{a.long}-token prompts {a.every:g} s apart")
         print(f"wrote {a.svg}")
 
 
