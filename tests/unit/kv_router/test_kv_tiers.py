@@ -129,3 +129,11 @@ def test_a_worker_dump_carries_its_tiers_to_a_router_that_starts_late():
     assert r.restorable(PROMPT) == {5: pytest.approx(0.8 * 3)}
     state.send("cleared")
     assert "tiers" not in state.dump() and state.dump()["blocks"] == []
+
+
+def test_with_many_workers_an_offloaded_prefix_still_counts():
+    r = KvRouter(block_size=BS, seed=1)
+    workers = list(range(1, 101))  # past the fast pick's threshold
+    r.apply_event(kv_event(57, 1, chain(PROMPT), HOST))
+    r.apply_event(kv_event(3, 1, chain(PROMPT, 1)))  # one resident block elsewhere
+    assert r.select(PROMPT + [99], workers).worker_id == 57
