@@ -74,7 +74,7 @@ def _round(srv: Server, headers: dict[str, str], n: int) -> float:
 
 
 def key_check() -> None:
-    from dynamo.llm.http.auth import KeyChecker
+    from dynamo.frontend.http.auth import KeyChecker
 
     right = KEY
     cases = {"right key": right, "wrong, same length": "x" * len(right), "prefix of the key": right[:8],

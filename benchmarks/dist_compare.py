@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 import echo_compare  # noqa: E402
 import fetch_original  # noqa: E402
 import loadgen  # noqa: E402
+
 from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
 
 MODEL = echo_compare.MODEL  # "bench-echo"

@@ -26,8 +26,8 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dynamo.frontend.http.responses_output import OutputItems  # noqa: E402
 from dynamo.llm.chunks import ChatChunks  # noqa: E402
-from dynamo.llm.http.responses_output import OutputItems  # noqa: E402
 from tests.support.proc import DynamoRun  # noqa: E402
 from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
 

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dynamo.llm.disagg.transfer import pull, Ticket
+from dynamo.llm.disagg.transfer import Ticket, pull
 from dynamo.llm.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions

@@ -66,12 +66,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import orjson  # noqa: E402
-
 from loadgen import _Proto, pct  # noqa: E402
+from workload import Conversation, WorkloadConfig, build  # noqa: E402
+
 from tests.support.proc import DynamoRun, DynamoWorker  # noqa: E402
 from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
 from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
-from workload import Conversation, WorkloadConfig, build  # noqa: E402
 
 MODEL = "tiny-chat"  # the served model name (smollm2 with --engine llamacpp)
 REQUEST_LINE = re.compile(rb"request \S+: (\d+) prompt tokens")
@@ -410,7 +410,7 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             w.wait_ready()
         fe_env = {**servers}
         if args.logs:
-            fe_env["DYN_LOG"] = "info,dynamo.llm.kv_router.router=debug"  # one "kv route:" line per decision
+            fe_env["DYN_LOG"] = "info,dynamo.frontend.kv_router.router=debug"  # one "kv route:" line per decision
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
         wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)

@@ -20,10 +20,10 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT / "src") not in sys.path:
     sys.path.insert(0, str(_ROOT / "src"))
 
-from dynamo.llm.discovery import ModelWatcher, RouterConfig  # noqa: E402
+from dynamo.frontend.discovery import ModelWatcher, RouterConfig  # noqa: E402
+from dynamo.frontend.model_manager import ModelManager  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
-from dynamo.llm.model_manager import ModelManager  # noqa: E402
 from dynamo.llm.model_type import ModelType  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402

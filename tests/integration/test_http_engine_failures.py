@@ -15,12 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.errors import EngineError
+from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.http.service import HttpService
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context
-from dynamo.llm.http.metrics import FrontendMetrics
-from dynamo.llm.http.service import HttpService
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.openai import ChatCompletionRequest
 
 
@@ -217,3 +217,25 @@ async def test_client_going_away_stops_the_engine(tiny_model, stream: bool):
         assert engine.ended, "the engine kept generating after the client left"
     finally:
         await svc.stop(grace=1)
+
+
+async def test_client_gone_at_the_last_write_is_not_an_error(service: HttpService, monkeypatch, caplog):
+    """A client that closes as its stream ends (a load generator stopping) is routine, not a server error."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    from dynamo.frontend.http import service as service_module
+
+    async def closing(self: Any, data: bytes = b"") -> None:
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    monkeypatch.setattr(service_module._SseResponse, "write_eof", closing)
+    caplog.set_level("DEBUG", logger="dynamo.frontend.http.service")
+    async with httpx.AsyncClient(base_url=url(service)) as client:
+        with pytest.raises(httpx.HTTPError):  # the body never ends: the client sees a cut stream
+            async with client.stream("POST", "/v1/chat/completions", json=chat("works", True)) as r:
+                async for _ in r.aiter_lines():
+                    pass
+        monkeypatch.undo()
+        assert (await client.post("/v1/chat/completions", json=chat("works", False))).status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert any("client went away before the end of the stream" in r.getMessage() for r in caplog.records)

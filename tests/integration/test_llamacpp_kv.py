@@ -21,9 +21,9 @@ import httpx
 import nats
 import pytest
 
+from dynamo.frontend.kv_router import KvRouter
 from dynamo.llm.engine import Context
-from dynamo.llm.kv_router import KvRouter
-from dynamo.llm.kv_router.hashing import compute_hashes
+from dynamo.llm.kv_events.hashing import compute_hashes
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_kv_routing import text
 from tests.integration.test_llamacpp import _smollm2

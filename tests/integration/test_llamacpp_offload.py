@@ -70,8 +70,8 @@ def _holding(store, prompt: list[int]) -> tuple[int, ...] | None:
 
 async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):
     from dynamo.engines.llamacpp import LlamaCppEngine
-    from dynamo.llm.kv_router import KvRouter
-    from dynamo.llm.kv_router.protocols import DISK, HOST
+    from dynamo.frontend.kv_router import KvRouter
+    from dynamo.llm.kv_events.protocols import DISK, HOST
 
     system = "You answer questions about {} in one short sentence, politely and precisely. " * 6
     prompts = [chat(tok, system.replace("{}", topic), "What is it?") for topic in ("cats", "ships", "rain", "bread")]

@@ -10,11 +10,16 @@ from pathlib import Path
 import pytest
 
 from dynamo.errors import RequestError, UserError
-from dynamo.llm.http.auth import KeyChecker, bearer_token
-from dynamo.llm.http.embeddings import encode_base64
-from dynamo.llm.http.options import DEFAULT_BODY_LIMIT_BYTES, body_limit_from_env, build_http_options, parse_origins
-from dynamo.llm.http.responses_output import OutputItems
-from dynamo.llm.http.responses_store import ResponseStore, Stored
+from dynamo.frontend.http.auth import KeyChecker, bearer_token
+from dynamo.frontend.http.embeddings import encode_base64
+from dynamo.frontend.http.options import (
+    DEFAULT_BODY_LIMIT_BYTES,
+    body_limit_from_env,
+    build_http_options,
+    parse_origins,
+)
+from dynamo.frontend.http.responses_output import OutputItems
+from dynamo.frontend.http.responses_store import ResponseStore, Stored
 from dynamo.llm.protocols.extra import parse_embedding_request
 from dynamo.llm.protocols.responses import chat_tool_choice, chat_tools, input_messages, parse_responses_request
 from dynamo.run.flags import parse_args

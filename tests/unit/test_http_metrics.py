@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from dynamo.llm.http import metrics as metrics_mod
-from dynamo.llm.http.metrics import ITL_FLUSH_EVERY, FrontendMetrics
+from dynamo.frontend.http import metrics as metrics_mod
+from dynamo.frontend.http.metrics import ITL_FLUSH_EVERY, FrontendMetrics
 
 
 class FakeClock:

@@ -11,7 +11,7 @@ import pytest
 
 from dynamo.engines.kv_disk_tier import DiskKvTier
 from dynamo.engines.kv_host_tier import HostKvTier
-from dynamo.llm.kv_router.hashing import compute_hashes
+from dynamo.llm.kv_events.hashing import compute_hashes
 
 BS = 4
 

@@ -298,7 +298,7 @@ def test_llamacpp_log_softmax_matches_a_reference():
 
 async def test_disaggregation_prefills_on_the_decode_worker_when_logprobs_are_asked():
     """The first token's logprob needs the logits of the engine that ran the prompt."""
-    from dynamo.llm.disagg.frontend import DisaggCoreEngine
+    from dynamo.frontend.disagg import DisaggCoreEngine
 
     class _Remote:
         def __init__(self) -> None:

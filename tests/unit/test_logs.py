@@ -15,10 +15,10 @@ from dynamo.run.logs import TRACE, parse_filter, setup_logging
         ("", None, {}),
         ("debug", logging.DEBUG, {}),
         ("WARN", logging.WARNING, {}),
-        ("info,dynamo.llm.http=debug", logging.INFO, {"dynamo.llm.http": logging.DEBUG}),
+        ("info,dynamo.frontend.http=debug", logging.INFO, {"dynamo.frontend.http": logging.DEBUG}),
         ("error, dynamo.run = trace", logging.ERROR, {"dynamo.run": TRACE}),
         # Rust-style targets of the original map onto our modules
-        ("dynamo_llm::http::service=debug", None, {"dynamo.llm.http.service": logging.DEBUG}),
+        ("dynamo_llm::http::service=debug", None, {"dynamo.frontend.http.service": logging.DEBUG}),
         ("dynamo_runtime=warn", None, {"dynamo.runtime": logging.WARNING}),
         # a bare target enables everything for it
         ("dynamo.llm", None, {"dynamo.llm": TRACE}),
@@ -35,7 +35,7 @@ def test_parse_filter(spec, default, targets):
 def restore_logging():
     root = logging.getLogger()
     saved = (root.level, list(root.handlers))
-    names = ["dynamo", "dynamo.llm", "dynamo.llm.http", "dynamo.run"]
+    names = ["dynamo", "dynamo.llm", "dynamo.frontend.http", "dynamo.run"]
     saved_levels = {n: logging.getLogger(n).level for n in names}
     yield
     for h in list(root.handlers):
@@ -50,7 +50,7 @@ def restore_logging():
 def test_default_is_info(monkeypatch, restore_logging):
     monkeypatch.delenv("DYN_LOG", raising=False)
     setup_logging(0)
-    log = logging.getLogger("dynamo.llm.http")
+    log = logging.getLogger("dynamo.frontend.http")
     assert log.isEnabledFor(logging.INFO)
     assert not log.isEnabledFor(logging.DEBUG)
 
@@ -65,9 +65,9 @@ def test_v_is_debug_and_vv_is_trace(monkeypatch, restore_logging):
 
 
 def test_dyn_log_filters_per_module(monkeypatch, restore_logging):
-    monkeypatch.setenv("DYN_LOG", "warn,dynamo.llm.http=debug")
+    monkeypatch.setenv("DYN_LOG", "warn,dynamo.frontend.http=debug")
     setup_logging(0)
-    assert logging.getLogger("dynamo.llm.http.service").isEnabledFor(logging.DEBUG)
+    assert logging.getLogger("dynamo.frontend.http.service").isEnabledFor(logging.DEBUG)
     assert not logging.getLogger("dynamo.run").isEnabledFor(logging.INFO)
     assert logging.getLogger("dynamo.run").isEnabledFor(logging.WARNING)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
+from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, ResponseParsing, StopConditions
-from dynamo.llm.remote import RemoteCoreEngine, SimpleRouter
 from dynamo.runtime.errors import StreamIncompleteError
 
 

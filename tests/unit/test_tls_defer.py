@@ -1,4 +1,4 @@
-"""aiohttp imported through ``dynamo.llm.http``: its client TLS contexts load CA certificates on first use,
+"""aiohttp imported through ``dynamo.frontend.http``: its client TLS contexts load CA certificates on first use,
 and verify exactly as before (a server signed by a trusted CA is accepted, any other refused).
 
 Each check runs in a fresh interpreter (the test process has imported aiohttp long before), against a
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import asyncio, ssl, sys
-import dynamo.llm.http  # imports aiohttp, CA loading deferred
+import dynamo.frontend.http  # imports aiohttp, CA loading deferred
 import aiohttp, aiohttp.connector as conn
 from aiohttp import web
 

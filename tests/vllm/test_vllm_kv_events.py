@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from types import SimpleNamespace
 import json
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import httpx
@@ -26,8 +26,8 @@ import pytest
 
 from dynamo.engines import vllm as vl
 from dynamo.engines.vllm_kv import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
-from dynamo.llm.kv_router.hashing import compute_block_hashes
-from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.frontend.kv_router.indexer import KvIndexer
+from dynamo.llm.kv_events.hashing import compute_block_hashes
 from dynamo.llm.model_card import ModelCard
 from dynamo.run.flags import RunConfig
 from tests.support.proc import DynamoRun, DynamoWorker

@@ -58,9 +58,9 @@ from dynamo.engines.llamacpp_grammar import gbnf_for
 from dynamo.engines.slot_blocks import SlotBlocks
 from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
-from dynamo.llm.kv_router.protocols import CLEARED_DATA, DEVICE, DISK, HOST
-from dynamo.llm.kv_router.publisher import Publisher, emit
-from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.llm.kv_events.protocols import CLEARED_DATA, DEVICE, DISK, HOST
+from dynamo.llm.kv_events.publisher import Publisher, emit
+from dynamo.llm.kv_events.worker_state import WorkerKvState
 from dynamo.llm.model_card import DEFAULT_KV_CACHE_BLOCK_SIZE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import CLEARED_DATA, removed_data, stored_data
+from dynamo.llm.kv_events.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.llm.kv_events.protocols import CLEARED_DATA, removed_data, stored_data
 
 
 class SlotBlocks:

@@ -46,10 +46,10 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import msgspec
 
-from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import CLEARED_DATA, removed_data, stored_data
-from dynamo.llm.kv_router.publisher import Publisher, emit
-from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.llm.kv_events.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.llm.kv_events.protocols import CLEARED_DATA, removed_data, stored_data
+from dynamo.llm.kv_events.publisher import Publisher, emit
+from dynamo.llm.kv_events.worker_state import WorkerKvState
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ async def run_worker(cfg: Any, card: ModelCard, engine_name: str, stop: asyncio.
         attach = getattr(engine, "attach", None)
         publishes_kv_events = False
         if attach is not None:  # engines that publish KV events and load metrics (mocker, llamacpp)
-            from dynamo.llm.kv_routing import serve_kv_state, serve_load_metrics, worker_event_publishers
+            from dynamo.frontend.kv_routing import serve_kv_state, serve_load_metrics, worker_event_publishers
 
             publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
             attach(endpoint.lease_id(), publish_kv_event=publish_kv_event, publish_metrics=publish_metrics)

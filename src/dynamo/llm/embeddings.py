@@ -110,7 +110,7 @@ class RemoteEmbeddingEngine:
         return body
 
     async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings:
-        from dynamo.llm.remote import MAX_NO_RESPONDER_RETRIES, NO_WORKER_MESSAGE, _ensure_instances
+        from dynamo.frontend.remote import MAX_NO_RESPONDER_RETRIES, NO_WORKER_MESSAGE, _ensure_instances
         from dynamo.runtime import Context as RtContext
         from dynamo.runtime import EngineError as RtEngineError
         from dynamo.runtime import NoInstancesError, NoRespondersError, StreamIncompleteError

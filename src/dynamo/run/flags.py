@@ -459,7 +459,7 @@ def _validate_api(cfg: RunConfig) -> None:
     if http_flags and cfg.input_kind != "http":
         raise UserError(f"{', '.join(http_flags)}: only for in=http (the HTTP server), not in={cfg.input}")
     if cfg.input_kind == "http":
-        from dynamo.llm.http.options import build_http_options
+        from dynamo.frontend.http.options import build_http_options
 
         build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
                            tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)

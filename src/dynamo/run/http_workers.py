@@ -131,7 +131,7 @@ class Supervisor:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
-            from dynamo.llm.http.listen import adopt
+            from dynamo.frontend.http.listen import adopt
 
             for i, sock in enumerate(self.socks):
                 if i != index:
@@ -237,7 +237,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def supervise(cfg: RunConfig, serve: Callable[[], int]) -> int:
     """Bind the port, run ``cfg.http_workers`` processes each calling ``serve()``, until told to stop."""
-    from dynamo.llm.http.service import LISTEN_BACKLOG
+    from dynamo.frontend.http.service import LISTEN_BACKLOG
     from dynamo.run.launch import _shutdown_grace
 
     socks = bind_sockets(cfg.http_host, cfg.http_port, cfg.http_workers, LISTEN_BACKLOG)

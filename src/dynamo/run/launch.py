@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import ModelError, UserError
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.constraints import engine_guided_kinds
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.parsers.registry import resolve as resolve_parser
 from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
 from dynamo.run.flags import RunConfig
 from dynamo.run.model import resolve_card
 
 if TYPE_CHECKING:
-    from dynamo.llm.http.metrics import FrontendMetrics
+    from dynamo.frontend.http.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +183,8 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
 
 async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
                       metrics: "FrontendMetrics | None" = None) -> int:
-    from dynamo.llm.http.options import build_http_options
-    from dynamo.llm.http.service import DEFAULT_MAX_INFLIGHT, HttpService
+    from dynamo.frontend.http.options import build_http_options
+    from dynamo.frontend.http.service import DEFAULT_MAX_INFLIGHT, HttpService
     from dynamo.run.heap import settle_heap
 
     options = build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
@@ -218,11 +218,11 @@ def _shutdown_grace() -> float:
 
 async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
     """``out=dyn``: models come and go as workers register in etcd."""
-    from dynamo.llm.discovery import start_frontend
+    from dynamo.frontend.discovery import start_frontend
 
     metrics = None
     if cfg.input_kind == "http":  # the workers' load goes on the service's /metrics
-        from dynamo.llm.http.metrics import FrontendMetrics
+        from dynamo.frontend.http.metrics import FrontendMetrics
 
         metrics = FrontendMetrics()
     runtime, manager, watcher = await start_frontend(cfg, metrics)

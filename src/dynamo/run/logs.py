@@ -1,6 +1,6 @@
 """Logging set-up: info to stderr by default, ``-v`` debug, ``-vv`` trace, ``DYN_LOG`` like RUST_LOG.
 
-``DYN_LOG`` is a comma list of ``level`` or ``target=level`` items, e.g. ``info,dynamo.llm.http=debug``.
+``DYN_LOG`` is a comma list of ``level`` or ``target=level`` items, e.g. ``info,dynamo.frontend.http=debug``.
 Rust-style ``dynamo_llm::http`` targets are accepted and mapped to our module names.
 ``DYN_LOGGING_JSONL=1`` writes one JSON object per line (time, level, target, message, file, line, and
 the exception when there is one).  Timestamps are ISO-8601 with microseconds in UTC (``...Z``), as

@@ -1,5 +1,6 @@
 import asyncio
 
+
 async def generate(request):
     yield {"id":"1","choices":[{"index":0,"delta":{"content":"The","role":"assistant"}}],"created":1841762283,"model":"Llama-3.2-3B-Instruct","system_fingerprint":"local","object":"chat.completion.chunk"}
     await asyncio.sleep(0.1)

@@ -1,5 +1,6 @@
 import asyncio
 
+
 async def generate(request):
     yield {"token_ids":[791]}
     await asyncio.sleep(0.1)

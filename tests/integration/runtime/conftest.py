@@ -16,6 +16,8 @@ for _p in (str(_ROOT), str(_ROOT / "src")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from dynamo.runtime import DistributedRuntime, Endpoint  # noqa: E402
+from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from tests.support.servers import (  # noqa: E402,F401  (fixtures re-exported for pytest)
     RuntimeServers,
     etcd_server,
@@ -23,8 +25,6 @@ from tests.support.servers import (  # noqa: E402,F401  (fixtures re-exported fo
     runtime_env,
     runtime_servers,
 )
-from dynamo.runtime import DistributedRuntime, Endpoint  # noqa: E402
-from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 
 
 def settings_for(servers: RuntimeServers, **overrides) -> RuntimeSettings:

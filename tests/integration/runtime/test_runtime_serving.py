@@ -9,14 +9,14 @@ import pytest
 
 from dynamo.runtime import (
     Annotated,
+    DistributedRuntime,
     EngineError,
     InstanceNotFoundError,
     NoInstancesError,
     NoRespondersError,
     RuntimeConnectionError,
-    DistributedRuntime,
 )
-from dynamo.runtime.config import RuntimeSettings, EtcdSettings, NatsSettings
+from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 

@@ -7,7 +7,12 @@ import os
 import pytest
 
 from dynamo.llm.disagg.transfer import (
-    ExportStore, Ticket, TransferError, TransferServer, encode_response, pull,
+    ExportStore,
+    Ticket,
+    TransferError,
+    TransferServer,
+    encode_response,
+    pull,
 )
 
 

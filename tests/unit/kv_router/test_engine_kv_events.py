@@ -23,7 +23,7 @@ import pytest
 
 from dynamo.engines import engine_kv_events
 from dynamo.engines.engine_kv_events import sglang_kv_events_wanted, trtllm_kv_events_wanted
-from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.frontend.kv_router.indexer import KvIndexer
 from dynamo.llm.model_card import ModelCard
 
 BS = 4
@@ -58,7 +58,7 @@ class Router:
         self.got.set()
 
     def cached(self, tokens: list[int]) -> int:
-        from dynamo.llm.kv_router.hashing import compute_block_hashes
+        from dynamo.llm.kv_events.hashing import compute_block_hashes
 
         return self.indexer.find_matches(compute_block_hashes(tokens, BS)).get(WORKER, 0)
 

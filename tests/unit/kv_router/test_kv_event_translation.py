@@ -25,8 +25,8 @@ from dynamo.engines.vllm_kv import (
     decode_event_batch,
     trtllm_events_to_common,
 )
-from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_hashes
-from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.frontend.kv_router.indexer import KvIndexer
+from dynamo.llm.kv_events.hashing import compute_block_hashes, compute_hashes
 
 BS = 4
 WORKER = 77

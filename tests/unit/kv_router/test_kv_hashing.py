@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from dynamo.llm.kv_router.hashing import (
+from dynamo.llm.kv_events.hashing import (
     KV_HASH_SEED,
     block_hash,
     compute_block_hashes,
@@ -94,7 +94,7 @@ def test_bad_input():
 
 @pytest.mark.parametrize("n_tokens,chunk", [(0, 4), (15, 4), (16, 4), (16 * 9 + 5, 4), (16 * 8, 8), (1000, 1)])
 async def test_hashing_in_slices_gives_the_same_hashes(n_tokens, chunk):
-    from dynamo.llm.kv_router.hashing import compute_hashes, compute_hashes_async
+    from dynamo.llm.kv_events.hashing import compute_hashes, compute_hashes_async
 
     tokens = [(i * 7919) % 50000 for i in range(n_tokens)]
     assert await compute_hashes_async(tokens, 16, chunk_blocks=chunk) == compute_hashes(tokens, 16)
@@ -103,7 +103,7 @@ async def test_hashing_in_slices_gives_the_same_hashes(n_tokens, chunk):
 async def test_hashing_a_long_prompt_lets_the_loop_run():
     import asyncio
 
-    from dynamo.llm.kv_router.hashing import compute_hashes_async
+    from dynamo.llm.kv_events.hashing import compute_hashes_async
 
     ticks = 0
     done = False
@@ -125,9 +125,9 @@ async def test_hashing_a_long_prompt_lets_the_loop_run():
 async def test_the_kv_policy_routes_a_long_prompt_on_hashes_made_beforehand():
     from types import SimpleNamespace
 
-    from dynamo.llm.kv_router import KvRouter
-    from dynamo.llm.kv_router.hashing import compute_hashes
-    from dynamo.llm.kv_routing import HASH_OFF_LOOP_TOKENS, KvRouterPolicy
+    from dynamo.frontend.kv_router import KvRouter
+    from dynamo.frontend.kv_routing import HASH_OFF_LOOP_TOKENS, KvRouterPolicy
+    from dynamo.llm.kv_events.hashing import compute_hashes
     from dynamo.llm.protocols.common import PreprocessedRequest
 
     router = KvRouter(block_size=16, seed=1)

@@ -5,9 +5,9 @@ import logging
 import orjson
 import pytest
 
-from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.indexer import ApproxKvIndexer, KvIndexer
-from dynamo.llm.kv_router.protocols import EventError, kv_event, parse_kv_event, removed_data, stored_data
+from dynamo.frontend.kv_router.indexer import ApproxKvIndexer, KvIndexer
+from dynamo.llm.kv_events.hashing import compute_hashes
+from dynamo.llm.kv_events.protocols import EventError, kv_event, parse_kv_event, removed_data, stored_data
 
 BS = 4
 

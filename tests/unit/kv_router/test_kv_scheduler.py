@@ -6,16 +6,16 @@ from collections import Counter
 
 import pytest
 
-from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.protocols import kv_event, removed_data, stored_data
-from dynamo.llm.kv_router.router import KvRouter
-from dynamo.llm.kv_router.scheduler import (
+from dynamo.frontend.kv_router.router import KvRouter
+from dynamo.frontend.kv_router.scheduler import (
     ActiveSequences,
     WorkerCost,
     compute_costs,
     select_worker,
     softmax_probabilities,
 )
+from dynamo.llm.kv_events.hashing import compute_hashes
+from dynamo.llm.kv_events.protocols import kv_event, removed_data, stored_data
 
 BS = 4
 
@@ -337,7 +337,7 @@ class _Recorder:
 def test_fast_pick_chooses_among_exactly_the_workers_the_full_pass_would(seed):
     """Random loads, cached prefixes and in-flight prefixes on 150 workers: the fast pick offers the
     random tie-break exactly the workers with the lowest logit of the full pass (compute_costs)."""
-    from dynamo.llm.kv_router.scheduler import compute_costs, fast_pick
+    from dynamo.frontend.kv_router.scheduler import compute_costs, fast_pick
 
     rng = random.Random(seed)
     bs, weight = 4, rng.choice([0.5, 1.0, 2.0])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.indexer import KvIndexer
-from dynamo.llm.kv_router.protocols import (
+from dynamo.frontend.kv_router.indexer import KvIndexer
+from dynamo.frontend.kv_router.router import KvRouter
+from dynamo.llm.kv_events.hashing import compute_hashes
+from dynamo.llm.kv_events.protocols import (
     DISK,
     HOST,
     EventError,
@@ -17,8 +18,7 @@ from dynamo.llm.kv_router.protocols import (
     removed_data,
     stored_data,
 )
-from dynamo.llm.kv_router.router import KvRouter
-from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.llm.kv_events.worker_state import WorkerKvState
 
 BS = 4
 PROMPT = list(range(40))  # 10 blocks

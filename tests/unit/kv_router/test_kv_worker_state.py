@@ -5,9 +5,9 @@ the worker's state) finds exactly the prefixes the slots hold."""
 from __future__ import annotations
 
 from dynamo.engines.slot_blocks import SlotBlocks
-from dynamo.llm.kv_router import KvRouter
-from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.frontend.kv_router import KvRouter
+from dynamo.llm.kv_events.hashing import compute_hashes
+from dynamo.llm.kv_events.worker_state import WorkerKvState
 
 BS = 4
 

@@ -13,8 +13,8 @@ from dynamo.engines.mocker import DEFAULT_MAX_TOKENS, MockerArgs, MockerEngine
 from dynamo.engines.mocker.scheduler import decode_time_ms, prefill_time_ms
 from dynamo.engines.registry import create_engine
 from dynamo.errors import RequestError, UserError
+from dynamo.frontend.kv_router import KvRouter, compute_hashes
 from dynamo.llm.engine import Context
-from dynamo.llm.kv_router import KvRouter, compute_hashes
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 

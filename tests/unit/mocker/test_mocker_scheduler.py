@@ -8,7 +8,7 @@ import pytest
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.scheduler import MockRequest, Scheduler, decode_time_ms, prefill_time_ms
 from dynamo.errors import EngineError
-from dynamo.llm.kv_router.hashing import compute_hashes
+from dynamo.llm.kv_events.hashing import compute_hashes
 
 _ids = itertools.count()
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from dynamo.runtime import RuntimeSettings
-from dynamo.runtime.errors import RuntimeConfigError
 from dynamo.runtime.client import Client
+from dynamo.runtime.errors import RuntimeConfigError
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 from dynamo.runtime.transport import StreamState

@@ -42,10 +42,10 @@ from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
 from dynamo.errors import EngineError, RequestError, UserError
 from dynamo.llm.disagg.transfer import Ticket, TransferError
-from dynamo.llm.kv_router.hashing import compute_hashes
-from dynamo.llm.kv_router.protocols import removed_data, stored_data
-from dynamo.llm.kv_router.publisher import Publisher, emit
-from dynamo.llm.kv_router.worker_state import WorkerKvState
+from dynamo.llm.kv_events.hashing import compute_hashes
+from dynamo.llm.kv_events.protocols import removed_data, stored_data
+from dynamo.llm.kv_events.publisher import Publisher, emit
+from dynamo.llm.kv_events.worker_state import WorkerKvState
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)

@@ -19,15 +19,15 @@ from aiohttp import web
 
 from dynamo.aio import Acceptor, Pending, next_now
 from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
+from dynamo.frontend.http.api_routes import register_api_routes
+from dynamo.frontend.http.errors import error_body, error_response, request_error_response
+from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.http.options import BODY_LIMIT_KEY, HttpOptions
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.lazyjson import LazyJson
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
-from dynamo.llm.http.api_routes import register_api_routes
-from dynamo.llm.http.errors import error_body, error_response, request_error_response
-from dynamo.llm.http.metrics import FrontendMetrics
-from dynamo.llm.http.options import BODY_LIMIT_KEY, HttpOptions
-from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -258,7 +258,11 @@ class HttpService:
                 await pending.abandon()
             await stream.aclose()  # type: ignore[attr-defined]
         parts.append(_DONE)
-        await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
+        try:
+            await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
+        except (ConnectionResetError, ConnectionError):  # the client left as its stream ended: not our error
+            log.debug("request %s: client went away before the end of the stream", ctx.id)
+            return resp, False
         return resp, ok
 
 
@@ -341,7 +345,7 @@ async def _error_middleware(request: web.Request, handler: Callable[[web.Request
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
-    from dynamo.llm.http.listen import take_adopted
+    from dynamo.frontend.http.listen import take_adopted
 
     adopted = take_adopted()  # --http-workers: the parent bound it
     if adopted is not None:

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Literal, NamedTuple
 
 import orjson
 
-from dynamo.llm.kv_router.hashing import MASK64
+from dynamo.llm.kv_events.hashing import MASK64
 
 
 # -- building (worker side) --------------------------------------------------------------------------

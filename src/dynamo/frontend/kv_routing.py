@@ -25,9 +25,9 @@ from typing import Any
 
 import orjson
 
-from dynamo.llm.kv_router import ApproxKvIndexer, KvRouter
-from dynamo.llm.kv_router.hashing import compute_hashes_async
-from dynamo.llm.kv_router.router import DEFAULT_PEER_TTL_S
+from dynamo.frontend.kv_router import ApproxKvIndexer, KvRouter
+from dynamo.frontend.kv_router.router import DEFAULT_PEER_TTL_S
+from dynamo.llm.kv_events.hashing import compute_hashes_async
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.runtime.names import component_event_subject, namespace_event_subject

@@ -53,11 +53,11 @@ class HttpOptions:
         """Outermost first: CORS (preflights need no key), then the API key check."""
         out: list[Any] = []
         if self.allowed_origins:
-            from dynamo.llm.http.cors import cors_middleware
+            from dynamo.frontend.http.cors import cors_middleware
 
             out.append(cors_middleware(self.allowed_origins))
         if self.api_keys:
-            from dynamo.llm.http.auth import api_key_middleware
+            from dynamo.frontend.http.auth import api_key_middleware
 
             out.append(api_key_middleware(self.api_keys))
         return out
@@ -65,7 +65,7 @@ class HttpOptions:
     def install(self, app: Any) -> None:
         """Hooks that are not middlewares: CORS headers on every response, streamed ones included."""
         if self.allowed_origins:
-            from dynamo.llm.http.cors import add_cors_headers
+            from dynamo.frontend.http.cors import add_cors_headers
 
             app.on_response_prepare.append(add_cors_headers(self.allowed_origins))
 

@@ -15,9 +15,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def register_api_routes(service: Any) -> None:
-    from dynamo.llm.http.embeddings import EmbeddingsRoute
-    from dynamo.llm.http.responses import ResponsesRoute
-    from dynamo.llm.http.tokenize import TokenizeRoutes
+    from dynamo.frontend.http.embeddings import EmbeddingsRoute
+    from dynamo.frontend.http.responses import ResponsesRoute
+    from dynamo.frontend.http.tokenize import TokenizeRoutes
 
     router = service.app.router
     tokenize = TokenizeRoutes(service.models)

@@ -17,7 +17,7 @@ import time
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any, Iterator
 
-from dynamo.llm.http.listen import worker_index
+from dynamo.frontend.http.listen import worker_index
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -45,7 +45,7 @@ class FrontendMetrics:
     """
 
     def __init__(self, prefix: str | None = None):
-        self.prefix = prefix or metrics_prefix()  # for metrics added by others (dynamo.llm.worker_metrics)
+        self.prefix = prefix or metrics_prefix()  # for metrics added by others (dynamo.frontend.worker_metrics)
 
     def __getattr__(self, name: str) -> Any:
         if name in _LAZY and "itl" not in self.__dict__:

@@ -123,7 +123,7 @@ class RemoteCoreEngine:
         self.router = router
         self.migration_limit = migration_limit
         self.queue = queue or QueuePolicy()
-        # the frontend's metrics for this model (dynamo.llm.worker_metrics.ModelObserver), or None
+        # the frontend's metrics for this model (dynamo.frontend.worker_metrics.ModelObserver), or None
         self.observer = observer
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
@@ -225,7 +225,7 @@ class RemoteChatEngine:
     def __init__(self, client: Any, queue: QueuePolicy | None = None, observer: Any = None):
         self.client = client
         self.queue = queue or QueuePolicy()
-        self.observer = observer  # counts migrations (dynamo.llm.worker_metrics.ModelObserver), or None
+        self.observer = observer  # counts migrations (dynamo.frontend.worker_metrics.ModelObserver), or None
 
     async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:

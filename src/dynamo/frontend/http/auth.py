@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from dynamo.llm.http.errors import error_response
+from dynamo.frontend.http.errors import error_response
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The frontend's disaggregated engine: prefill worker, then decode worker, per :mod:`.plan`.
 
-It wraps the model's ordinary :class:`~dynamo.llm.remote.RemoteCoreEngine` (the decode workers: routing,
+It wraps the model's ordinary :class:`~dynamo.frontend.remote.RemoteCoreEngine` (the decode workers: routing,
 migration and liveness stay theirs) and, when the model has prefill workers, a second one over those
 (KV-aware under ``--router-mode kv``).  The prefill request is the same pre-processed request with
 ``max_tokens`` 1; its answer's ``disaggregated_params`` is the KV transfer ticket, which rides on the
@@ -14,11 +14,11 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from dynamo.errors import EngineError
+from dynamo.llm.disagg.plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 from .handover import HandOver
-from .plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import itertools
 import random
 from typing import Any
 
-from dynamo.llm.kv_router.hashing import MASK64
-from dynamo.llm.kv_router.protocols import DEVICE, kv_event
-from dynamo.llm.kv_router.publisher import Publisher, emit
+from dynamo.llm.kv_events.hashing import MASK64
+from dynamo.llm.kv_events.protocols import DEVICE, kv_event
+from dynamo.llm.kv_events.publisher import Publisher, emit
 
 
 class WorkerKvState:

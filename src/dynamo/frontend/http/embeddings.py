@@ -14,8 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from dynamo.errors import RequestError
+from dynamo.frontend.http.service import _json, _read_json
 from dynamo.llm.engine import Context
-from dynamo.llm.http.service import _json, _read_json
 from dynamo.llm.protocols.extra import parse_embedding_request
 
 

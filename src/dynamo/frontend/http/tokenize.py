@@ -14,9 +14,9 @@ from typing import Any
 from aiohttp import web
 
 from dynamo.errors import RequestError
+from dynamo.frontend.http.service import _json, _read_json
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chat_template import ChatTemplate
-from dynamo.llm.http.service import _json, _read_json
-from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
 from dynamo.llm.protocols.openai import content_text
 

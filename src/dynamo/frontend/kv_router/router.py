@@ -27,19 +27,8 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
-from dynamo.llm.kv_router.hashing import compute_block_hashes, compute_seq_hashes
-from dynamo.llm.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
-from dynamo.llm.kv_router.protocols import (
-    DISK,
-    HOST,
-    LOWER_TIERS,
-    EventError,
-    KvEvent,
-    StoredBlock,
-    parse_kv_event,
-)
-from dynamo.llm.kv_router.publisher import Publisher, emit
-from dynamo.llm.kv_router.scheduler import (
+from dynamo.frontend.kv_router.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
+from dynamo.frontend.kv_router.scheduler import (
     FAST_PICK_MIN_WORKERS,
     ActiveSequences,
     BaseCostIndex,
@@ -48,6 +37,17 @@ from dynamo.llm.kv_router.scheduler import (
     fast_pick,
     select_worker,
 )
+from dynamo.llm.kv_events.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.llm.kv_events.protocols import (
+    DISK,
+    HOST,
+    LOWER_TIERS,
+    EventError,
+    KvEvent,
+    StoredBlock,
+    parse_kv_event,
+)
+from dynamo.llm.kv_events.publisher import Publisher, emit
 
 log = logging.getLogger(__name__)
 

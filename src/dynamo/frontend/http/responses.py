@@ -28,12 +28,12 @@ from aiohttp import web
 
 from dynamo.aio import Pending, next_now
 from dynamo.errors import EngineError, RequestError
+from dynamo.frontend.http.errors import error_body
+from dynamo.frontend.http.responses_output import Event, OutputItems
+from dynamo.frontend.http.responses_store import ResponseStore, Stored, store_size_from_env
+from dynamo.frontend.http.service import _SSE_HEADERS, SSE_BATCH, _json, _read_json, _write_parts
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
-from dynamo.llm.http.errors import error_body
-from dynamo.llm.http.responses_output import Event, OutputItems
-from dynamo.llm.http.responses_store import ResponseStore, Stored, store_size_from_env
-from dynamo.llm.http.service import _SSE_HEADERS, SSE_BATCH, _json, _read_json, _write_parts
 from dynamo.llm.protocols.openai import parse_chat_request
 from dynamo.llm.protocols.responses import (
     ResponsesRequest,

@@ -44,8 +44,8 @@ from typing import Annotated, Any, Callable, Iterable, Sequence
 import msgspec
 import xxhash
 
-from dynamo.llm.kv_router.hashing import KV_HASH_SEED, compute_seq_hashes
-from dynamo.llm.kv_router.protocols import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
+from dynamo.llm.kv_events.hashing import KV_HASH_SEED, compute_seq_hashes
+from dynamo.llm.kv_events.protocols import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ notices sooner and routes around it).  A name registered on several endpoints is
 their instances.  Backend models get our pre/post-processing with the card's
 tokenizer and template in front of a :class:`RemoteCoreEngine`; Chat/Completion models are forwarded.
 Prefill entries (``--disaggregation-mode prefill`` workers) are kept apart, per model name: a Backend
-model's engine sends requests to them first when there are any (llm/disagg/frontend.py).
+model's engine sends requests to them first when there are any (frontend/disagg.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
-from dynamo.llm.disagg.frontend import DisaggCoreEngine
+from dynamo.frontend.disagg import DisaggCoreEngine
+from dynamo.frontend.model_client import ModelClient
+from dynamo.frontend.model_manager import ModelManager
+from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
 from dynamo.llm.disagg.plan import DisaggStats
-from dynamo.llm.model_client import ModelClient
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
-from dynamo.llm.model_manager import ModelManager
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
-from dynamo.llm.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
 from dynamo.runtime.names import component_event_subject
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ModelWatcher:
         self.worker_metrics: Any = None
         self.metrics = metrics
         if metrics is not None:
-            from dynamo.llm.worker_metrics import WorkerMetrics
+            from dynamo.frontend.worker_metrics import WorkerMetrics
 
             self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix, self._kv_router_for)
             metrics.registry.register(_QueueCollector(self, metrics.prefix))
@@ -320,7 +320,7 @@ class ModelWatcher:
         cfg = self.router_config
         if cfg.mode != "kv":
             return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
-        from dynamo.llm.kv_routing import make_kv_router
+        from dynamo.frontend.kv_routing import make_kv_router
 
         return await make_kv_router(self.runtime, entry, card, client, cfg)
 

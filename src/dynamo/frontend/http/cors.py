@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from dynamo.llm.http.errors import error_response
+from dynamo.frontend.http.errors import error_response
 
 PREFLIGHT_MAX_AGE_S = 600
 # what the SDKs send; a preflight asking for others gets them echoed back (we read no custom headers)
