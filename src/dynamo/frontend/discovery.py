@@ -210,7 +210,8 @@ class ModelWatcher:
             chat_engine: Any = RemoteChatEngine(client, self.router_config.queue, observer=observer)
             model = FullPipeline(entry.name, card, chat_engine)
         elif entry.model_type is ModelType.Embedding:
-            from dynamo.llm.embeddings import EmbeddingModel, RemoteEmbeddingEngine
+            from dynamo.frontend.remote_embeddings import RemoteEmbeddingEngine
+            from dynamo.llm.embeddings import EmbeddingModel
             from dynamo.llm.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]

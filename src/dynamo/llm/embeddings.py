@@ -5,7 +5,7 @@ tokenizes strings itself (so a remote frontend needs no tokenizer, and llama.cpp
 and refuses ``dimensions`` with a :class:`RequestError` unless it can honour it.  :class:`EmbeddingModel`
 is what the model manager serves under the model's name: ``/v1/embeddings`` calls ``embed``; chat and
 completions get a clear 400.  On a worker, :func:`embedding_handler` serves the engine, and
-:class:`RemoteEmbeddingEngine` reaches it from a frontend (errors travel as items, so a 400 stays a 400).
+:class:`~dynamo.frontend.remote_embeddings.RemoteEmbeddingEngine` reaches it from a frontend (errors travel as items, so a 400 stays a 400).
 
 On the wire (spec 8.2, ``ModelType.Embedding``) a worker gets ``{"token_ids": [[...]], "model",
 "encoding_format", "dimensions", "annotations"}`` (the frontend tokenizes with the card's tokenizer, special
@@ -88,58 +88,3 @@ def embedding_handler(engine: EmbeddingEngine) -> Any:
                "total_tokens": result.prompt_tokens}
 
     return generate
-
-
-class RemoteEmbeddingEngine:
-    """Sends embedding requests to ``ModelType.Embedding`` workers, round-robin."""
-
-    kind = "embedding"
-
-    def __init__(self, client: Any, name: str = "", tokenizer: Any = None):
-        self.client = client
-        self.name = name
-        self.tokenizer = tokenizer
-
-    def request(self, inputs: list[EmbeddingInput], dimensions: int | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.name, "input": inputs, "encoding_format": "float",
-                                "dimensions": dimensions, "annotations": []}
-        if self.tokenizer is not None:
-            hf = self.tokenizer.hf
-            body["token_ids"] = [hf.encode(i, add_special_tokens=True).ids if isinstance(i, str) else i
-                                 for i in inputs]
-        return body
-
-    async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings:
-        from dynamo.frontend.remote import MAX_NO_RESPONDER_RETRIES, NO_WORKER_MESSAGE, _ensure_instances
-        from dynamo.runtime import Context as RtContext
-        from dynamo.runtime import EngineError as RtEngineError
-        from dynamo.runtime import NoInstancesError, NoRespondersError, StreamIncompleteError
-
-        body = self.request(inputs, dimensions)
-        rt_ctx = RtContext(ctx.id)
-        for _ in range(MAX_NO_RESPONDER_RETRIES + 1):
-            await _ensure_instances(self.client)
-            try:
-                stream = self.client.round_robin(body, context=rt_ctx)
-                await stream.start()
-                break
-            except NoRespondersError as e:  # nothing reached a worker: another one may take it
-                log.info("embedding request %s: %s; sending it to another worker", ctx.id, e)
-            except NoInstancesError:
-                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
-        else:
-            raise RequestError(NO_WORKER_MESSAGE, status=503)
-        try:
-            async for item in stream:
-                err = item.get("error")
-                if err:
-                    raise RequestError(err.get("message", "embedding failed"), status=int(err.get("status", 400)),
-                                       param=err.get("param"))
-                if not isinstance(item, dict) or not isinstance(item.get("embeddings"), list):
-                    raise EngineError("the embedding worker's answer has no 'embeddings'")
-                return Embeddings(item["embeddings"], int(item.get("prompt_tokens", 0)))
-        except (RtEngineError, StreamIncompleteError) as e:
-            raise EngineError(str(e)) from None
-        finally:
-            await stream.aclose()
-        raise EngineError("the embedding worker answered nothing")

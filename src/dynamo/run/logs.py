@@ -22,10 +22,18 @@ _LEVELS = {"trace": TRACE, "debug": logging.DEBUG, "info": logging.INFO, "warn":
            "warning": logging.WARNING, "error": logging.ERROR, "off": logging.CRITICAL + 10}
 
 
+# The original's Rust crate keeps the HTTP service, discovery and the KV router in dynamo_llm; ours has
+# them in dynamo.frontend (docs/architecture.md), so its log targets map there.
+_FRONTEND_MODULES = ("http", "discovery", "kv_router", "model_manager", "remote")
+
+
 def _target(name: str) -> str:
     name = name.replace("::", ".")
     if name.startswith("dynamo_"):  # dynamo_llm -> dynamo.llm, dynamo_runtime -> dynamo.runtime
         name = "dynamo." + name[len("dynamo_"):]
+    head, _, rest = name.removeprefix("dynamo.llm.").partition(".")
+    if name.startswith("dynamo.llm.") and head in _FRONTEND_MODULES:
+        name = "dynamo.frontend." + head + ("." + rest if rest else "")
     return name
 
 
