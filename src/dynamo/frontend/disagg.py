@@ -14,11 +14,10 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from dynamo.errors import EngineError
+from dynamo.llm.disagg.handover import HandOver
 from dynamo.llm.disagg.plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
-
-from .handover import HandOver
 
 log = logging.getLogger(__name__)
 
