@@ -16,13 +16,11 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
 from tests.support.tiny_model import build_tiny_hf_model
 
 pytestmark = [
@@ -35,12 +33,6 @@ pytestmark = [
 STARTUP_TIMEOUT = 420.0
 NS = "vdis"
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
 
 
 def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_the_decode_worker(

@@ -31,7 +31,6 @@ from dynamo.llm.kv_events.hashing import compute_block_hashes
 from dynamo.llm.model_card import ModelCard
 from dynamo.run.flags import RunConfig
 from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
 from tests.support.tiny_model import build_tiny_hf_model
 
 pytestmark = [
@@ -44,12 +43,6 @@ pytestmark = [
 STARTUP_TIMEOUT = 420.0
 NS = "vkv"
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
 
 
 @pytest.fixture(scope="module")

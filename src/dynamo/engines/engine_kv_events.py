@@ -90,6 +90,30 @@ class EngineKvEvents:
         return self.sink.state.dump()
 
 
+class PublishesEngineKvEvents:
+    """The router-facing surface (what inputs/endpoint.py calls) of an engine whose KV events come from
+    an :class:`EngineKvEvents` in ``self._kv`` (None when the worker does not publish them).  Load
+    metrics are not read from these engines: the router balances on its own bookkeeping."""
+
+    _kv: Any = None
+
+    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
+        if self._kv is not None:
+            self._kv.attach(worker_id, publish_kv_event)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self._kv is not None and self._kv.running
+
+    def kv_state_dump(self) -> dict[str, Any]:
+        if self._kv is None:
+            return {"worker_id": 0, "last_event_id": None, "blocks": []}
+        return self._kv.dump()
+
+    def all_load_metrics(self) -> list[dict[str, Any]]:
+        return []
+
+
 class SglangKvEvents(EngineKvEvents):
     """SGLang's ZMQ publisher -> our events.  :meth:`configure` before the engine starts (it connects
     to our socket), :meth:`start` once it runs."""

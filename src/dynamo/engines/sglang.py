@@ -32,7 +32,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.engines.engine_kv_events import SglangKvEvents, serves_router, sglang_kv_events_wanted
+from dynamo.engines.engine_kv_events import (
+    PublishesEngineKvEvents,
+    SglangKvEvents,
+    serves_router,
+    sglang_kv_events_wanted,
+)
 from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.engines.token_engine_common import (
     common_sampling_params,
@@ -174,7 +179,7 @@ class OutputConverter:
         return EngineOutput(token_ids=ids, finish_reason=reason, cached_tokens=cached)
 
 
-class SglangEngine:
+class SglangEngine(PublishesEngineKvEvents):
     kind = "core"
     guided_decoding = True  # sampling_options.guided_decoding -> structured outputs
 
@@ -228,23 +233,6 @@ class SglangEngine:
         if self._kv is not None:
             self._kv.set_block_size(self.card.kv_cache_block_size)
             self._kv.start()
-
-    # -- KV events for the router (inputs/endpoint.py) ----------------------------------------------
-    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
-        if self._kv is not None:
-            self._kv.attach(worker_id, publish_kv_event)
-
-    @property
-    def publishes_kv_events(self) -> bool:
-        return self._kv is not None and self._kv.running
-
-    def kv_state_dump(self) -> dict[str, Any]:
-        if self._kv is None:
-            return {"worker_id": 0, "last_event_id": None, "blocks": []}
-        return self._kv.dump()
-
-    def all_load_metrics(self) -> list[dict[str, Any]]:
-        return []  # SGLang's scheduler load is not read (the router balances on its own bookkeeping)
 
     async def close(self) -> None:
         kv, self._kv = self._kv, None

@@ -30,7 +30,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.engines.engine_kv_events import TrtllmKvEvents, serves_router, trtllm_kv_events_wanted
+from dynamo.engines.engine_kv_events import (
+    PublishesEngineKvEvents,
+    TrtllmKvEvents,
+    serves_router,
+    trtllm_kv_events_wanted,
+)
 from dynamo.engines.token_engine_common import (
     apply_base_gpu_id,
     common_sampling_params,
@@ -187,7 +192,7 @@ def _llm_class(backend: str) -> Any:
     return LLM
 
 
-class TrtllmEngine:
+class TrtllmEngine(PublishesEngineKvEvents):
     kind = "core"
 
     def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
@@ -237,23 +242,6 @@ class TrtllmEngine:
         if self._kv is not None:
             self._kv.set_block_size(self.card.kv_cache_block_size)
             self._kv.start(self._llm)
-
-    # -- KV events for the router (inputs/endpoint.py) ----------------------------------------------
-    def attach(self, worker_id: int, *, publish_kv_event: Any = None, publish_metrics: Any = None) -> None:
-        if self._kv is not None:
-            self._kv.attach(worker_id, publish_kv_event)
-
-    @property
-    def publishes_kv_events(self) -> bool:
-        return self._kv is not None and self._kv.running
-
-    def kv_state_dump(self) -> dict[str, Any]:
-        if self._kv is None:
-            return {"worker_id": 0, "last_event_id": None, "blocks": []}
-        return self._kv.dump()
-
-    def all_load_metrics(self) -> list[dict[str, Any]]:
-        return []  # TensorRT-LLM's iteration stats are not read (the router balances on its own bookkeeping)
 
     async def close(self) -> None:
         kv, self._kv = self._kv, None
