@@ -169,6 +169,26 @@ async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf,
         await engine.close()
 
 
+async def test_a_new_conversation_does_not_overwrite_another_conversations_cache(gguf, tok):
+    """Slots that share only a short system prompt with a new request keep their conversations: the new
+    request takes an empty slot, so revisiting the first conversation reuses all of it (as
+    llama-server's slot choice does; before, every new prompt landed in the one slot that held the
+    system prompt and the benchmark's 8 streams found 7 of their 8 prompts gone)."""
+    engine = await _engine(gguf)
+    try:
+        story = chat(tok, "Be brief.", "Tell me about the history of the city of Rome, its emperors and its roads. " * 4)
+        _, cached = await ask(engine, story)
+        assert cached == 0
+        other = chat(tok, "Be brief.", "Name three colors.")
+        shared = next(i for i, (a, b) in enumerate(zip(story, other, strict=False)) if a != b)
+        assert 2 * shared < len(story)  # the premise: the new prompt shares only a short prefix
+        await ask(engine, other)
+        _, cached = await ask(engine, story)  # back to the first conversation
+        assert cached == len(story) - 1  # all of it (the last prompt token is always computed)
+    finally:
+        await engine.close()
+
+
 # -- distributed ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

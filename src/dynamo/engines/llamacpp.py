@@ -696,9 +696,16 @@ class LlamaCppEngine:
             last = len(req.prompt) - 1
             prefix = {s.seq_id: _common_prefix(s.cached, req.prompt) for s in self._slots}
             best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
+            if 2 * prefix[best.seq_id] < len(best.cached):
+                # this prompt would reuse less of that slot's cache than it overwrites (a shared system
+                # prompt, then another conversation): an empty slot keeps that conversation restorable
+                empty = [s for s in free if not s.cached]
+                if empty:
+                    best = min(empty, key=lambda s: s.used_at)
             keep = min(prefix[best.seq_id], last)
             busy = [s for s in self._slots if s.req is not None]
-            donor = max(busy, key=lambda s: prefix[s.seq_id], default=None)
+            # any other slot, busy or free, whose cache holds more of this prompt can lend it
+            donor = max((s for s in self._slots if s is not best), key=lambda s: prefix[s.seq_id], default=None)
             now = max(keep, min(prefix[donor.seq_id], last) if donor is not None else 0)
             later = max((min(_common_prefix(s.req.prompt, req.prompt), last)  # type: ignore[union-attr]
                          for s in busy if s.pending), default=0)
@@ -707,9 +714,10 @@ class LlamaCppEngine:
                 continue
             L = self._L
             if donor is not None and min(prefix[donor.seq_id], last) >= keep + COPY_MIN_TOKENS:
-                # a busy slot holds much more of this prompt: copy its cache over the least recently used
+                # another slot holds much more of this prompt: copy its cache over the least recently used
                 # free slot (the copy runs at the start of the next llama_decode)
-                best = min(free, key=lambda s: s.used_at)
+                targets = [s for s in free if s is not donor]
+                best = min([s for s in targets if not s.cached] or targets, key=lambda s: s.used_at)
                 keep = min(prefix[donor.seq_id], last)
                 self._offload(best, 0)
                 L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
@@ -717,7 +725,7 @@ class LlamaCppEngine:
                 self.copies += 1
                 if self._tracking:
                     self.slot_blocks.copy(donor.seq_id, best.seq_id, keep)
-                log.debug("request %s: slot %d copies %d cached tokens from busy slot %d", req.ctx.id,
+                log.debug("request %s: slot %d copies %d cached tokens from slot %d", req.ctx.id,
                           best.seq_id, keep, donor.seq_id)
                 best.cached = donor.cached[:keep]
             else:
