@@ -18,6 +18,8 @@ import orjson
 _loads = orjson.loads
 _MISSING = object()
 _NEEDLES: dict[str, bytes] = {}  # key -> b'"key":', built once per key (asked per token)
+_LIST_NEEDLES: dict[str, bytes] = {}  # key -> b'"key":['
+USAGE_KEY = b'"usage":'  # a chunk whose bytes lack this has no usage block (the pipeline asks per token)
 
 
 def _needle(key: str) -> bytes:
@@ -64,12 +66,18 @@ class LazyJson(dict):
         if not self._loaded:
             raw = self.raw
             assert raw is not None
-            needle = _needle(key) + b"["
+            needle = _LIST_NEEDLES.get(key)
+            if needle is None:
+                needle = _needle(key) + b"["
+                if len(_LIST_NEEDLES) < 256:
+                    _LIST_NEEDLES[key] = needle
             at = raw.find(needle)
-            if at < 0 and _needle(key) not in raw:
-                return False
-            if at >= 0 and raw.find(needle, at + 1) < 0:  # one list under that name: look at it
-                return raw[at + len(needle):at + len(needle) + 1] != b"]"
+            if at < 0:
+                if _needle(key) not in raw:
+                    return False
+            elif raw.find(needle, at + 1) < 0:  # one list under that name: look at its first byte
+                end = at + len(needle)
+                return end < len(raw) and raw[end] != 0x5D  # b"]"
         return bool(self.load().get(key))
 
     # reading: load first (or answer from the bytes when the key is absent)

@@ -45,31 +45,44 @@ def echo_delay_seconds() -> float:
 
 
 class _Pacer:
-    """Sleeps until each item's due time; with no delay, yields to the loop now and then for fairness.
+    """When each item is due; with no delay, a turn of the loop now and then for fairness.
 
     An item that is already overdue (the loop was busy) goes out at once, without a turn of the loop
     in between: the items that fell due together leave together, in one frame batch and one write,
     as a real engine's queued tokens do, so a busy server catches up cheaply instead of paying a
-    full loop turn and a send per late token.
+    full loop turn and a send per late token.  ``wait()`` hands back the future to await (a timer of
+    the loop sets it) rather than being a coroutine around ``asyncio.sleep``: two frames and a
+    ``get_running_loop`` (a ``getpid`` system call on Python 3.11) less per paced token.
     """
 
-    __slots__ = ("delay", "_due", "_n")
+    __slots__ = ("delay", "_due", "_n", "_loop")
 
     def __init__(self, delay: float):
         self.delay = delay
         self._due = time.monotonic()
         self._n = 0
+        self._loop = asyncio.get_running_loop()
 
-    async def wait(self) -> None:
+    def wait(self) -> "asyncio.Future[None] | None":
+        """A future to await before the next item, or None when it is due now."""
         if self.delay > 0:
             self._due += self.delay
             pause = self._due - time.monotonic()
-            if pause > 0:
-                await asyncio.sleep(pause)
+            if pause <= 0:
+                return None
         else:
             self._n += 1
-            if self._n % 16 == 0:
-                await asyncio.sleep(0)
+            if self._n % 16:
+                return None
+            pause = 0
+        fut = self._loop.create_future()
+        self._loop.call_later(pause, _wake, fut)
+        return fut
+
+
+def _wake(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():  # not cancelled meanwhile (the client left)
+        fut.set_result(None)
 
 
 class EchoFullEngine:
@@ -99,7 +112,9 @@ class EchoFullEngine:
             if limit is not None and sent >= limit:
                 reason = "length"
                 break
-            await pacer.wait()
+            due = pacer.wait()
+            if due is not None:
+                await due
             sent += 1
             context.completion_tokens = sent
             yield chunks.delta(ch)
@@ -117,6 +132,8 @@ class EchoCoreEngine:
         for token_id in request.token_ids:
             if context.is_stopped:
                 return
-            await pacer.wait()
+            due = pacer.wait()
+            if due is not None:
+                await due
             yield EngineOutput(token_ids=[token_id])
         yield EngineOutput(token_ids=[], finish_reason="stop")

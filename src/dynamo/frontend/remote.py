@@ -27,7 +27,7 @@ import msgspec
 
 from dynamo.errors import EngineError as LlmEngineError
 from dynamo.errors import RequestError, ServiceUnavailableError
-from dynamo.lazyjson import LazyJson
+from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
@@ -258,6 +258,12 @@ class RemoteChatEngine:
                 raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
         try:
             async for chunk in stream:
+                if type(chunk) is LazyJson and chunk.raw is not None and USAGE_KEY not in chunk.raw:
+                    # the common chunk, answered from its bytes: a token when it has choices
+                    if chunk.has_items("choices"):
+                        context.completion_tokens += 1
+                    yield chunk
+                    continue
                 usage = chunk.get("usage") if isinstance(chunk, dict) else None
                 if usage:
                     context.prompt_tokens = usage.get("prompt_tokens", 0)

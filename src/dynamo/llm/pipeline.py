@@ -13,6 +13,7 @@ import msgspec
 import orjson
 
 from dynamo.errors import RequestError
+from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.fanout import child_contexts, merge_choices
@@ -253,6 +254,9 @@ class FullPipeline:
         gen = self.engine.generate(req, ctx, raw=raw) if self._pass_raw else self.engine.generate(req, ctx)  # type: ignore[call-arg]
         try:
             async for chunk in gen:
+                if type(chunk) is LazyJson and chunk.raw is not None and USAGE_KEY not in chunk.raw:
+                    yield chunk  # a remote worker's chunk without usage (checked on its bytes)
+                    continue
                 if want_usage and chunk.get("usage"):
                     saw_usage = True
                 elif not want_usage and "usage" in chunk:

@@ -499,8 +499,18 @@ class ResponseStream:
                     ann = items.popleft()
                     if state.paused and len(items) < state.LOW_WATER:
                         state.resume()
+                elif state.finished:
+                    if state.error is not None:
+                        raise state.error
+                    raise StopAsyncIteration
                 else:
-                    ann = await state.next_raw()
+                    # StreamState.next_raw, inlined: a frame and a get_running_loop less per token
+                    fut = state.new_waiter()
+                    try:
+                        await fut
+                    finally:
+                        state.clear_waiter(fut)
+                    continue
                 if type(ann) is bytes:  # a plain item's JSON (multiplexed connection, runtime/mux.py)
                     if self._lazy and ann[:1] == b"{":
                         return LazyJson(ann)

@@ -108,7 +108,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "mux_id")
+                 "_resume", "quiet", "mux_id", "_loop")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -122,6 +122,7 @@ class StreamState:
         self.connected = False
         self.key = ""
         self._waiter: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sender: Callable[[str], None] | None = None
         self._control_backlog: list[str] = []
         self.last_seen = 0.0
@@ -168,6 +169,14 @@ class StreamState:
                 fut.set_result(None)
         else:
             self._waiter = fut
+
+    def new_waiter(self) -> asyncio.Future:
+        """A future that the stream's next data (or its end) completes; the consumer awaits it."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        return fut
 
     def clear_waiter(self, fut: asyncio.Future) -> None:
         if self._waiter is fut:

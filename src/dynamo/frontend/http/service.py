@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
-from dynamo.aio import Acceptor, Pending, next_now
+from dynamo.aio import Acceptor, Pending
 from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
 from dynamo.frontend.http.api_routes import register_api_routes
 from dynamo.frontend.http.errors import error_body, error_response, request_error_response
@@ -54,6 +54,57 @@ class _SseResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
+
+
+class _ChunkSink:
+    """Writes a streaming response's events straight to the connection once its headers are out.
+
+    Why not ``StreamResponse.write`` for every event: per event it is four Python calls (the response's
+    and the writer's ``write``, ``_write_chunked_payload``, ``_writelines``), an f-string and a join;
+    with 256 paced streams on an idle machine each token is its own write, and that wrapper cost about
+    a tenth of the server's CPU per token (docs/performance.md).  The first write still goes through
+    aiohttp (the buffered headers leave with it) and so does the last (``write_eof``); flow control is
+    aiohttp's own (its writer's ``drain`` every 64 KiB, as its ``write`` does).  Anything unusual (no
+    payload writer, compression, a transport that is gone) takes aiohttp's path.
+    """
+
+    __slots__ = ("_resp", "_request", "_transport", "_writer", "_chunked", "_since_drain")
+
+    DRAIN_EVERY = 0x10000  # aiohttp's own LIMIT: bytes between two flow-control checks
+
+    def __init__(self, resp: web.StreamResponse, request: web.Request):
+        self._resp = resp
+        self._request = request
+        self._transport: asyncio.Transport | None = None
+        self._writer: Any = None
+        self._chunked = True
+        self._since_drain = 0
+
+    def write(self, parts: list[bytes]) -> Any:
+        """Send the gathered events (``parts`` is emptied); returns an awaitable when the caller must wait."""
+        data = b"".join(parts) if len(parts) > 1 else parts[0]
+        parts.clear()
+        transport = self._transport
+        if transport is None:
+            return self._first(data)
+        if transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        self._since_drain += len(data)
+        if self._since_drain > self.DRAIN_EVERY:
+            self._since_drain = 0
+            return self._writer.drain()
+        return None
+
+    async def _first(self, data: bytes) -> None:
+        resp = self._resp
+        await resp.write(data)
+        writer = getattr(resp, "_payload_writer", None)
+        if (writer is not None and getattr(writer, "_compress", None) is None
+                and not getattr(writer, "_headers_buf", None) and resp.compression is False):
+            self._writer = writer
+            self._chunked = bool(writer.chunked)
+            self._transport = self._request.transport
 
 
 class HttpService:
@@ -171,11 +222,11 @@ class HttpService:
                 stream = model.chat(req, raw, ctx)
             else:
                 stream = model.completions(req, raw, ctx)
-            stream = _metered(stream, ctx, rm)
             if streaming:
-                resp, ok = await self._stream_sse(request, stream, ctx)
+                resp, ok = await self._stream_sse(request, stream, ctx, rm)
                 return resp
             else:
+                stream = _metered(stream, ctx, rm)
                 fold = fold_chat if isinstance(req, ChatCompletionRequest) else fold_completion
                 try:
                     body = await fold(stream, ctx, req.model)
@@ -199,7 +250,7 @@ class HttpService:
                 self._inflight.discard(task)
 
     async def _stream_sse(
-        self, request: web.Request, stream: AsyncIterator[Any], ctx: Context
+        self, request: web.Request, stream: AsyncIterator[Any], ctx: Context, rm: Any
     ) -> tuple[web.StreamResponse, bool]:
         """Stream ``stream`` as SSE; returns the response and whether the stream completed without error."""
         # the first item before committing to 200: start-up failures get a real status code
@@ -207,6 +258,8 @@ class HttpService:
             first = await stream.__anext__()
         except StopAsyncIteration:
             first = None
+        else:
+            rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
         resp = _SseResponse(status=200, headers=_SSE_HEADERS)
         try:
             await resp.prepare(request)
@@ -215,55 +268,125 @@ class HttpService:
             await stream.aclose()  # type: ignore[attr-defined]
             log.debug("request %s: client went away before the response started", ctx.id)
             return resp, False
-        dumps = orjson.dumps
-        ok = False
-        # Every item that is ready when we look leaves in one write: a paced stream still sends each
-        # token as it comes, and a stream that fell behind catches up with one send per batch.
-        parts: list[bytes] = []
-        pending: Pending | None = None
-        try:
-            if first is not None:
-                parts.append(_sse(first, dumps))
-                while True:
-                    try:
-                        item = next_now(stream)
-                        if type(item) is Pending:
-                            pending = item
-                            if parts:
-                                await _write_parts(resp, parts)
-                            pending = None
-                            item = await item
-                    except StopAsyncIteration:
-                        break
-                    data = _sse(item, dumps)
-                    if data:
-                        parts.append(data)
-                        if len(parts) >= SSE_BATCH:  # a long backlog: let the other streams have a turn
-                            await _write_parts(resp, parts)
-                            await asyncio.sleep(0)
-            ok = True
-        except (EngineError, RequestError) as e:
-            log.warning("request %s failed mid-stream: %s", ctx.id, e)
-            status = e.status if isinstance(e, RequestError) else 500
-            parts.append(b"data: " + error_body(str(e), status) + b"\n\n")
-        except (ConnectionResetError, ConnectionError):
-            ctx.kill()
-            log.debug("request %s: client went away", ctx.id)
-            return resp, False
-        except Exception as e:  # our bug: the headers are out, so end the stream cleanly rather than cut it
-            log.exception("request %s: internal error mid-stream", ctx.id)
-            parts.append(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
-        finally:
-            if pending is not None:  # a write failed while the next item was being awaited
-                await pending.abandon()
-            await stream.aclose()  # type: ignore[attr-defined]
-        parts.append(_DONE)
-        try:
-            await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
-        except (ConnectionResetError, ConnectionError):  # the client left as its stream ended: not our error
-            log.debug("request %s: client went away before the end of the stream", ctx.id)
-            return resp, False
-        return resp, ok
+        # The rest runs as its own task: a token then wakes a short chain of frames (this pump and the
+        # pipeline) instead of aiohttp's request handler, the middlewares and this handler as well,
+        # about ten frame resumptions per token.  Cancelling the handler (the client left) cancels it.
+        pump = asyncio.get_running_loop().create_task(_pump_sse(resp, request, stream, ctx, rm, first))
+        return resp, await pump
+
+async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: AsyncIterator[Any], ctx: Context,
+                    rm: Any, first: Any) -> bool:
+    """Write the stream's items as SSE events; whether it ended without error.
+
+    Every item that is ready when we look leaves in one write: a paced stream still sends each token
+    as it comes, and a stream that fell behind catches up with one send per batch.  The ``__anext__``
+    calls are driven here rather than awaited, to see whether an item is ready without waiting for
+    it (``aio.next_now`` does the same with a helper object and a relay frame per item; inlined here,
+    the per-token path of every stream, because those cost about a microsecond per token).
+    """
+    dumps = orjson.dumps
+    tokens = rm.tokens
+    sink = _ChunkSink(resp, request)
+    parts: list[bytes] = []
+    step: Any = None  # an ``__anext__`` call that had to wait and is not finished
+    ok = gone = False
+    try:
+        if first is not None:
+            parts.append(_sse(first, dumps))
+            anext = stream.__anext__
+            in_a_row = 0
+            while True:
+                call: Any = anext()
+                try:
+                    signal = call.send(None)
+                except StopIteration as done:
+                    item = done.value
+                    in_a_row += 1
+                except StopAsyncIteration:
+                    break
+                else:
+                    # not ready: what was gathered leaves now, then wait for the item as the task would
+                    step = call
+                    in_a_row = 0
+                    if parts:
+                        w = sink.write(parts)
+                        if w is not None:
+                            await w
+                    while True:
+                        try:
+                            if signal is None:  # a bare yield (``asyncio.sleep(0)``)
+                                await asyncio.sleep(0)
+                            else:
+                                # the call yielded it to a task (it is marked blocking): take it as the
+                                # task would, then await it ourselves
+                                signal._asyncio_future_blocking = False
+                                await signal
+                        except GeneratorExit:  # this coroutine is being closed: so is the call
+                            step = None
+                            call.close()
+                            raise
+                        except BaseException as exc:  # noqa: BLE001 - cancellation or the future's error: relayed
+                            try:
+                                signal = call.throw(exc)
+                            except StopIteration as done:
+                                item = done.value
+                                break
+                            except BaseException:
+                                step = None  # the call is over: it raised
+                                raise
+                        else:
+                            try:
+                                signal = call.send(None)
+                            except StopIteration as done:
+                                item = done.value
+                                break
+                            except BaseException:
+                                step = None
+                                raise
+                    step = None
+                tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                data = _sse(item, dumps)
+                if data:
+                    parts.append(data)
+                    if in_a_row >= SSE_BATCH:  # a long backlog: let the other streams have a turn
+                        in_a_row = 0
+                        w = sink.write(parts)
+                        if w is not None:
+                            await w
+                        await asyncio.sleep(0)
+        ok = True
+    except StopAsyncIteration:  # the stream ended while an item was awaited
+        ok = True
+    except (EngineError, RequestError) as e:
+        log.warning("request %s failed mid-stream: %s", ctx.id, e)
+        status = e.status if isinstance(e, RequestError) else 500
+        parts.append(b"data: " + error_body(str(e), status) + b"\n\n")
+    except (ConnectionResetError, ConnectionError):
+        ctx.kill()
+        log.debug("request %s: client went away", ctx.id)
+        gone = True
+    except Exception as e:  # our bug: the headers are out, so end the stream cleanly rather than cut it
+        log.exception("request %s: internal error mid-stream", ctx.id)
+        parts.append(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
+    finally:
+        if step is not None:  # a write failed (or we were cancelled) while an item was awaited
+            await _abandon(step)
+        await stream.aclose()  # type: ignore[attr-defined]
+    if gone:
+        return False
+    parts.append(_DONE)
+    try:
+        await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
+    except (ConnectionResetError, ConnectionError):  # the client left as its stream ended: not our error
+        log.debug("request %s: client went away before the end of the stream", ctx.id)
+        return False
+    return ok
+
+
+async def _abandon(call: Any) -> None:
+    """End an ``__anext__`` call that is still waiting, as a cancelled ``await`` would."""
+    if call is not None:
+        await Pending(call, None).abandon()
 
 
 async def _write_parts(resp: web.StreamResponse, parts: list[bytes]) -> None:
