@@ -1,0 +1,186 @@
+"""The SSE writer (``frontend/http/service.py``'s pump): what a client sees of how it drives a stream.
+
+The writer drives each ``__anext__`` call itself (to send every ready item in one write without ever
+waiting for one), so it has to relay whatever the engine awaits exactly as an asyncio task would:
+futures that fail, bare yields, ``asyncio.timeout`` (which cancels the task and takes the
+cancellation back), a client that leaves. Stand-in engines on a real socket; raw HTTP where the
+chunk boundaries are the point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+
+from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.http.service import HttpService
+from dynamo.frontend.model_manager import ModelManager
+from dynamo.llm.chunks import ChatChunks
+from dynamo.llm.engine import Context
+from dynamo.llm.model_card import ModelCard
+
+BIG_ITEMS = 4000  # about 1 MB of events, far past the writer's flow-control step (64 KiB)
+
+
+class StandIn:
+    tokenizer = None
+
+    def __init__(self, name: str, engine: Any):
+        self.name = name
+        self.card = ModelCard.placeholder(name)
+        self._engine = engine
+
+    def chat(self, req: Any, raw: dict, ctx: Context) -> AsyncIterator[Any]:
+        return self._engine(ChatChunks(req.model, ctx.id), ctx)
+
+    def completions(self, req: Any, raw: dict, ctx: Context) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+
+async def burst(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
+    """One item, five more ready at once, a pause, one more."""
+    yield chunks.delta("a")
+    for ch in "bcdef":
+        yield chunks.delta(ch)
+    await asyncio.sleep(0.05)
+    yield chunks.delta("g")
+    yield chunks.delta(None, "stop")
+
+
+async def odd_awaits(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
+    """Awaits every kind of thing an engine may await between items."""
+    loop = asyncio.get_running_loop()
+    yield chunks.delta("1")
+    await asyncio.sleep(0)  # a bare yield
+    yield chunks.delta("2")
+    failing: asyncio.Future[None] = loop.create_future()
+    loop.call_later(0.01, failing.set_exception, RuntimeError("device hiccup"))
+    try:
+        await failing
+    except RuntimeError:
+        yield chunks.delta("3")
+    try:
+        async with asyncio.timeout(0.02):  # cancels the task running us, then turns that into TimeoutError
+            await loop.create_future()
+    except TimeoutError:
+        yield chunks.delta("4")
+    yield chunks.delta(str(await loop.run_in_executor(None, lambda: 5)))
+    inner = loop.create_task(asyncio.sleep(0.01, result="6"))
+    yield chunks.delta(await asyncio.shield(inner))
+    yield chunks.delta(None, "stop")
+
+
+async def big(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
+    """Many items with no wait between them: the writer sends them in batches, under flow control."""
+    yield chunks.delta("start:")
+    for i in range(BIG_ITEMS):
+        yield chunks.delta(f"{i:06d}" + "x" * 200)
+    yield chunks.delta(None, "stop")
+
+
+class Hanging:
+    """Sends one item, then waits forever; records how its wait ended."""
+
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+        self.how: str | None = None
+        self.ctx: Context | None = None
+
+    async def __call__(self, chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
+        self.ctx = ctx
+        yield chunks.delta("only")
+        await asyncio.sleep(0)  # the first item has left once the writer waits on the next
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            self.how = "cancelled"
+            raise
+        finally:
+            self.ended.set()
+
+
+@pytest.fixture
+async def hanging() -> Hanging:
+    return Hanging()
+
+
+@pytest.fixture
+async def service(hanging: Hanging) -> AsyncIterator[HttpService]:
+    manager = ModelManager()
+    for name, engine in (("burst", burst), ("odd", odd_awaits), ("big", big), ("hang", hanging)):
+        manager.add(StandIn(name, engine))
+    svc = HttpService(manager, metrics=FrontendMetrics("test_stream_writer"))
+    await svc.start("127.0.0.1", 0)
+    yield svc
+    await svc.stop(grace=1)
+
+
+def body(model: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+
+async def raw_chunks(port: int, model: str) -> list[bytes]:
+    """The HTTP/1.1 chunks of a streamed answer, as framed on the wire."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = body(model)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+    chunks = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            break
+        chunks.append(data[:-2])
+    writer.close()
+    return chunks
+
+
+def contents(data: bytes) -> list[str]:
+    out = []
+    for event in data.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            out.append(json.loads(event[6:])["choices"][0]["delta"].get("content") or "")
+    return out
+
+
+async def test_items_ready_together_leave_in_one_chunk_and_a_late_one_on_its_own(service: HttpService):
+    chunks = await raw_chunks(service.port, "burst")
+    assert [contents(c) for c in chunks] == [["a", "b", "c", "d", "e", "f"], ["g", ""]]
+    assert chunks[-1].endswith(b"data: [DONE]\n\n")
+
+
+async def test_whatever_the_engine_awaits_it_gets_as_under_a_task(service: HttpService):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.port}", timeout=10) as client:
+        async with client.stream("POST", "/v1/chat/completions", content=body("odd"),
+                                 headers={"Content-Type": "application/json"}) as r:
+            data = [line[5:].strip() async for line in r.aiter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    text = "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1])
+    assert text == "123456"
+
+
+async def test_a_long_backlog_arrives_whole_through_flow_control(service: HttpService):
+    chunks = await raw_chunks(service.port, "big")
+    items = [c for chunk in chunks for c in contents(chunk)]
+    assert items[0] == "start:" and items[-1] == ""
+    assert [int(c[:6]) for c in items[1:-1]] == list(range(BIG_ITEMS))
+    assert len(chunks) > 2  # batched, not one write per item, nor everything at once
+
+
+async def test_a_client_that_leaves_cancels_the_engine_wait(service: HttpService, hanging: Hanging):
+    reader, writer = await asyncio.open_connection("127.0.0.1", service.port)
+    payload = body("hang")
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    await reader.readuntil(b'"only"')  # the first item arrived
+    writer.close()
+    await asyncio.wait_for(hanging.ended.wait(), 5)
+    assert hanging.how == "cancelled"
+    assert hanging.ctx is not None and hanging.ctx.is_killed
