@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import ssl as ssl_module
+import types
 from typing import Any, AsyncIterator, Callable, Generator, TypeVar
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,38 @@ async def cancel_and_wait(task: "asyncio.Task[object] | None") -> None:
         pass
 
 
+@types.coroutine
+def finish(call: Any, signal: Any) -> Generator[Any, Any, Any]:
+    """``await finish(call, signal)``: the rest of an ``__anext__()`` call started by hand.
+
+    ``call`` is the object ``__anext__()`` returned, already sent ``None`` once, and ``signal`` what
+    it yielded to the event loop when it had to wait.  Finishing it hands ``signal`` to the task and
+    relays sends and throws both ways, exactly as ``await it.__anext__()`` would have, so the
+    iterator sees cancellation (``asyncio.timeout`` included) and failed futures as under a task.
+    The result is the item; ``StopAsyncIteration`` or the iterator's error is raised.  Once awaited,
+    the call is over however the await ends (closing the awaiting coroutine closes the call).
+
+    A writer that starts each call itself sees whether the item is ready without waiting for it
+    (:func:`next_now` does that with a :class:`Pending`; the streaming pumps inline the start).
+    """
+    while True:
+        try:
+            sent = yield signal
+        except GeneratorExit:
+            call.close()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - cancellation included: relayed, not handled
+            try:
+                signal = call.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                signal = call.send(sent)
+            except StopIteration as stop:
+                return stop.value
+
+
 class Pending:
     """The rest of an ``__anext__()`` call that :func:`next_now` started and that had to wait.
 
@@ -45,39 +78,26 @@ class Pending:
         self._first = first  # what the call yielded to the event loop when it suspended
 
     def __await__(self) -> Generator[Any, Any, Any]:
-        # ``yield from coro`` for a coroutine that has already yielded once: hand its first yield to the
-        # task, then relay sends and throws both ways until it returns.
         coro, value = self._coro, self._first
         self._first = None
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # noqa: BLE001 - cancellation included: relayed, not handled
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
+        return (yield from finish(coro, value))
 
     async def abandon(self) -> None:
         """End the call as a cancelled ``await`` would (the iterator cleans up), ignoring the outcome."""
-        coro = self._coro
-        try:
-            value = coro.throw(asyncio.CancelledError())
-        except (StopIteration, StopAsyncIteration, asyncio.CancelledError, Exception):
-            return
-        self._first = value  # it awaits while cleaning up: finish driving it
-        try:
-            await self
-        except (StopAsyncIteration, asyncio.CancelledError, Exception):
-            pass
+        await abandon(self._coro)
+
+
+async def abandon(call: Any) -> None:
+    """End a started ``__anext__()`` call that is still waiting, as a cancelled ``await`` would (the
+    iterator cleans up), ignoring the outcome."""
+    try:
+        value = call.throw(asyncio.CancelledError())
+    except (StopIteration, StopAsyncIteration, asyncio.CancelledError, Exception):
+        return
+    try:  # it awaits while cleaning up: finish driving it
+        await finish(call, value)
+    except (StopAsyncIteration, asyncio.CancelledError, Exception):
+        pass
 
 
 def next_now(it: AsyncIterator[T]) -> "T | Pending":

@@ -252,3 +252,43 @@ async def test_acceptor_pauses_after_a_failed_accept_and_resumes(monkeypatch: py
     acceptor.close()
     writer.close()
     got[0].close()
+
+
+async def test_finish_relays_a_class_based_iterator_whose_anext_returns_a_future():
+    from dynamo.aio import finish
+
+    class Ticks:
+        """``__anext__`` returns a bare future, not a coroutine."""
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def __aiter__(self) -> "Ticks":
+            return self
+
+        def __anext__(self) -> "asyncio.Future[int]":
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[int] = loop.create_future()
+            self.n += 1
+            if self.n > 3:
+                fut.set_exception(StopAsyncIteration())
+            else:
+                loop.call_later(0.001, fut.set_result, self.n)
+            return fut
+
+    it = Ticks()
+    got = []
+    while True:
+        call = it.__anext__().__await__()
+        try:
+            signal = call.send(None)
+        except StopIteration as done:
+            got.append(done.value)
+            continue
+        except StopAsyncIteration:
+            break
+        try:
+            got.append(await finish(call, signal))
+        except StopAsyncIteration:
+            break
+    assert got == [1, 2, 3]

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from dynamo.aio import Pending, next_now
+from dynamo.aio import abandon, finish
 
 from .codec import decode_frame
 from .component_metrics import (
@@ -222,26 +222,35 @@ class Ingress:
         encode = getattr(sink, "encode_item", encode_item)  # a multiplexed stream's is more compact
         batch: list[bytes] = []
         in_a_row = 0  # items taken without the handler waiting
-        pending: Pending | None = None
+        pending: Any = None  # a started ``__anext__`` call while we drain
         nbytes = 0
+        anext = agen.__anext__
         try:
             while True:
+                # each call started here, to see whether the item is ready without waiting for it
+                # (dynamo.aio.next_now's idea, inlined on the per-token path)
+                call: Any = anext().__await__()  # an async generator's asend object itself
                 try:
-                    item = next_now(agen)
-                    if type(item) is Pending:
-                        pending = item
-                        if batch:
-                            data = b"".join(batch) if len(batch) > 1 else batch[0]
-                            nbytes += len(data)
-                            write(data)
-                            batch.clear()
-                        if sink.must_drain:
-                            await sink.drain()
-                        in_a_row = 0
-                        pending = None
-                        item = await item
+                    signal = call.send(None)
+                except StopIteration as done:
+                    item = done.value
                 except StopAsyncIteration:
                     break
+                else:
+                    if batch:
+                        data = b"".join(batch) if len(batch) > 1 else batch[0]
+                        nbytes += len(data)
+                        write(data)
+                        batch.clear()
+                    if sink.must_drain:
+                        pending = call
+                        await sink.drain()
+                        pending = None
+                    in_a_row = 0
+                    try:
+                        item = await finish(call, signal)
+                    except StopAsyncIteration:
+                        break
                 try:
                     batch.append(encode(item))
                 except TypeError as exc:
@@ -260,7 +269,7 @@ class Ingress:
                     await asyncio.sleep(0)
         finally:
             if pending is not None:  # cancelled while draining, the handler's next item half-taken
-                await pending.abandon()
+                await abandon(pending)
             if batch:  # what the handler gave before it ended or failed goes out before the rest
                 data = b"".join(batch) if len(batch) > 1 else batch[0]
                 nbytes += len(data)

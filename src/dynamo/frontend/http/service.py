@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
-from dynamo.aio import Acceptor, Pending
+from dynamo.aio import Acceptor, abandon, finish
 from dynamo.errors import EngineError, RequestError, ServiceUnavailableError
 from dynamo.frontend.http.api_routes import register_api_routes
 from dynamo.frontend.http.errors import error_body, error_response, request_error_response
@@ -279,10 +279,10 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
     """Write the stream's items as SSE events; whether it ended without error.
 
     Every item that is ready when we look leaves in one write: a paced stream still sends each token
-    as it comes, and a stream that fell behind catches up with one send per batch.  The ``__anext__``
-    calls are driven here rather than awaited, to see whether an item is ready without waiting for
-    it (``aio.next_now`` does the same with a helper object and a relay frame per item; inlined here,
-    the per-token path of every stream, because those cost about a microsecond per token).
+    as it comes, and a stream that fell behind catches up with one send per batch.  Each
+    ``__anext__`` call is started here, to see whether its item is ready without waiting for it, and
+    finished with ``aio.finish`` when it must wait (``aio.next_now`` does the same through a helper
+    object: two Python calls more per token, on the per-token path of every stream).
     """
     dumps = orjson.dumps
     tokens = rm.tokens
@@ -296,7 +296,7 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
             anext = stream.__anext__
             in_a_row = 0
             while True:
-                call: Any = anext()
+                call: Any = anext().__await__()  # an async generator's asend object itself
                 try:
                     signal = call.send(None)
                 except StopIteration as done:
@@ -306,44 +306,14 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
                     break
                 else:
                     # not ready: what was gathered leaves now, then wait for the item as the task would
-                    step = call
                     in_a_row = 0
                     if parts:
+                        step = call  # a failed write must end the call it interrupted
                         w = sink.write(parts)
                         if w is not None:
                             await w
-                    while True:
-                        try:
-                            if signal is None:  # a bare yield (``asyncio.sleep(0)``)
-                                await asyncio.sleep(0)
-                            else:
-                                # the call yielded it to a task (it is marked blocking): take it as the
-                                # task would, then await it ourselves
-                                signal._asyncio_future_blocking = False
-                                await signal
-                        except GeneratorExit:  # this coroutine is being closed: so is the call
-                            step = None
-                            call.close()
-                            raise
-                        except BaseException as exc:  # noqa: BLE001 - cancellation or the future's error: relayed
-                            try:
-                                signal = call.throw(exc)
-                            except StopIteration as done:
-                                item = done.value
-                                break
-                            except BaseException:
-                                step = None  # the call is over: it raised
-                                raise
-                        else:
-                            try:
-                                signal = call.send(None)
-                            except StopIteration as done:
-                                item = done.value
-                                break
-                            except BaseException:
-                                step = None
-                                raise
-                    step = None
+                        step = None
+                    item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
                 data = _sse(item, dumps)
                 if data:
@@ -370,7 +340,7 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
         parts.append(b"data: " + error_body(f"Internal server error: {type(e).__name__}: {e}", 500) + b"\n\n")
     finally:
         if step is not None:  # a write failed (or we were cancelled) while an item was awaited
-            await _abandon(step)
+            await abandon(step)
         await stream.aclose()  # type: ignore[attr-defined]
     if gone:
         return False
@@ -381,12 +351,6 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
         log.debug("request %s: client went away before the end of the stream", ctx.id)
         return False
     return ok
-
-
-async def _abandon(call: Any) -> None:
-    """End an ``__anext__`` call that is still waiting, as a cancelled ``await`` would."""
-    if call is not None:
-        await Pending(call, None).abandon()
 
 
 async def _write_parts(resp: web.StreamResponse, parts: list[bytes]) -> None:
