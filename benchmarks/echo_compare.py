@@ -21,6 +21,9 @@ Scenarios:
      once on keep-alive connections and once with a fresh connection per request:
      TTFT p50/p99 and ITL p99 (the original has a Nagle/delayed-ACK stall on reused
      connections).
+  e  DYN_TOKEN_ECHO_DELAY_MS=10, 64 streams (not in the default list): server CPU per token
+     of paced streams whose tokens rarely leave together even on a busy machine (in a, other
+     work on the cores makes tokens coalesce, which lowers the CPU per token).
 
 The original binary comes from benchmarks/fetch_original.py (downloaded on first use).
 Our server is `<venv>/bin/dynamo-run` if it exists, else `python -m dynamo.run`; override
@@ -73,6 +76,15 @@ def scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any]
             "runs": {"": dict(concurrency=64, duration=duration, prompt_words=200)},
             "metrics": ["tokens_per_s", "requests_per_s", "itl_p50", "itl_p99", "coalesced", "ttft_p50",
                         "ttft_p99", "server_cpu_s", "server_cpu_per_mtok", "client_cpu_s", "errors"],
+        },
+        "e": {
+            # the CPU per token of paced streams where tokens rarely leave together even on a busy
+            # machine (a's 256 streams coalesce when other work holds the cores, which lowers it)
+            "title": "echo 10 ms/token, 64 streams, 200-word prompts, keep-alive (CPU per token)",
+            "env": {"DYN_TOKEN_ECHO_DELAY_MS": "10"},
+            "runs": {"": dict(concurrency=64, duration=duration, prompt_words=200)},
+            "metrics": ["tokens_per_s", "itl_p99", "coalesced", "server_cpu_s", "server_cpu_per_mtok",
+                        "client_cpu_s", "errors"],
         },
         "c": {
             "title": f"start-up to first answer (median of {startup_repeats})",
@@ -387,7 +399,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per load run (scenarios a, b)")
     ap.add_argument("--only", choices=("ours", "original"), default=None)
-    ap.add_argument("--scenarios", default="a,b,c,d", help="comma list from a,b,c,d")
+    ap.add_argument("--scenarios", default="a,b,c,d", help="comma list from a,b,c,d,e")
     ap.add_argument("--startup-repeats", type=int, default=5)
     ap.add_argument("--original-bin", type=Path, default=None,
                     help="path of the original dynamo-run (default: fetch ai-dynamo==0.3.2)")
