@@ -1,5 +1,6 @@
-"""aiohttp imported through ``dynamo.frontend.http``: its client TLS contexts load CA certificates on first use,
-and verify exactly as before (a server signed by a trusted CA is accepted, any other refused).
+"""aiohttp imported through ``dynamo.frontend.http`` (its client side completed on first use, see
+test_aiohttp_server.py): its client TLS contexts load CA certificates on first use, and verify exactly as
+before (a server signed by a trusted CA is accepted, any other refused).
 
 Each check runs in a fresh interpreter (the test process has imported aiohttp long before), against a
 local https server with a certificate from a throw-away CA made with the openssl CLI; the CA is made
@@ -20,8 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import asyncio, ssl, sys
-import dynamo.frontend.http  # imports aiohttp, CA loading deferred
-import aiohttp, aiohttp.connector as conn
+import dynamo.frontend.http  # imports aiohttp's server; its client, with CA loading deferred, on first use
+import aiohttp
+aiohttp.ClientSession  # the first use
+import aiohttp.connector as conn
 from aiohttp import web
 
 assert "set_default_verify_paths" not in ssl.SSLContext.__dict__, "ssl.SSLContext left patched"

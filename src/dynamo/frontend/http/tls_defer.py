@@ -13,11 +13,12 @@ and the introspection methods.  Contexts made after the import are untouched.  N
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import sys
 import threading
 from _ssl import _SSLContext  # the C class: its set_default_verify_paths is the real one
-from typing import Any
+from typing import Any, Iterator
 
 _lock = threading.Lock()
 
@@ -60,12 +61,22 @@ def _defer(self: ssl.SSLContext) -> None:
     self.__class__ = _DeferredCAContext
 
 
-def import_aiohttp() -> None:
-    """Import aiohttp (once per process) with its import-time CA loading deferred to first use."""
-    if "aiohttp" in sys.modules or sys.platform == "win32":
+@contextlib.contextmanager
+def deferred_ca_loading() -> Iterator[None]:
+    """Within: ``SSLContext`` objects made with the default CA certificates load them on first use."""
+    if sys.platform == "win32" or "set_default_verify_paths" in ssl.SSLContext.__dict__:
+        yield  # Windows, or already within (nested): nothing to do
         return
     ssl.SSLContext.set_default_verify_paths = _defer  # type: ignore[method-assign]
     try:
-        import aiohttp  # noqa: F401
+        yield
     finally:
         del ssl.SSLContext.set_default_verify_paths  # the inherited C method again
+
+
+def import_aiohttp() -> None:
+    """Import aiohttp (once per process) with its import-time CA loading deferred to first use."""
+    if "aiohttp" in sys.modules:
+        return
+    with deferred_ca_loading():
+        import aiohttp  # noqa: F401
