@@ -18,6 +18,16 @@ only imports the libraries the server cannot do without (``FLOOR_IMPORTS``): wha
 
 ``--importtime N`` runs one more start under ``python -X importtime`` and prints the N imports with
 the largest cumulative time (and the total), which is where start-up goes.
+
+``--against DIR`` alternates starts of this checkout with starts of another checkout's ``DIR/src``
+(e.g. a ``git worktree`` of main), one each in turn, so both see the same load: the way to compare two
+versions on a shared machine.
+
+Bytecode: an installed package has its ``.pyc`` files (pip compiles them); a checkout run with
+``PYTHONDONTWRITEBYTECODE=1`` (as on our development machines) compiles every module of ``src/`` on every
+start, about 40 ms here.  By default the starts use cached bytecode in a temporary
+``PYTHONPYCACHEPREFIX`` (filled by one unmeasured start per command first), i.e. what a user gets;
+``--no-bytecode`` runs with the environment as it is.
 """
 from __future__ import annotations
 
@@ -72,12 +82,12 @@ def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
 
 
 def one_start(template: str | None, extra_python_flags: list[str] = (), stderr=subprocess.DEVNULL,
-              timeout: float = 30.0) -> dict[str, float]:
+              timeout: float = 30.0, src: Path = REPO / "src") -> dict[str, float]:
     port = free_port()
     cmd = build_cmd(template, port, list(extra_python_flags))
     env = dict(os.environ)
     if not template:
-        env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
@@ -141,26 +151,54 @@ def importtime(template: str | None, top: int) -> None:
         print(f"{cum / 1e3:13.1f}  {self_ / 1e3:7.1f}  {name}")
 
 
+def summarize(label: str, runs: list[dict[str, float]]) -> None:
+    for key, what in (("models_ms", "exec -> /v1/models"), ("chat_ms", "exec -> first chat")):
+        vals = [r[key] for r in runs]
+        print(f"{label}{what}: median {statistics.median(vals):.1f} ms, min {min(vals):.1f} ms, "
+              f"max {max(vals):.1f} ms ({len(vals)} starts)")
+    cpus = [r["cpu_s"] for r in runs]
+    print(f"{label}CPU until /v1/models: median {statistics.median(cpus):.2f} s, min {min(cpus):.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--cmd", help="server command; {port} and {model} are filled in")
+    ap.add_argument("--against", type=Path, metavar="DIR",
+                    help="another checkout: alternate its starts (DIR/src) with this checkout's")
+    ap.add_argument("--no-bytecode", action="store_true",
+                    help="run with the environment's bytecode settings (default: cached .pyc, as installed)")
     ap.add_argument("--importtime", type=int, metavar="N", default=0,
                     help="also show the N slowest imports of one start (python -X importtime)")
     ap.add_argument("--floor", action="store_true",
                     help="also time a bare interpreter and one importing only the libraries the server needs")
     args = ap.parse_args()
-    runs = []
+    if args.against and args.cmd:
+        ap.error("--against compares two checkouts' src/; it does not combine with --cmd")
+    pycache = None
+    if not args.no_bytecode:
+        pycache = tempfile.TemporaryDirectory(prefix="startup-pyc-")
+        os.environ["PYTHONPYCACHEPREFIX"] = pycache.name
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    print(f"bytecode: {'as the environment has it' if args.no_bytecode else 'cached (' + pycache.name + ')'}; "
+          f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}")
+    variants = [("", REPO / "src")]
+    if args.against:
+        variants = [("this: ", REPO / "src"), ("against: ", args.against.resolve() / "src")]
+    if pycache is not None:
+        for _, src in variants:  # fill the bytecode cache; not measured
+            one_start(args.cmd, src=src)
+            if args.floor:
+                subprocess.run([sys.executable, "-c", FLOOR_IMPORTS], check=True)
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in variants}
     for i in range(args.repeats):
-        r = one_start(args.cmd)
-        runs.append(r)
-        print(f"start {i + 1:2d}: /v1/models {r['models_ms']:6.1f} ms, chat {r['chat_ms']:6.1f} ms, "
-              f"CPU {r['cpu_s']:.2f} s", flush=True)
-    for key, label in (("models_ms", "exec -> /v1/models"), ("chat_ms", "exec -> first chat")):
-        vals = [r[key] for r in runs]
-        print(f"{label}: median {statistics.median(vals):.1f} ms, min {min(vals):.1f} ms, "
-              f"max {max(vals):.1f} ms ({len(vals)} starts)")
-    print(f"CPU until /v1/models: median {statistics.median(r['cpu_s'] for r in runs):.2f} s")
+        for label, src in variants:
+            r = one_start(args.cmd, src=src)
+            runs[label].append(r)
+            print(f"{label}start {i + 1:2d}: /v1/models {r['models_ms']:6.1f} ms, chat {r['chat_ms']:6.1f} ms, "
+                  f"CPU {r['cpu_s']:.2f} s", flush=True)
+    for label, _ in variants:
+        summarize(label, runs[label])
     if args.floor:
         for label, code in (("bare interpreter", "pass"), ("libraries only", FLOOR_IMPORTS)):
             wall, cpu = time_command([sys.executable, "-c", code], args.repeats)
@@ -168,6 +206,8 @@ def main() -> None:
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.importtime and not args.cmd:
         importtime(args.cmd, args.importtime)
+    if pycache is not None:
+        pycache.cleanup()
 
 
 if __name__ == "__main__":
