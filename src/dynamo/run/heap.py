@@ -15,7 +15,9 @@ about 2,000).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Iterator
 
 YOUNG_THRESHOLD = 10_000  # net allocations of tracked objects between young-generation passes
 
@@ -31,3 +33,22 @@ def settle_heap() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, gen1, gen2)
+
+
+@contextlib.contextmanager
+def startup_imports() -> Iterator[None]:
+    """No collector passes while start-up imports (the CLI's ``main``); what they made is frozen after.
+
+    Why: importing the modules of ``in=http`` allocates about 40,000 tracked objects, nearly all of
+    them alive for good (modules, classes, functions), and the collector's automatic passes over them
+    took 14 to 30 ms of a 0.2 to 0.3 s start (77 passes; docs/performance.md, "Start-up").  Frozen
+    afterwards (``gc.freeze``, as :func:`settle_heap` does once serving), they are not walked again.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
