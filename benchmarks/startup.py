@@ -8,7 +8,7 @@
 For each start: take the time, spawn the command (``{port}`` and ``{model}`` filled in), then poll
 ``GET /v1/models`` on a fresh connection every 2 ms until it answers 200 listing the model ("models
 ms"), then send one non-streaming chat completion ("chat ms": when its answer has arrived).  CPU is
-the server's utime+stime when /v1/models first answered.  The server is stopped with SIGINT between
+the server's CPU time (its threads' run time) when /v1/models first answered.  The server is stopped with SIGINT between
 starts.  Printed: every start, then median and min.  The default command is
 ``<python> -m dynamo.run`` with this checkout's ``src`` first on PYTHONPATH (the console script
 ``dynamo-run`` adds its own few ms of entry-point lookup; ``--cmd`` measures any other).
@@ -59,6 +59,17 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` so far: its threads' run time from ``/proc/PID/task/*/schedstat`` (nanoseconds;
+    a thread that has already exited is not counted), else utime+stime (10 ms ticks)."""
+    try:
+        total = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        if total:
+            return total / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -157,7 +168,7 @@ def summarize(label: str, runs: list[dict[str, float]]) -> None:
         print(f"{label}{what}: median {statistics.median(vals):.1f} ms, min {min(vals):.1f} ms, "
               f"max {max(vals):.1f} ms ({len(vals)} starts)")
     cpus = [r["cpu_s"] for r in runs]
-    print(f"{label}CPU until /v1/models: median {statistics.median(cpus):.2f} s, min {min(cpus):.2f} s")
+    print(f"{label}CPU until /v1/models: median {statistics.median(cpus) * 1e3:.0f} ms, min {min(cpus) * 1e3:.0f} ms")
 
 
 def main() -> None:
@@ -196,7 +207,7 @@ def main() -> None:
             r = one_start(args.cmd, src=src)
             runs[label].append(r)
             print(f"{label}start {i + 1:2d}: /v1/models {r['models_ms']:6.1f} ms, chat {r['chat_ms']:6.1f} ms, "
-                  f"CPU {r['cpu_s']:.2f} s", flush=True)
+                  f"CPU {r['cpu_s'] * 1e3:.0f} ms", flush=True)
     for label, _ in variants:
         summarize(label, runs[label])
     if args.floor:
