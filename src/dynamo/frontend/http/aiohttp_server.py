@@ -28,8 +28,10 @@ and the fallback.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import logging
+import os
 import re
 import sys
 import threading
@@ -86,10 +88,16 @@ def _completion_hooks(package: types.ModuleType, spec: Any) -> tuple[Callable[[s
     state: dict[str, Any] = {"thread": None, "submodules": None}
 
     def submodule_names() -> set[str]:
-        if state["submodules"] is None:
-            import pkgutil
-
-            state["submodules"] = {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)}
+        if state["submodules"] is None:  # what pkgutil.iter_modules would list, without importing pkgutil
+            names = set()
+            suffixes = tuple(importlib.machinery.all_suffixes())
+            for folder in spec.submodule_search_locations:
+                for entry in os.listdir(folder):
+                    if entry.endswith(suffixes) and not entry.startswith("__init__."):
+                        names.add(entry.split(".", 1)[0])
+                    elif os.path.isfile(os.path.join(folder, entry, "__init__.py")):
+                        names.add(entry)
+            state["submodules"] = names
         return state["submodules"]
 
     def complete() -> None:
