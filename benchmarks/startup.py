@@ -13,8 +13,12 @@ starts.  Printed: every start, then median and min.  The default command is
 ``<python> -m dynamo.run`` with this checkout's ``src`` first on PYTHONPATH (the console script
 ``dynamo-run`` adds its own few ms of entry-point lookup; ``--cmd`` measures any other).
 
-``--floor`` also times (wall and CPU, median of the same number of runs) a bare interpreter and one that
-only imports the libraries the server cannot do without (``FLOOR_IMPORTS``): what is left for our code.
+``--floor`` also times (wall and CPU, median of the same number of runs; with the garbage collector
+paused, as dynamo-run imports, and exiting with ``os._exit`` so that the interpreter's clean-up is not
+counted) interpreters that only import (``FLOORS``): nothing; the libraries without aiohttp (what a
+server on a leaner HTTP stack would start from); those plus aiohttp's server as ``dynamo.frontend.http``
+imports it (the floor of ours); those plus all of aiohttp (a plain ``import aiohttp.web``).  The floors
+run with this checkout's ``src`` on PYTHONPATH.
 
 ``--importtime N`` runs one more start under ``python -X importtime`` and prints the N imports with
 the largest cumulative time (and the total), which is where start-up goes.
@@ -49,7 +53,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODEL = "bench-echo"
-FLOOR_IMPORTS = "import asyncio, uvloop, aiohttp.web, msgspec, orjson, argparse"
+_LIBS = "import asyncio, uvloop, msgspec, orjson, argparse"
+FLOORS = (
+    ("bare interpreter", "pass"),
+    ("libraries without aiohttp", _LIBS),
+    ("+ aiohttp's server only", _LIBS + "; import dynamo.frontend.http"),
+    ("+ all of aiohttp", _LIBS + "; import aiohttp.web"),
+)
 
 
 def free_port() -> int:
@@ -132,17 +142,24 @@ def one_start(template: str | None, extra_python_flags: list[str] = (), stderr=s
             proc.wait()
 
 
-def time_command(cmd: list[str], repeats: int) -> tuple[float, float]:
-    """Median wall and CPU seconds of running ``cmd`` to completion."""
-    walls, cpus = [], []
+def _floor_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def time_commands(cmds: list[list[str]], repeats: int) -> list[tuple[float, float, float]]:
+    """Per command: median wall, median CPU and min CPU seconds of running it to completion (the commands
+    take turns, so that they see the same load)."""
+    walls: list[list[float]] = [[] for _ in cmds]
+    cpus: list[list[float]] = [[] for _ in cmds]
     for _ in range(repeats):
-        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
-        walls.append(time.perf_counter() - t0)
-        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpus.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-    return statistics.median(walls), statistics.median(cpus)
+        for i, cmd in enumerate(cmds):
+            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, env=_floor_env())
+            walls[i].append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus[i].append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    return [(statistics.median(w), statistics.median(c), min(c)) for w, c in zip(walls, cpus, strict=True)]
 
 
 def importtime(template: str | None, top: int) -> None:
@@ -200,7 +217,8 @@ def main() -> None:
         for _, src in variants:  # fill the bytecode cache; not measured
             one_start(args.cmd, src=src)
             if args.floor:
-                subprocess.run([sys.executable, "-c", FLOOR_IMPORTS], check=True)
+                for _, code in FLOORS:
+                    subprocess.run([sys.executable, "-c", code], check=True, env=_floor_env())
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in variants}
     for i in range(args.repeats):
         for label, src in variants:
@@ -211,9 +229,12 @@ def main() -> None:
     for label, _ in variants:
         summarize(label, runs[label])
     if args.floor:
-        for label, code in (("bare interpreter", "pass"), ("libraries only", FLOOR_IMPORTS)):
-            wall, cpu = time_command([sys.executable, "-c", code], args.repeats)
-            print(f"{label} ({code}): median wall {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms")
+        # the collector paused, as dynamo-run's start-up has it; os._exit: the clean-up at exit is not a start
+        results = time_commands([[sys.executable, "-c", f"import gc; gc.disable(); {code}; import os; os._exit(0)"]
+                                 for _, code in FLOORS], args.repeats)
+        for (label, code), (wall, cpu, cpu_min) in zip(FLOORS, results, strict=True):
+            print(f"{label} ({code}): median wall {wall * 1e3:.1f} ms, CPU median {cpu * 1e3:.1f} ms, "
+                  f"min {cpu_min * 1e3:.1f} ms")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.importtime and not args.cmd:
         importtime(args.cmd, args.importtime)
