@@ -15,10 +15,12 @@ starts.  Printed: every start, then median and min.  The default command is
 
 ``--floor`` also times (wall and CPU, median of the same number of runs; with the garbage collector
 paused, as dynamo-run imports, and exiting with ``os._exit`` so that the interpreter's clean-up is not
-counted) interpreters that only import (``FLOORS``): nothing; the libraries without aiohttp (what a
-server on a leaner HTTP stack would start from); those plus aiohttp's server as ``dynamo.frontend.http``
-imports it (the floor of ours); those plus all of aiohttp (a plain ``import aiohttp.web``).  The floors
-run with this checkout's ``src`` on PYTHONPATH.
+counted) interpreters that only import (``FLOORS``): nothing; the libraries without aiohttp (asyncio,
+uvloop, msgspec, orjson, argparse); the libraries and our modules except the HTTP service (the least a
+server on a leaner HTTP stack would import); the libraries and aiohttp's server as
+``dynamo.frontend.http`` imports it (the floor of ours, without our other modules); the libraries and
+all of aiohttp (a plain ``import aiohttp.web``).  The floors run with this checkout's ``src`` on
+PYTHONPATH.
 
 ``--importtime N`` runs one more start under ``python -X importtime`` and prints the N imports with
 the largest cumulative time (and the total), which is where start-up goes.
@@ -57,8 +59,9 @@ _LIBS = "import asyncio, uvloop, msgspec, orjson, argparse"
 FLOORS = (
     ("bare interpreter", "pass"),
     ("libraries without aiohttp", _LIBS),
-    ("+ aiohttp's server only", _LIBS + "; import dynamo.frontend.http"),
-    ("+ all of aiohttp", _LIBS + "; import aiohttp.web"),
+    ("libraries + our modules but the HTTP service", _LIBS + "; import dynamo.run.launch, dynamo.engines.echo"),
+    ("libraries + aiohttp's server only", _LIBS + "; import dynamo.frontend.http"),
+    ("libraries + all of aiohttp", _LIBS + "; import aiohttp.web"),
 )
 
 
