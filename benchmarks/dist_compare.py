@@ -241,7 +241,8 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
                 out["loadavg_before"] = f.read().split()[:3]
             cpu0 = {"frontend": cpu_of(frontend.pid), "worker": cpu_of(worker.pid), "nats": cpu_of(nats.proc.pid),
                     "etcd": cpu_of(etcd.proc.pid)}
-            r = asyncio.run(loadgen.run_load(url, MODEL, duration=duration, server_pid=frontend.pid, **sc["load"]))
+            with loadgen.batch_policy(echo_compare.CLIENT_BATCH):
+                r = asyncio.run(loadgen.run_load(url, MODEL, duration=duration, server_pid=frontend.pid, **sc["load"]))
             cpu1 = {"frontend": cpu_of(frontend.pid), "worker": cpu_of(worker.pid), "nats": cpu_of(nats.proc.pid),
                     "etcd": cpu_of(etcd.proc.pid)}
             for s in spies:
@@ -321,10 +322,14 @@ def main() -> None:
                          "1 disables the wait")
     ap.add_argument("--quiet-max-wait", type=float, default=600.0, help="give up waiting after this many seconds")
     ap.add_argument("--no-uvloop", action="store_true")
+    ap.add_argument("--client-batch", action="store_true",
+                    help="run the load generator as SCHED_BATCH, so that its wake-ups do not preempt the "
+                         "servers on a shared core (as a client on another machine; loadgen.batch_policy)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
     args = ap.parse_args()
 
     uv = False if args.no_uvloop else loadgen.install_uvloop()
+    echo_compare.CLIENT_BATCH = args.client_batch
     order = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for s in order:
         if s not in SCENARIOS:
@@ -336,6 +341,7 @@ def main() -> None:
     meta = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(),
         "cpu_model": echo_compare._cpu_model(), "python": platform.python_version(), "uvloop": uv,
+        "client_batch": args.client_batch,
         "loadavg_at_start": loadavg, "duration_s": args.duration, "repeats": args.repeats,
         "scenarios": {k: SCENARIOS[k]["title"] for k in order}, "git_rev": echo_compare._git_rev(),
         "commands": {name: shlex.join(cmd) for name, cmd in impls.items()},

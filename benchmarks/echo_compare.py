@@ -56,6 +56,7 @@ import fetch_original  # noqa: E402
 import loadgen  # noqa: E402
 
 MODEL = "bench-echo"
+CLIENT_BATCH = False  # --client-batch: the load runs as SCHED_BATCH (loadgen.batch_policy)
 RESULTS = HERE / "results"
 
 
@@ -331,7 +332,8 @@ def run_scenario(key: str, sc: dict[str, Any], name: str, build, extra_env: dict
             warmup(srv.url)
             with open("/proc/loadavg") as f:
                 load_before = f.read().split()[:3]
-            r = asyncio.run(loadgen.run_load(srv.url, MODEL, server_pid=srv.proc.pid, **params))
+            with loadgen.batch_policy(CLIENT_BATCH):
+                r = asyncio.run(loadgen.run_load(srv.url, MODEL, server_pid=srv.proc.pid, **params))
             r["startup"] = ready
             r["loadavg_before"] = load_before
         finally:
@@ -406,10 +408,15 @@ def main() -> None:
     ap.add_argument("--ours-cmd", default=None,
                     help="command template for our server, with {port} and {model}")
     ap.add_argument("--no-uvloop", action="store_true")
+    ap.add_argument("--client-batch", action="store_true",
+                    help="run the load generator as SCHED_BATCH, so that its wake-ups do not preempt the "
+                         "server on a shared core (as a client on another machine; loadgen.batch_policy)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
     args = ap.parse_args()
 
     uv = False if args.no_uvloop else loadgen.install_uvloop()
+    global CLIENT_BATCH
+    CLIENT_BATCH = args.client_batch
     order = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     scs = scenarios(args.duration, args.startup_repeats)
     for s in order:
@@ -437,6 +444,7 @@ def main() -> None:
         "cpu_model": _cpu_model(),
         "python": platform.python_version(),
         "uvloop": uv,
+        "client_batch": args.client_batch,
         "loadavg_at_start": loadavg,
         "duration_s": args.duration,
         "scenarios": {k: scs[k]["title"] for k in order},
