@@ -184,3 +184,16 @@ async def test_a_client_that_leaves_cancels_the_engine_wait(service: HttpService
     await asyncio.wait_for(hanging.ended.wait(), 5)
     assert hanging.how == "cancelled"
     assert hanging.ctx is not None and hanging.ctx.is_killed
+
+
+async def test_an_http_1_0_client_gets_the_events_unframed_and_the_close_ends_them(service: HttpService):
+    reader, writer = await asyncio.open_connection("127.0.0.1", service.port)
+    payload = body("burst")
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    rest = await asyncio.wait_for(reader.read(), 5)  # the server closes the connection at the end
+    writer.close()
+    assert contents(rest) == ["a", "b", "c", "d", "e", "f", "g", ""]
+    assert rest.endswith(b"data: [DONE]\n\n")
