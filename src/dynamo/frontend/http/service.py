@@ -61,8 +61,8 @@ class _ChunkSink:
 
     Why not ``StreamResponse.write`` for every event: per event it is four Python calls (the response's
     and the writer's ``write``, ``_write_chunked_payload``, ``_writelines``), an f-string and a join;
-    with 256 paced streams on an idle machine each token is its own write, and that wrapper cost about
-    a tenth of the server's CPU per token (docs/performance.md).  The first write still goes through
+    with 256 paced streams on an idle machine each token is its own write, and that wrapper was 6 to
+    10 % of the py-spy samples of the server (docs/performance.md).  The first write still goes through
     aiohttp (the buffered headers leave with it) and so does the last (``write_eof``); flow control is
     aiohttp's own (its writer's ``drain`` every 64 KiB, as its ``write`` does).  Anything unusual (no
     payload writer, compression, a transport that is gone) takes aiohttp's path.
