@@ -325,3 +325,43 @@ def test_prompt_steps_started_wide_still_tune_themselves() -> None:
         tuner.record(n, 30, dt)
     assert used[0] == 2 and tuner.tuner(30).current == 1
     assert used[-100:].count(2) <= 2
+
+
+def _prompts(tuner: BatchThreadTuner, clock: _Clock, cost: dict[int, float], n: int, size: int = 28) -> list[int]:
+    """One stream: a prompt step of ``size`` tokens every 1.1 s (the rest of the time is its decode)."""
+    used = []
+    for _ in range(n):
+        threads = tuner.threads(size)
+        used.append(threads)
+        dt = cost[threads] * size
+        clock.t += dt
+        tuner.record(threads, size, dt)
+        clock.t += 1.1
+    return used
+
+
+def test_prompt_steps_keep_every_core_while_other_processes_leave_them() -> None:
+    # one stream on a quiet machine: every prompt is computed with both threads.  Before, the prompt class
+    # probed one thread for four prompts in a row soon after it started: four requests with a 1.7x slower
+    # prefill in every eight-request run (llamacpp_compare's TTFT p50 at one stream 170 against 115 ms)
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 2.0)
+    used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0036}, 60)
+    assert used == [2] * 60
+    assert tuner.tuner(28).skipped > 0  # the probes came due and were skipped
+
+
+def test_prompt_steps_probe_fewer_threads_when_other_processes_take_cores() -> None:
+    clock = _Clock()
+    free = [1.0]  # another job takes a core
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: free[0])
+    # two threads still faster: each probe of one thread ends after its first (slower) step, and they thin out
+    used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0036}, 60)
+    assert tuner.tuner(28).current == 2
+    ones = [i for i, n in enumerate(used) if n == 1]
+    assert 1 <= len(ones) <= 6
+    assert all(b - a > 1 for a, b in zip(ones, ones[1:], strict=False))  # never two slow prompts in a row
+    # two threads collapse beside the other job: the next probe finds one thread faster and keeps it
+    used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0300}, 60)
+    assert tuner.tuner(28).current == 1
+    assert used[-30:].count(2) <= 2  # (probes of two threads again, each ended by its first slow step)

@@ -144,7 +144,11 @@ async def test_a_prefix_being_computed_is_waited_for_not_computed_twice(gguf, to
         await engine.close()
 
 
-async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf, tok):
+@pytest.mark.parametrize("through", ["sequence state", "whole stream"])
+async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf, tok, through):
+    """Both ways of copying: a donor holding little of its stream goes through its sequence state (only
+    its cells: llama_memory_seq_cp copies all n_ctx_seq of them, which cost a short prompt more than its
+    prefill), a fuller one through seq_cp."""
     question = chat(tok, SYSTEM, "What is 2+2?")
     # the reference: the same prefix reused from the slot that computed it (a prefill split at another
     # point can flip a near-tie in greedy decoding, so compare like with like)
@@ -156,12 +160,14 @@ async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf,
     finally:
         await plain.close()
     engine = await _engine(gguf)
+    engine.state_copy_max_tokens = 512 if through == "sequence state" else 0
     try:
         busy = asyncio.create_task(ask(engine, chat(tok, SYSTEM, "Name three colors."), max_tokens=64))
         while not any(s.req is not None and not s.pending and s.generated for s in engine._slots):  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # the long request is decoding: its slot holds the system prompt
         tokens, cached = await ask(engine, question)
         assert engine.copies == 1
+        assert engine.state_copies == (1 if through == "sequence state" else 0)
         assert cached > 100
         assert tokens == expected
         await busy

@@ -58,6 +58,7 @@ from dynamo.engines.llamacpp_grammar import gbnf_for
 from dynamo.engines.slot_blocks import SlotBlocks
 from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
+from dynamo.llm.first_token import Stamps, stamp
 from dynamo.llm.kv_events.protocols import CLEARED_DATA, DEVICE, DISK, HOST
 from dynamo.llm.kv_events.publisher import Publisher, emit
 from dynamo.llm.kv_events.worker_state import WorkerKvState
@@ -79,6 +80,10 @@ COPY_MIN_TOKENS = 16
 METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
 # a step of at least this many tokens is prompt work (matrix-matrix): it gains from every idle core
 PREFILL_TOKENS = 16
+# a probe of fewer threads for prompt-sized steps ends at its first step this much slower than the
+# current count (one thread takes 1.6 to 1.8x as long for a 30-token prompt on 2 idle cores; such a probe
+# cannot win, and each of its steps is a request's time to first token)
+PREFILL_ABORT = 1.25
 HIT_RATE_WINDOW = 1000  # requests in the prefix-cache hit rate
 
 
@@ -97,6 +102,7 @@ class _Request:
     state_io: Any = None  # disaggregation (llm/disagg/worker.py StateIO): export or import the sequence state
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
+    stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
 
 
 @dataclass
@@ -134,17 +140,23 @@ class ThreadTuner:
     (docs/performance.md), while at load average 10, beside multi-threaded jobs, two threads were 18x
     slower than one.  Only a measurement tells which case this is.  Per-token costs are compared only between
     steps of similar size (see :class:`BatchThreadTuner`).
+
+    ``free()`` (optional; prompt-sized steps) returns how many cores other processes left us recently (idle
+    ones plus those this process used); a probe with *fewer* threads is skipped while that is at least the
+    current count less half a core: with a core for each thread a prompt step is faster with more threads,
+    and every step of such a probe is a prompt computed more slowly, i.e. a request's time to first token.
     """
 
     def __init__(self, candidates: list[int], *, start: int | None = None, window: int = 8, probe_steps: int = 4,
                  margin: float = 0.9, abort: float = 2.0, degrade: float = 1.6, min_gap: float = 1.0,
                  max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25, force_after: int = 4,
-                 clock: Any = time.monotonic):
+                 free: Any = None, clock: Any = time.monotonic):
         self.candidates = sorted(set(candidates))
         self.current = start if start is not None else self.candidates[0]
         self.window, self.probe_steps, self.margin, self.abort = window, probe_steps, margin, abort
         self.degrade, self.min_gap, self.max_gap = degrade, min_gap, max_gap
         self.idle, self.idle_per_thread, self.force_after = idle, idle_per_thread, force_after
+        self.free = free
         self.skipped = 0
         self._skips_in_row = 0
         self.clock = clock
@@ -176,6 +188,13 @@ class ThreadTuner:
                         and self._skips_in_row + 1 < self.force_after:
                     self.skipped += 1
                     self._skips_in_row += 1
+                    self.next_probe = max(self.next_probe, now + self.min_gap)
+                    self.last_change = now
+                    return self.current
+            if alt < self.current and self.free is not None:
+                free = self.free()
+                if free is not None and free >= self.current - 0.5:
+                    self.skipped += 1
                     self.next_probe = max(self.next_probe, now + self.min_gap)
                     self.last_change = now
                     return self.current
@@ -233,10 +252,15 @@ class BatchThreadTuner:
     thread because a second one does not speed up a single token, though it does speed up a prompt
     (1.6 to 1.8x for 30 tokens on 2 idle cores); prompts are rare steps, so their class would take
     minutes to tune itself from one thread, and every time-to-first-token would pay for it meanwhile.
+    For the same reason a prompt-sized class probes fewer threads only when other processes take cores
+    (``free``, see :class:`ThreadTuner`), and such a probe ends at its first step ``PREFILL_ABORT`` times
+    slower: before, a prompt class re-probed one thread for four steps soon after it started, which at one
+    stream is four requests in a row with a 1.6 to 1.8x slower prefill (docs/performance.md).
     """
 
-    def __init__(self, candidates: list[int], **kw: Any):
+    def __init__(self, candidates: list[int], *, free: Any = None, **kw: Any):
         self.candidates = sorted(set(candidates))
+        self._free = free
         self._kw = kw
         self.tuners: dict[int, ThreadTuner] = {}
         self._wide_start: set[int] = set()  # prompt-sized classes that started with the most threads
@@ -249,7 +273,10 @@ class BatchThreadTuner:
         b = self.bucket(n_tokens)
         t = self.tuners.get(b)
         if t is None:
-            t = self.tuners[b] = ThreadTuner(self.candidates, **self._kw)
+            kw = self._kw
+            if b >= PREFILL_TOKENS:
+                kw = {**kw, "free": self._free, "abort": min(kw.get("abort", PREFILL_ABORT), PREFILL_ABORT)}
+            t = self.tuners[b] = ThreadTuner(self.candidates, **kw)
         return t
 
     def threads(self, n_tokens: int) -> int:
@@ -392,6 +419,9 @@ class LlamaCppEngine:
         self._metrics_sent_at = 0.0
         self._metrics_timer: asyncio.TimerHandle | None = None
         self.copies = 0
+        self.state_copies = 0  # copies made through the sequence state (_copy_cache)
+        # a donor holding at most this many tokens is copied through its state, a longer one with seq_cp
+        self.state_copy_max_tokens = self.n_ctx_seq // 4
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -423,7 +453,7 @@ class LlamaCppEngine:
                              "(run with -v to see llama.cpp's log)")
         if self.n_threads is None and self.n_gpu_layers == 0 and self.cores > 1:
             cands = [1, self.cores] if self.cores <= 4 else [self.cores // 2, self.cores]
-            self.tuner = BatchThreadTuner(cands, idle=_IdleCores())
+            self.tuner = BatchThreadTuner(cands, idle=_IdleCores(), free=_CoresLeftToUs())
             threads = self.tuner.candidates[0]
         else:
             threads = self.n_threads or self.cores
@@ -605,17 +635,21 @@ class LlamaCppEngine:
         oo = request.output_options
         req = _Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
                        grammar=self._grammar(request.sampling_options.guided_decoding), state_io=state_io,
-                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs)
+                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps)
         with self._cv:
             if self._closing:
                 raise EngineError("llamacpp engine is shutting down")
             self._waiting.append(req)
             self._cv.notify()
+        stamp(req.stamps, "queued")
         self._metrics_changed()
         try:
             while True:
                 item = await req.out.get()
                 if isinstance(item, EngineOutput):
+                    if req.stamps is not None:
+                        stamp(req.stamps, "on the loop")
+                        req.stamps = None
                     yield item
                     if item.finish_reason is not None:
                         return
@@ -720,13 +754,12 @@ class LlamaCppEngine:
                 best = min([s for s in targets if not s.cached] or targets, key=lambda s: s.used_at)
                 keep = min(prefix[donor.seq_id], last)
                 self._offload(best, 0)
-                L.llama_memory_seq_rm(self._mem, best.seq_id, -1, -1)
-                L.llama_memory_seq_cp(self._mem, donor.seq_id, best.seq_id, -1, -1)
+                how = self._copy_cache(donor, best)
                 self.copies += 1
                 if self._tracking:
                     self.slot_blocks.copy(donor.seq_id, best.seq_id, keep)
-                log.debug("request %s: slot %d copies %d cached tokens from slot %d", req.ctx.id,
-                          best.seq_id, keep, donor.seq_id)
+                log.debug("request %s: slot %d copies %d cached tokens from slot %d (%s)", req.ctx.id,
+                          best.seq_id, keep, donor.seq_id, how)
                 best.cached = donor.cached[:keep]
             else:
                 self._offload(best, keep)
@@ -744,6 +777,34 @@ class LlamaCppEngine:
             self.reused_tokens += keep
             log.debug("request %s: slot %d, %d prompt tokens, %d reused from the cache", req.ctx.id,
                       best.seq_id, len(req.prompt), keep)
+            stamp(req.stamps, "admitted", f"slot {best.seq_id}, {keep} of {len(req.prompt)} tokens cached")
+
+    def _copy_cache(self, donor: _Slot, dst: _Slot) -> str:
+        """Make ``dst``'s sequence a copy of ``donor``'s (the caller truncates it to the shared prefix).
+
+        With a cache stream per sequence, ``llama_memory_seq_cp`` copies the donor's whole stream,
+        ``n_ctx_seq`` cells whatever it holds (about 28 ms for SmolLM2's 8,192 cells here: most of a short
+        prompt's prefill, docs/performance.md).  The sequence's state holds only its used cells, so while
+        the donor holds less than a quarter of its stream (an export and an import: two passes over them
+        and the buffer) that is the cheaper copy: 2 ms for 180 tokens.  seq_cp otherwise, and if
+        llama.cpp refuses the state."""
+        L = self._L
+        L.llama_memory_seq_rm(self._mem, dst.seq_id, -1, -1)
+        if len(donor.cached) <= self.state_copy_max_tokens:
+            np = self._np
+            size = L.llama_state_seq_get_size(self._lctx, donor.seq_id)
+            buf = np.empty(size, dtype=np.uint8)  # (not zero-filled, unlike a ctypes array)
+            ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            if (L.llama_state_seq_get_data(self._lctx, ptr, size, donor.seq_id) == size
+                    and L.llama_state_seq_set_data(self._lctx, ptr, size, dst.seq_id) == size
+                    and L.llama_memory_seq_pos_max(self._mem, dst.seq_id) == len(donor.cached) - 1):
+                self.state_copies += 1
+                return "sequence state"
+            L.llama_memory_seq_rm(self._mem, dst.seq_id, -1, -1)
+            log.warning("copying slot %d's cache through its state failed; copying its stream", donor.seq_id)
+        # (the copy runs at the start of the next llama_decode)
+        L.llama_memory_seq_cp(self._mem, donor.seq_id, dst.seq_id, -1, -1)
+        return "whole stream"
 
     def _admit_whole_prompt(self, req: _Request, free: list[_Slot]) -> None:
         """A request for the prompt's logprobs needs the logits at every prompt position, so nothing of
@@ -944,6 +1005,7 @@ class LlamaCppEngine:
         outputs: list[tuple[_Slot, int]] = []  # (slot, batch index whose logits to sample)
         rows: list[int] = []  # the logits row of each output (rows are stored in batch order)
         prompt_rows: list[tuple[_Slot, int, int, int]] = []  # (slot, first row, prompt position, tokens)
+        stamped: list[tuple[Stamps, int]] = []  # (stamps, prompt tokens) of stamped requests in this step
         n_rows = 0
         budget = self.n_batch
         self._reap()  # drop requests whose consumer went away or asked to stop
@@ -977,6 +1039,8 @@ class LlamaCppEngine:
             slot.cached.extend(take)
             n += len(take)
             slot.pending = slot.pending[len(take):]
+            if slot.req.stamps is not None:
+                stamped.append((slot.req.stamps, len(take)))
             budget -= len(take)
         if n == 0:
             return
@@ -1009,6 +1073,9 @@ class LlamaCppEngine:
                     self.slot_blocks.extend(slot.seq_id, slot.cached)
         if threads and self.tuner is not None:
             self.tuner.record(threads, n, dt)
+        for stamps, k in stamped:
+            stamps.append(("prompt step", t0, f"{k} of its tokens, {n} in the step, {self._threads_set[0]} threads"))
+            stamps.append(("step done", t1, ""))
         self.decoded_tokens += n
         st = self._stats
         st[0] += 1
@@ -1070,6 +1137,8 @@ class LlamaCppEngine:
             deliveries.append((req, out))
             if reason is not None:
                 self._finish(slot)
+            if slot.generated == 1 and req.stamps is not None:
+                stamp(req.stamps, "sampled, handed over")
         self._deliver(deliveries)
         self._last_end = time.perf_counter()
 
@@ -1130,6 +1199,35 @@ class _IdleCores:
         if cur is None or prev is None or cur[1] <= prev[1]:
             return None
         return (cur[0] - prev[0]) / (cur[1] - prev[1]) * cur[2]
+
+
+class _CoresLeftToUs:
+    """Cores other processes left this one since the previous call: the idle ones plus those this process
+    used (from /proc/stat and ``os.times``; None elsewhere).  Unlike the idle count it does not drop when
+    our own threads are what keeps the cores busy."""
+
+    def __init__(self) -> None:
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.prev = self._read()
+
+    @staticmethod
+    def _read() -> tuple[tuple[int, int, int], float] | None:
+        machine = _IdleCores._read()
+        if machine is None:
+            return None
+        t = os.times()
+        return machine, t.user + t.system
+
+    def __call__(self) -> float | None:
+        cur = self._read()
+        prev, self.prev = self.prev, cur
+        if cur is None or prev is None or cur[0][1] <= prev[0][1]:
+            return None
+        (idle1, total1, ncpu), ours1 = cur
+        (idle0, total0, _), ours0 = prev
+        span = total1 - total0  # jiffies over all cores
+        ours = (ours1 - ours0) * self._tick  # jiffies this process used
+        return min(float(ncpu), (idle1 - idle0 + ours) / span * ncpu)
 
 
 def _put_all(group: list[tuple[_Request, Any]]) -> None:

@@ -19,7 +19,7 @@ class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
     __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
-                 "annotations", "_callbacks")
+                 "annotations", "_callbacks", "stamps")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
@@ -33,6 +33,8 @@ class Context:
         self.cached_tokens: int | None = None
         self.annotations: dict[str, Any] = {}
         self._callbacks: list[Any] = []
+        # time-to-first-token stamps (first_token.py), only while the dynamo.ttft debug log is on
+        self.stamps: list[Any] | None = None
 
     def on_stop(self, callback: Any) -> None:
         """``callback("stop" | "kill")`` when the request is stopped or killed (transports hook in here)."""

@@ -17,6 +17,7 @@ from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
 from dynamo.llm.engine import Context, Engine
 from dynamo.llm.fanout import child_contexts, merge_choices
+from dynamo.llm.first_token import stamp
 from dynamo.llm.logprobs import Entry
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
@@ -59,15 +60,18 @@ class CorePipeline:
         from dynamo.llm.tokenizer import OFF_LOOP_CHARS
 
         rendered = self.preprocessor.render_chat(req, raw)  # raises RequestError before any streaming starts
+        stamp(ctx.stamps, "template")
         if len(rendered.prompt) >= OFF_LOOP_CHARS:
             # a long prompt is tokenized in a thread: the stream starts with that (errors come with its
             # first item, which every input awaits before it answers)
             return self._chat_off_loop(rendered, req, ctx)
         pre = self.preprocessor.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))  # type: ignore[union-attr]
+        stamp(ctx.stamps, "tokenized")
         return self._chat_stream(pre, req, ctx)
 
     async def _chat_off_loop(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
         ids = await self.tokenizer.encode_prompt_async(rendered.prompt)  # type: ignore[union-attr]
+        stamp(ctx.stamps, "tokenized", "in a thread")
         stream = self._chat_stream(self.preprocessor.finish_chat(rendered, ids), req, ctx)
         try:
             async for item in stream:
@@ -169,6 +173,8 @@ class CorePipeline:
                     yield chunks.delta(echo, logprobs=post.prompt_logprobs(out) or [])
                     echo = None
                 text, reason = post.process(out)
+                if ctx.stamps is not None:
+                    stamp(ctx.stamps, "detokenized", f"{len(text)} chars")
                 ctx.completion_tokens = post.generated
                 if carried is not None:
                     carried += post.take_logprobs() or ()

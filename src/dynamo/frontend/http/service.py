@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -25,6 +26,7 @@ from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.options import BODY_LIMIT_KEY, HttpOptions
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.lazyjson import LazyJson
+from dynamo.llm import first_token
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
@@ -206,11 +208,13 @@ class HttpService:
             self._admitted -= 1
 
     async def _generate(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
+        t_in = time.perf_counter()
         raw = await _read_json(request)
         req = parse(raw)
         model = self.models.get(req.model)
         streaming = bool(req.stream)
         ctx = Context(_request_id(request, req))
+        first_token.begin(ctx, t_in)
         rm = self.metrics.request(req.model, endpoint, streaming)
         task = asyncio.current_task()
         if task is not None:
@@ -233,6 +237,7 @@ class HttpService:
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
                 resp = _json(body)
+                first_token.report(ctx, "answer")
             ok = True
             return resp
         except ServiceUnavailableError as e:
@@ -260,6 +265,7 @@ class HttpService:
             first = None
         else:
             rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+        first_token.stamp(ctx.stamps, "first item")
         resp = _SseResponse(status=200, headers=_SSE_HEADERS)
         try:
             await resp.prepare(request)
@@ -312,6 +318,8 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
                         w = sink.write(parts)
                         if w is not None:
                             await w
+                        if ctx.stamps is not None:
+                            first_token.report(ctx)
                         step = None
                     item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
@@ -347,6 +355,7 @@ async def _pump_sse(resp: web.StreamResponse, request: web.Request, stream: Asyn
     parts.append(_DONE)
     try:
         await resp.write_eof(b"".join(parts))  # the last items, [DONE] and the end of the body: one send
+        first_token.report(ctx)  # (a stream that was whole before its first write)
     except (ConnectionResetError, ConnectionError):  # the client left as its stream ended: not our error
         log.debug("request %s: client went away before the end of the stream", ctx.id)
         return False
