@@ -8,6 +8,7 @@ not change them.  Skipped when llama-cpp-python or the SmolLM2 GGUF (PyPI ``llm-
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -47,7 +48,9 @@ def gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def server(gguf: Path) -> Iterator[DynamoRun]:
-    with DynamoRun("out=llamacpp", str(gguf), startup_timeout=120) as proc:
+    # the time-to-first-token stamps on (what -v turns on for them): every test here runs with them
+    with DynamoRun("out=llamacpp", str(gguf), env={"DYN_LOG": "info,dynamo.ttft=debug"},
+                   startup_timeout=120) as proc:
         yield proc
 
 
@@ -141,6 +144,31 @@ def test_stop_string(client) -> None:
     assert full.startswith(text)
     streamed, finish, _ = _stream_text(client, "Name three colors.", stop=["Blue"])
     assert streamed == text and finish == "stop"
+
+
+def test_debug_log_says_where_the_time_to_first_token_went(server: DynamoRun, client) -> None:
+    """One line per request at debug level: each stage's offset from the request's arrival, in the
+    order a request passes them, the prompt step with its size and thread count, up to the first write;
+    the client sees its first token after that write."""
+    rid = "ttft-stamps-1"
+    t0 = time.perf_counter()
+    stream = _ask(client, "Describe the water cycle.", stream=True, extra_headers={"x-request-id": rid})
+    ttft = None
+    for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = 1e3 * (time.perf_counter() - t0)
+    assert ttft is not None
+    line = next(ln for ln in server.stderr_text().splitlines() if f"request {rid}:" in ln and "dynamo.ttft" in ln)
+    stages = re.findall(r"(?:, |: )([a-z][a-z ,]*?) (\d+\.\d)(?: \(([^)]*)\))?", line.split(f"request {rid}")[1])
+    names = [n for n, _, _ in stages]
+    order = ["parsed", "template", "tokenized", "queued", "taken", "admitted", "prompt step", "step done",
+             "sampled, handed over", "on the loop", "first item", "first write"]
+    assert [n for n in names if n in order] == order, line
+    offsets = [float(t) for _, t, _ in stages]
+    assert offsets == sorted(offsets), line
+    step = dict((n, d) for n, _, d in stages)["prompt step"]
+    assert re.fullmatch(r"\d+ of its tokens, \d+ in the step, \d+ threads", step), line
+    assert offsets[-1] < ttft  # the server wrote before the client read
 
 
 def test_disconnect_frees_the_slot(server: DynamoRun, client) -> None:
@@ -344,8 +372,9 @@ def test_prompt_steps_keep_every_core_while_other_processes_leave_them() -> None
     # one stream on a quiet machine: every prompt is computed with both threads.  Before, the prompt class
     # probed one thread for four prompts in a row soon after it started: four requests with a 1.7x slower
     # prefill in every eight-request run (llamacpp_compare's TTFT p50 at one stream 170 against 115 ms)
+    # (no core idle: our own decode threads keep both busy, which is not a reason to compute prompts on one)
     clock = _Clock()
-    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 2.0)
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 0.0, free=lambda: 2.0)
     used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0036}, 60)
     assert used == [2] * 60
     assert tuner.tuner(28).skipped > 0  # the probes came due and were skipped
@@ -353,8 +382,10 @@ def test_prompt_steps_keep_every_core_while_other_processes_leave_them() -> None
 
 def test_prompt_steps_probe_fewer_threads_when_other_processes_take_cores() -> None:
     clock = _Clock()
-    free = [1.0]  # another job takes a core
+    free = [2.0]
     tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: free[0])
+    assert _prompts(tuner, clock, {1: 0.0060, 2: 0.0036}, 10) == [2] * 10
+    free[0] = 1.0  # another job takes a core
     # two threads still faster: each probe of one thread ends after its first (slower) step, and they thin out
     used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0036}, 60)
     assert tuner.tuner(28).current == 2

@@ -299,7 +299,11 @@ class BatchThreadTuner:
         self.tuner(n_tokens).record(threads, n_tokens, seconds)
 
     def _cores_idle(self) -> bool:
-        """Enough idle cores for the most threads (as a probe needs); unknown counts as yes."""
+        """Enough cores for the most threads: left to us by other processes (``free``, when given: our own
+        decode threads may be what keeps them busy), else idle as a probe needs; unknown counts as yes."""
+        if self._free is not None:
+            left = self._free()
+            return left is None or left >= self.candidates[-1] - 0.5
         idle = self._kw.get("idle")
         if idle is None or len(self.candidates) < 2:
             return True
@@ -718,6 +722,7 @@ class LlamaCppEngine:
             if not free:
                 return
             req = self._waiting.popleft()
+            stamp(req.stamps, "taken")
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue
@@ -754,12 +759,14 @@ class LlamaCppEngine:
                 best = min([s for s in targets if not s.cached] or targets, key=lambda s: s.used_at)
                 keep = min(prefix[donor.seq_id], last)
                 self._offload(best, 0)
+                t0 = time.perf_counter()
                 how = self._copy_cache(donor, best)
                 self.copies += 1
                 if self._tracking:
                     self.slot_blocks.copy(donor.seq_id, best.seq_id, keep)
-                log.debug("request %s: slot %d copies %d cached tokens from slot %d (%s)", req.ctx.id,
-                          best.seq_id, keep, donor.seq_id, how)
+                log.debug("request %s: slot %d copies %d cached tokens from slot %d (%s of %d tokens, %.1f ms)",
+                          req.ctx.id, best.seq_id, keep, donor.seq_id, how, len(donor.cached),
+                          1e3 * (time.perf_counter() - t0))
                 best.cached = donor.cached[:keep]
             else:
                 self._offload(best, keep)
@@ -1204,11 +1211,15 @@ class _IdleCores:
 class _CoresLeftToUs:
     """Cores other processes left this one since the previous call: the idle ones plus those this process
     used (from /proc/stat and ``os.times``; None elsewhere).  Unlike the idle count it does not drop when
-    our own threads are what keeps the cores busy."""
+    our own threads are what keeps the cores busy.  Calls less than ``MIN_SPAN_S`` apart get the previous
+    answer (the counters tick every 10 ms)."""
+
+    MIN_SPAN_S = 0.05
 
     def __init__(self) -> None:
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.prev = self._read()
+        self.last: float | None = None
 
     @staticmethod
     def _read() -> tuple[tuple[int, int, int], float] | None:
@@ -1219,15 +1230,19 @@ class _CoresLeftToUs:
         return machine, t.user + t.system
 
     def __call__(self) -> float | None:
-        cur = self._read()
-        prev, self.prev = self.prev, cur
-        if cur is None or prev is None or cur[0][1] <= prev[0][1]:
+        cur, prev = self._read(), self.prev
+        if cur is None or prev is None:
+            self.prev = cur
             return None
         (idle1, total1, ncpu), ours1 = cur
         (idle0, total0, _), ours0 = prev
         span = total1 - total0  # jiffies over all cores
+        if span < self.MIN_SPAN_S * self._tick * ncpu:
+            return self.last
+        self.prev = cur
         ours = (ours1 - ours0) * self._tick  # jiffies this process used
-        return min(float(ncpu), (idle1 - idle0 + ours) / span * ncpu)
+        self.last = min(float(ncpu), (idle1 - idle0 + ours) / span * ncpu)
+        return self.last
 
 
 def _put_all(group: list[tuple[_Request, Any]]) -> None:
