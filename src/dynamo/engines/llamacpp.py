@@ -10,8 +10,9 @@ A slot keeps the KV cache of its last sequence; a new request goes to the free s
 prefix with its prompt, and only the tail after the shared prefix is computed again (multi-turn chats
 and shared system prompts skip most of their prefill).  When a *busy* slot shares a clearly longer
 prefix (a group of users on one system prompt, sent here together by a KV router), that slot's cache is
-copied into the least recently used free slot (``llama_memory_seq_cp``: one copy of the sequence's
-buffer, far cheaper than recomputing a long prefix).  So every block any slot holds can be reused, which
+copied into the least recently used free slot (through the sequence's state, its used cells only, or
+``llama_memory_seq_cp``, which copies its whole stream: see :meth:`LlamaCppEngine._copy_cache`; either
+far cheaper than recomputing a long prefix).  So every block any slot holds can be reused, which
 is what the KV router assumes.  A request whose consumer went away or stopped frees its slot before the
 next admission, so a follow-up turn finds the previous turn's slot free.
 
