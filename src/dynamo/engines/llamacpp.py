@@ -515,7 +515,7 @@ class LlamaCppEngine:
         if self.disk_tier is not None:
             self.disk_tier.close()
         log.debug("llama.cpp engine closed: %d steps, %d tokens decoded, %d prompt tokens reused, "
-                  "thread switches %s (probes skipped on busy cores %s), threads now %s", self.steps,
+                  "thread switches %s (probes skipped %s), threads now %s", self.steps,
                   self.decoded_tokens, self.reused_tokens, self.tuner.switches if self.tuner else "-",
                   self.tuner.skipped if self.tuner else "-", self.tuner.summary() if self.tuner else "-")
 
