@@ -164,6 +164,7 @@ class CorePipeline:
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
         stage = ParseStage.for_request(request) if isinstance(chunks, ChatChunks) else None
         gen = self.engine.generate(request, ctx)
+        stamps = ctx.stamps  # (the first item's detokenization is stamped; None: not stamping)
         reason: str | None = None
         try:
             async for out in gen:
@@ -173,8 +174,9 @@ class CorePipeline:
                     yield chunks.delta(echo, logprobs=post.prompt_logprobs(out) or [])
                     echo = None
                 text, reason = post.process(out)
-                if ctx.stamps is not None:
-                    stamp(ctx.stamps, "detokenized", f"{len(text)} chars")
+                if stamps is not None:
+                    stamp(stamps, "detokenized", f"{len(text)} chars")
+                    stamps = None
                 ctx.completion_tokens = post.generated
                 if carried is not None:
                     carried += post.take_logprobs() or ()
