@@ -31,7 +31,6 @@ def main() -> None:
     args = ap.parse_args()
     import llama_cpp as L
     import numpy as np
-
     from llamacpp_compare import default_gguf
 
     gguf = args.gguf or default_gguf()
