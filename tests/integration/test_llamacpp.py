@@ -396,3 +396,12 @@ def test_prompt_steps_probe_fewer_threads_when_other_processes_take_cores() -> N
     used = _prompts(tuner, clock, {1: 0.0060, 2: 0.0300}, 60)
     assert tuner.tuner(28).current == 1
     assert used[-30:].count(2) <= 2  # (probes of two threads again, each ended by its first slow step)
+
+
+def test_every_class_starts_with_every_core_other_processes_leave() -> None:
+    # a quiet machine: one-token steps start with both threads (no second of 1.5x slower tokens before a
+    # probe finds them); beside another job, with one, as before
+    clock = _Clock()
+    assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 2.0).threads(1) == 2
+    assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 1.0).threads(1) == 1
+    assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0).threads(1) == 1  # (free unknown)

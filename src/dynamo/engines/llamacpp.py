@@ -248,15 +248,23 @@ class BatchThreadTuner:
     per-token time jump whenever streams start or finish and chase the batch size instead of the machine.
 
     A class never timed follows the nearest smaller class that was, except a prompt-sized class
-    (``PREFILL_TOKENS`` or more): when it first appears while the machine has idle cores (the probes'
-    test), it starts with the most threads.  Following a one-token class there would keep prompts on one
-    thread because a second one does not speed up a single token, though it does speed up a prompt
-    (1.6 to 1.8x for 30 tokens on 2 idle cores); prompts are rare steps, so their class would take
-    minutes to tune itself from one thread, and every time-to-first-token would pay for it meanwhile.
-    For the same reason a prompt-sized class probes fewer threads only when other processes take cores
-    (``free``, see :class:`ThreadTuner`), and such a probe ends at its first step ``PREFILL_ABORT`` times
-    slower: before, a prompt class re-probed one thread for four steps soon after it started, which at one
-    stream is four requests in a row with a 1.6 to 1.8x slower prefill (docs/performance.md).
+    (``PREFILL_TOKENS`` or more): when it first appears while the machine has the cores (``free``, the
+    cores other processes leave us, at least the most threads less half a core; without ``free``, idle
+    cores as the probes' test), it starts with the most threads.  Following a one-token class there would
+    keep prompts on one thread because a second one does not speed up a single token much, though it
+    does speed up a prompt (1.6 to 1.8x for 30 tokens on 2 idle cores); prompts are rare steps, so their
+    class would take minutes to tune itself from one thread, and every time-to-first-token would pay for
+    it meanwhile.  For the same reason a prompt-sized class probes fewer threads only when other
+    processes take cores (``free``, see :class:`ThreadTuner`), and such a probe ends at its first step
+    ``PREFILL_ABORT`` times slower: before, a prompt class re-probed one thread for four steps soon after
+    it started, which at one stream is four requests in a row with a 1.6 to 1.8x slower prefill
+    (docs/performance.md).
+
+    With ``free``, every class starts that way, decode ones included: on a quiet machine two threads
+    decode one token 1.5x faster here (7.6 against 11.6 ms), and a first class started at one thread
+    ran about the first second of a server's life on it (until a probe, after 1 s and four steps), e.g.
+    the first 60 tokens of ``llamacpp_compare.py``'s one-stream level.  Where other processes take the
+    cores it starts with the fewest, as before.
     """
 
     def __init__(self, candidates: list[int], *, free: Any = None, **kw: Any):
@@ -264,7 +272,7 @@ class BatchThreadTuner:
         self._free = free
         self._kw = kw
         self.tuners: dict[int, ThreadTuner] = {}
-        self._wide_start: set[int] = set()  # prompt-sized classes that started with the most threads
+        self._wide_start: set[int] = set()  # classes that started with the most threads
 
     @staticmethod
     def bucket(n_tokens: int) -> int:
@@ -282,7 +290,7 @@ class BatchThreadTuner:
 
     def threads(self, n_tokens: int) -> int:
         b = self.bucket(n_tokens)
-        if b not in self.tuners and b >= PREFILL_TOKENS and self._cores_idle():
+        if b not in self.tuners and (b >= PREFILL_TOKENS or self._free is not None) and self._cores_idle():
             self.tuner(n_tokens).current = self.candidates[-1]
             self._wide_start.add(b)
         t = self.tuner(n_tokens)
