@@ -799,8 +799,8 @@ class LlamaCppEngine:
         """Make ``dst``'s sequence a copy of ``donor``'s (the caller truncates it to the shared prefix).
 
         With a cache stream per sequence, ``llama_memory_seq_cp`` copies the donor's whole stream,
-        ``n_ctx_seq`` cells whatever it holds (about 28 ms for SmolLM2's 8,192 cells here: most of a short
-        prompt's prefill, docs/performance.md).  The sequence's state holds only its used cells, so while
+        ``n_ctx_seq`` cells whatever it holds (about 30 ms for SmolLM2's 8,192 cells here: a quarter of a
+        short prompt's prefill, docs/performance.md).  The sequence's state holds only its used cells, so while
         the donor holds less than a quarter of its stream (an export and an import: two passes over them
         and the buffer) that is the cheaper copy: 2 ms for 180 tokens.  seq_cp otherwise, and if
         llama.cpp refuses the state."""
