@@ -17,6 +17,7 @@ import orjson
 
 _loads = orjson.loads
 _MISSING = object()
+_CONTAINERS = (dict, list)  # what a reader may change in place
 _NEEDLES: dict[str, bytes] = {}  # key -> b'"key":', built once per key (asked per token)
 _LIST_NEEDLES: dict[str, bytes] = {}  # key -> b'"key":['
 USAGE_KEY = b'"usage":'  # a chunk whose bytes lack this has no usage block (the pipeline asks per token)
@@ -80,11 +81,18 @@ class LazyJson(dict):
                 return end < len(raw) and raw[end] != 0x5D  # b"]"
         return bool(self.load().get(key))
 
-    # reading: load first (or answer from the bytes when the key is absent)
+    # reading: load first (or answer from the bytes when the key is absent). A nested list or dict
+    # handed out may be changed by its reader (``chunk["choices"][0]["index"] = i``), which this object
+    # cannot see: the bytes are dropped then, as for a change of its own keys.
+    def _out(self, value: Any) -> Any:
+        if type(value) in _CONTAINERS:
+            self.raw = None
+        return value
+
     def get(self, key: Any, default: Any = None) -> Any:
         if not self._loaded and isinstance(key, str) and not self.mentions(key):
             return default
-        return dict.get(self.load(), key, default)
+        return self._out(dict.get(self.load(), key, default))
 
     def __contains__(self, key: object) -> bool:
         if not self._loaded and isinstance(key, str) and not self.mentions(key):
@@ -92,7 +100,7 @@ class LazyJson(dict):
         return dict.__contains__(self.load(), key)
 
     def __getitem__(self, key: Any) -> Any:
-        return dict.__getitem__(self.load(), key)
+        return self._out(dict.__getitem__(self.load(), key))
 
     def __iter__(self) -> Iterator[Any]:
         return dict.__iter__(self.load())
@@ -115,13 +123,19 @@ class LazyJson(dict):
         return dict.keys(self.load())
 
     def values(self):
-        return dict.values(self.load())
+        self.load()
+        self.raw = None  # the values may be changed through the view
+        return dict.values(self)
 
     def items(self):
-        return dict.items(self.load())
+        self.load()
+        self.raw = None
+        return dict.items(self)
 
     def copy(self) -> dict:
-        return dict(dict.items(self.load()))
+        self.load()
+        self.raw = None  # a shallow copy shares the nested values, which may be changed through it
+        return dict(dict.items(self))
 
     # changing: load, then the bytes no longer describe the object
     def _changing(self) -> None:

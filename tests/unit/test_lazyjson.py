@@ -25,10 +25,12 @@ def test_questions_the_pipeline_asks_per_token_need_no_decoding():
 
 def test_it_is_the_dict_it_encodes():
     c = lazy(CHUNK)
-    assert c == CHUNK and dict(c.items()) == CHUNK and len(c) == len(CHUNK) and isinstance(c, dict)
+    assert c == CHUNK and len(c) == len(CHUNK) and isinstance(c, dict) and list(c) == list(CHUNK)
+    assert c["id"] == CHUNK["id"]
+    assert c.raw is not None  # read only, nothing handed out that could change: the bytes still describe it
+    assert dict(c.items()) == CHUNK and c.copy() == CHUNK and {**c} == CHUNK
     assert c["choices"][0]["delta"]["content"] == 'say "usage": no'
-    assert list(c) == list(CHUNK) and c.copy() == CHUNK and {**c} == CHUNK
-    assert c.raw is not None  # read only: the bytes still describe it
+    assert c.raw is None  # nested values handed out may be changed in place: the object is the truth now
     u = lazy({"usage": {"prompt_tokens": 2}, "choices": []})
     assert u.get("usage") == {"prompt_tokens": 2} and "usage" in u
 
@@ -41,3 +43,17 @@ def test_a_change_drops_the_bytes():
     d.pop("id")
     assert d.raw is None and "id" not in d
     assert {k: v for k, v in lazy(CHUNK).items() if k != "model"} == {k: v for k, v in CHUNK.items() if k != "model"}
+
+
+def test_a_change_inside_a_nested_value_drops_the_bytes_too():
+    # what n > 1 does to a chunk's choices (llm/fanout.py): the bytes must not be sent as they were
+    chunk = LazyJson(b'{"choices":[{"index":0,"delta":{"content":"a"}}]}')
+    for choice in chunk["choices"]:
+        choice["index"] = 2
+    assert chunk.raw is None
+    assert orjson.loads(orjson.dumps(dict(chunk.items())))["choices"][0]["index"] == 2
+    other = LazyJson(b'{"usage":{"prompt_tokens":1},"id":"x"}')
+    other.get("usage")["prompt_tokens"] = 5
+    assert other.raw is None
+    plain = LazyJson(b'{"id":"x","choices":[]}')
+    assert plain.get("id") == "x" and plain.raw is not None  # a string handed out cannot be changed
