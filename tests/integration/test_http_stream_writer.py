@@ -23,7 +23,7 @@ from dynamo.llm.chunks import ChatChunks
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 
-BIG_ITEMS = 4000  # about 1 MB of events, far past the writer's flow-control step (64 KiB)
+BIG_ITEMS = 4000  # about 1 MB of events: many direct writes and drain checks (every 64 KiB) in one stream
 
 
 class StandIn:
@@ -75,7 +75,7 @@ async def odd_awaits(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
 
 
 async def big(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
-    """Many items with no wait between them: the writer sends them in batches, under flow control."""
+    """Many items with no wait between them: the writer sends them in batches of at most 256."""
     yield chunks.delta("start:")
     for i in range(BIG_ITEMS):
         yield chunks.delta(f"{i:06d}" + "x" * 200)
@@ -166,7 +166,7 @@ async def test_whatever_the_engine_awaits_it_gets_as_under_a_task(service: HttpS
     assert text == "123456"
 
 
-async def test_a_long_backlog_arrives_whole_through_flow_control(service: HttpService):
+async def test_a_long_backlog_arrives_whole_and_in_order_across_batches(service: HttpService):
     chunks = await raw_chunks(service.port, "big")
     items = [c for chunk in chunks for c in contents(chunk)]
     assert items[0] == "start:" and items[-1] == ""
