@@ -13,7 +13,7 @@ for impl in original ours original ours; do
   if [ $impl = original ]; then
     DYN_TOKEN_ECHO_DELAY_MS=10 benchmarks/.original/dynamo-run in=http out=echo_full --http-port $port --model-name m > $OUT/client_cmp-$impl.log 2>&1 &
   else
-    DYN_TOKEN_ECHO_DELAY_MS=10 PYTHONPATH=src $PY -m dynamo.run in=http out=echo_full --http-port $port --model-name m > $OUT/client_cmp-$impl.log 2>&1 &
+    DYN_TOKEN_ECHO_DELAY_MS=10 PYTHONPATH=src $PY -m dynamo.cli in=http out=echo_full --http-port $port --model-name m > $OUT/client_cmp-$impl.log 2>&1 &
   fi
   pid=$!
   for i in $(seq 50); do curl -s localhost:$port/v1/models >/dev/null && break; sleep 0.2; done

@@ -93,7 +93,7 @@ def implementations(args: argparse.Namespace) -> dict[str, list[str]]:
         out["original"] = [str(args.original_bin or fetch_original.fetch())]
     if args.only in (None, "ours"):
         exe = Path(sys.executable).parent / "dynamo-run"
-        out["ours"] = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.run"]
+        out["ours"] = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
     return out
 
 

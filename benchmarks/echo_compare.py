@@ -26,7 +26,7 @@ Scenarios:
      work on the cores makes tokens coalesce, which lowers the CPU per token).
 
 The original binary comes from benchmarks/fetch_original.py (downloaded on first use).
-Our server is `<venv>/bin/dynamo-run` if it exists, else `python -m dynamo.run`; override
+Our server is `<venv>/bin/dynamo-run` if it exists, else `python -m dynamo.cli`; override
 with --ours-cmd 'CMD ... {port} ... {model}'.
 """
 from __future__ import annotations
@@ -167,7 +167,7 @@ def ours_cmd(template: str | None) -> tuple[Callable[[int, str], list[str]], dic
         return (lambda port, model: [str(exe), "in=http", "out=echo_full", "--http-port", str(port),
                                      "--model-name", model]), {}
     env = {"PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return (lambda port, model: [sys.executable, "-m", "dynamo.run", "in=http", "out=echo_full",
+    return (lambda port, model: [sys.executable, "-m", "dynamo.cli", "in=http", "out=echo_full",
                                  "--http-port", str(port), "--model-name", model]), env
 
 

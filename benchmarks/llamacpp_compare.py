@@ -284,7 +284,7 @@ class Server(echo_compare.Server):
 
 def ours_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
     exe = Path(sys.executable).parent / "dynamo-run"
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.run"]
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
     return lambda port, _model: base + ["in=http", "out=llamacpp", str(gguf), "--http-host", "127.0.0.1",
                                         "--http-port", str(port)] + shlex.split(extra)
 

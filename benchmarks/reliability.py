@@ -343,7 +343,7 @@ def main() -> None:
     print(f"liveness bound {LIVENESS:g} s, {TOKEN_MS} ms per token; machine: {os.cpu_count()} cores (shared)")
     with EtcdServer() as etcd, NatsServer() as nats:
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DET_TOKEN_DELAY_MS": str(TOKEN_MS),
-               "DYN_LOG": "info,dynamo.llm.worker_handlers=debug"}
+               "DYN_LOG": "info,dynamo.worker.handlers=debug"}
         if "DYN_STREAM_LIVENESS_S" in os.environ:
             env["DYN_STREAM_LIVENESS_S"] = os.environ["DYN_STREAM_LIVENESS_S"]
         if "freeze" in which:

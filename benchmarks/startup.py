@@ -10,7 +10,7 @@ For each start: take the time, spawn the command (``{port}`` and ``{model}`` fil
 ms"), then send one non-streaming chat completion ("chat ms": when its answer has arrived).  CPU is
 the server's CPU time (its threads' run time) when /v1/models first answered.  The server is stopped with SIGINT between
 starts.  Printed: every start, then median and min.  The default command is
-``<python> -m dynamo.run`` with this checkout's ``src`` first on PYTHONPATH (the console script
+``<python> -m dynamo.cli`` with this checkout's ``src`` first on PYTHONPATH (the console script
 ``dynamo-run`` adds its own few ms of entry-point lookup; ``--cmd`` measures any other).
 
 ``--floor`` also times (wall and CPU, median of the same number of runs; with the garbage collector
@@ -59,7 +59,7 @@ _LIBS = "import asyncio, uvloop, msgspec, orjson, argparse"
 FLOORS = (
     ("bare interpreter", "pass"),
     ("libraries without aiohttp", _LIBS),
-    ("libraries + our modules but the HTTP service", _LIBS + "; import dynamo.run.launch, dynamo.engines.echo"),
+    ("libraries + our modules but the HTTP service", _LIBS + "; import dynamo.cli.launch, dynamo.engines.echo"),
     ("libraries + aiohttp's server only", _LIBS + "; import dynamo.frontend.http"),
     ("libraries + all of aiohttp", _LIBS + "; import aiohttp.web"),
 )
@@ -91,7 +91,7 @@ def cpu_seconds(pid: int) -> float:
 def build_cmd(template: str | None, port: int, extra_python_flags: list[str]) -> list[str]:
     if template:
         return shlex.split(template.format(port=port, model=MODEL))
-    return [sys.executable, *extra_python_flags, "-m", "dynamo.run", "in=http", "out=echo_full",
+    return [sys.executable, *extra_python_flags, "-m", "dynamo.cli", "in=http", "out=echo_full",
             "--http-port", str(port), "--model-name", MODEL]
 
 

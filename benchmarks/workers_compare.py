@@ -7,7 +7,7 @@
 
 For each repeat, and within it for each worker count in turn (so a change in the machine's load hits all
 counts alike), it starts ``dynamo-run in=http out=echo_full --http-workers N`` (``python
--m dynamo.run`` with this checkout's src/) with ``DYN_TOKEN_ECHO_DELAY_MS``, waits until it answers, warms up, runs benchmarks/loadgen.py (keep-alive
+-m dynamo.cli`` with this checkout's src/) with ``DYN_TOKEN_ECHO_DELAY_MS``, waits until it answers, warms up, runs benchmarks/loadgen.py (keep-alive
 streams, 200-word prompts) and stops it: the server classes and load generator of
 benchmarks/echo_compare.py, which see the whole process tree (parent and workers) for CPU.  Printed: each
 run, then per worker count the median tokens/s, TTFT/ITL p99, server and client CPU, and the ratio of
@@ -40,11 +40,11 @@ RESULTS = HERE / "results"
 
 
 def ours(workers: int) -> tuple[Any, dict[str, str]]:
-    """``python -m dynamo.run`` from this checkout's src/ (not whatever dynamo-run the venv has)."""
+    """``python -m dynamo.cli`` from this checkout's src/ (not whatever dynamo-run the venv has)."""
     env = {"PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def build(port: int, model: str) -> list[str]:
-        return [sys.executable, "-m", "dynamo.run", "in=http", "out=echo_full", "--http-port", str(port),
+        return [sys.executable, "-m", "dynamo.cli", "in=http", "out=echo_full", "--http-port", str(port),
                 "--model-name", model, "--http-workers", str(workers)]
 
     return build, env

@@ -1,6 +1,6 @@
 """Simulated (mocker) decode inter-token latency of running streams while long prompts keep arriving:
 two aggregated workers against one prefill worker + one decode worker.  In one process, no network: the
-mocker engines themselves, with the frontend's rule (llm/disagg/plan.py) deciding where each prompt is
+mocker engines themselves, with the frontend's rule (disagg/plan.py) deciding where each prompt is
 prefilled.  Times are the mocker's model of a vLLM worker (docs/routing.md), not measurements of a model.
 
     PYTHONPATH=src .venv/bin/python benchmarks/disagg/mocker_itl.py [--streams 8] [--long 2000] [--every-ms 400]
@@ -14,9 +14,9 @@ import itertools
 import statistics
 import time
 
+from dynamo.disagg.plan import serve
+from dynamo.disagg.transfer import Ticket
 from dynamo.engines.mocker import MockerEngine
-from dynamo.llm.disagg.plan import serve
-from dynamo.llm.disagg.transfer import Ticket
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 

@@ -30,7 +30,7 @@ async def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
-    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
     res: dict[str, list[float]] = {"host": [], "disk": [], "none": []}
     tmp = tempfile.mkdtemp(prefix="kv-disk-bench-")

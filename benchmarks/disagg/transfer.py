@@ -16,8 +16,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dynamo.llm.disagg.transfer import Ticket, pull
-from dynamo.llm.disagg.worker import DisaggWorkerEngine
+from dynamo.disagg.transfer import Ticket, pull
+from dynamo.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 
@@ -47,7 +47,7 @@ async def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
     def engine():
         return LlamaCppEngine(gguf(), context_length=2048 + 64, args={"n_parallel": 2, "n_threads": a.threads})

@@ -28,7 +28,7 @@ Measured per run (by the client, after a ``--warmup`` of seconds whose requests 
   averaged over workers weighted by their request counts; for kv modes also the router's own estimate,
   sum(overlap_blocks) / sum(isl_blocks) of the ``namespace.<ns>.kv-hit-rate`` events;
 * spread: requests per worker, counted from each worker's log (run with
-  ``DYN_LOG=info,dynamo.llm.worker_handlers=debug``, a worker logs one ``request <id>: <n> prompt
+  ``DYN_LOG=info,dynamo.worker.handlers=debug``, a worker logs one ``request <id>: <n> prompt
   tokens`` line per request it serves), shown as counts and as max/mean.
 
 Real engines (``--engine llamacpp``): ``--workers`` (2) ``out=llamacpp`` workers on the SmolLM2-135M GGUF
@@ -374,7 +374,7 @@ def smollm2_gguf() -> Path:
 
 def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: int, name: str) -> list[DynamoWorker]:
     if args.engine == "llamacpp":
-        env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.llamacpp=debug"}
+        env = {**args.servers, "DYN_LOG": "info,dynamo.worker.handlers=debug,dynamo.engines.llamacpp.engine=debug"}
         engine_args = Path(tempfile.gettempdir()) / f"router-bench-llamacpp-{os.getpid()}-{run_index}.json"
         engine_args.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
         return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", name,
@@ -385,7 +385,7 @@ def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: 
         "num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
         "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens}))
-    env = {**args.servers, "DYN_LOG": "info,dynamo.llm.worker_handlers=debug,dynamo.engines.mocker.scheduler=debug"}
+    env = {**args.servers, "DYN_LOG": "info,dynamo.worker.handlers=debug,dynamo.engines.mocker.scheduler=debug"}
     return [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model), "--model-name", name,
                          "--extra-engine-args", str(engine_args), env=env, startup_timeout=90)
             for _ in range(args.workers)]
@@ -410,7 +410,7 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             w.wait_ready()
         fe_env = {**servers}
         if args.logs:
-            fe_env["DYN_LOG"] = "info,dynamo.frontend.kv_router.router=debug"  # one "kv route:" line per decision
+            fe_env["DYN_LOG"] = "info,dynamo.kv.router=debug"  # one "kv route:" line per decision
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
         wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)

@@ -50,20 +50,20 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import orjson  # noqa: E402
 
-from dynamo.frontend.kv_router import KvRouter  # noqa: E402
-from dynamo.frontend.kv_router.scheduler import (  # noqa: E402
-    FAST_PICK_MIN_WORKERS,
-    compute_costs,
-    fast_pick,
-    select_worker,
-)
-from dynamo.llm.kv_events.hashing import (  # noqa: E402
+from dynamo.kv import KvRouter  # noqa: E402
+from dynamo.kv.events import kv_event, parse_kv_event, removed_data, stored_data  # noqa: E402
+from dynamo.kv.hashing import (  # noqa: E402
     compute_block_hashes,
     compute_hashes,
     compute_hashes_async,
     compute_seq_hashes,
 )
-from dynamo.llm.kv_events.protocols import kv_event, parse_kv_event, removed_data, stored_data  # noqa: E402
+from dynamo.kv.scheduler import (  # noqa: E402
+    FAST_PICK_MIN_WORKERS,
+    compute_costs,
+    fast_pick,
+    select_worker,
+)
 
 
 def rss_mb() -> float:

@@ -318,7 +318,7 @@ def test_bad_lease_ttl_is_a_clear_error(monkeypatch):
 
 
 def _card(tiny_model: Path, name: str) -> ModelCard:
-    from dynamo.run.model import resolve_card
+    from dynamo.llm.model_source import resolve_card
 
     return resolve_card(str(tiny_model), name=name)
 

@@ -36,7 +36,7 @@ ENGINE = Path(__file__).with_name("det_engine.py")
 LIVENESS_S = 1.5
 DETECT_S = LIVENESS_S * 1.25 + 2.5  # the bound, one liveness tick, and slack for a loaded 2-core machine
 TOKEN_MS = 25
-LOG = "info,dynamo.llm.worker_handlers=debug"  # a worker logs "request <id>" for each request
+LOG = "info,dynamo.worker.handlers=debug"  # a worker logs "request <id>" for each request
 
 
 # -- helpers -------------------------------------------------------------------------------------------

@@ -76,11 +76,11 @@ def test_verbose_flag_enables_debug_logs():
 def test_dyn_log_filters_by_module():
     p = run_cli(["out=echo_full"], input="x", env={"DYN_LOG": "debug"})
     assert p.returncode == 0
-    assert "DEBUG dynamo.run" in p.stderr
-    p = run_cli(["out=echo_full"], input="x", env={"DYN_LOG": "warn,dynamo.run=debug"})
-    assert "DEBUG dynamo.run" in p.stderr
-    p = run_cli(["out=echo_full"], input="x", env={"DYN_LOG": "debug,dynamo.run=info"})
-    assert "DEBUG dynamo.run" not in p.stderr
+    assert "DEBUG dynamo.cli" in p.stderr
+    p = run_cli(["out=echo_full"], input="x", env={"DYN_LOG": "warn,dynamo.cli=debug"})
+    assert "DEBUG dynamo.cli" in p.stderr
+    p = run_cli(["out=echo_full"], input="x", env={"DYN_LOG": "debug,dynamo.cli=info"})
+    assert "DEBUG dynamo.cli" not in p.stderr
 
 
 @pytest.mark.parametrize("mode", ["in=stdin", "in=text"])

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynamo.cli import launch
 from dynamo.errors import UserError
 from dynamo.llm.model_card import ModelCard
-from dynamo.run import launch
 from tests.support.proc import run_cli
 from tests.support.tiny_model import build_tiny_gguf, build_tiny_hf_model
 

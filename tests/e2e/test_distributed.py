@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 DATA = Path(__file__).parent / "data"
 LEASE_TTL_S = 10.0
-WORKER_LOG = {"DYN_LOG": "info,dynamo.llm.worker_handlers=debug"}
+WORKER_LOG = {"DYN_LOG": "info,dynamo.worker.handlers=debug"}
 LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
 
 

@@ -63,7 +63,7 @@ def client(request: pytest.FixtureRequest, qwen3: Path) -> Iterator[openai.OpenA
     with EtcdServer() as etcd, NatsServer() as nats:
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
         with DynamoWorker("in=dyn://tools.qwen.generate", f"out=pytok:{ENGINE}", str(qwen3), "--model-name", MODEL,
-                          *engine_args, env={**env, "DYN_LOG": "info,dynamo.run.launch=debug"}) as worker, DynamoRun("out=dyn", env=env) as frontend:
+                          *engine_args, env={**env, "DYN_LOG": "info,dynamo.cli.launch=debug"}) as worker, DynamoRun("out=dyn", env=env) as frontend:
             assert "tool-call parser hermes, reasoning parser qwen3" in worker.stderr_text()
             c = openai.OpenAI(base_url=frontend.api_url, api_key="x", max_retries=0, timeout=30)
             _wait_for_model(c)
@@ -189,7 +189,7 @@ def test_worker_killed_mid_call_the_answer_continues_on_another(qwen3: Path):
     engine_args = ("--", "--model-path", str(qwen3))
     with EtcdServer() as etcd, NatsServer() as nats:
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "TOOL_ENGINE_DELAY_S": "0.02",
-               "DYN_LOG": "info,dynamo.llm.worker_handlers=debug"}
+               "DYN_LOG": "info,dynamo.worker.handlers=debug"}
         workers = [DynamoWorker("in=dyn://mig.qwen.generate", f"out=pytok:{ENGINE}", str(qwen3), "--model-name", MODEL,
                                 "--migration-limit", "1", *engine_args, env=env).start(wait=False) for _ in range(2)]
         try:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from dynamo.llm.disagg.worker import DisaggWorkerEngine
+from dynamo.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_llamacpp import _smollm2
@@ -60,7 +60,7 @@ async def tokens(engine: Any, r: PreprocessedRequest) -> list[int]:
 
 
 async def _engine(gguf: Path) -> Any:
-    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(gguf, context_length=512, args={"n_parallel": 2, "n_threads": 1})
     await engine.start()

@@ -21,9 +21,9 @@ import httpx
 import nats
 import pytest
 
-from dynamo.frontend.kv_router import KvRouter
+from dynamo.kv import KvRouter
+from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
-from dynamo.llm.kv_events.hashing import compute_hashes
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_kv_routing import text
 from tests.integration.test_llamacpp import _smollm2
@@ -67,7 +67,7 @@ async def ask(engine: Any, prompt: list[int], max_tokens: int = 6) -> tuple[list
 
 
 async def _engine(gguf: Path, slots: int = 3) -> Any:
-    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(gguf, context_length=512, args={"n_parallel": slots, "n_threads": 1}, block_size=BS)
     await engine.start()
@@ -207,7 +207,7 @@ def servers() -> Iterator[dict[str, str]]:
 def llama_workers(servers, gguf: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
     args = tmp_path_factory.mktemp("llamacpp") / "args.json"
     args.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
-    env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
+    env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp.engine=debug"}
     ws = [DynamoWorker("in=dyn://kvllama.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", "kvllama",
                        "--context-length", "512", "--extra-engine-args", str(args), env=env,
                        startup_timeout=120).start(wait=False) for _ in range(2)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.engines.kv_host_tier import HostKvTier
+from dynamo.engines.llamacpp.host_tier import HostKvTier
 from tests.integration.test_llamacpp import _smollm2
 from tests.integration.test_llamacpp_kv import ask, chat, tok  # noqa: F401 - tok is a fixture
 
@@ -21,7 +21,7 @@ def gguf() -> Path:
 
 
 async def _engine(gguf: Path, host_cache_mb: int) -> object:
-    from dynamo.engines.llamacpp import LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(gguf, context_length=512,
                             args={"n_parallel": 2, "n_threads": 1, "host_cache_mb": host_cache_mb})
@@ -69,9 +69,9 @@ def _holding(store, prompt: list[int]) -> tuple[int, ...] | None:
 
 
 async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):
-    from dynamo.engines.llamacpp import LlamaCppEngine
-    from dynamo.frontend.kv_router import KvRouter
-    from dynamo.llm.kv_events.protocols import DISK, HOST
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
+    from dynamo.kv import KvRouter
+    from dynamo.kv.events import DISK, HOST
 
     system = "You answer questions about {} in one short sentence, politely and precisely. " * 6
     prompts = [chat(tok, system.replace("{}", topic), "What is it?") for topic in ("cats", "ships", "rain", "bread")]

@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def cli_command(name: str = "dynamo-run") -> list[str]:
-    """The installed console script, else ``python -m dynamo.run`` (same code)."""
+    """The installed console script, else ``python -m dynamo.cli`` (same code)."""
     script = Path(sys.executable).parent / name
     if script.exists():
         return [str(script)]
@@ -43,7 +43,7 @@ def cli_command(name: str = "dynamo-run") -> list[str]:
     if found:
         return [found]
     if name == "dynamo-run":
-        return [sys.executable, "-m", "dynamo.run"]
+        return [sys.executable, "-m", "dynamo.cli"]
     raise FileNotFoundError(f"{name} console script not found")
 
 

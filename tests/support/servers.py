@@ -33,7 +33,7 @@ from typing import Iterator
 
 import pytest
 
-from dynamo.infra import etcd_binary, nats_server_binary
+from dynamo.cli.infra import etcd_binary, nats_server_binary
 
 __all__ = [
     "EtcdServer",

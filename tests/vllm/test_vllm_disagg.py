@@ -45,7 +45,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_t
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(shared)}}}))
     env = {**servers, "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "DYN_LOG": "info,dynamo.llm.disagg=debug"}
+           "DYN_LOG": "info,dynamo.disagg=debug"}
 
     def worker(component: str, mode: str) -> DynamoWorker:
         return DynamoWorker(f"in=dyn://{NS}.{component}.generate", "out=vllm", str(model), "--model-name", NS,

@@ -39,7 +39,7 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "DYN_LOG": "info,dynamo.engines.vllm=debug",
+        "DYN_LOG": "info,dynamo.engines.vllm.engine=debug",
     }
 
 

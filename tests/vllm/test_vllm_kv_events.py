@@ -24,12 +24,12 @@ import httpx
 import nats
 import pytest
 
-from dynamo.engines import vllm as vl
-from dynamo.engines.vllm_kv import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
-from dynamo.frontend.kv_router.indexer import KvIndexer
-from dynamo.llm.kv_events.hashing import compute_block_hashes
+from dynamo.engines.vllm import engine as vl
+from dynamo.kv.hashing import compute_block_hashes
+from dynamo.kv.indexer import KvIndexer
+from dynamo.kv.zmq_events import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
 from dynamo.llm.model_card import ModelCard
-from dynamo.run.flags import RunConfig
+from dynamo.run_config import RunConfig
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.tiny_model import build_tiny_hf_model
 
@@ -50,7 +50,7 @@ def worker(servers: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     model = build_tiny_hf_model(tmp_path_factory.mktemp("vllm-kv-models"))
     cache = tmp_path_factory.mktemp("vllm-kv-cache")
     env = {**servers, "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "DYN_LOG": "info,dynamo.engines.vllm=debug,dynamo.engines.vllm_kv=debug"}
+           "DYN_LOG": "info,dynamo.engines.vllm.engine=debug,dynamo.kv.zmq_events=debug"}
     w = DynamoWorker(f"in=dyn://{NS}.vllm.generate", "out=vllm", str(model), "--model-name", NS,
                      "--context-length", "1024", "--kv-cache-block-size", str(BLOCK), env=env,
                      startup_timeout=STARTUP_TIMEOUT)

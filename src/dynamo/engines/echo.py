@@ -4,19 +4,27 @@
 ``echo_core`` echoes the pre-processed prompt's token ids one per item, so it exercises templating,
 tokenization and detokenization.  Both wait ``DYN_TOKEN_ECHO_DELAY_MS`` (default 10) between items,
 against a deadline rather than a fixed sleep, so a busy server catches up instead of drifting.
+
+``echo_core --embedding`` needs no weights: it tokenizes with the model's tokenizer and turns the token
+ids into a fixed vector (a hashed bag of tokens with their positions, L2-normalised), so the same input
+always gives the same vector, different inputs give different ones, and the usage counts are real
+tokens.  It honours ``dimensions`` (a prefix of the vector, normalised again, as Matryoshka models do).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import Any, AsyncIterator
 
 from dynamo.errors import RequestError
 from dynamo.llm.chunks import ChatChunks, CompletionChunks
+from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
+from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
@@ -25,6 +33,7 @@ from dynamo.llm.protocols.openai import (
     max_tokens_of,
     prompt_text,
 )
+from dynamo.llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_DELAY_MS = 10.0
@@ -137,3 +146,42 @@ class EchoCoreEngine:
                 await due
             yield EngineOutput(token_ids=[token_id])
         yield EngineOutput(token_ids=[], finish_reason="stop")
+
+
+ECHO_DIMENSIONS = 32
+
+
+class EchoEmbeddingEngine:
+    kind = "embedding"
+
+    def __init__(self, card: ModelCard, dimensions: int = ECHO_DIMENSIONS):
+        self.tokenizer = Tokenizer(card.tokenizer_json)  # type: ignore[arg-type]
+        self.dimensions = dimensions
+
+    async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings:
+        if dimensions is not None and dimensions > self.dimensions:
+            raise RequestError(f"dimensions must be at most {self.dimensions} for this model", param="dimensions")
+        size = dimensions or self.dimensions
+        vectors, total = [], 0
+        for item in inputs:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else item
+            total += len(ids)
+            vectors.append(echo_vector(ids, self.dimensions)[:size])
+            await asyncio.sleep(0)
+        return Embeddings([_normalised(v) for v in vectors], total)
+
+
+def echo_vector(ids: list[int], dimensions: int) -> list[float]:
+    """The echo engine's vector for ``ids`` (unnormalised): each token adds a pseudo-random +-1 pattern."""
+    vec = [0.0] * dimensions
+    for pos, tok in enumerate(ids):
+        h = (tok * 2654435761 + pos * 40503 + 1) & 0xFFFFFFFF
+        for j in range(dimensions):
+            h = (h * 1103515245 + 12345) & 0x7FFFFFFF
+            vec[j] += 1.0 if h & 0x10000 else -1.0
+    return vec
+
+
+def _normalised(vec: list[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in vec))
+    return [v / norm for v in vec] if norm > 0 else vec

@@ -1,18 +1,22 @@
 """Engine names -> constructors, imported lazily so a missing optional package only matters when asked for.
 
-``create_engine`` returns the engine and whether it is core (token level) or full (OpenAI level); the
-caller wraps it in the matching pipeline.
+The one engine factory: ``create_engine(name, cfg, card)`` builds the engine ``out=<name>`` names, or its
+embedding engine when ``cfg.embedding`` is set (``--embedding``); :mod:`dynamo.engines.served_model` wraps
+it in the pipeline its kind needs.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any, Callable
+from typing import Callable
 
+from dynamo.engines.engine_args import engine_args
 from dynamo.errors import UserError
+from dynamo.llm.embeddings import EmbeddingEngine
 from dynamo.llm.engine import Engine
 from dynamo.llm.model_card import ModelCard
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +41,17 @@ def require_package(name: str) -> None:
         raise UserError(f"out={name} needs the Python package '{module}', which is not installed: pip install {package}")
 
 
-EngineFactory = Callable[[Any, ModelCard], Engine]
+EngineFactory = Callable[[RunConfig, ModelCard], Engine]
+EmbeddingFactory = Callable[[RunConfig, ModelCard], EmbeddingEngine]
 
 
-def _echo_full(cfg: Any, card: ModelCard) -> Engine:
+def _echo_full(cfg: RunConfig, card: ModelCard) -> Engine:
     from dynamo.engines.echo import EchoFullEngine
 
     return EchoFullEngine()
 
 
-def _echo_core(cfg: Any, card: ModelCard) -> Engine:
+def _echo_core(cfg: RunConfig, card: ModelCard) -> Engine:
     from dynamo.engines.echo import EchoCoreEngine
 
     if not card.has_tokenizer:
@@ -54,90 +59,66 @@ def _echo_core(cfg: Any, card: ModelCard) -> Engine:
     return EchoCoreEngine()
 
 
-def extra_engine_args(cfg: Any) -> dict[str, Any]:
-    """The --extra-engine-args JSON object (already validated by the flag parser), or {}."""
-    import json
-
-    path = getattr(cfg, "extra_engine_args", None)
-    return json.loads(path.read_text()) if path else {}
-
-
-def _llamacpp(cfg: Any, card: ModelCard) -> Engine:
+def _llamacpp(cfg: RunConfig, card: ModelCard) -> Engine:
     require_package("llamacpp")
     if card.gguf_path is None:
         raise UserError("out=llamacpp needs a GGUF file: --model-path should refer to a GGUF file "
                         "(llama.cpp does not load safetensors)")
-    from dynamo.engines.llamacpp import DEFAULT_MAX_CTX_PER_SEQ, LlamaCppEngine
+    from dynamo.engines.llamacpp.engine import DEFAULT_MAX_CTX_PER_SEQ, LlamaCppEngine
 
-    if getattr(cfg, "context_length", None) is None and card.context_length > DEFAULT_MAX_CTX_PER_SEQ:
+    if cfg.context_length is None and card.context_length > DEFAULT_MAX_CTX_PER_SEQ:
         log.info("using a context of %d tokens per sequence (the model allows %d; raise it with --context-length)",
                  DEFAULT_MAX_CTX_PER_SEQ, card.context_length)
         card.context_length = DEFAULT_MAX_CTX_PER_SEQ
     ctx_len = card.context_length or DEFAULT_MAX_CTX_PER_SEQ
     card.context_length = ctx_len
-    return LlamaCppEngine(card.gguf_path, context_length=ctx_len, args=extra_engine_args(cfg),
-                          verbose=getattr(cfg, "verbosity", 0) >= 2, block_size=card.kv_cache_block_size)
+    return LlamaCppEngine(card.gguf_path, context_length=ctx_len, args=engine_args(cfg),
+                          verbose=cfg.verbosity >= 2, block_size=card.kv_cache_block_size)
 
 
-def _pystr(cfg: Any, card: ModelCard) -> Engine:
+def _pystr(cfg: RunConfig, card: ModelCard) -> Engine:
     from dynamo.engines.python import create_pystr
 
     return create_pystr(cfg, card)
 
 
-def _pytok(cfg: Any, card: ModelCard) -> Engine:
+def _pytok(cfg: RunConfig, card: ModelCard) -> Engine:
     from dynamo.engines.python import create_pytok
 
     return create_pytok(cfg, card)
 
 
-def _mistralrs(cfg: Any, card: ModelCard) -> Engine:
+def _mistralrs(cfg: RunConfig, card: ModelCard) -> Engine:
     require_package("mistralrs")
     if card.gguf_path is None and card.path is None:
         raise UserError("out=mistralrs needs a model: a GGUF file, a Hugging Face folder or a repo id")
     from dynamo.engines.mistralrs import MistralRsEngine
 
-    return MistralRsEngine(card, args=extra_engine_args(cfg), verbose=getattr(cfg, "verbosity", 0))
+    return MistralRsEngine(card, args=engine_args(cfg), verbose=cfg.verbosity)
 
 
-def _json_engine_args(cfg: Any) -> dict[str, Any]:
-    """--extra-engine-args as a JSON object, whatever the file's name (vllm, sglang); a bad file is a UserError."""
-    import json
-
-    path = getattr(cfg, "extra_engine_args", None)
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--extra-engine-args {path}: not a readable JSON file: {e}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--extra-engine-args {path}: expected a JSON object")
-    return data
-
-
-def _vllm(cfg: Any, card: ModelCard) -> Engine:
+def _vllm(cfg: RunConfig, card: ModelCard) -> Engine:
     require_package("vllm")
-    from dynamo.engines.vllm import create
+    from dynamo.engines.vllm.engine import create
 
-    return create(cfg, card, _json_engine_args(cfg), getattr(cfg, "extra_engine_args", None))
+    return create(cfg, card, engine_args(cfg), cfg.extra_engine_args)
 
 
-def _sglang(cfg: Any, card: ModelCard) -> Engine:
+def _sglang(cfg: RunConfig, card: ModelCard) -> Engine:
     require_package("sglang")
     from dynamo.engines.sglang import create
 
-    return create(cfg, card, _json_engine_args(cfg), getattr(cfg, "extra_engine_args", None))
+    return create(cfg, card, engine_args(cfg), cfg.extra_engine_args)
 
 
-def _trtllm(cfg: Any, card: ModelCard) -> Engine:
+def _trtllm(cfg: RunConfig, card: ModelCard) -> Engine:
     require_package("trtllm")
     from dynamo.engines.trtllm import create  # reads --extra-engine-args as YAML
 
-    return create(cfg, card, getattr(cfg, "extra_engine_args", None))
+    return create(cfg, card, cfg.extra_engine_args)
 
 
-def _mocker(cfg: Any, card: ModelCard) -> Engine:
+def _mocker(cfg: RunConfig, card: ModelCard) -> Engine:
     from dynamo.engines.mocker import create_mocker
 
     return create_mocker(cfg, card)
@@ -157,11 +138,56 @@ FACTORIES: dict[str, EngineFactory] = {
 }
 
 
+def _echo_core_embedding(cfg: RunConfig, card: ModelCard) -> EmbeddingEngine:
+    from dynamo.engines.echo import EchoEmbeddingEngine
+
+    if not card.has_tokenizer:
+        raise UserError("out=echo_core --embedding needs a model folder or GGUF file for its tokenizer")
+    return EchoEmbeddingEngine(card)
+
+
+def _llamacpp_embedding(cfg: RunConfig, card: ModelCard) -> EmbeddingEngine:
+    require_package("llamacpp")
+    if card.gguf_path is None:
+        raise UserError("out=llamacpp needs a GGUF file")
+    from dynamo.engines.llamacpp.embed import DEFAULT_EMBED_CTX, LlamaCppEmbeddingEngine
+
+    ctx_len = cfg.context_length or min(card.context_length or DEFAULT_EMBED_CTX, DEFAULT_EMBED_CTX)
+    card.context_length = ctx_len
+    return LlamaCppEmbeddingEngine(card.gguf_path, context_length=ctx_len, args=engine_args(cfg),
+                                   verbose=cfg.verbosity >= 2)
+
+
+def _vllm_embedding(cfg: RunConfig, card: ModelCard) -> EmbeddingEngine:
+    require_package("vllm")
+    if card.path is None and card.gguf_path is None:
+        raise UserError("out=vllm --embedding needs a model: a Hugging Face folder or repo id")
+    if not card.has_tokenizer:
+        raise UserError("out=vllm --embedding needs the model's tokenizer (tokenizer.json)")
+    from dynamo.engines.vllm.embed import create
+
+    return create(cfg, card, engine_args(cfg), cfg.extra_engine_args)
+
+
+# --embedding: the engines that serve /v1/embeddings
+EMBEDDING_FACTORIES: dict[str, EmbeddingFactory] = {
+    "echo_core": _echo_core_embedding,
+    "llamacpp": _llamacpp_embedding,
+    "vllm": _vllm_embedding,
+}
+
+
 def register(name: str, factory: EngineFactory) -> None:
     FACTORIES[name] = factory
 
 
-def create_engine(name: str, cfg: Any, card: ModelCard) -> Engine:
+def create_engine(name: str, cfg: RunConfig, card: ModelCard) -> Engine | EmbeddingEngine:
+    """The engine ``out=<name>`` names (its embedding engine with ``--embedding``); a clear error otherwise."""
+    if cfg.embedding:
+        embedding = EMBEDDING_FACTORIES.get(name)
+        if embedding is None:
+            raise UserError(f"--embedding is supported by out={', out='.join(EMBEDDING_FACTORIES)}, not out={name}")
+        return embedding(cfg, card)
     factory = FACTORIES.get(name)
     if factory is None:
         if name in OPTIONAL_PACKAGES:

@@ -2,7 +2,7 @@
 
 **Not run on the project's machines**: SGLang needs CUDA (``sgl_kernel`` loads libcuda).  The argument
 mapping and the request/response conversion are pure functions below, unit-tested with objects shaped
-like SGLang's (tests/unit/test_engine_args.py); the engine class is a thin shell around them.
+like SGLang's (tests/unit/engines/test_engine_args.py); the engine class is a thin shell around them.
 
 * The engine is built with ``skip_tokenizer_init=True`` (our pre-processor tokenizes, our post-processor
   detokenizes and applies stop strings) and ``incremental_streaming_output=True`` (each streamed item
@@ -32,12 +32,6 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.engines.engine_kv_events import (
-    PublishesEngineKvEvents,
-    SglangKvEvents,
-    serves_router,
-    sglang_kv_events_wanted,
-)
 from dynamo.engines.off_loop import run_off_loop_with_signals
 from dynamo.engines.token_engine_common import (
     common_sampling_params,
@@ -48,6 +42,12 @@ from dynamo.engines.token_engine_common import (
     stop_finish_reason,
 )
 from dynamo.errors import EngineError, UserError
+from dynamo.kv.engine_sources import (
+    PublishesEngineKvEvents,
+    SglangKvEvents,
+    serves_router,
+    sglang_kv_events_wanted,
+)
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (

@@ -2,7 +2,7 @@
 
 **Not run on the project's machines**: TensorRT-LLM needs CUDA.  The argument mapping (including the YAML
 ``--extra-engine-args``) and the request/response conversion are pure functions below, unit-tested with
-objects shaped like TensorRT-LLM's (tests/unit/test_engine_args.py); the engine class is a thin shell.
+objects shaped like TensorRT-LLM's (tests/unit/engines/test_engine_args.py); the engine class is a thin shell.
 
 * ``LLM(model=..., skip_tokenizer_init=True, ...)``: our pre-processor tokenizes and our post-processor
   detokenizes and applies stop strings, so requests carry token ids and ``detokenize=False``.
@@ -30,12 +30,6 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from dynamo.engines.engine_kv_events import (
-    PublishesEngineKvEvents,
-    TrtllmKvEvents,
-    serves_router,
-    trtllm_kv_events_wanted,
-)
 from dynamo.engines.token_engine_common import (
     apply_base_gpu_id,
     common_sampling_params,
@@ -48,6 +42,12 @@ from dynamo.engines.token_engine_common import (
     relay_outputs,
 )
 from dynamo.errors import EngineError, UserError
+from dynamo.kv.engine_sources import (
+    PublishesEngineKvEvents,
+    TrtllmKvEvents,
+    serves_router,
+    trtllm_kv_events_wanted,
+)
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (

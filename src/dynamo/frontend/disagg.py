@@ -13,9 +13,9 @@ import copy
 import logging
 from typing import Any, AsyncIterator, Callable
 
+from dynamo.disagg.handover import HandOver
+from dynamo.disagg.plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 from dynamo.errors import EngineError
-from dynamo.llm.disagg.handover import HandOver
-from dynamo.llm.disagg.plan import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggStats, serve
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 

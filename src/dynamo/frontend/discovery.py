@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
+from dynamo.disagg.plan import DisaggStats
 from dynamo.frontend.disagg import DisaggCoreEngine
 from dynamo.frontend.model_client import ModelClient
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
-from dynamo.llm.disagg.plan import DisaggStats
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
@@ -40,7 +40,7 @@ class RouterConfig:
     # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
     migration_limit: int = 0
     queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
-    max_local_prefill_length: int | None = None  # disaggregation: None is llm/disagg/plan.py's default
+    max_local_prefill_length: int | None = None  # disaggregation: None is disagg/plan.py's default
 
 
 @dataclass
@@ -321,7 +321,7 @@ class ModelWatcher:
         cfg = self.router_config
         if cfg.mode != "kv":
             return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
-        from dynamo.frontend.kv_routing import make_kv_router
+        from dynamo.frontend.kv_policy import make_kv_router
 
         return await make_kv_router(self.runtime, entry, card, client, cfg)
 
@@ -372,7 +372,7 @@ def _worker_added(router: Any, entry: ModelEntry) -> None:
 async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:
     """Connect the runtime and start following models; the caller serves the manager.  With ``metrics``
     (the HTTP service's FrontendMetrics) the workers' load is exported there too."""
-    from dynamo.inputs.endpoint import connect_runtime
+    from dynamo.runtime.distributed import connect_runtime
 
     runtime = await connect_runtime()
     manager = ModelManager()

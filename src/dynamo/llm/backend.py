@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dynamo.errors import EngineError
 from dynamo.llm.detokenizer import IncrementalDetokenizer
-from dynamo.llm.logprobs import Entry, LogprobCarrier
+from dynamo.llm.logprobs import Entry, LogprobCarrier, token_bytes
 from dynamo.llm.protocols.common import (
     FINISH_CONTENT_FILTER,
     FINISH_LENGTH,
@@ -45,7 +45,7 @@ class PostProcessor:
         self._min = sc.min_tokens or 0
         self._max = sc.max_tokens
         n = request.output_options.logprobs
-        self._lp = LogprobCarrier(tokenizer.token_bytes, n) if n is not None else None
+        self._lp = LogprobCarrier(token_bytes(tokenizer), n) if n is not None else None
         self._released: list[Entry] = []
         self._prompt = request.token_ids  # (an engine may resume the request with more: not ours to show)
         self._prompt_n = request.output_options.prompt_logprobs or 0
@@ -127,7 +127,7 @@ class PostProcessor:
         """The prompt's entries (``echo``), from an item that carries the engine's prompt logprobs."""
         if out.prompt_logprobs is None:
             return None
-        return self._tokenizer.token_bytes.prompt_entries(self._prompt, out.prompt_logprobs, self._prompt_n)
+        return token_bytes(self._tokenizer).prompt_entries(self._prompt, out.prompt_logprobs, self._prompt_n)
 
     def _carry(self, out: EngineOutput, n_chars: int) -> None:
         """The item's next token (in order: every token up to a hidden one is carried) produced n_chars."""

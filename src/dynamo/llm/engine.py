@@ -5,6 +5,13 @@ token items; full engines (``kind = "full"``) take an OpenAI request and yield O
 :class:`Context` carries the request id and cancellation both ways: the consumer calls
 ``stop_generating()`` (a stop condition fired, or the client went away) and the engine checks
 ``is_stopped`` or awaits ``stopped()`` to end its work early.
+
+Everything else an engine may do is optional and typed here: each optional behaviour is a ``Protocol``
+(start, close, publish KV events and load metrics, export and import sequence state, ...), and
+:func:`capabilities_of` checks them once, when the served model is built, into an
+:class:`EngineCapabilities` record that the pipeline builder and the worker read.  Engines declare the
+sampling features they honour as class attributes (``guided_decoding``, ``logit_bias``, ``logprobs``,
+``prompt_logprobs``); nothing else probes an engine's attributes.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
 
 
 class Context:
@@ -85,11 +92,119 @@ class Engine(Protocol):
     def generate(self, request: Any, context: Context) -> AsyncIterator[Any]: ...
 
 
-@dataclass
-class EngineInfo:
-    """What an engine tells the pipeline builder about itself."""
+@runtime_checkable
+class Startable(Protocol):
+    """Loads weights or starts threads in ``start()``, awaited once before the first request."""
 
-    name: str
-    kind: str  # "core" (token ids in and out) or "full" (OpenAI requests in, chunks out)
-    needs_tokenizer: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    def start(self) -> Awaitable[None] | None: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """Holds threads, processes or sockets that ``close()`` (plain or a coroutine) releases."""
+
+    def close(self) -> Awaitable[None] | None: ...
+
+
+@runtime_checkable
+class PublishesKvEvents(Protocol):
+    """Tells the KV router what it caches and how busy it is (a worker attaches its publishers).
+
+    ``publishes_kv_events`` may be False at run time (events turned off): the worker then publishes load
+    metrics only and frontends route without prefix overlap for it.
+    """
+
+    def attach(self, worker_id: int, *, publish_kv_event: Callable[..., Any] | None = None,
+               publish_metrics: Callable[..., Any] | None = None) -> None: ...
+
+    @property
+    def publishes_kv_events(self) -> bool: ...
+
+    def all_load_metrics(self) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class DumpsKvState(Protocol):
+    """Answers a router that joins late with every block it holds (the ``kv_state`` endpoint)."""
+
+    def kv_state_dump(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class HasCapacity(Protocol):
+    """Says how many requests it runs at once (the worker's default ``--max-inflight``)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+
+@runtime_checkable
+class HasRuntimeConfig(Protocol):
+    """Publishes facts about itself with the model (KV blocks, slots) for frontends to route by."""
+
+    @property
+    def runtime_config(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ExportsSequenceState(Protocol):
+    """Can export a sequence's KV state after prefill and import it for decode (real disaggregation)."""
+
+    supports_state_io: bool
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond ``generate``, checked once when the served model is built."""
+
+    starts: bool = False
+    closes: bool = False
+    publishes_kv: bool = False  # attach / publishes_kv_events / all_load_metrics
+    dumps_kv_state: bool = False
+    capacity: int | None = None
+    runtime_config: dict[str, Any] = field(default_factory=dict)
+    state_io: bool = False
+    guided_decoding: Any = False  # True, False, or the kinds it honours (see llm/constraints.py)
+    logit_bias: bool = False
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    wants_raw_request: bool = False  # full engines that read the client's JSON as sent
+
+
+_SAMPLING_DEFAULTS = {"guided_decoding": False, "logit_bias": False, "logprobs": False, "prompt_logprobs": False,
+                      "wants_raw_request": False}
+
+
+def capabilities_of(engine: object) -> EngineCapabilities:
+    """The one place an engine's optional behaviours are looked up."""
+    declared = {name: getattr(engine, name, default) for name, default in _SAMPLING_DEFAULTS.items()}
+    return EngineCapabilities(
+        starts=isinstance(engine, Startable),
+        closes=isinstance(engine, Closable),
+        publishes_kv=isinstance(engine, PublishesKvEvents),
+        dumps_kv_state=isinstance(engine, DumpsKvState),
+        capacity=engine.capacity if isinstance(engine, HasCapacity) else None,
+        runtime_config=dict(engine.runtime_config or {}) if isinstance(engine, HasRuntimeConfig) else {},
+        state_io=isinstance(engine, ExportsSequenceState) and bool(engine.supports_state_io),
+        guided_decoding=declared["guided_decoding"],
+        logit_bias=bool(declared["logit_bias"]),
+        logprobs=bool(declared["logprobs"]),
+        prompt_logprobs=bool(declared["logprobs"]) and bool(declared["prompt_logprobs"]),
+        wants_raw_request=bool(declared["wants_raw_request"]),
+    )
+
+
+async def start_engine(engine: object) -> None:
+    """Run an engine's ``start`` (weights load there, off the event loop), if it has one."""
+    if isinstance(engine, Startable):
+        result = engine.start()
+        if result is not None:
+            await result
+
+
+async def close_engine(engine: object) -> None:
+    """Close an engine that holds resources; its ``close`` may be plain or a coroutine."""
+    if isinstance(engine, Closable):
+        result = engine.close()
+        if result is not None:
+            await result

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import codecs
 import json
+import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dynamo.llm.tokenizer import Tokenizer
+from dynamo.llm.tokenizer import Tokenizer
 
 Entry = dict[str, Any]
 MIN_LOGPROB = -9999.0  # OpenAI's floor for a token the model all but ruled out (JSON has no -inf)
@@ -130,6 +130,17 @@ def _clamp(lp: Any) -> float | None:
         return None
     lp = float(lp)
     return lp if lp >= MIN_LOGPROB else MIN_LOGPROB  # also turns -inf and NaN into the floor
+
+
+_TOKEN_BYTES: "weakref.WeakKeyDictionary[Tokenizer, TokenBytes]" = weakref.WeakKeyDictionary()
+
+
+def token_bytes(tokenizer: Tokenizer) -> TokenBytes:
+    """``tokenizer``'s :class:`TokenBytes`, built on first use (most requests never ask for logprobs)."""
+    tb = _TOKEN_BYTES.get(tokenizer)
+    if tb is None:
+        tb = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
+    return tb
 
 
 class LogprobCarrier:

@@ -15,7 +15,7 @@ import orjson
 from dynamo.errors import RequestError
 from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.chunks import Annotation, ChatChunks, CompletionChunks
-from dynamo.llm.engine import Context, Engine
+from dynamo.llm.engine import Context, Engine, capabilities_of
 from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.first_token import stamp
 from dynamo.llm.logprobs import Entry
@@ -38,6 +38,9 @@ class ServedModel(Protocol):
     name: str
     card: ModelCard
     tokenizer: Tokenizer | None
+
+    @property
+    def engine(self) -> object: ...  # what it serves with: closed with it (dynamo.llm.engine.close_engine)
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]: ...
 
@@ -234,7 +237,7 @@ class FullPipeline:
         self.card = card
         self.engine = engine
         self.tokenizer = tokenizer
-        self._pass_raw = bool(getattr(engine, "wants_raw_request", False))
+        self._pass_raw = capabilities_of(engine).wants_raw_request
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_n(req)

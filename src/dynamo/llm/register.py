@@ -32,7 +32,7 @@ async def register_llm(
     ``custom_template_path`` (a Jinja file, as ``--chat-template``) replaces the model's chat template in
     the published card, so frontends template with it.
     """
-    from dynamo.run.model import resolve_card
+    from dynamo.llm.model_source import resolve_card
 
     card = await asyncio.to_thread(
         resolve_card, model_path, name=model_name, context_length=context_length,
@@ -42,7 +42,7 @@ async def register_llm(
     if custom_template_path is not None:
         from pathlib import Path
 
-        from dynamo.run.model import apply_chat_template_file
+        from dynamo.llm.model_source import apply_chat_template_file
 
         await asyncio.to_thread(apply_chat_template_file, card, Path(custom_template_path))
     await publish_model(endpoint, card, ModelType.parse(model_type), runtime_config=runtime_config)

@@ -23,7 +23,6 @@ OFF_LOOP_CHARS = 4096
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _HFTokenizer
 
-    from dynamo.llm.logprobs import TokenBytes
 
 
 class Tokenizer:
@@ -34,7 +33,6 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_str(tokenizer_json)
         except Exception as e:  # the Rust side raises plain Exception
             raise ModelError(f"cannot load tokenizer: {e}") from None
-        self._token_bytes: TokenBytes | None = None
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {tid for tid, tok in added.items() if tok.special}
         self.segments: SegmentCache | None = None
@@ -91,14 +89,6 @@ class Tokenizer:
     def count(self, text: str) -> int:
         return len(self.encode(text)) if text else 0
 
-    @property
-    def token_bytes(self) -> TokenBytes:
-        """Each token's exact bytes, for logprob entries (built on first use: most requests never ask)."""
-        if self._token_bytes is None:
-            from dynamo.llm.logprobs import TokenBytes
-
-            self._token_bytes = TokenBytes(self)
-        return self._token_bytes
 
 
 def _spec(tok: Any) -> dict[str, Any]:

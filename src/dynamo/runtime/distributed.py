@@ -21,7 +21,7 @@ from nats.aio.client import Client as NatsClient
 from .ack import RequestSender
 from .component import Namespace
 from .config import RuntimeSettings
-from .errors import DynamoRuntimeError
+from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .etcd import EtcdClient, KeyValue, PrefixWatch, _to_bytes
 from .ingress import open_tcp_sink
 from .lease import LeaseKeeper
@@ -310,3 +310,14 @@ class DistributedRuntime:
     def _on_instance_gone(self, instance_id: int, states: list[StreamState]) -> None:
         if self._receiver is not None and states:
             self._receiver.on_instance_gone(states)
+
+
+async def connect_runtime() -> DistributedRuntime:
+    """Connect with the settings in the environment, for a command-line process: a bad setting or an
+    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback."""
+    from dynamo.errors import UserError
+
+    try:
+        return await DistributedRuntime.connect()
+    except (RuntimeConnectionError, RuntimeConfigError) as e:
+        raise UserError(str(e)) from None

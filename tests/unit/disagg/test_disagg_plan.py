@@ -2,10 +2,10 @@
 
 import pytest
 
+from dynamo.disagg.mode import DisaggregationMode
+from dynamo.disagg.plan import DisaggStats, decide, serve
+from dynamo.disagg.transfer import Ticket
 from dynamo.errors import UserError
-from dynamo.llm.disagg.mode import DisaggregationMode
-from dynamo.llm.disagg.plan import DisaggStats, decide, serve
-from dynamo.llm.disagg.transfer import Ticket
 
 T = Ticket("127.0.0.1:1", "k", 10, "00" * 32, 300, 5)
 

@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from dynamo.llm.disagg.worker import DisaggWorkerEngine, StateIO
+from dynamo.disagg.worker import DisaggWorkerEngine, StateIO
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dynamo.llm.disagg.transfer import (
+from dynamo.disagg.transfer import (
     ExportStore,
     Ticket,
     TransferError,

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamo.engines import vllm as vl
+from dynamo.disagg.handover import EngineParams, parse_hand_over
+from dynamo.disagg.mode import DisaggregationMode
+from dynamo.disagg.plan import DisaggStats, serve
+from dynamo.disagg.transfer import Ticket, TransferError
+from dynamo.engines.vllm import engine as vl
 from dynamo.errors import UserError
-from dynamo.llm.disagg.handover import EngineParams, parse_hand_over
-from dynamo.llm.disagg.mode import DisaggregationMode
-from dynamo.llm.disagg.plan import DisaggStats, serve
-from dynamo.llm.disagg.transfer import Ticket, TransferError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
-from dynamo.run.flags import RunConfig
+from dynamo.run_config import RunConfig
 
 NIXL = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
         "remote_block_ids": [3, 4], "remote_host": "10.0.0.2", "remote_port": 5600}

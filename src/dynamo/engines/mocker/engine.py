@@ -38,14 +38,14 @@ import os
 import random
 from typing import Any, AsyncIterator, Iterable
 
+from dynamo.disagg.transfer import Ticket, TransferError
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.scheduler import MockRequest, Scheduler
 from dynamo.errors import EngineError, RequestError, UserError
-from dynamo.llm.disagg.transfer import Ticket, TransferError
-from dynamo.llm.kv_events.hashing import compute_hashes
-from dynamo.llm.kv_events.protocols import removed_data, stored_data
-from dynamo.llm.kv_events.publisher import Publisher, emit
-from dynamo.llm.kv_events.worker_state import WorkerKvState
+from dynamo.kv.events import removed_data, stored_data
+from dynamo.kv.hashing import compute_hashes
+from dynamo.kv.publisher import Publisher, emit
+from dynamo.kv.worker_state import WorkerKvState
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -255,13 +255,13 @@ class MockerEngine:
 
 def create_mocker(cfg: Any, card: Any) -> MockerEngine:
     """The ``out=mocker`` factory: arguments from ``--extra-engine-args``, vocabulary from the card."""
-    from dynamo.engines.registry import extra_engine_args
+    from dynamo.engines.engine_args import engine_args
     from dynamo.llm.tokenizer import Tokenizer
 
     if not card.has_tokenizer:
         raise UserError("out=mocker needs a tokenizer for the frontend's pre-processing: pass --model-path "
                         "<a Hugging Face folder or repo id> (no weights are loaded)")
-    raw = extra_engine_args(cfg)
+    raw = engine_args(cfg)
     if not raw:
         log.info("out=mocker: no --extra-engine-args, using the defaults")
     args = MockerArgs.from_dict(raw)

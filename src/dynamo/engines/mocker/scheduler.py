@@ -35,7 +35,7 @@ from dynamo.aio import cancel_and_wait
 from dynamo.engines.mocker.args import MockerArgs
 from dynamo.engines.mocker.kv_manager import Block, KvManager
 from dynamo.errors import EngineError
-from dynamo.llm.kv_events.hashing import block_hash, compute_block_hashes, compute_seq_hashes, sequence_hash
+from dynamo.kv.hashing import block_hash, compute_block_hashes, compute_seq_hashes, sequence_hash
 from dynamo.llm.protocols.common import EngineOutput
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ it, and one that does (etcd's client in ``out=dyn``) pays at its first use, as b
 Robustness: if anything about this fails (no ``__version__`` line, an error while importing), the attempt
 is undone and aiohttp imported the plain way.  Written against aiohttp 3.14.5 (constraints.txt); a
 version whose server modules read more from the package at import time completes it at that moment:
-slower, not wrong.  tests/unit/test_aiohttp_server.py checks the client after it, in the same process,
+slower, not wrong.  tests/unit/frontend/test_aiohttp_server.py checks the client after it, in the same process,
 and the fallback.
 """
 

@@ -69,7 +69,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     annotations: list[str] = msgspec.field(default_factory=list)
     estimated_prefix_hit_num_blocks: int | None = None
     backend_instance_id: int | None = None
-    # disaggregated serving: the prefill worker's KV transfer ticket (llm/disagg/transfer.py), set by the
+    # disaggregated serving: the prefill worker's KV transfer ticket (disagg/transfer.py), set by the
     # frontend on the request it sends to the decode worker
     disaggregated_params: dict[str, Any] | None = None
     parsing: ResponseParsing | None = None  # ours: tool-call and reasoning parsing (parsers/stage.py)
@@ -109,7 +109,7 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | dict[str, str] | None = None
     index: int | None = None
     cached_tokens: int | None = None
-    # a prefill worker's answer carries its KV transfer ticket here (llm/disagg/transfer.py)
+    # a prefill worker's answer carries its KV transfer ticket here (disagg/transfer.py)
     disaggregated_params: dict[str, Any] | None = None
     deltas: list[dict[str, Any]] | None = None  # ours: OpenAI deltas a worker parsed from the text
     # ours (llm/logprobs.py): the prompt's logprobs, aligned with the request's token_ids (None for the

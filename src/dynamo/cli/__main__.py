@@ -1,0 +1,5 @@
+import sys
+
+from dynamo.cli.main import main
+
+sys.exit(main())

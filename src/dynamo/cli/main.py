@@ -1,0 +1,90 @@
+"""Entry points: ``dynamo-run ...`` and ``dynamo run ...``."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from dynamo.errors import UserError
+from dynamo.heap import startup_imports
+
+if TYPE_CHECKING:
+    from dynamo.run_config import RunConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    # this module imports little at the top, so that nearly all of start-up's imports run here, with the
+    # garbage collector paused (heap.py: passes over modules being imported free nothing)
+    with startup_imports():
+        from dynamo.cli.flags import build_parser, parse_args
+        from dynamo.cli.logs import setup_logging
+
+        if not args or all(a in ("-v", "-vv") for a in args):
+            build_parser().print_help()
+            return 0
+        try:
+            cfg = parse_args(args)
+        except UserError as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 2
+        setup_logging(cfg.verbosity)
+        _import_for(cfg)
+    if cfg.http_workers > 1:
+        from dynamo.cli.http_workers import supervise
+
+        try:
+            return supervise(cfg, lambda: _serve(cfg))
+        except UserError as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 1
+    return _serve(cfg)
+
+
+def _import_for(cfg: RunConfig) -> None:
+    """Import what running ``cfg`` needs first (the rest stays lazy): the launcher, and for ``in=http``
+    the HTTP service (aiohttp's server)."""
+    import dynamo.cli.launch  # noqa: F401
+
+    if cfg.input_kind == "http":
+        import dynamo.frontend.http.service  # noqa: F401
+
+
+def _serve(cfg: RunConfig) -> int:
+    """Run ``cfg`` in this process until done or signalled; the exit status."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows has none
+        import asyncio
+
+        runner = asyncio.run  # type: ignore[assignment]  # same call shape as uvloop.run
+    from dynamo.cli.launch import run
+
+    try:
+        return runner(run(cfg))
+    except UserError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def dynamo_main(argv: list[str] | None = None) -> int:
+    """``dynamo run ...``: the same tool under the umbrella command."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        from dynamo.cli.flags import USAGE
+
+        print("usage: dynamo run " + USAGE.removeprefix("dynamo-run "))
+        print("\ncommands:\n  run    run a model (see 'dynamo run --help')")
+        return 0
+    if args[0] != "run":
+        print(f"Error: unknown command '{args[0]}'. Available: run", file=sys.stderr)
+        return 2
+    return main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

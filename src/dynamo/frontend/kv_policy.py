@@ -1,0 +1,249 @@
+"""``--router-mode kv`` on the frontend: a :class:`KvRouter` (:mod:`dynamo.kv`) per model, fed over NATS.
+
+Workers publish KV events (blocks stored/removed) on ``namespace.<ns>.component.<comp>.kv_events``; the
+router keeps its radix tree from them (or, with ``--use-kv-events false``, predicts the cache from its
+own decisions).  Every decision is published on ``namespace.<ns>.kv-hit-rate``.  Frontends share their
+in-flight bookkeeping on ``...component.<comp>.active_sequences_events`` so several frontends in front
+of the same workers see each other's load and do not pile onto one worker.
+
+The indexer follows KV events only if the model's workers say they publish them
+(``runtime_config.publishes_kv_events`` in their model entries); otherwise, or with
+``--use-kv-events false``, the router predicts the cache from its own decisions (approximate indexer),
+and says once per model which it does.  With KV events, every worker that appears (and every worker
+after a NATS reconnect, when events may have been lost) is asked for the blocks it holds, on its
+``kv_state`` endpoint, so a frontend that starts next to busy workers is not blind.  Each router sends a
+heartbeat with its in-flight requests every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings
+expire when its heartbeats stop (router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import orjson
+
+from dynamo.kv import ApproxKvIndexer, KvRouter
+from dynamo.kv.events import KV_STATE_ENDPOINT
+from dynamo.kv.hashing import compute_hashes_async
+from dynamo.kv.router import DEFAULT_PEER_TTL_S
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
+from dynamo.llm.protocols.common import PreprocessedRequest
+from dynamo.runtime.names import component_event_subject, namespace_event_subject
+
+log = logging.getLogger(__name__)
+
+HASH_OFF_LOOP_TOKENS = 8192  # prompts this long are hashed in slices before the decision (prepare)
+KV_STATE_TIMEOUT_S = 5.0
+RECONNECT_CHECK_S = 0.5
+
+
+def peer_ttl() -> float:
+    """Seconds of silence after which a peer router's bookings are dropped (``DYN_ROUTER_PEER_TTL``)."""
+    raw = os.environ.get("DYN_ROUTER_PEER_TTL")
+    try:
+        return float(raw) if raw else DEFAULT_PEER_TTL_S
+    except ValueError:
+        log.warning("DYN_ROUTER_PEER_TTL=%r is not a number; using %.0f s", raw, DEFAULT_PEER_TTL_S)
+        return DEFAULT_PEER_TTL_S
+
+
+def publishes_kv_events(entry: Any) -> bool:
+    return bool((entry.runtime_config or {}).get(PUBLISHES_KV_EVENTS))
+
+
+class KvRouterPolicy:
+    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, events_requested: bool = True):
+        self.router = router
+        self.events_requested = events_requested  # --use-kv-events
+        self._nats = nats
+        self._runtime = runtime
+        self._subs: list[Any] = []
+        self._tracked: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers: dict[int, Any] = {}  # instance id -> its model entry
+        self._kv_state_clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> client
+        self._timer: asyncio.Task[None] | None = None
+        self._mismatch_logged = False
+        # id(request) -> (its token ids, their block hashes), from prepare() for open()
+        self._prepared: dict[int, tuple[Any, tuple[list[int], list[int]]]] = {}
+
+    async def prepare(self, request: PreprocessedRequest) -> None:
+        """Hash a long prompt before :meth:`open`, in slices that let the event loop run in between
+        (a 128k-token prompt is about 6 ms of hashing; docs/routing.md)."""
+        ids = request.token_ids
+        if len(ids) < HASH_OFF_LOOP_TOKENS:
+            return
+        entry = self._prepared.get(id(request))
+        if entry is not None and entry[0] is ids:
+            return
+        hashes = await compute_hashes_async(ids, self.router.block_size)
+        self._prepared[id(request)] = (ids, hashes)
+
+    def open(self, client: Any, request: PreprocessedRequest, rt_ctx: Any) -> Any:
+        body_id = rt_ctx.id()
+        entry = self._prepared.pop(id(request), None)
+        hashes = entry[1] if entry is not None and entry[0] is request.token_ids else None
+        if request.backend_instance_id is not None:
+            self.router.add_request(body_id, request.token_ids, request.backend_instance_id)
+            self._tracked.add(body_id)
+            return client.direct(request.to_dict(), request.backend_instance_id, context=rt_ctx)
+        if body_id in self._tracked:  # a migration retry: forget the previous choice first
+            self.router.on_finished(body_id)
+        # workers at their limit of requests in flight are left out (all of them only in a race)
+        candidates = client.free_instance_ids() or client.instance_ids()
+        decision = self.router.select(request.token_ids, candidates, request_id=body_id, hashes=hashes)
+        self._tracked.add(body_id)
+        request.estimated_prefix_hit_num_blocks = decision.overlap_blocks
+        log.debug("request %s -> worker %x (%d cached blocks)", body_id, decision.worker_id, decision.overlap_blocks)
+        return client.direct(request.to_dict(), decision.worker_id, context=rt_ctx)
+
+    def first_token(self, request_id: str) -> None:
+        self.router.on_first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self._tracked.discard(request_id)
+        self.router.on_finished(request_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        self._workers.pop(worker_id, None)
+        self.router.remove_worker(worker_id)
+
+    def add_worker(self, entry: Any) -> None:
+        """A worker's model entry appeared: with KV events, ask it what it caches already."""
+        events = not isinstance(self.router.indexer, ApproxKvIndexer)
+        if publishes_kv_events(entry) != events and self.events_requested and not self._mismatch_logged:
+            self._mismatch_logged = True
+            log.warning("model %s: worker %x %s KV events but the router uses %s; all workers of a model "
+                        "should run the same engine", entry.name, entry.instance_id,
+                        "publishes" if publishes_kv_events(entry) else "does not publish",
+                        "them" if events else "the approximate indexer")
+        if entry.instance_id in self._workers:
+            return
+        self._workers[entry.instance_id] = entry
+        if events and self._runtime is not None and publishes_kv_events(entry):
+            self._spawn(self._resync(entry))
+
+    def start(self) -> None:
+        self._timer = asyncio.create_task(self._tick(), name="kv-router-timer")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resync(self, entry: Any) -> None:
+        """Ask a worker for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+        worker_id = entry.instance_id
+        self.router.begin_resync(worker_id)
+        try:
+            async with asyncio.timeout(KV_STATE_TIMEOUT_S):
+                key = (entry.namespace, entry.component)
+                client = self._kv_state_clients.get(key)
+                if client is None:
+                    endpoint = self._runtime.namespace(key[0]).component(key[1]).endpoint(KV_STATE_ENDPOINT)
+                    client = self._kv_state_clients[key] = await endpoint.client()
+                while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
+                    await asyncio.sleep(0.05)
+                async for dump in client.direct({}, worker_id):
+                    n = self.router.apply_dump(worker_id, dump)
+                    log.info("KV state of worker %x: %d cached blocks", worker_id, n)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # gone, or an engine without the query: its events will do
+            log.info("KV state of worker %x not read: %s", worker_id, str(e) or type(e).__name__)
+        finally:
+            self.router.end_resync(worker_id)
+
+    async def _tick(self) -> None:
+        """Heartbeats to peer routers, their expiry, and a resync of every worker after a NATS reconnect."""
+        interval = self.router.peer_ttl / 3
+        loop = asyncio.get_running_loop()
+        next_beat = 0.0
+        reconnects = _reconnects(self._nats)
+        while True:
+            now = loop.time()
+            if now >= next_beat:
+                next_beat = now + interval
+                self.router.heartbeat()
+                self.router.expire_peers()
+            seen = _reconnects(self._nats)
+            if seen != reconnects:
+                reconnects = seen
+                if not isinstance(self.router.indexer, ApproxKvIndexer):
+                    log.info("NATS reconnected: asking %d worker(s) for their KV state again", len(self._workers))
+                    for entry in list(self._workers.values()):
+                        if publishes_kv_events(entry):
+                            self._spawn(self._resync(entry))
+            await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
+
+    async def subscribe(self, subject: str, handler: Any) -> None:
+        async def cb(msg: Any) -> None:
+            handler(msg.data)
+
+        self._subs.append(await self._nats.subscribe(subject, cb=cb))
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._timer, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._timer = None
+        for client in self._kv_state_clients.values():
+            try:
+                await client.close()
+            except Exception:
+                pass
+        self._kv_state_clients.clear()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        self._subs.clear()
+
+
+async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: Any) -> KvRouterPolicy:
+    nats = runtime.nats
+
+    def publisher(subject: str):
+        def publish(event: dict[str, Any]) -> Any:
+            return nats.publish(subject, orjson.dumps(event))
+        return publish
+
+    events = cfg.use_kv_events and publishes_kv_events(entry)
+    router = KvRouter(
+        block_size=card.kv_cache_block_size,
+        overlap_score_weight=cfg.kv_overlap_score_weight,
+        temperature=cfg.router_temperature,
+        use_kv_events=events,
+        publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
+        publish_active_sequence=publisher(
+            component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
+        peer_ttl=peer_ttl(),
+    )
+    policy = KvRouterPolicy(router, nats, runtime=runtime, events_requested=cfg.use_kv_events)
+    if events:
+        await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
+                               router.apply_event)
+    await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
+                           router.apply_active_sequence_event)
+    if events:
+        how = "KV events"
+    elif not cfg.use_kv_events:
+        how = "approximate indexer (--use-kv-events false)"
+    else:
+        how = "approximate indexer (its workers do not publish KV events)"
+    log.info("KV router for %s: block size %d, overlap weight %.2f, temperature %.2f, %s",
+             entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature, how)
+    policy.start()
+    return policy
+
+
+def _reconnects(nats: Any) -> int:
+    stats = getattr(nats, "stats", None)
+    return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0

@@ -1,0 +1,431 @@
+"""``KvRouter``: the indexer (where prefixes are cached) plus the scheduler (what each worker is busy
+with) behind three calls the frontend makes per request: ``select`` before sending it,
+``on_first_token`` when its first item arrives, ``on_finished`` when its stream ends.
+
+Transport-free: KV events come in through :meth:`KvRouter.apply_event`; what the router has to say goes
+out through optional publisher callbacks (publisher.py): the hit-rate event after each decision and,
+for router replica sync, the active-sequence events, which peers feed to
+:meth:`KvRouter.apply_active_sequence_event`.  Everything runs on one event loop, without locks.
+
+A router that starts (or reconnects) late asks each worker for the blocks it holds (the ``kv_state``
+query, worker_state.py) and applies the answer with :meth:`KvRouter.apply_dump`; events that arrive
+meanwhile are kept (:meth:`KvRouter.begin_resync`) and those newer than the dump are replayed after it.
+
+Peers' bookings expire: every router sends a heartbeat listing its in-flight requests every
+``peer_ttl / 3`` seconds (:meth:`KvRouter.heartbeat`, through ``publish_active_sequence``); a peer's
+booking that its heartbeat no longer lists is freed, and so is every booking of a peer silent for
+``peer_ttl`` seconds (a frontend that crashed leaves no phantom load behind).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import orjson
+
+from dynamo.kv.events import (
+    DISK,
+    HOST,
+    LOWER_TIERS,
+    EventError,
+    KvEvent,
+    StoredBlock,
+    parse_kv_event,
+)
+from dynamo.kv.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.kv.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
+from dynamo.kv.publisher import Publisher, emit
+from dynamo.kv.scheduler import (
+    FAST_PICK_MIN_WORKERS,
+    ActiveSequences,
+    BaseCostIndex,
+    WorkerCost,
+    compute_costs,
+    fast_pick,
+    select_worker,
+)
+
+log = logging.getLogger(__name__)
+
+WorkerId = int
+DEFAULT_PEER_TTL_S = 10.0
+# An offloaded block saves this fraction of a resident block's prefill (docs/decisions.md): restoring
+# costs something (a copy back, a read and a checksum), and the entry may be gone when the request comes.
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {HOST: 0.8, DISK: 0.5}
+
+
+class RoutingDecision(NamedTuple):
+    worker_id: WorkerId
+    overlap_blocks: int
+
+
+class KvRouter:
+    """KV-aware worker selection for one model (one block size)."""
+
+    def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
+                 use_kv_events: bool = True, *, approx_ttl: float = DEFAULT_APPROX_TTL_S,
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 publish_hit_rate: Publisher | None = None,
+                 publish_active_sequence: Publisher | None = None,
+                 router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
+                 tier_weights: Mapping[str, float] | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        if overlap_score_weight < 0:
+            raise ValueError("overlap_score_weight must be >= 0")
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        for tier, weight in self.tier_weights.items():
+            if tier not in LOWER_TIERS or not 0 <= weight <= 1:
+                raise ValueError(f"tier weight {tier}={weight}: tiers are {LOWER_TIERS}, weights 0..1")
+        self.block_size = block_size
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self.use_kv_events = use_kv_events
+        self.indexer: KvIndexer | ApproxKvIndexer = (
+            KvIndexer() if use_kv_events else ApproxKvIndexer(ttl=approx_ttl, clock=clock))
+        self.rng = random.Random(seed)
+        self.publish_hit_rate = publish_hit_rate
+        self.publish_active_sequence = publish_active_sequence
+        self.router_id = router_id or str(uuid.uuid4())
+        self.trackers: dict[WorkerId, ActiveSequences] = {}
+        # for decisions over many workers (scheduler.fast_pick): each worker's base cost, and which
+        # workers have an in-flight request starting with a given block
+        self._loads = BaseCostIndex(overlap_score_weight / block_size)
+        self._heads: dict[int | str, set[WorkerId]] = {}
+        self._owner: dict[str, WorkerId] = {}  # request id -> worker it was routed to
+        self.clock = clock
+        self.peer_ttl = peer_ttl
+        self._peer_of: dict[str, str] = {}  # request id -> the peer router that booked it
+        self._peer_seen: dict[str, float] = {}  # peer router id -> when we last heard from it
+        self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
+        self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
+        self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
+
+    # -- per request ---------------------------------------------------------------------------
+    def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
+               request_id: str | None = None,
+               hashes: tuple[list[int], list[int]] | None = None) -> RoutingDecision:
+        """Pick a worker for a prompt.  With ``request_id`` the request is tracked as in flight on the
+        chosen worker until :meth:`on_finished`; without it the call is a pure query.  ``hashes``: the
+        prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
+        prompt, so that hashing does not hold the event loop)."""
+        if hashes is None:
+            local = compute_block_hashes(token_ids, self.block_size)
+            seq = compute_seq_hashes(local)
+        else:
+            local, seq = hashes
+        overlaps = self.indexer.find_matches(local, seq)
+        restorable = self._restorable(seq, overlaps)
+        # offloaded blocks of this prompt somewhere: the full pass, which prices them (the fast pick
+        # only knows resident overlaps)
+        many = self.temperature <= 0 and not restorable and isinstance(workers, (list, tuple, set, frozenset)) \
+            and len(workers) >= FAST_PICK_MIN_WORKERS
+        # the fast pick works on a set; the full pass keeps the callers' order (duplicates dropped)
+        candidates: Any = set(workers) if many else list(dict.fromkeys(workers))
+        if not candidates:
+            raise ValueError("no workers to route to")
+        if self._peer_seen:
+            self.expire_peers()
+        blocks = self._request_blocks(seq, len(token_ids))
+        costs: Sequence[WorkerCost]
+        if many:
+            # many workers: exact costs for those the prompt touches, the best of the rest by base cost
+            loads = self._loads
+            for w in candidates.difference(loads.base):
+                loads.update(w, self.trackers.get(w))
+            picked = fast_pick(candidates, overlaps, blocks, len(token_ids), self.block_size,
+                               self.overlap_score_weight, self.trackers, self._heads, loads, self.rng)
+            choice, costs = picked.choice, picked.evaluated
+            if choice.worker_id not in {c.worker_id for c in costs}:
+                costs = [*costs, choice]
+        else:
+            costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
+                                  self.overlap_score_weight, self.trackers, restorable)
+            choice = select_worker(costs, self.temperature, self.rng)
+        self.last_costs = costs
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s%s",
+                      len(token_ids), choice.worker_id, choice.overlap_blocks,
+                      {f"{c.worker_id:x}": round(c.logit, 2) for c in costs},
+                      {f"{c.worker_id:x}": c.overlap_blocks for c in costs},
+                      "" if len(costs) == len(candidates) else
+                      f" ({len(candidates) - len(costs)} other workers hold none of the prompt)")
+            if restorable:
+                log.debug("kv route: restorable (weighted blocks) %s",
+                          {f"{w:x}": round(v, 2) for w, v in restorable.items()})
+        if isinstance(self.indexer, ApproxKvIndexer):
+            self.indexer.process_routing_decision(choice.worker_id, local, seq)
+        if request_id is not None:
+            prefill = len(token_ids) - choice.overlap_blocks * self.block_size
+            self._add(request_id, choice.worker_id, blocks, prefill)
+            emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
+                "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
+                               "overlap": choice.overlap_blocks}}), "active sequence event")
+        emit(self.publish_hit_rate, {"worker_id": choice.worker_id, "isl_blocks": len(local),
+                                     "overlap_blocks": choice.overlap_blocks}, "kv hit rate event")
+        return RoutingDecision(choice.worker_id, choice.overlap_blocks)
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], worker_id: WorkerId,
+                    overlap_blocks: int = 0) -> None:
+        """Track a request routed without :meth:`select` (e.g. ``backend_instance_id`` was given)."""
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        blocks = self._request_blocks(seq, len(token_ids))
+        self._add(request_id, worker_id, blocks, len(token_ids) - overlap_blocks * self.block_size)
+        emit(self.publish_active_sequence, self._seq_event(request_id, worker_id, {
+            "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids), "overlap": overlap_blocks}}),
+            "active sequence event")
+
+    def on_first_token(self, request_id: str) -> None:
+        """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
+        worker = self._owner.get(request_id)
+        if worker is not None and self._mark(worker, request_id):
+            emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
+                 "active sequence event")
+
+    def on_finished(self, request_id: str) -> None:
+        """The request's stream ended (any way): its blocks no longer count against the worker."""
+        worker = self._owner.pop(request_id, None)
+        if worker is None:
+            return
+        self._free(worker, request_id)
+        emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
+
+    # -- inputs from the outside ---------------------------------------------------------------
+    def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
+        """One KV event from a worker (raw JSON or parsed).  Ignored when not using KV events."""
+        if isinstance(self.indexer, ApproxKvIndexer):
+            return False
+        if self._resync or self._dumped_upto:
+            if not isinstance(event, KvEvent):
+                try:
+                    event = parse_kv_event(event)
+                except EventError as e:
+                    self.indexer.events_rejected += 1
+                    log.warning("undecodable KV event skipped: %s", e)
+                    return False
+            upto = self._dumped_upto.get(event.worker_id)
+            if upto is not None and event.event_id <= upto:
+                return False  # already part of the dump we applied
+            pending = self._resync.get(event.worker_id)
+            if pending is not None:
+                pending.append(event)
+        return self.indexer.apply_event(event)
+
+    def begin_resync(self, worker_id: WorkerId) -> None:
+        """A dump of ``worker_id``'s blocks was asked for: keep its events until it is applied."""
+        self._resync.setdefault(worker_id, [])
+
+    def end_resync(self, worker_id: WorkerId) -> None:
+        """The dump will not come (worker gone, no ``kv_state`` endpoint): stop keeping events."""
+        self._resync.pop(worker_id, None)
+
+    def apply_dump(self, worker_id: WorkerId, dump: dict[str, Any]) -> int:
+        """Replace what we know of ``worker_id``'s cache with its ``kv_state`` answer (worker_state.py),
+        then replay the events newer than the dump.  Returns the number of blocks applied."""
+        pending = self._resync.pop(worker_id, [])
+        if isinstance(self.indexer, ApproxKvIndexer):
+            return 0
+        self.indexer.remove_worker(worker_id)
+        n = _apply_chains(self.indexer.tree, worker_id, dump.get("blocks") or ())
+        for tier, blocks in (dump.get("tiers") or {}).items():
+            if tier in LOWER_TIERS:
+                n += _apply_chains(self.indexer.tier_tree(tier), worker_id, blocks)
+        last = dump.get("last_event_id")
+        if last is not None:
+            self._dumped_upto[worker_id] = int(last)
+        for event in pending:
+            if last is None or event.event_id > last:
+                self.indexer.apply_event(event)
+        return n
+
+    def apply_active_sequence_event(self, event: bytes | str | dict[str, Any]) -> bool:
+        """An add/mark/free update from a peer router (replica sync).  Our own echoes are ignored."""
+        try:
+            if not isinstance(event, dict):
+                event = orjson.loads(event)
+            assert isinstance(event, dict)
+            peer = event.get("router_id")
+            if peer == self.router_id:
+                return False
+            if peer is not None:
+                self._peer_seen[str(peer)] = self.clock()
+            data = event["data"]
+            if isinstance(data, dict) and "Heartbeat" in data:
+                live = {str(r) for r in data["Heartbeat"].get("request_ids") or ()}
+                for rid in [r for r, p in self._peer_of.items() if p == peer and r not in live]:
+                    self._free_peer(rid)
+                return True
+            request_id = str(event["request_id"])
+            worker = int(event["worker_id"])
+            if isinstance(data, dict) and "AddRequest" in data:
+                add = data["AddRequest"]
+                blocks = [int(b) for b in add["token_sequence"]]
+                prefill = int(add["isl"]) - int(add.get("overlap", 0)) * self.block_size
+                self._add(request_id, worker, blocks, prefill)
+                if peer is not None:
+                    self._peer_of[request_id] = str(peer)
+            elif data == "MarkPrefillCompleted":
+                self._mark(worker, request_id)
+            elif data == "Free":
+                self._peer_of.pop(request_id, None)
+                self._owner.pop(request_id, None)
+                self._free(worker, request_id)
+            else:
+                raise ValueError(f"unknown data {data!r}")
+            return True
+        except (KeyError, TypeError, ValueError, AssertionError, orjson.JSONDecodeError) as e:
+            log.warning("bad active-sequence event skipped: %s", e)
+            return False
+
+    def heartbeat(self) -> None:
+        """Tell peers which of their copies of our bookings are still live (call every peer_ttl / 3)."""
+        own = [rid for rid in self._owner if rid not in self._peer_of]
+        emit(self.publish_active_sequence, {"request_id": "", "worker_id": 0, "router_id": self.router_id,
+                                            "data": {"Heartbeat": {"request_ids": own}}}, "router heartbeat")
+
+    def expire_peers(self, now: float | None = None) -> int:
+        """Free every booking of a peer router not heard from for ``peer_ttl`` seconds; returns how many."""
+        now = self.clock() if now is None else now
+        dead = {p for p, seen in self._peer_seen.items() if now - seen > self.peer_ttl}
+        if not dead:
+            return 0
+        gone = [rid for rid, p in self._peer_of.items() if p in dead]
+        for rid in gone:
+            self._free_peer(rid)
+        for p in dead:
+            del self._peer_seen[p]
+        log.info("peer router(s) %s silent for %.0f s: freed their %d booking(s)", ", ".join(sorted(dead)),
+                 self.peer_ttl, len(gone))
+        return len(gone)
+
+    def _free_peer(self, request_id: str) -> None:
+        self._peer_of.pop(request_id, None)
+        worker = self._owner.pop(request_id, None)
+        if worker is not None:
+            self._free(worker, request_id)
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """A worker left: forget its cached blocks and the requests tracked on it."""
+        self.indexer.remove_worker(worker_id)
+        self._resync.pop(worker_id, None)
+        self._dumped_upto.pop(worker_id, None)
+        tracker = self.trackers.pop(worker_id, None)
+        self._loads.remove(worker_id)
+        if tracker is not None:
+            for head in tracker.heads:
+                self._drop_head(head, worker_id)
+            for rid in tracker.requests:
+                self._owner.pop(rid, None)
+                self._peer_of.pop(rid, None)
+
+    # -- queries -------------------------------------------------------------------------------
+    def find_matches(self, token_ids: Sequence[int]) -> OverlapScores:
+        """Cached prefix length, in blocks, of ``token_ids`` per worker."""
+        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size))
+
+    def worker_load(self, worker_id: WorkerId) -> dict[str, int]:
+        t = self.trackers.get(worker_id)
+        if t is None:
+            return {"active_blocks": 0, "active_tokens": 0, "active_requests": 0}
+        return {"active_blocks": t.active_blocks, "active_tokens": t.active_tokens,
+                "active_requests": len(t.requests)}
+
+    def restorable(self, token_ids: Sequence[int]) -> dict[WorkerId, float]:
+        """Per worker, the weighted blocks of ``token_ids`` it could restore from a lower tier beyond its
+        resident prefix (what :meth:`select` credits)."""
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        return self._restorable(seq, self.indexer.find_matches([], seq))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _restorable(self, seq: Sequence[int], overlaps: OverlapScores) -> dict[WorkerId, float]:
+        """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
+        weight (a block reachable through host memory is priced as host, through disk as disk)."""
+        find = getattr(self.indexer, "find_lower_matches", None)
+        lower = find(seq) if find is not None else None
+        if not lower:
+            return {}
+        credit: dict[WorkerId, float] = {}
+        for w in set().union(*(scores.keys() for scores in lower.values())):
+            reached = overlaps.get(w, 0)
+            c = 0.0
+            for tier in LOWER_TIERS:
+                n = lower.get(tier, {}).get(w, 0)
+                if n > reached:
+                    c += self.tier_weights.get(tier, 0.0) * (n - reached)
+                    reached = n
+            if c > 0:
+                credit[w] = c
+        return credit
+
+    def _request_blocks(self, seq_hashes: list[int], isl: int) -> list[int]:
+        if isl % self.block_size:
+            # the partial tail is private to the request: a random name nobody else will share
+            return seq_hashes + [self.rng.getrandbits(64)]
+        return seq_hashes
+
+    def _add(self, request_id: str, worker: WorkerId, blocks: Sequence[int], prefill: int) -> None:
+        old = self._owner.get(request_id)
+        if old is not None and old != worker:
+            self._free(old, request_id)
+        self._owner[request_id] = worker
+        tracker = self.trackers.get(worker)
+        if tracker is None:
+            tracker = self.trackers[worker] = ActiveSequences()
+        if request_id in tracker.requests:
+            self._free(worker, request_id)
+        tracker.add_request(request_id, blocks, prefill)
+        if blocks:
+            self._heads.setdefault(blocks[0], set()).add(worker)
+        self._loads.update(worker, tracker)
+
+    def _mark(self, worker: WorkerId, request_id: str) -> bool:
+        tracker = self.trackers.get(worker)
+        if tracker is None or not tracker.mark_prefill_completed(request_id):
+            return False
+        self._loads.update(worker, tracker)
+        return True
+
+    def _free(self, worker: WorkerId, request_id: str) -> None:
+        tracker = self.trackers.get(worker)
+        if tracker is None:
+            return
+        req = tracker.requests.get(request_id)
+        if req is None or not tracker.free(request_id):
+            return
+        if req.blocks and req.blocks[0] not in tracker.heads:
+            self._drop_head(req.blocks[0], worker)
+        self._loads.update(worker, tracker)
+
+    def _drop_head(self, head: int | str, worker: WorkerId) -> None:
+        workers = self._heads.get(head)
+        if workers is not None:
+            workers.discard(worker)
+            if not workers:
+                del self._heads[head]
+
+    def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
+        return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}
+
+
+def _apply_chains(tree: Any, worker_id: WorkerId, rows: Iterable[Sequence[Any]]) -> int:
+    """Store a dump's ``[block_hash, tokens_hash, parent]`` rows (parents first) in ``tree``, one
+    ``apply_stored`` per chain; returns the blocks applied."""
+    n = 0
+    chain: list[StoredBlock] = []
+    chain_parent: int | None = None
+    for h, tokens_hash, parent in rows:
+        if chain and parent == chain[-1].block_hash:
+            chain.append(StoredBlock(int(h), int(tokens_hash)))
+            continue
+        if chain:
+            n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+        chain, chain_parent = [StoredBlock(int(h), int(tokens_hash))], parent
+    if chain:
+        n += len(chain) if tree.apply_stored(worker_id, chain_parent, chain) else 0
+    return n

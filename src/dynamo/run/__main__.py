@@ -1,5 +1,0 @@
-import sys
-
-from dynamo.run.cli import main
-
-sys.exit(main())

@@ -1,0 +1,71 @@
+"""What one ``dynamo-run`` process was asked to do: the parsed command line, as one typed record.
+
+It sits below every package (it imports nothing of ours) so that engines, the worker and the frontend
+take a ``RunConfig`` rather than ``Any``; :mod:`dynamo.cli.flags` builds it from argv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RunConfig:
+    input: str = "text"
+    output: str | None = None  # None: pick the best installed engine for the model
+    model: str | None = None
+    model_name: str | None = None
+    model_config: str | None = None
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080
+    http_workers: int = 1  # --http-workers: frontend processes on the port
+    context_length: int | None = None
+    kv_cache_block_size: int | None = None
+    tensor_parallel_size: int = 1
+    num_nodes: int = 1
+    node_rank: int = 0
+    leader_addr: str | None = None
+    base_gpu_id: int = 0
+    extra_engine_args: Path | None = None
+    router_mode: str = "round-robin"
+    kv_overlap_score_weight: float = 2.0  # the original: 1.0 (docs/routing.md, "Benchmark")
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    migration_limit: int = 0
+    max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
+    queue_size: int = 256
+    queue_timeout: float = 30.0
+    disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)
+    max_local_prefill_length: int | None = None  # frontend side; None: the default of disagg/plan.py
+    batch_concurrency: int = 16
+    tool_call_parser: str | None = None  # None: auto (from the chat template)
+    reasoning_parser: str | None = None
+    verbosity: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    # issue 12: the served API and how it is exposed
+    chat_template: Path | None = None
+    embedding: bool = False
+    api_keys: list[str] = field(default_factory=list)
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+
+    @property
+    def input_kind(self) -> str:
+        if self.input.startswith("batch:"):
+            return "batch"
+        if self.input.startswith("dyn://"):
+            return "endpoint"
+        return self.input
+
+    @property
+    def engine(self) -> str | None:
+        if self.output is None:
+            return None
+        for prefix in ("pystr:", "pytok:"):
+            if self.output.startswith(prefix):
+                return prefix[:-1]
+        if self.output.startswith("dyn://"):
+            return "dyn"
+        return self.output

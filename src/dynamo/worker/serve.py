@@ -1,0 +1,104 @@
+"""``in=dyn://namespace.component.endpoint``: serve an engine as a worker on the distributed runtime.
+
+Order matters for a clean life cycle: the endpoint starts serving (its instance key appears) before the
+model entry is published, so a frontend never routes to a model with no instance; on SIGINT/SIGTERM the
+lease is revoked first (the entry and instance key vanish at once, frontends stop routing here), then
+in-flight requests finish, then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+from dynamo.engines.served_model import build_served_model
+from dynamo.errors import UserError
+from dynamo.heap import settle_heap
+from dynamo.llm.embeddings import embedding_handler
+from dynamo.llm.engine import Engine, EngineCapabilities, capabilities_of, close_engine
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
+from dynamo.llm.model_type import ModelType
+from dynamo.llm.register import publish_model
+from dynamo.run_config import RunConfig
+from dynamo.runtime import EndpointId
+from dynamo.runtime.distributed import connect_runtime
+from dynamo.worker.handlers import backend_handler, chat_handler
+from dynamo.worker.kv_publishing import serve_kv_state, serve_load_metrics, worker_event_publishers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_INFLIGHT = 512  # --max-inflight for engines that do not say how many requests they run at once
+
+
+def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
+    """The worker's limit of requests in flight: --max-inflight, else the engine's capacity, else 512."""
+    return cfg.max_inflight or caps.capacity or DEFAULT_MAX_INFLIGHT
+
+
+async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
+    ident = EndpointId.parse(cfg.input)
+    runtime = await connect_runtime()
+    owned: object | None = None  # the engine to close on the way out (the disagg wrapper closes its engine)
+    try:
+        endpoint = runtime.namespace(ident.namespace).component(ident.component).endpoint(ident.name)
+        await endpoint.component.create_service()
+        served = await build_served_model(cfg, card, engine_name)
+        owned = served.engine
+        engine = cast(Engine, served.engine)
+        caps = capabilities_of(engine)
+        publishes_kv_events = False
+        if caps.publishes_kv:  # engines that publish KV events and load metrics (mocker, llamacpp, vllm, ...)
+            publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
+            engine.attach(endpoint.lease_id(), publish_kv_event=publish_kv_event,  # type: ignore[attr-defined]
+                          publish_metrics=publish_metrics)
+            await serve_load_metrics(endpoint, engine)  # type: ignore[arg-type]
+            publishes_kv_events = bool(engine.publishes_kv_events)  # type: ignore[attr-defined]
+            if publishes_kv_events and caps.dumps_kv_state:
+                await serve_kv_state(endpoint, engine)  # type: ignore[arg-type]
+        mode = cfg.disaggregation_mode
+        if mode != "agg" and caps.state_io:
+            # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)
+            from dynamo.disagg.worker import DisaggWorkerEngine
+
+            wrapped = DisaggWorkerEngine(engine, mode)
+            await wrapped.start()
+            engine = owned = wrapped  # closed below, with its transfer server
+        if engine.kind == "embedding":
+            handler, model_type = embedding_handler(engine), ModelType.Embedding  # type: ignore[arg-type]
+        elif engine.kind == "core":
+            handler = backend_handler(card, engine)
+            model_type = ModelType.Prefill if mode == "prefill" else ModelType.Backend
+        else:
+            handler, model_type = chat_handler(served), ModelType.Chat
+        ready = asyncio.Event()
+        limit = max_inflight(cfg, caps)
+        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready, max_inflight=limit))
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait([serving, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            waiter.cancel()
+            serving.result()  # raises why serving failed
+            raise UserError(f"Endpoint service completed unexpectedly for endpoint: {ident}")
+        # frontends read max_inflight_requests to route around this worker while it is full, and whether
+        # they can follow this worker's cache through KV events
+        runtime_config = dict(capabilities_of(engine).runtime_config, max_inflight_requests=limit)
+        runtime_config[PUBLISHES_KV_EVENTS] = publishes_kv_events
+        await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
+        log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
+                 endpoint.lease_id())
+        settle_heap()
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([serving, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            runtime.shutdown()  # revoke the lease: deregister first, then drain in-flight requests
+            await serving
+        else:
+            stopper.cancel()
+            serving.result()
+        return 0
+    finally:
+        if owned is not None:
+            await close_engine(owned)
+        await runtime.close()
