@@ -52,6 +52,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.llm.protocols.openai import CompletionRequest
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ _JSON_LENIENT = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # -- the argument list ------------------------------------------------------------------------------
 
 
-def engine_argv(cfg: Any, file_arg: str, served_name: str) -> list[str]:
+def engine_argv(cfg: RunConfig, file_arg: str, served_name: str) -> list[str]:
     """``sys.argv`` for the engine file, as the seeds document it.
 
     ``[file, --model-path <model as given>, --model-name <served name>, --http-port N,
@@ -89,7 +90,7 @@ def engine_argv(cfg: Any, file_arg: str, served_name: str) -> list[str]:
         argv += ["--leader-addr", str(cfg.leader_addr)]
     if cfg.model_config:
         argv += ["--model-config", str(cfg.model_config)]
-    if getattr(cfg, "extra_engine_args", None):
+    if cfg.extra_engine_args:
         argv += ["--extra-engine-args", str(cfg.extra_engine_args)]
     argv += list(cfg.extra_args or ())
     return argv
@@ -610,7 +611,7 @@ def _engine_output(item: Any) -> EngineOutput:
 # -- factories (registry) ---------------------------------------------------------------------------
 
 
-def _file_of(cfg: Any, mode: str) -> str:
+def _file_of(cfg: RunConfig, mode: str) -> str:
     output = cfg.output or ""
     file_arg = output.split(":", 1)[1] if ":" in output else ""
     if not file_arg:
@@ -620,12 +621,12 @@ def _file_of(cfg: Any, mode: str) -> str:
     return file_arg
 
 
-def create_pystr(cfg: Any, card: ModelCard) -> PyStrEngine:
+def create_pystr(cfg: RunConfig, card: ModelCard) -> PyStrEngine:
     file_arg = _file_of(cfg, "pystr")
     return PyStrEngine(file_arg, engine_argv(cfg, file_arg, card.display_name))
 
 
-def create_pytok(cfg: Any, card: ModelCard) -> PyTokEngine:
+def create_pytok(cfg: RunConfig, card: ModelCard) -> PyTokEngine:
     file_arg = _file_of(cfg, "pytok")
     if not card.has_tokenizer:
         raise UserError(

@@ -56,13 +56,14 @@ from dynamo.llm.protocols.common import (
     EngineOutput,
     PreprocessedRequest,
 )
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install sglang (SGLang needs an NVIDIA GPU with CUDA)"
 
 
-def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def engine_args(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``sgl.Engine(**kwargs)`` for this run: the flags, then ``--extra-engine-args`` on top."""
     if card.gguf_path is not None:
         model = str(card.gguf_path)
@@ -74,22 +75,22 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
         "model_path": model,
         "skip_tokenizer_init": True,
         "incremental_streaming_output": True,
-        "tp_size": int(getattr(cfg, "tensor_parallel_size", 1) or 1),
+        "tp_size": int(cfg.tensor_parallel_size or 1),
     }
     if card.gguf_path is not None and card.path is not None and Path(card.path).is_dir():
         args["tokenizer_path"] = str(card.path)
-    num_nodes = int(getattr(cfg, "num_nodes", 1) or 1)
+    num_nodes = int(cfg.num_nodes or 1)
     if num_nodes > 1:
         args["nnodes"] = num_nodes
-        args["node_rank"] = int(getattr(cfg, "node_rank", 0) or 0)
-    if getattr(cfg, "leader_addr", None):
+        args["node_rank"] = int(cfg.node_rank or 0)
+    if cfg.leader_addr:
         args["dist_init_addr"] = cfg.leader_addr
-    base = int(getattr(cfg, "base_gpu_id", 0) or 0)
+    base = int(cfg.base_gpu_id or 0)
     if base:
         args["base_gpu_id"] = base
-    if getattr(cfg, "context_length", None) is not None:
+    if cfg.context_length is not None:
         args["context_length"] = int(cfg.context_length)
-    if getattr(cfg, "kv_cache_block_size", None) is not None:
+    if cfg.kv_cache_block_size is not None:
         args["page_size"] = int(cfg.kv_cache_block_size)
     if extra:
         args.update(extra)
@@ -183,7 +184,7 @@ class SglangEngine(PublishesEngineKvEvents):
     kind = "core"
     guided_decoding = True  # sampling_options.guided_decoding -> structured outputs
 
-    def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
+    def __init__(self, cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):
         self.cfg = cfg
         self.card = card
@@ -283,5 +284,5 @@ def _keep_our_sigterm(tokenizer_manager: Any) -> None:
     tokenizer_manager.signal_handler_class = _ForwardSigterm
 
 
-def create(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> SglangEngine:
+def create(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> SglangEngine:
     return SglangEngine(cfg, card, extra, extra_path)

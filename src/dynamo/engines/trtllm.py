@@ -55,6 +55,7 @@ from dynamo.llm.protocols.common import (
     EngineOutput,
     PreprocessedRequest,
 )
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return out
 
 
-def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def engine_args(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``LLM(**kwargs)`` for this run (``backend`` included when given; :func:`split_backend` takes it)."""
     if card.path is not None:
         model = str(card.path)
@@ -102,14 +103,14 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
         raise UserError("out=trtllm does not load GGUF files: give a Hugging Face folder or repo id")
     else:
         raise UserError("out=trtllm needs a model: a Hugging Face folder or repo id")
-    tp = int(getattr(cfg, "tensor_parallel_size", 1) or 1)
-    num_nodes = int(getattr(cfg, "num_nodes", 1) or 1)
+    tp = int(cfg.tensor_parallel_size or 1)
+    num_nodes = int(cfg.num_nodes or 1)
     args: dict[str, Any] = {"model": model, "skip_tokenizer_init": True, "tensor_parallel_size": tp}
     if num_nodes > 1:
         args["gpus_per_node"] = gpus_per_node(tp, num_nodes)
-    if getattr(cfg, "context_length", None) is not None:
+    if cfg.context_length is not None:
         args["max_seq_len"] = int(cfg.context_length)
-    if getattr(cfg, "kv_cache_block_size", None) is not None:
+    if cfg.kv_cache_block_size is not None:
         args["kv_cache_config"] = {"tokens_per_block": int(cfg.kv_cache_block_size)}
     return deep_merge(args, extra or {})
 
@@ -195,7 +196,7 @@ def _llm_class(backend: str) -> Any:
 class TrtllmEngine(PublishesEngineKvEvents):
     kind = "core"
 
-    def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
+    def __init__(self, cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):
         self.cfg = cfg
         self.card = card
@@ -211,7 +212,7 @@ class TrtllmEngine(PublishesEngineKvEvents):
             self._kv = TrtllmKvEvents(card.kv_cache_block_size)
         elif serves_router(cfg):
             log.info("trtllm: no KV events for the router: %s", why_not)
-        if int(getattr(cfg, "num_nodes", 1) or 1) > 1:
+        if int(cfg.num_nodes or 1) > 1:
             log.info("trtllm: %s nodes; TensorRT-LLM places its ranks through MPI or Ray, so --node-rank %s and "
                      "--leader-addr %s are not passed to it", cfg.num_nodes, cfg.node_rank, cfg.leader_addr)
 
@@ -271,5 +272,5 @@ class TrtllmEngine(PublishesEngineKvEvents):
                 yield item
 
 
-def create(cfg: Any, card: ModelCard, extra_path: Path | None) -> TrtllmEngine:
+def create(cfg: RunConfig, card: ModelCard, extra_path: Path | None) -> TrtllmEngine:
     return TrtllmEngine(cfg, card, load_extra_args(extra_path), extra_path)

@@ -29,6 +29,7 @@ import logging
 from typing import Any, Mapping
 
 from dynamo.kv.zmq_events import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber, trtllm_events_to_common
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,12 @@ TRTLLM_EVENT_BUFFER = 1024  # event_buffer_max_size when the worker turns events
 TRTLLM_POLL_TIMEOUT_S = 0.5  # the longest a poll waits for events (and a close waits for the poll)
 
 
-def serves_router(cfg: Any) -> bool:
+def serves_router(cfg: RunConfig) -> bool:
     """A worker behind a frontend (``in=dyn://``): the only place KV events have a reader."""
-    return str(getattr(cfg, "input", "") or "").startswith("dyn://")
+    return cfg.input.startswith("dyn://")
 
 
-def sglang_kv_events_wanted(cfg: Any, args: Mapping[str, Any], extra: Mapping[str, Any] | None) -> str | None:
+def sglang_kv_events_wanted(cfg: RunConfig, args: Mapping[str, Any], extra: Mapping[str, Any] | None) -> str | None:
     """None if an ``out=sglang`` worker should publish KV events, else why not (logged by the caller)."""
     if not serves_router(cfg):
         return "not a dyn:// worker"
@@ -56,7 +57,7 @@ def sglang_kv_events_wanted(cfg: Any, args: Mapping[str, Any], extra: Mapping[st
     return None
 
 
-def trtllm_kv_events_wanted(cfg: Any, args: Mapping[str, Any]) -> str | None:
+def trtllm_kv_events_wanted(cfg: RunConfig, args: Mapping[str, Any]) -> str | None:
     """None if an ``out=trtllm`` worker should publish KV events, else why not."""
     if not serves_router(cfg):
         return "not a dyn:// worker"

@@ -46,7 +46,9 @@ from dynamo.kv.events import removed_data, stored_data
 from dynamo.kv.hashing import compute_hashes
 from dynamo.kv.publisher import Publisher, emit
 from dynamo.kv.worker_state import WorkerKvState
+from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +255,7 @@ class MockerEngine:
         return [s.metrics() for s in self.schedulers]
 
 
-def create_mocker(cfg: Any, card: Any) -> MockerEngine:
+def create_mocker(cfg: RunConfig, card: ModelCard) -> MockerEngine:
     """The ``out=mocker`` factory: arguments from ``--extra-engine-args``, vocabulary from the card."""
     from dynamo.engines.engine_args import engine_args
     from dynamo.llm.tokenizer import Tokenizer
@@ -266,7 +268,7 @@ def create_mocker(cfg: Any, card: Any) -> MockerEngine:
         log.info("out=mocker: no --extra-engine-args, using the defaults")
     args = MockerArgs.from_dict(raw)
     # the router hashes with the card's block size: keep the two equal unless both were given
-    flag_block_size = getattr(cfg, "kv_cache_block_size", None)
+    flag_block_size = cfg.kv_cache_block_size
     if "block_size" in raw:
         if flag_block_size is None:
             card.kv_cache_block_size = args.block_size
@@ -277,10 +279,11 @@ def create_mocker(cfg: Any, card: Any) -> MockerEngine:
         args = MockerArgs(**{**args.to_dict(), "block_size": flag_block_size})
     else:
         card.kv_cache_block_size = args.block_size
+    assert card.tokenizer_json is not None  # has_tokenizer, checked above
     tok = Tokenizer(card.tokenizer_json)
     return MockerEngine(args, vocab_size=tok.vocab_size, special_ids=tok.special_ids,
                         context_length=card.context_length or 0,
-                        mode=getattr(cfg, "disaggregation_mode", "agg") or "agg")
+                        mode=cfg.disaggregation_mode or "agg")
 
 
 def _first_then(first: int, rest: Any) -> Any:

@@ -27,6 +27,7 @@ from dynamo.errors import EngineError, ModelError, RequestError
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class VllmEmbeddingEngine:
     kind = "embedding"
 
-    def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
+    def __init__(self, cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None):
         from dynamo.llm.tokenizer import Tokenizer
 
@@ -107,5 +108,5 @@ class VllmEmbeddingEngine:
         return [float(v) for v in final.outputs.data.tolist()]
 
 
-def create(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> VllmEmbeddingEngine:
+def create(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> VllmEmbeddingEngine:
     return VllmEmbeddingEngine(cfg, card, extra, extra_path)

@@ -81,6 +81,7 @@ from dynamo.llm.protocols.common import (
     EngineOutput,
     PreprocessedRequest,
 )
+from dynamo.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def split_host_port(addr: str, default_port: int) -> tuple[str, int]:
     return host, value
 
 
-def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None, *,
+def engine_args(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None, *,
                 cpu: bool = False, pooling: bool = False) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` keyword arguments for this run (flags, then ``--extra-engine-args``).
 
@@ -148,12 +149,12 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
         args["model"] = str(card.path)
     else:
         raise UserError("out=vllm needs a model: a Hugging Face folder or repo id, or a GGUF file")
-    if getattr(cfg, "context_length", None) is not None:
+    if cfg.context_length is not None:
         args["max_model_len"] = int(cfg.context_length)
-    args["tensor_parallel_size"] = int(getattr(cfg, "tensor_parallel_size", 1) or 1)
-    if getattr(cfg, "kv_cache_block_size", None) is not None:
+    args["tensor_parallel_size"] = int(cfg.tensor_parallel_size or 1)
+    if cfg.kv_cache_block_size is not None:
         args["block_size"] = int(cfg.kv_cache_block_size)
-    num_nodes = int(getattr(cfg, "num_nodes", 1) or 1)
+    num_nodes = int(cfg.num_nodes or 1)
     if num_nodes > 1:
         host, port = split_host_port(cfg.leader_addr or "", DEFAULT_MASTER_PORT)
         args.update(nnodes=num_nodes, node_rank=int(cfg.node_rank), master_addr=host, master_port=port,
@@ -166,11 +167,11 @@ def engine_args(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = Non
     return args
 
 
-def kv_events_wanted(cfg: Any, extra: Mapping[str, Any] | None) -> bool:
+def kv_events_wanted(cfg: RunConfig, extra: Mapping[str, Any] | None) -> bool:
     """Publish KV events and load metrics to a KV router: a worker (``in=dyn://``) with prefix caching,
     unless ``--extra-engine-args`` sets ``kv_events_config`` itself (then vLLM publishes where it says)."""
     extra = extra or {}
-    if not str(getattr(cfg, "input", "") or "").startswith("dyn://"):
+    if not str(cfg.input or "").startswith("dyn://"):
         return False
     if extra.get("enable_prefix_caching") is False or "kv_events_config" in extra:
         return False
@@ -302,15 +303,15 @@ class VllmEngine:
     logprobs = True
     prompt_logprobs = True
 
-    def __init__(self, cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None = None,
+    def __init__(self, cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None = None,
                  extra_path: Path | None = None, *, pooling: bool = False):
         self.pooling = pooling  # vLLM's pooling runner, for embeddings (vllm_embed.py drives it)
         self.cfg = cfg
         self.card = card
         self.extra = dict(extra or {})
         self.extra_path = extra_path
-        self.follower = int(getattr(cfg, "num_nodes", 1) or 1) > 1 and int(getattr(cfg, "node_rank", 0)) > 0
-        self.mode = DisaggregationMode.parse(getattr(cfg, "disaggregation_mode", "agg"))
+        self.follower = int(cfg.num_nodes or 1) > 1 and int(cfg.node_rank) > 0
+        self.mode = DisaggregationMode.parse(cfg.disaggregation_mode)
         if self.mode is not DisaggregationMode.AGG and not self.extra.get("kv_transfer_config"):
             raise UserError(f"--disaggregation-mode {self.mode.value} with out=vllm needs vLLM's KV connector: put a "
                             "kv_transfer_config in --extra-engine-args (e.g. {\"kv_transfer_config\": "
@@ -563,7 +564,7 @@ def _nvidia_gpu_present() -> bool:
     return Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir())
 
 
-def create(cfg: Any, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> VllmEngine:
+def create(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None, extra_path: Path | None) -> VllmEngine:
     if card.path is None and card.gguf_path is None:
         raise UserError("out=vllm needs a model: a Hugging Face folder or repo id, or a GGUF file")
     return VllmEngine(cfg, card, extra, extra_path)
