@@ -7,3 +7,4 @@ scripts/setup-venv.sh
 .venv/bin/ruff check src
 .venv/bin/mypy
 .venv/bin/lint-imports
+.venv/bin/python scripts/check_structure.py

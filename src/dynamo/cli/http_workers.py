@@ -237,8 +237,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def supervise(cfg: RunConfig, serve: Callable[[], int]) -> int:
     """Bind the port, run ``cfg.http_workers`` processes each calling ``serve()``, until told to stop."""
-    from dynamo.cli.launch import _shutdown_grace
+    from dynamo.cli.launch import shutdown_grace
     from dynamo.frontend.http.service import LISTEN_BACKLOG
 
     socks = bind_sockets(cfg.http_host, cfg.http_port, cfg.http_workers, LISTEN_BACKLOG)
-    return Supervisor(socks, serve, _shutdown_grace()).run()
+    return Supervisor(socks, serve, shutdown_grace()).run()

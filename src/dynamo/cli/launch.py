@@ -129,11 +129,11 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
     await service.start(cfg.http_host, cfg.http_port)
     settle_heap()
     await stop.wait()
-    await service.stop(grace=_shutdown_grace())
+    await service.stop(grace=shutdown_grace())
     return 0
 
 
-def _shutdown_grace() -> float:
+def shutdown_grace() -> float:
     """Seconds in-flight HTTP requests get to finish on SIGINT/SIGTERM: ``DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT_SECS``
     (Dynamo 1.x's name), else ``DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT`` (ours before), default 5."""
     for name in ("DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT_SECS", "DYN_HTTP_GRACEFUL_SHUTDOWN_TIMEOUT"):

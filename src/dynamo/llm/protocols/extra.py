@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from dynamo.errors import RequestError
-from dynamo.llm.protocols.openai import ChatMessage, _convert
+from dynamo.llm.protocols.openai import ChatMessage, convert_request
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -42,7 +42,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
 
 def parse_tokenize_request(raw: Any) -> TokenizeRequest:
-    req: TokenizeRequest = _convert(raw, TokenizeRequest)
+    req: TokenizeRequest = convert_request(raw, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("Give either 'prompt' or 'messages'", param="prompt")
     if req.messages is not None and not req.messages:
@@ -54,12 +54,12 @@ def parse_tokenize_request(raw: Any) -> TokenizeRequest:
 
 
 def parse_detokenize_request(raw: Any) -> DetokenizeRequest:
-    return _convert(raw, DetokenizeRequest)
+    return convert_request(raw, DetokenizeRequest)
 
 
 def parse_embedding_request(raw: Any) -> tuple[EmbeddingRequest, list[str | list[int]]]:
     """The request and its inputs as a list (one string or one token-id list per input)."""
-    req: EmbeddingRequest = _convert(raw, EmbeddingRequest)
+    req: EmbeddingRequest = convert_request(raw, EmbeddingRequest)
     inputs: list[str | list[int]]
     value = req.input
     if isinstance(value, str):

@@ -105,7 +105,7 @@ MAX_CHOICES = 16  # n: each choice is an engine request of its own (llm/fanout.p
 
 
 def parse_chat_request(raw: Any) -> ChatCompletionRequest:
-    req = _convert(raw, ChatCompletionRequest)
+    req = convert_request(raw, ChatCompletionRequest)
     if not req.messages:
         raise RequestError(
             "The 'messages' field cannot be empty. At least one message is required.", param="messages"
@@ -122,7 +122,7 @@ def parse_chat_request(raw: Any) -> ChatCompletionRequest:
 
 
 def parse_completion_request(raw: Any) -> CompletionRequest:
-    req = _convert(raw, CompletionRequest)
+    req = convert_request(raw, CompletionRequest)
     if isinstance(req.prompt, list):
         if len(req.prompt) == 0:
             raise RequestError("The 'prompt' field cannot be empty.", param="prompt")
@@ -152,7 +152,8 @@ def _check_min_max(req: "ChatCompletionRequest | CompletionRequest") -> None:
         )
 
 
-def _convert(raw: Any, cls: type) -> Any:
+def convert_request(raw: Any, cls: type) -> Any:
+    """The JSON body ``raw`` as the request type ``cls``; a shape error is a RequestError naming the field."""
     if not isinstance(raw, dict):
         raise RequestError("The request body must be a JSON object.")
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from dynamo.errors import RequestError
-from dynamo.llm.protocols.openai import _convert
+from dynamo.llm.protocols.openai import convert_request
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -47,7 +47,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def parse_responses_request(raw: Any) -> ResponsesRequest:
-    req: ResponsesRequest = _convert(raw, ResponsesRequest)
+    req: ResponsesRequest = convert_request(raw, ResponsesRequest)
     chat_tools(req)  # a built-in tool or a malformed one is a 400 before anything runs
     chat_tool_choice(req)
     if req.background:
