@@ -43,7 +43,7 @@ class RunConfig:
     reasoning_parser: str | None = None
     verbosity: int = 0
     extra_args: list[str] = field(default_factory=list)
-    # issue 12: the served API and how it is exposed
+    # the served API and how it is exposed
     chat_template: Path | None = None
     embedding: bool = False
     api_keys: list[str] = field(default_factory=list)

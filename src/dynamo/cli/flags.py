@@ -329,7 +329,7 @@ def _check_output(out: str) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Combinations that cannot work, caught before anything is loaded (spec 1.5)."""
+    """Combinations that cannot work, caught before anything is loaded."""
     if cfg.input_kind == "endpoint" and cfg.engine == "dyn":
         raise UserError("Cannot use endpoint for both in and out")
     if cfg.engine == "dyn":
@@ -381,7 +381,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def _validate_api(cfg: RunConfig) -> None:
-    """--chat-template, --embedding and the HTTP exposure flags (issue 12)."""
+    """--chat-template, --embedding and the HTTP exposure flags."""
     http_flags = [name for name, value in (("--api-key", cfg.api_keys), ("--tls-cert-path", cfg.tls_cert_path),
                                             ("--tls-key-path", cfg.tls_key_path),
                                             ("--allowed-origins", cfg.allowed_origins)) if value]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from dynamo.errors import EngineError
-from dynamo.llm.engine import Context
+from dynamo.llm.engine import Context, close_engine
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 
 from .mode import DisaggregationMode
@@ -90,9 +90,7 @@ class DisaggWorkerEngine:
         if self.server is not None:
             await self.server.close()
             self.server = None
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            await close()
+        await close_engine(self.engine)
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         if self.mode is DisaggregationMode.PREFILL:

@@ -1,4 +1,4 @@
-"""The router's own view of each worker's load, and the cost that picks a worker (spec 7.9, [0.4]).
+"""The router's own view of each worker's load, and the cost that picks a worker.
 
 Per worker, :class:`ActiveSequences` tracks the requests this router sent there and has not seen finish:
 
@@ -219,7 +219,7 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
 
 
 def softmax_probabilities(logits: Sequence[float], temperature: float) -> list[float]:
-    """Spec 7.9's softmax over costs: lower cost, higher probability; uniform when all are equal."""
+    """A softmax over costs (the original's): lower cost, higher probability; uniform when all are equal."""
     n = len(logits)
     lo, hi = min(logits), max(logits)
     if hi == lo:

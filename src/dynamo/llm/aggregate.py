@@ -1,4 +1,4 @@
-"""Fold a chunk stream into one unary response (spec 4.4, OpenAI shapes), a choice per ``index``."""
+"""Fold a chunk stream into one unary response (OpenAI's unary shapes), a choice per ``index``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Post-processing of a core engine's token stream (spec 3.8, with our decisions).
+"""Post-processing of a core engine's token stream: detokenize, hold back stop strings, count, finish (our decisions in docs/decisions.md).
 
 Per token: incremental detokenisation, then the stop conditions in this order: ``min_tokens`` (nothing
 stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown), stop strings (held back

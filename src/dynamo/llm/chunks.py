@@ -1,4 +1,4 @@
-"""Building OpenAI stream chunks for one request (spec 3.9, shaped as the OpenAI API sends them).
+"""Building OpenAI stream chunks for one request, shaped as the OpenAI API sends them.
 
 One builder per request holds the fields every chunk repeats, so the per-token cost is one small dict.
 The role goes on the first chunk only; usage, when asked for, comes in a final chunk with no choices.

@@ -1,4 +1,4 @@
-"""Output constraints a request asks for, and whether the engine can honour them (issue 11, item 3).
+"""Output constraints a request asks for, and whether the engine can honour them.
 
 ``response_format`` (``json_object``, ``json_schema``) becomes our ``guided_decoding`` dict like the
 ``guided_*`` fields; an engine that cannot constrain output that way makes the request a 400 naming the

@@ -7,7 +7,7 @@ is what the model manager serves under the model's name: ``/v1/embeddings`` call
 completions get a clear 400.  On a worker, :func:`embedding_handler` serves the engine, and
 :class:`~dynamo.frontend.remote_embeddings.RemoteEmbeddingEngine` reaches it from a frontend (errors travel as items, so a 400 stays a 400).
 
-On the wire (spec 8.2, ``ModelType.Embedding``) a worker gets ``{"token_ids": [[...]], "model",
+On the wire (``ModelType.Embedding`` endpoints) a worker gets ``{"token_ids": [[...]], "model",
 "encoding_format", "dimensions", "annotations"}`` (the frontend tokenizes with the card's tokenizer, special
 tokens added) and yields ``{"embeddings": [[...]], "prompt_tokens", "total_tokens"}``, so workers written
 against the original's Python API work.  We also send the inputs as the client gave them (``"input"``):

@@ -1,4 +1,4 @@
-"""Model card from a GGUF file alone (spec 2.3): tokenizer, chat template, stop ids, context length.
+"""Model card from a GGUF file alone: tokenizer, chat template, stop ids, context length.
 
 The GGUF vocabulary is rebuilt as a Hugging Face ``tokenizers`` tokenizer, so a lone .gguf file works
 with our pre-processor and its card can travel to a remote frontend like any other.  Byte-level BPE

@@ -1,4 +1,4 @@
-"""Download a model from the Hugging Face hub into the standard HF cache (spec 1.6).
+"""Download a model from the Hugging Face hub into the standard HF cache.
 
 Uses ``huggingface_hub.snapshot_download``, so everything its users expect works: the cache under
 ``HF_HOME`` / ``HF_HUB_CACHE`` (a second run reuses it), ``HF_TOKEN`` for gated and private repos,

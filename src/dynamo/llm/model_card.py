@@ -1,6 +1,6 @@
 """What a model is, as far as serving it goes: name, tokenizer, chat template, limits, stop ids.
 
-A card is built from a local Hugging Face folder (spec 2.2) or a GGUF file (spec 2.3, in
+A card is built from a local Hugging Face folder (config.json, tokenizer files) or a GGUF file (its metadata, in
 ``gguf_card.py``).  It is the only thing the pre- and post-processors need, and the thing a worker
 publishes so a frontend on another machine can do the same work.
 """

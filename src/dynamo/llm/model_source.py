@@ -1,4 +1,4 @@
-"""Resolve the model argument (spec 1.6) into a card: a local HF folder, a GGUF file or a hub repo id."""
+"""Resolve the model argument into a card: a local HF folder, a GGUF file or a hub repo id."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What kind of requests a registered endpoint takes (spec 8.2)."""
+"""What kind of requests a registered endpoint takes (Dynamo's ``ModelType`` names)."""
 
 from __future__ import annotations
 

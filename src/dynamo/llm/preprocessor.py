@@ -1,6 +1,6 @@
 """OpenAI request -> PreprocessedRequest: chat template, tokenization, stop and sampling options.
 
-Follows spec 3.2-3.6 with our decisions (docs/decisions): completions prompts are used raw (OpenAI), stop
+As the original pre-processor does, with our decisions (docs/decisions.md): completions prompts are used raw (OpenAI), stop
 strings apply to completions too, ``ignore_eos`` ignores EOS only (vLLM), and a request that cannot fit
 the context window gets a 400 like vLLM's.
 """

@@ -1,4 +1,4 @@
-"""``register_llm``: make a served endpoint discoverable as a model (spec 8.2, 2.4)."""
+"""``register_llm``: make a served endpoint discoverable as a model: its model entry, under the endpoint's lease."""
 
 from __future__ import annotations
 

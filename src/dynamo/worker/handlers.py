@@ -1,4 +1,4 @@
-"""Request handlers a worker serves on its endpoint, one per kind of engine (spec 3.1 "Worker").
+"""Request handlers a worker serves on its endpoint, one per kind of engine.
 
 A core engine is served as a Backend: the worker detokenizes and applies stop conditions itself (its
 items carry ``text``), so a frontend only templates and tokenizes, and detokenization load spreads over

@@ -1,4 +1,4 @@
-"""The mocker's arguments (``--extra-engine-args`` JSON, spec 6.3): the keys, defaults and checks."""
+"""The mocker's arguments (``--extra-engine-args`` JSON, Dynamo's mocker keys): the keys, defaults and checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``out=mocker``: a simulated vLLM worker with no weights (spec 6.3).
+"""``out=mocker``: a simulated vLLM worker with no weights, as Dynamo's mocker.
 
 It schedules, caches and times requests like a vLLM engine (scheduler.py, kv_manager.py) and streams
 random tokens from the model's vocabulary, so the serving path and, above all, KV-aware routing can be

@@ -1,6 +1,6 @@
 """The internal request and response between the pre-processor and a token-level (core) engine.
 
-These are also the wire format to Backend-type workers and ``pytok:`` engines (spec 3.6 / 3.7), so field
+These are also the wire format to Backend-type workers and ``pytok:`` engines, so field
 names and nullability follow the original exactly; ``to_dict`` gives the JSON shape with every field
 present (nulls included), as the original serialises them.
 """
@@ -82,7 +82,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
         return msgspec.convert(data, cls)
 
 
-# Finish reasons an engine may report (spec 3.7).  An error is ``{"error": msg}`` or ``"error: msg"``.
+# Finish reasons an engine may report.  An error is ``{"error": msg}`` or ``"error: msg"``.
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"

@@ -20,7 +20,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class NvExt(msgspec.Struct):
-    """NVIDIA extensions (spec 4.6); root-level copies of the same fields take precedence."""
+    """NVIDIA extensions (``nvext``); root-level copies of the same fields take precedence."""
 
     ignore_eos: bool | None = None
     top_k: int | None = None
