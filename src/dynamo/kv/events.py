@@ -1,4 +1,4 @@
-"""The JSON shapes that travel between workers and routers (spec 7.3, 7.9).
+"""The JSON shapes that travel between workers and routers.
 
 KV event (published by a worker on ``namespace.<ns>.component.<comp>.kv_events``)::
 

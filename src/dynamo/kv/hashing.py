@@ -1,4 +1,4 @@
-"""KV block hashing (spec 7.9), bit-compatible with the original and any engine that speaks its format.
+"""KV block hashing, bit-compatible with the original and any engine that speaks its format.
 
 * **Local block hash**: the token ids are cut into *complete* blocks of ``block_size`` (a partial tail
   is ignored); each block's ids are written as little-endian u32 and hashed with xxh3-64, seed 1337.

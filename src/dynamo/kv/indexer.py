@@ -1,4 +1,4 @@
-"""Which worker holds which prefix: an index of KV blocks fed by the workers' KV events (spec 7.9).
+"""Which worker holds which prefix: an index of KV blocks fed by the workers' KV events.
 
 A block is known by its **sequence hash** (hashing.py), which names the block *and its whole prefix*, so
 a flat map ``sequence hash -> workers holding it`` answers the same questions as a radix tree of local
