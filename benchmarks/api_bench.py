@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""What the issue-12 exposure features cost per request, and llama.cpp embedding throughput.
+"""What exposing the HTTP service (API keys, allowed origins, TLS) costs per request, and llama.cpp embedding throughput.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/api_bench.py [--requests 1000] [--rounds 5] [--gguf PATH]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.api_bench [--requests 1000] [--rounds 5] [--gguf PATH]
 
 0. ``KeyChecker.allows`` in-process: time per check for the right key, a wrong key of the same length,
    a prefix of the right key and a long wrong key, with 1 and 4 keys configured (the check must not
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.support.proc import DynamoRun  # noqa: E402
+from benchmarks.harness.procs import DynamoRun
 
 KEY = "sk-bench-0123456789abcdef"
 ORIGIN = "https://app.example.com"

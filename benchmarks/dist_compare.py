@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Distributed serving benchmark: our dynamo-run vs the ORIGINAL (Rust, ai-dynamo 0.3.2), over NATS.
 
-    .venv/bin/python benchmarks/dist_compare.py [--duration 20] [--only ours|original] [--scenarios a,b]
+    .venv/bin/python -m benchmarks.dist_compare [--duration 20] [--only ours|original] [--scenarios a,b]
                                                 [--repeats 1] [--quiet 0.3] [--profile DIR [--profile-raw]]
 
 Topology, the same for both implementations, all on loopback:
@@ -12,7 +12,7 @@ Topology, the same for both implementations, all on loopback:
                                  v
                              worker `dynamo-run in=dyn://bench.backend.generate out=echo_full --model-name bench-echo`
 
-etcd and nats-server come from the test extras' wheels (tests/support/servers.py); a fresh pair is
+etcd and nats-server come from the infra extra's wheels (benchmarks/harness/servers.py); a fresh pair is
 started for every run so the two implementations never see each other's keys.  Each run: start etcd +
 NATS, start the worker (with the scenario's DYN_TOKEN_ECHO_DELAY_MS), start the frontend, wait until
 `GET /v1/models` lists the model and a chat completion answers, warm up (8 small requests), run the
@@ -49,14 +49,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
 
-import echo_compare  # noqa: E402
-import fetch_original  # noqa: E402
-import loadgen  # noqa: E402
-
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
+from benchmarks import echo_compare, fetch_original, loadgen
+from benchmarks.harness.servers import EtcdServer, NatsServer
 
 MODEL = echo_compare.MODEL  # "bench-echo"
 ENDPOINT = "dyn://bench.backend.generate"

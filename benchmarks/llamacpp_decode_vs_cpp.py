@@ -2,7 +2,7 @@
 """llama.cpp's decode alone, no server: llama-cpp-python's bundled library (what ``out=llamacpp`` runs)
 against the C++ ``llama-batched-bench`` built beside ``llama-server`` (a newer llama.cpp), one sequence.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/llamacpp_decode_vs_cpp.py --bench PATH/llama-batched-bench \\
+    PYTHONPATH=src .venv/bin/python -m benchmarks.llamacpp_decode_vs_cpp --bench PATH/llama-batched-bench \\
         [--threads 2] [--prompt 28] [--tokens 128] [--rounds 3]
 
 Each round runs the C++ bench (``-npp PROMPT -ntg TOKENS -npl 1 -t T -tb T``, 8,192 cells) and then the
@@ -17,11 +17,8 @@ import ctypes
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def ours(gguf: Path, threads: int, prompt: int, tokens: int) -> tuple[float, float]:
@@ -85,7 +82,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from llamacpp_compare import default_gguf
+    from benchmarks.llamacpp_compare import default_gguf
 
     gguf = args.gguf or default_gguf()
     if gguf is None:

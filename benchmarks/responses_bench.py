@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What ``/v1/responses`` costs on top of ``/v1/chat/completions`` for the same streamed answer.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/responses_bench.py [--rounds 7] [--words 300]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.responses_bench [--rounds 7] [--words 300]
 
 1. In-process: microseconds per delta for ``OutputItems.feed`` plus serialising the events it makes (what
    the responses layer adds per token), against building and serialising a chat chunk (``ChatChunks``),
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,11 +24,10 @@ from pathlib import Path
 import httpx
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dynamo.frontend.http.responses_output import OutputItems  # noqa: E402
-from dynamo.llm.chunks import ChatChunks  # noqa: E402
-from tests.support.proc import DynamoRun  # noqa: E402
-from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
+from benchmarks.harness.models import build_tiny_hf_model
+from benchmarks.harness.procs import DynamoRun
+from dynamo.frontend.http.responses_output import OutputItems
+from dynamo.llm.chunks import ChatChunks
 
 
 def deltas() -> list[dict]:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Start-up time of ``dynamo-run in=http out=echo_full``: from ``exec`` to the first answer.
 
-    .venv/bin/python benchmarks/startup.py                       # ours, 10 starts
-    .venv/bin/python benchmarks/startup.py --repeats 20 --cmd '/path/to/dynamo-run in=http out=echo_full --http-port {port} --model-name {model}'
-    .venv/bin/python benchmarks/startup.py --importtime 25       # plus the 25 slowest imports of one start
+    .venv/bin/python -m benchmarks.startup                       # ours, 10 starts
+    .venv/bin/python -m benchmarks.startup --repeats 20 --cmd '/path/to/dynamo-run in=http out=echo_full --http-port {port} --model-name {model}'
+    .venv/bin/python -m benchmarks.startup --importtime 25       # plus the 25 slowest imports of one start
 
 For each start: take the time, spawn the command (``{port}`` and ``{model}`` filled in), then poll
 ``GET /v1/models`` on a fresh connection every 2 ms until it answers 200 listing the model ("models

@@ -2,22 +2,19 @@
 """Cost of llama.cpp grammars (structured output) on out=llamacpp: decode tokens/s with and without a
 JSON-schema constraint, one request at a time, on the SmolLM2 GGUF.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/structured_bench.py [--runs 5]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.structured_bench [--runs 5]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import openai
 
-import openai  # noqa: E402
-
-from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
-from tests.support.proc import DynamoRun  # noqa: E402
+from benchmarks.harness.models import SMOLLM2_MODEL as MODEL
+from benchmarks.harness.models import smollm2_gguf as _smollm2
+from benchmarks.harness.procs import DynamoRun
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "hobbies": {"type": "array", "items": {"type": "string"}}},

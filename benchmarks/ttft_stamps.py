@@ -2,7 +2,7 @@
 """Summarise the ``dynamo.ttft`` debug lines of a server log (``-v``): per stage, the median and the
 range of its offset from the request's arrival, over the streamed requests, in ms.
 
-    .venv/bin/python benchmarks/ttft_stamps.py benchmarks/results/server-llamacpp-ours-<time>.log [--first N] [--skip N]
+    .venv/bin/python -m benchmarks.ttft_stamps benchmarks/results/server-llamacpp-ours-<time>.log [--first N] [--skip N]
 
 Only streamed requests count (a unary one's line ends with ``answer``, not ``first write``: the
 warm-up questions of ``llamacpp_compare.py``).  ``--skip N`` leaves out the first N of them, ``--first N``

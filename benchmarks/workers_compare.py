@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """``--http-workers N`` against one HTTP process: our ``dynamo-run in=http out=echo_full``, same load.
 
-    .venv/bin/python benchmarks/workers_compare.py                          # 1 vs 2 workers, 0 ms, 256 streams
-    .venv/bin/python benchmarks/workers_compare.py --workers 1,2,3 --repeats 3 --duration 15
-    .venv/bin/python benchmarks/workers_compare.py --delay-ms 10 --concurrency 256
+    .venv/bin/python -m benchmarks.workers_compare                          # 1 vs 2 workers, 0 ms, 256 streams
+    .venv/bin/python -m benchmarks.workers_compare --workers 1,2,3 --repeats 3 --duration 15
+    .venv/bin/python -m benchmarks.workers_compare --delay-ms 10 --concurrency 256
 
 For each repeat, and within it for each worker count in turn (so a change in the machine's load hits all
 counts alike), it starts ``dynamo-run in=http out=echo_full --http-workers N`` (``python
@@ -30,11 +30,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import dist_compare  # noqa: E402
-import echo_compare  # noqa: E402
-import loadgen  # noqa: E402
+from benchmarks import dist_compare, echo_compare, loadgen
 
 RESULTS = HERE / "results"
 

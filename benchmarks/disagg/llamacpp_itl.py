@@ -7,7 +7,7 @@ prompts arrive ``--every`` seconds apart, and the streams are measured until the
 with a long prompt's prefill chunk; disaggregated, the prefill worker computes it and the decode worker
 only loads its KV state.  The client measures each stream's gaps between tokens (SSE chunks).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/disagg/llamacpp_itl.py [--streams 4] [--tokens 120]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.disagg.llamacpp_itl [--streams 4] [--tokens 120]
         [--long 1000] [--count 3] [--every 8] [--svg docs/img/disagg_itl.svg]
 """
 
@@ -27,9 +27,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.support.proc import DynamoRun, DynamoWorker, cli_command  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
+from benchmarks.harness.procs import DynamoRun, DynamoWorker, cli_command
+from benchmarks.harness.servers import EtcdServer, NatsServer
 
 MODEL = "itlbench"
 

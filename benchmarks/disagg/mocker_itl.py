@@ -3,7 +3,7 @@ two aggregated workers against one prefill worker + one decode worker.  In one p
 mocker engines themselves, with the frontend's rule (disagg/plan.py) deciding where each prompt is
 prefilled.  Times are the mocker's model of a vLLM worker (docs/routing.md), not measurements of a model.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/disagg/mocker_itl.py [--streams 8] [--long 2000] [--every-ms 400]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.disagg.mocker_itl [--streams 8] [--long 2000] [--every-ms 400]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ with the disk tier (host memory too small for one entry, so every saved prefix g
 either: N distinct prompts of L tokens through an engine with 2 slots (so the first ones are overwritten),
 then the first prompt again.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/disagg/offload.py [--tokens 400] [--prompts 4] [--repeat 2]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.disagg.offload [--tokens 400] [--prompts 4] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import statistics
 import tempfile
 
-from transfer import (  # benchmarks/disagg/transfer.py (run as a script: its folder is on sys.path)
+from benchmarks.disagg.transfer import (
     first_token_s,
     gguf,
     req,

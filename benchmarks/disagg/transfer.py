@@ -4,7 +4,7 @@ time to first token through prefill worker + transfer + decode worker against a 
 In one process (no etcd/NATS: the figures are the hand-over's own): a prefill engine and a decode engine,
 each wrapped in DisaggWorkerEngine, and the real TCP transfer between them on 127.0.0.1.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/disagg/transfer.py [--lengths 128,512,2000] [--repeat 3]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.disagg.transfer [--lengths 128,512,2000] [--repeat 3]
 """
 
 from __future__ import annotations

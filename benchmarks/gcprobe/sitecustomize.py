@@ -1,6 +1,6 @@
 """Garbage-collector probe for the benchmarks' server processes (not part of dynamo-run).
 
-    PYTHONPATH=src:benchmarks/gcprobe .venv/bin/python benchmarks/dist_compare.py --only ours --scenarios b
+    PYTHONPATH=src:benchmarks/gcprobe .venv/bin/python -m benchmarks.dist_compare --only ours --scenarios b
 
 Python imports ``sitecustomize`` at start-up from the path, so every Python process started with this
 PYTHONPATH (frontend, worker, the benchmark itself) times each collector pass through ``gc.callbacks``

@@ -3,10 +3,10 @@
 
 One command::
 
-    .venv/bin/python benchmarks/router/run.py                       # the default sweep (~15 minutes)
-    .venv/bin/python benchmarks/router/run.py --prefix-ratios 0.9 --modes round-robin,kv --duration 20
+    .venv/bin/python -m benchmarks.router.run                       # the default sweep (~15 minutes)
+    .venv/bin/python -m benchmarks.router.run --prefix-ratios 0.9 --modes round-robin,kv --duration 20
 
-It starts etcd and nats-server (tests/support/servers.py), builds the tiny test model folder (a real
+It starts etcd and nats-server (benchmarks/harness/servers.py), builds the tiny test model folder (a real
 tokenizer, no weights), and then, for every prefix ratio and every router mode, starts ``--workers``
 fresh mocker workers (``dynamo-run in=dyn://<ns>.mocker.generate out=mocker``, so their caches start
 cold) and a fresh frontend (``dynamo-run in=http out=dyn --router-mode <mode>``), drives the workload of
@@ -60,18 +60,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from benchmarks.harness.models import build_tiny_hf_model
+from benchmarks.harness.procs import DynamoRun, DynamoWorker
+from benchmarks.harness.servers import EtcdServer, NatsServer
+from benchmarks.loadgen import _Proto, pct
+from benchmarks.router.workload import Conversation, WorkloadConfig, build
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import orjson  # noqa: E402
-from loadgen import _Proto, pct  # noqa: E402
-from workload import Conversation, WorkloadConfig, build  # noqa: E402
-
-from tests.support.proc import DynamoRun, DynamoWorker  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
-from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
 
 MODEL = "tiny-chat"  # the served model name (smollm2 with --engine llamacpp)
 REQUEST_LINE = re.compile(rb"request \S+: (\d+) prompt tokens")
@@ -681,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir = build_tiny_hf_model(Path(tmp), with_weights=False, max_position_embeddings=131072)
             if any(m.startswith("d16:") for m in modes):
-                from dynamo16 import pad_vocab
+                from benchmarks.router.dynamo16 import pad_vocab
 
                 pad_vocab(model_dir)  # so that Dynamo's mocker's token ids decode to text
             tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -718,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefix ratio {ratio:g}, {mode}: {len(convs)} conversations x {cfg.turns} turns ...",
                       file=sys.stderr, flush=True)
                 if mode.startswith("d16:"):
-                    from dynamo16 import run_one_d16
+                    from benchmarks.router.dynamo16 import run_one_d16
 
                     row = run_one_d16(mode, ratio, convs, cfg, args, servers, model_dir, run_index, drive, summarize)
                 else:

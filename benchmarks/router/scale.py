@@ -2,9 +2,9 @@
 """The KV router at scale, with no network: how fast the indexer applies KV events, and how long one
 routing decision takes with many workers, many cached blocks and requests in flight.
 
-    .venv/bin/python benchmarks/router/scale.py                                  # 1,000 workers x 10k blocks
-    .venv/bin/python benchmarks/router/scale.py --workers 100 --blocks-per-worker 100000
-    .venv/bin/python benchmarks/router/scale.py --profile decide                 # cProfile of the decisions
+    .venv/bin/python -m benchmarks.router.scale                                  # 1,000 workers x 10k blocks
+    .venv/bin/python -m benchmarks.router.scale --workers 100 --blocks-per-worker 100000
+    .venv/bin/python -m benchmarks.router.scale --profile decide                 # cProfile of the decisions
 
 **The cache.**  ``--groups`` shared prefixes (system prompts) of ``--prefix-blocks`` blocks each; every
 worker holds ``--groups-per-worker`` of them (a group's prefix is on about workers x groups-per-worker /
@@ -45,20 +45,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
+import orjson
 
-import orjson  # noqa: E402
-
-from dynamo.kv import KvRouter  # noqa: E402
-from dynamo.kv.events import kv_event, parse_kv_event, removed_data, stored_data  # noqa: E402
-from dynamo.kv.hashing import (  # noqa: E402
+from dynamo.kv import KvRouter
+from dynamo.kv.events import kv_event, parse_kv_event, removed_data, stored_data
+from dynamo.kv.hashing import (
     compute_block_hashes,
     compute_hashes,
     compute_hashes_async,
     compute_seq_hashes,
 )
-from dynamo.kv.scheduler import (  # noqa: E402
+from dynamo.kv.scheduler import (
     FAST_PICK_MIN_WORKERS,
     compute_costs,
     fast_pick,

@@ -134,6 +134,38 @@ def parse_kv_event(raw: bytes | str | dict[str, Any]) -> KvEvent:
     data = event.get("data")
     if data == "cleared" or (isinstance(data, dict) and "cleared" in data):
         return KvEvent(worker_id, event_id, "cleared", tier=None if raw_tier is None else tier)
+    return _parse_data(worker_id, event_id, data, tier)
+
+
+def parse_cache_event(worker_id: int, raw: bytes | str) -> tuple[KvEvent, int]:
+    """Decode one *bare* KV cache event, as Dynamo's Python ``RadixTree.apply_event`` takes it: the
+    ``event`` part of a KV event (no worker id, no tier), with Dynamo's optional ``dp_rank``.
+
+    ``{"event_id": <u64>, "data": <data>, "dp_rank": <u32, default 0>}``; ``event_id`` is required, as
+    in Dynamo.  Returns (the event, its dp_rank); the blocks are always device blocks.  Raises
+    :class:`EventError` if it is malformed."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise EventError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise EventError("a KV cache event must be a JSON object")
+    if "event_id" not in obj:
+        raise EventError("missing field 'event_id'")
+    event_id = obj["event_id"]
+    if isinstance(event_id, bool) or not isinstance(event_id, int) or not 0 <= event_id <= MASK64:
+        raise EventError(f"event_id must be an unsigned 64-bit integer, got {event_id!r}")
+    dp_rank = obj.get("dp_rank", 0)
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < 1 << 32:
+        raise EventError(f"dp_rank must be an unsigned 32-bit integer, got {dp_rank!r}")
+    data = obj.get("data")
+    if data == "cleared":
+        return KvEvent(worker_id, event_id, "cleared", tier=DEVICE), dp_rank
+    return _parse_data(worker_id, event_id, data, DEVICE), dp_rank
+
+
+def _parse_data(worker_id: int, event_id: int, data: Any, tier: str) -> KvEvent:
+    """The ``stored`` or ``removed`` body of an event."""
     if not isinstance(data, dict) or len(data) != 1:
         raise EventError(f"event data must be {{'stored': ...}}, {{'removed': ...}} or 'cleared', got {data!r}")
     (kind, body), = data.items()

@@ -39,6 +39,17 @@ def block_hash(tokens: Sequence[int]) -> int:
     return _xxh3(_le_u32(tokens), seed=KV_HASH_SEED)
 
 
+def block_hash_mm(tokens: Sequence[int], mm_hashes: Iterable[int]) -> int:
+    """The local hash of a block that shows multimodal objects (images...): its token ids as for
+    :func:`block_hash`, then the objects' hashes, sorted, as little-endian u64.  Two blocks of the same
+    placeholder tokens showing different images must not share a hash."""
+    try:
+        extra = b"".join(struct.pack("<Q", h) for h in sorted(mm_hashes))
+    except struct.error:
+        raise ValueError("mm_hash values must fit in an unsigned 64-bit integer") from None
+    return _xxh3(_le_u32(tokens) + extra, seed=KV_HASH_SEED)
+
+
 _U32 = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 

@@ -50,16 +50,18 @@ from dynamo.kv.hashing import KV_HASH_SEED, compute_seq_hashes
 log = logging.getLogger(__name__)
 
 WorkerId = int
-OverlapScores = dict[WorkerId, int]
+# worker -> how many leading blocks of the query it holds (only workers with > 0)
+Overlaps = dict[WorkerId, int]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
 
 
-class RadixTree:
+class BlockIndex:
     """The block index and per-worker lookups.  Single-threaded: call it from one event loop.
 
-    (The name is historical: the index used to be a radix tree of local hashes, and is equivalent.)
+    It answers what a radix tree of local hashes would (a chain of sequence hashes *is* a path from the
+    root), so Dynamo's Python ``RadixTree`` (dynamo/kv/api.py) is a thin layer over it.
     """
 
     def __init__(self) -> None:
@@ -169,7 +171,9 @@ class RadixTree:
             else:
                 holders[seq] = v | bit
 
-    def apply_removed(self, worker: WorkerId, block_hashes: Iterable[int]) -> None:
+    def apply_removed(self, worker: WorkerId, block_hashes: Iterable[int]) -> int:
+        """Forget these blocks of ``worker`` (by its names for them); returns how many it was not known to
+        hold (logged and skipped: the others are still removed)."""
         lookup = self._lookup.get(worker)
         unknown = 0
         bit = self._bit.get(worker, 0)
@@ -184,6 +188,7 @@ class RadixTree:
         if lookup is not None and not lookup:
             del self._lookup[worker]
             self._forget(worker)
+        return unknown
 
     def _clear(self, seq: int, bit: int) -> None:
         holders = self._holders
@@ -214,14 +219,24 @@ class RadixTree:
     clear_worker = remove_worker
 
     # -- queries -------------------------------------------------------------------------------
-    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> Overlaps:
         """For each worker, how many leading blocks of ``local_hashes`` it holds (only workers with > 0).
 
         ``seq_hashes`` (the prompt's sequence hashes, when the caller has them) saves hashing again."""
         if seq_hashes is None:
             seq_hashes = compute_seq_hashes(local_hashes)
+        return self.walk(seq_hashes)[0]
+
+    def walk(self, seq_hashes: Sequence[int], early_exit: bool = False) -> tuple[Overlaps, int]:
+        """(each worker's contiguous prefix of ``seq_hashes``, how many blocks were looked at).
+
+        The walk stops at the first block nobody holds, or once no worker's prefix reaches further.
+        ``early_exit`` also stops it as soon as a single worker is left (Dynamo's ``find_matches``
+        option: the caller only wants to know *who*, so that worker is credited the depth reached so
+        far, not its whole prefix).  The count of blocks looked at is what Dynamo's access frequencies
+        are kept for."""
         get = self._holders.get
-        scores: OverlapScores = {}
+        scores: Overlaps = {}
         active = 0
         depth = 0
         for s in seq_hashes:
@@ -237,14 +252,16 @@ class RadixTree:
                         scores[w] = depth
                     active = still
                     if not active:
-                        return scores
+                        return scores, depth + 1
             else:
                 active = mask
             depth += 1
+            if early_exit and not active & (active - 1):
+                break
         if active:
             for w in self._workers_in(active):
                 scores[w] = depth
-        return scores
+        return scores, depth
 
     def holders(self, seq_hash: int) -> list[WorkerId]:
         """The workers holding the block named ``seq_hash``."""
@@ -268,17 +285,17 @@ class KvIndexer:
     """The event-driven indexer: apply the workers' KV events, answer overlap queries."""
 
     def __init__(self) -> None:
-        self.tree = RadixTree()  # the device tier: blocks in the engines' own KV caches
-        self.lower: dict[str, RadixTree] = {}  # host_pinned, disk: restorable blocks, made on first use
+        self.tree = BlockIndex()  # the device tier: blocks in the engines' own KV caches
+        self.lower: dict[str, BlockIndex] = {}  # host_pinned, disk: restorable blocks, made on first use
         self.events_applied = 0
         self.events_rejected = 0
 
-    def tier_tree(self, tier: str) -> RadixTree:
+    def tier_tree(self, tier: str) -> BlockIndex:
         if tier == DEVICE:
             return self.tree
         tree = self.lower.get(tier)
         if tree is None:
-            tree = self.lower[tier] = RadixTree()
+            tree = self.lower[tier] = BlockIndex()
         return tree
 
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
@@ -341,15 +358,15 @@ class KvIndexer:
             self.events_rejected += 1
         return ok
 
-    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> Overlaps:
         return self.tree.find_matches(local_hashes, seq_hashes)
 
-    def find_lower_matches(self, seq_hashes: Sequence[int]) -> dict[str, OverlapScores]:
+    def find_lower_matches(self, seq_hashes: Sequence[int]) -> dict[str, Overlaps]:
         """Per lower tier (nearest first), each worker's contiguous prefix of ``seq_hashes`` counting the
         blocks it holds on the device *or* in that tier or a nearer one (only workers with > 0).  Empty
         when no worker announced offloaded blocks: then nothing here costs anything."""
         levels = [self.tree]
-        out: dict[str, OverlapScores] = {}
+        out: dict[str, Overlaps] = {}
         for tier in LOWER_TIERS:
             tree = self.lower.get(tier)
             if tree is None or not tree.node_count():
@@ -364,10 +381,10 @@ class KvIndexer:
             tree.remove_worker(worker)
 
 
-def _union_prefix(trees: Sequence[RadixTree], seq_hashes: Sequence[int]) -> OverlapScores:
+def _union_prefix(trees: Sequence[BlockIndex], seq_hashes: Sequence[int]) -> Overlaps:
     """Each worker's contiguous prefix of blocks held in any of ``trees``: a few sets per block, for the
     rare query that has offloaded blocks to consider (workers are few next to blocks)."""
-    scores: OverlapScores = {}
+    scores: Overlaps = {}
     active: set[WorkerId] = set()
     for depth, s in enumerate(seq_hashes):
         held: set[WorkerId] = set()
@@ -432,7 +449,7 @@ class ApproxKvIndexer:
     """No events: a routed request's blocks are assumed cached on the chosen worker for ``ttl`` seconds."""
 
     def __init__(self, ttl: float = DEFAULT_APPROX_TTL_S, clock: Callable[[], float] = time.monotonic):
-        self.tree = RadixTree()
+        self.tree = BlockIndex()
         self.ttl = ttl
         self.clock = clock
         self._expiry: dict[tuple[WorkerId, int], float] = {}
@@ -470,7 +487,7 @@ class ApproxKvIndexer:
             dropped += 1
         return dropped
 
-    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> OverlapScores:
+    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> Overlaps:
         self.expire()
         return self.tree.find_matches(local_hashes, seq_hashes)
 

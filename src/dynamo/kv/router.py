@@ -37,7 +37,7 @@ from dynamo.kv.events import (
     parse_kv_event,
 )
 from dynamo.kv.hashing import compute_block_hashes, compute_seq_hashes
-from dynamo.kv.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, OverlapScores
+from dynamo.kv.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, Overlaps
 from dynamo.kv.publisher import Publisher, emit
 from dynamo.kv.scheduler import (
     FAST_PICK_MIN_WORKERS,
@@ -325,7 +325,7 @@ class KvRouter:
                 self._peer_of.pop(rid, None)
 
     # -- queries -------------------------------------------------------------------------------
-    def find_matches(self, token_ids: Sequence[int]) -> OverlapScores:
+    def find_matches(self, token_ids: Sequence[int]) -> Overlaps:
         """Cached prefix length, in blocks, of ``token_ids`` per worker."""
         return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size))
 
@@ -343,7 +343,7 @@ class KvRouter:
         return self._restorable(seq, self.indexer.find_matches([], seq))
 
     # -- internals -----------------------------------------------------------------------------
-    def _restorable(self, seq: Sequence[int], overlaps: OverlapScores) -> dict[WorkerId, float]:
+    def _restorable(self, seq: Sequence[int], overlaps: Overlaps) -> dict[WorkerId, float]:
         """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
         weight (a block reachable through host memory is priced as host, through disk as disk)."""
         find = getattr(self.indexer, "find_lower_matches", None)

