@@ -27,7 +27,7 @@ from benchmarks.harness.procs import DynamoRun
 
 
 def pieces(repeat: int = 2000) -> None:
-    from dynamo.engines.llamacpp.engine import _token_logprobs
+    from dynamo.engines.llamacpp.sampling import token_logprobs
     from dynamo.llm.gguf_card import load_gguf
     from dynamo.llm.logprobs import LogprobCarrier, token_bytes
     from dynamo.llm.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ def pieces(repeat: int = 2000) -> None:
     for n in (0, 20):
         t0 = time.perf_counter()
         for i in range(repeat):
-            _token_logprobs(np, row, i, n)
+            token_logprobs(np, row, i, n)
         print(f"log-softmax + top {n:2d} over {tok.vocab_size} logits: {1e6 * (time.perf_counter() - t0) / repeat:6.1f} µs/token")
     tops = [{"token_id": int(t), "logprob": -float(k)} for k, t in enumerate(np.argsort(-row)[:20])]
     for n in (0, 20):

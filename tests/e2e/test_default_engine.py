@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamo.cli import launch
+from dynamo.engines import served_model
 from dynamo.errors import UserError
 from dynamo.llm.model_card import ModelCard
 from tests.support.proc import run_cli
@@ -56,16 +56,16 @@ def _cfg(model: str = "m") -> SimpleNamespace:
     ],
 )
 def test_choose_engine_order(monkeypatch: pytest.MonkeyPatch, gguf: bool, installed: set[str], expected: str) -> None:
-    monkeypatch.setattr(launch, "engine_installed", lambda name: name in installed)
+    monkeypatch.setattr(served_model, "engine_installed", lambda name: name in installed)
     card = ModelCard("m", gguf_path=Path("/x.gguf") if gguf else None)
-    assert launch.choose_engine(_cfg(), card) == expected  # type: ignore[arg-type]
+    assert served_model.choose_engine(_cfg(), card) == expected  # type: ignore[arg-type]
 
 
 def test_no_engine_installed_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "engine_installed", lambda name: False)
+    monkeypatch.setattr(served_model, "engine_installed", lambda name: False)
     with pytest.raises(UserError) as info:
-        launch.choose_engine(_cfg(), ModelCard("m", gguf_path=Path("/x.gguf")))  # type: ignore[arg-type]
+        served_model.choose_engine(_cfg(), ModelCard("m", gguf_path=Path("/x.gguf")))  # type: ignore[arg-type]
     assert "llama-cpp-python" in str(info.value) and "mistralrs" in str(info.value)
     with pytest.raises(UserError) as info:
-        launch.choose_engine(_cfg(), ModelCard("m"))  # type: ignore[arg-type]
+        served_model.choose_engine(_cfg(), ModelCard("m"))  # type: ignore[arg-type]
     assert "vllm" in str(info.value) and "mistralrs" in str(info.value)

@@ -39,7 +39,7 @@ def _worker(servers: dict[str, str], gguf: Path, args_file: Path, args: dict[str
     args_file.write_text(json.dumps(args))
     return DynamoWorker(f"in=dyn://{MODEL}.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", MODEL,
                         "--context-length", "512", "--extra-engine-args", str(args_file),
-                        env={**servers, "DYN_LOG": "info,dynamo.engines.llamacpp.engine=debug"}, startup_timeout=120)
+                        env={**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}, startup_timeout=120)
 
 
 async def _complete(fe: DynamoRun, prompt: str, worker: int | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from dynamo.engines.llamacpp.engine import BatchThreadTuner, ThreadTuner  # noqa: E402  (llama_cpp: lazily)
+from dynamo.engines.llamacpp.threads import BatchThreadTuner, ThreadTuner  # noqa: E402
 from tests.support.proc import DynamoRun, run_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -100,9 +100,9 @@ async def test_a_follow_up_reuses_the_previous_turns_slot_and_events_match_the_s
         assert router.find_matches(chat(tok, SYSTEM, "Another question?")) == {77: shared // BS}
         # each slot's blocks are the router's hashes of its tokens; the dump is their union
         union = set()
-        for slot in engine._slots:
-            assert engine.slot_blocks.blocks(slot.seq_id) == compute_hashes(slot.cached, BS)[1]
-            union |= set(engine.slot_blocks.blocks(slot.seq_id))
+        for slot in engine.caches.slots:
+            assert engine.caches.slot_blocks.blocks(slot.seq_id) == compute_hashes(slot.cached, BS)[1]
+            union |= set(engine.caches.slot_blocks.blocks(slot.seq_id))
         assert {b[0] for b in engine.kv_state_dump()["blocks"]} == union
         metrics = engine.load_metrics()
         assert metrics["kv_stats"]["kv_active_blocks"] == len(union)
@@ -127,7 +127,7 @@ async def test_a_turn_ended_by_its_consumer_frees_its_slot_for_the_next_turn(ggu
         _, cached = await ask(engine, chat(tok, SYSTEM, "Name three colors."))
         assert cached == next(i for i, (a, b) in enumerate(zip(first, chat(tok, SYSTEM, "Name three colors."), strict=False))
                               if a != b)
-        assert engine.copies == 0
+        assert engine.caches.copies == 0
     finally:
         await engine.close()
 
@@ -139,7 +139,7 @@ async def test_a_prefix_being_computed_is_waited_for_not_computed_twice(gguf, to
         (_, first), (_, second) = await asyncio.gather(ask(engine, chat(tok, SYSTEM, "What is 2+2?")),
                                                        ask(engine, chat(tok, SYSTEM, "Name three colors.")))
         assert first == 0
-        assert second > 100 and engine.copies == 1
+        assert second > 100 and engine.caches.copies == 1
     finally:
         await engine.close()
 
@@ -156,18 +156,18 @@ async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf,
     try:
         await ask(plain, chat(tok, SYSTEM, "Name three colors."), max_tokens=1)
         expected, cached = await ask(plain, question)
-        assert cached > 100 and plain.copies == 0
+        assert cached > 100 and plain.caches.copies == 0
     finally:
         await plain.close()
     engine = await _engine(gguf)
-    engine.state_copy_max_tokens = 512 if through == "sequence state" else 0
+    engine.caches.state_copy_max_tokens = 512 if through == "sequence state" else 0
     try:
         busy = asyncio.create_task(ask(engine, chat(tok, SYSTEM, "Name three colors."), max_tokens=64))
-        while not any(s.req is not None and not s.pending and s.generated for s in engine._slots):  # noqa: ASYNC110
+        while not any(s.req is not None and not s.pending and s.generated for s in engine.caches.slots):  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # the long request is decoding: its slot holds the system prompt
         tokens, cached = await ask(engine, question)
-        assert engine.copies == 1
-        assert engine.state_copies == (1 if through == "sequence state" else 0)
+        assert engine.caches.copies == 1
+        assert engine.caches.state_copies == (1 if through == "sequence state" else 0)
         assert cached > 100
         assert tokens == expected
         await busy
@@ -207,7 +207,7 @@ def servers() -> Iterator[dict[str, str]]:
 def llama_workers(servers, gguf: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
     args = tmp_path_factory.mktemp("llamacpp") / "args.json"
     args.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
-    env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp.engine=debug"}
+    env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
     ws = [DynamoWorker("in=dyn://kvllama.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", "kvllama",
                        "--context-length", "512", "--extra-engine-args", str(args), env=env,
                        startup_timeout=120).start(wait=False) for _ in range(2)]

@@ -36,9 +36,9 @@ async def test_revisited_prefixes_are_restored_from_the_host_tier(gguf, tok):
     plain = await _engine(gguf, 0)
     try:
         first = [await ask(engine, p) for p in prompts]  # 4 prefixes, 2 slots: two were overwritten
-        assert engine.host_tier.saved >= 2
+        assert engine.caches.host_tier.saved >= 2
         again, cached = await ask(engine, prompts[0])
-        assert engine.host_tier.restored == 1
+        assert engine.caches.host_tier.restored == 1
         assert cached >= len(prompts[0]) - 16  # the whole prompt but its tail came from the tier
         assert again == first[0][0]
         # without the tier the same sequence recomputes the prefix, with the same answer
@@ -86,9 +86,9 @@ async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf
     router = KvRouter(block_size=16)
     try:
         first = [await ask(engine, p) for p in prompts]
-        assert len(engine.host_tier) == 1 and len(engine.disk_tier) >= 1
-        on_disk = [i for i, p in enumerate(prompts) if _holding(engine.disk_tier, p)]
-        (in_host,) = [i for i, p in enumerate(prompts) if _holding(engine.host_tier, p)]
+        assert len(engine.caches.host_tier) == 1 and len(engine.caches.disk_tier) >= 1
+        on_disk = [i for i, p in enumerate(prompts) if _holding(engine.caches.disk_tier, p)]
+        (in_host,) = [i for i, p in enumerate(prompts) if _holding(engine.caches.host_tier, p)]
         # the router was told where each prefix is: resident, restorable from host memory, from disk
         await asyncio.sleep(0.1)  # the scheduler thread's last events reach the loop
         for e in events:
@@ -101,18 +101,18 @@ async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf
             assert router.restorable(prompts[i]) == {
                 wid: pytest.approx(router.tier_weights[DISK] * (len(prompts[i]) // 16))}
         again, cached = await ask(engine, prompts[on_disk[0]])
-        assert engine.disk_tier.restored == 1 and cached >= len(prompts[on_disk[0]]) - 16
+        assert engine.caches.disk_tier.restored == 1 and cached >= len(prompts[on_disk[0]]) - 16
         assert again == first[on_disk[0]][0]
-        assert _holding(engine.host_tier, prompts[on_disk[0]])  # promoted back to host memory
+        assert _holding(engine.caches.host_tier, prompts[on_disk[0]])  # promoted back to host memory
         # a damaged file falls back to computing the prompt, with the same answer
-        victim = next(i for i, p in enumerate(prompts) if _holding(engine.disk_tier, p) and i != 3)
-        path = engine.disk_tier.path_of(_holding(engine.disk_tier, prompts[victim]))
+        victim = next(i for i, p in enumerate(prompts) if _holding(engine.caches.disk_tier, p) and i != 3)
+        path = engine.caches.disk_tier.path_of(_holding(engine.caches.disk_tier, prompts[victim]))
         blob = bytearray(path.read_bytes())
         blob[len(blob) // 2] ^= 0x55
         path.write_bytes(blob)
         again1, cached1 = await ask(engine, prompts[victim])
-        assert engine.disk_tier.corrupt == 1 and cached1 < 16 and again1 == first[victim][0]
-        assert engine.disk_tier.restored == 1 and not path.exists()
+        assert engine.caches.disk_tier.corrupt == 1 and cached1 < 16 and again1 == first[victim][0]
+        assert engine.caches.disk_tier.restored == 1 and not path.exists()
     finally:
         await engine.close()
     assert list(tmp_path.iterdir()) == []  # the tier's files go with the engine

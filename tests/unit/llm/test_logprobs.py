@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 import pytest
 
-from dynamo.engines.llamacpp.engine import _logsumexp, _token_logprobs
+from dynamo.engines.llamacpp.sampling import logsumexp, token_logprobs
 from dynamo.engines.vllm import engine as vl
 from dynamo.errors import RequestError
 from dynamo.llm.aggregate import fold_chat, fold_completion
@@ -286,14 +286,14 @@ def test_vllm_prompt_logprobs_are_converted_on_the_first_output():
 def test_llamacpp_log_softmax_matches_a_reference():
     rng = np.random.default_rng(0)
     row = (rng.standard_normal(49152) * 8).astype(np.float32)
-    lp, tops = _token_logprobs(np, row, 17, 3)
+    lp, tops = token_logprobs(np, row, 17, 3)
     ref = row.astype(np.float64) - math.log(np.exp(row.astype(np.float64)).sum())
     assert lp == pytest.approx(ref[17], abs=1e-5)
     best = np.argsort(-ref)[:3]
     assert sorted(t["token_id"] for t in tops) == sorted(best.tolist())
     assert all(t["logprob"] == pytest.approx(ref[t["token_id"]], abs=1e-5) for t in tops)
     rows = np.stack([row, row[::-1]])
-    assert _logsumexp(np, rows).shape == (2,)
+    assert logsumexp(np, rows).shape == (2,)
 
 
 async def test_disaggregation_prefills_on_the_decode_worker_when_logprobs_are_asked():

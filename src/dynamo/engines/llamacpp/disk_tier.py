@@ -25,7 +25,7 @@ import struct
 from collections import OrderedDict
 from pathlib import Path
 
-from dynamo.engines.llamacpp.host_tier import TierBlocks, _best
+from dynamo.engines.llamacpp.host_tier import TierBlocks, best_entry
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class DiskKvTier:
         return True
 
     def best(self, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
-        return _best(self._items, prompt)
+        return best_entry(self._items, prompt)
 
     def get(self, key: tuple[int, ...]) -> bytes | None:
         """The state of ``key``, checked; None (and the entry gone) if the file is missing or damaged."""

@@ -1,6 +1,6 @@
 """``out=llamacpp --embedding``: sentence embeddings from a GGUF with llama.cpp.
 
-A separate engine from the generating one (``llamacpp.py``): its own model and context, created in
+A separate engine from the generating one (``engine.py``): its own model and context, created in
 embedding mode.  The inputs of a request are decoded together, up to 16 sequences per ``llama_decode`` as
 long as their tokens fit the context, with no vocabulary logits asked for.  The pooling is the model's own
 (an embedding model's GGUF says mean, CLS or last); a model that declares none (a chat model) is pooled by
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dynamo.engines.llamacpp.engine import silence_llama_log as _silence_llama_log
+from dynamo.engines.llamacpp.model import silence_llama_log
 from dynamo.errors import ModelError, RequestError, UserError
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
@@ -89,7 +89,7 @@ class LlamaCppEmbeddingEngine:
 
         self._L = L
         if not self.verbose:
-            _silence_llama_log(L)
+            silence_llama_log(L)
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = self.n_gpu_layers

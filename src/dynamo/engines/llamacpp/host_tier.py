@@ -9,7 +9,7 @@ this machine loading a state costs milliseconds where recomputing a prefix costs
 The entries' complete blocks are named as the KV router names them (slot_blocks.py, one "slot" per
 entry, shared prefixes counted once), so the engine can announce them as ``host_pinned`` blocks and
 announce their removal when the LRU drops them.  An entry pushed out by the LRU goes to ``spill`` (the
-disk tier, kv_disk_tier.py) when there is one.
+disk tier, disk_tier.py) when there is one.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class HostKvTier:
 
     def best(self, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
         """The entry sharing the longest prefix with ``prompt``: (its tokens, shared length), or None."""
-        return _best(self._items, prompt)
+        return best_entry(self._items, prompt)
 
     def get(self, key: tuple[int, ...]) -> bytes | None:
         data = self._items.get(key)
@@ -123,7 +123,8 @@ class HostKvTier:
         return data
 
 
-def _best(keys: Any, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
+def best_entry(keys: Any, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
+    """The key sharing the longest prefix with ``prompt`` and that length (None: none shares a token)."""
     best: tuple[tuple[int, ...], int] | None = None
     for key in keys:
         n = common_prefix(key, prompt)

@@ -1,0 +1,346 @@
+"""The sequence slots of ``out=llamacpp`` and the KV caches they keep: which slot a request takes, how much
+of its prompt it reuses, and copying, offloading and restoring those caches.
+
+A slot keeps the KV cache of its last sequence; a new request goes to the free slot sharing the longest
+prefix with its prompt, and only the tail after the shared prefix is computed again (multi-turn chats
+and shared system prompts skip most of their prefill).  When a *busy* slot shares a clearly longer
+prefix (a group of users on one system prompt, sent here together by a KV router), that slot's cache is
+copied into the least recently used free slot (through the sequence's state, its used cells only, or
+``llama_memory_seq_cp``, which copies its whole stream: see :meth:`SlotCaches.copy_cache`; either far
+cheaper than recomputing a long prefix).  So every block any slot holds can be reused, which is what
+the KV router assumes.
+
+KV offloading: a slot cache about to be overwritten is saved to the host-memory tier (host_tier.py),
+whose LRU spills to the disk tier (disk_tier.py); a later prompt with that prefix gets it loaded back
+into a slot instead of computing it again.  Once a worker attaches, every complete block a slot holds is
+named with the router's hashes (slot_blocks.py), and the tiers' blocks likewise, for the KV events.
+
+Every method here runs on the scheduler thread (scheduler.py), which owns the llama.cpp calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamo.engines.llamacpp.disk_tier import DiskKvTier
+from dynamo.engines.llamacpp.host_tier import HostKvTier, common_prefix
+from dynamo.engines.llamacpp.model import Llama
+from dynamo.errors import EngineError
+from dynamo.kv.events import DEVICE, DISK, HOST
+from dynamo.kv.slot_blocks import SlotBlocks
+from dynamo.llm.engine import Context
+from dynamo.llm.first_token import Stamps
+
+log = logging.getLogger(__name__)
+
+# KV offloading: a slot cache is saved to the host tier when at least this many of its tokens would be lost
+OFFLOAD_MIN_TOKENS = 32
+# copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
+COPY_MIN_TOKENS = 16
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    eos: frozenset[int]
+    sampling: Any
+    ctx: Context
+    out: asyncio.Queue[Any]
+    loop: asyncio.AbstractEventLoop
+    cancelled: bool = False
+    grammar: str | None = None  # GBNF from guided decoding (grammar.py)
+    cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
+    state_io: Any = None  # disaggregation (disagg/worker.py StateIO): export or import the sequence state
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
+    stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
+
+
+@dataclass
+class Slot:
+    seq_id: int
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in this sequence
+    req: Request | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to evaluate
+    last: int = -1  # the token to feed next in decode
+    generated: int = 0
+    sampler: Any = None
+    greedy: bool = False  # plain argmax: no llama.cpp sampler needed
+    prompt_lp: list[Any] | None = None  # the prompt's logprobs so far (requests that asked for them)
+    used_at: float = 0.0
+
+
+class SlotCaches:
+    """The slots, what their caches hold (named as the router names blocks, once ``tracking``), and the
+    host and disk tiers behind them.  ``host_bytes``: the host tier's size (0: no offloading)."""
+
+    def __init__(self, n_ctx_seq: int, block_size: int, host_bytes: int = 0):
+        self.slots: list[Slot] = []  # made by bind, once the model is loaded
+        self.block_size = block_size
+        self.slot_blocks = SlotBlocks(block_size)
+        self.tracking = False  # name blocks for KV events (a worker attached)
+        self.host_tier = HostKvTier(host_bytes, block_size, spill=self.spill) if host_bytes > 0 else None
+        self.disk_tier: DiskKvTier | None = None  # made by open_disk
+        self.copies = 0
+        self.state_copies = 0  # copies made through the sequence state (copy_cache)
+        # a donor holding at most this many tokens is copied through its state, a longer one with seq_cp
+        self.state_copy_max_tokens = n_ctx_seq // 4
+        self._llama: Llama | None = None
+
+    def open_disk(self, root: Path, max_bytes: int) -> None:
+        """The disk tier under ``root`` (OSError: it cannot be made there)."""
+        self.disk_tier = DiskKvTier(root, max_bytes, self.block_size)
+
+    def bind(self, llama: Llama, n_parallel: int) -> None:
+        """The loaded model's context: one slot per sequence."""
+        self._llama = llama
+        self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
+
+    @property
+    def llama(self) -> Llama:
+        assert self._llama is not None, "the model is not loaded"
+        return self._llama
+
+    # -- KV events ----------------------------------------------------------------------------
+    def track(self) -> list[tuple[str, Any]]:
+        """Name every block from scratch and from now on; the events (tier, data) that describe what the
+        slots and the tiers hold now."""
+        self.slot_blocks = SlotBlocks(self.block_size)
+        for slot in self.slots:  # anything cached before now is named from scratch
+            self.slot_blocks.extend(slot.seq_id, slot.cached)
+        self.tracking = True
+        events = [(DEVICE, d) for d in self.slot_blocks.take_events()]
+        for tier, store in ((HOST, self.host_tier), (DISK, self.disk_tier)):
+            if store is not None:
+                events += [(tier, d) for d in store.names.rename_all(store.keys())]
+        return events
+
+    def take_events(self) -> list[tuple[str, Any]]:
+        """The KV events (tier, data) since the last call, the slots' first; none while not tracking."""
+        lower = [(tier, d) for tier, store in ((HOST, self.host_tier), (DISK, self.disk_tier)) if store is not None
+                 for d in store.names.take_events()]  # taken even when nobody listens: they would pile up
+        if not self.tracking:
+            return []
+        return [(DEVICE, d) for d in self.slot_blocks.take_events()] + lower
+
+    def name_blocks(self) -> None:
+        """After a step: name the blocks it completed in the busy slots."""
+        if self.tracking:
+            for slot in self.slots:
+                if slot.req is not None:
+                    self.slot_blocks.extend(slot.seq_id, slot.cached)
+
+    def cached_blocks(self) -> int:
+        """Complete blocks the slots hold (shared prefixes counted once while tracking)."""
+        return self.slot_blocks.cached_blocks if self.tracking else sum(
+            len(s.cached) // self.block_size for s in self.slots)
+
+    def drop(self, slot: Slot) -> None:
+        """Empty the slot's cache (a failed decode left it undefined)."""
+        self.llama.L.llama_memory_seq_rm(self.llama.mem, slot.seq_id, -1, -1)
+        slot.cached = []
+        if self.tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+
+    # -- admission ------------------------------------------------------------------------------
+    def place(self, req: Request, free: list[Slot]) -> Slot | None:
+        """Pick the free slot for ``req`` and make its cache hold the longest prefix of the prompt there is
+        (its own, a copy of another slot's, or a restored tier entry); sets ``req.cached_tokens`` and the
+        slot's pending prompt tokens.  None: a busy slot is still computing much more of this prompt, so
+        the request should wait for it (and copy it) instead of computing it a second time beside it."""
+        last = len(req.prompt) - 1
+        prefix = {s.seq_id: common_prefix(s.cached, req.prompt) for s in self.slots}
+        best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
+        if 2 * prefix[best.seq_id] < len(best.cached):
+            # this prompt would reuse less of that slot's cache than it overwrites (a shared system
+            # prompt, then another conversation): an empty slot keeps that conversation restorable
+            empty = [s for s in free if not s.cached]
+            if empty:
+                best = min(empty, key=lambda s: s.used_at)
+        keep = min(prefix[best.seq_id], last)
+        busy = [s for s in self.slots if s.req is not None]
+        # any other slot, busy or free, whose cache holds more of this prompt can lend it
+        donor = max((s for s in self.slots if s is not best), key=lambda s: prefix[s.seq_id], default=None)
+        now = max(keep, min(prefix[donor.seq_id], last) if donor is not None else 0)
+        later = max((min(common_prefix(s.req.prompt, req.prompt), last)  # type: ignore[union-attr]
+                     for s in busy if s.pending), default=0)
+        if later >= now + COPY_MIN_TOKENS:
+            return None  # admitted (with a copy) once that slot's prefill is done
+        L = self.llama.L
+        if donor is not None and min(prefix[donor.seq_id], last) >= keep + COPY_MIN_TOKENS:
+            # another slot holds much more of this prompt: copy its cache over the least recently used
+            # free slot (the copy runs at the start of the next llama_decode)
+            targets = [s for s in free if s is not donor]
+            best = min([s for s in targets if not s.cached] or targets, key=lambda s: s.used_at)
+            keep = min(prefix[donor.seq_id], last)
+            self.offload(best, 0)
+            t0 = time.perf_counter()
+            how = self.copy_cache(donor, best)
+            self.copies += 1
+            if self.tracking:
+                self.slot_blocks.copy(donor.seq_id, best.seq_id, keep)
+            log.debug("request %s: slot %d copies %d cached tokens from slot %d (%s of %d tokens, %.1f ms)",
+                      req.ctx.id, best.seq_id, keep, donor.seq_id, how, len(donor.cached),
+                      1e3 * (time.perf_counter() - t0))
+            best.cached = donor.cached[:keep]
+        else:
+            self.offload(best, keep)
+        keep = self.restore(best, req.prompt, keep)
+        if not L.llama_memory_seq_rm(self.llama.mem, best.seq_id, keep, -1):
+            L.llama_memory_seq_rm(self.llama.mem, best.seq_id, -1, -1)
+            keep = 0
+        if self.tracking:
+            self.slot_blocks.truncate(best.seq_id, keep)
+        best.cached = req.prompt[:keep]
+        req.cached_tokens = keep
+        best.pending = req.prompt[keep:]
+        return best
+
+    def place_whole(self, req: Request, free: list[Slot]) -> Slot:
+        """A request for the prompt's logprobs needs the logits at every prompt position, so nothing of
+        it comes from a cache: it takes the least recently used free slot and computes it all."""
+        best = min(free, key=lambda s: s.used_at)
+        self.offload(best, 0)
+        self.llama.L.llama_memory_seq_rm(self.llama.mem, best.seq_id, -1, -1)
+        if self.tracking:
+            self.slot_blocks.truncate(best.seq_id, 0)
+        best.cached = []
+        req.cached_tokens = 0
+        best.pending = list(req.prompt)
+        return best
+
+    def place_imported(self, req: Request, free: list[Slot], data: bytes) -> Slot | None:
+        """Load a prefill worker's state of ``req.prompt`` into the least recently used free slot; None
+        (nothing changed, prefill locally) if llama.cpp refuses the state."""
+        L, lctx, mem = self.llama.L, self.llama.lctx, self.llama.mem
+        slot = min(free, key=lambda s: s.used_at)
+        L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+        t0 = time.perf_counter()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = L.llama_state_seq_set_data(lctx, buf, len(data), slot.seq_id)
+        ok = n == len(data) and L.llama_memory_seq_pos_max(mem, slot.seq_id) == len(req.prompt) - 1
+        if self.tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+        if not ok:
+            L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            log.warning("request %s: llama.cpp refused the transferred KV state (%d of %d bytes read); "
+                        "prefilling locally", req.ctx.id, n, len(data))
+            return None
+        slot.cached = list(req.prompt)
+        slot.pending = []
+        if self.tracking:
+            self.slot_blocks.extend(slot.seq_id, slot.cached)
+        log.debug("request %s: slot %d loaded the KV state of %d prompt tokens (%d bytes) in %.1f ms", req.ctx.id,
+                  slot.seq_id, len(req.prompt), len(data), 1e3 * (time.perf_counter() - t0))
+        return slot
+
+    # -- copies, offloading, restoring ------------------------------------------------------------
+    def copy_cache(self, donor: Slot, dst: Slot) -> str:
+        """Make ``dst``'s sequence a copy of ``donor``'s (the caller truncates it to the shared prefix).
+
+        With a cache stream per sequence, ``llama_memory_seq_cp`` copies the donor's whole stream,
+        ``n_ctx_seq`` cells whatever it holds (about 30 ms for SmolLM2's 8,192 cells here: a quarter of a
+        short prompt's prefill, docs/performance.md).  The sequence's state holds only its used cells, so while
+        the donor holds less than a quarter of its stream (an export and an import: two passes over them
+        and the buffer) that is the cheaper copy: 2 ms for 180 tokens.  seq_cp otherwise, and if
+        llama.cpp refuses the state."""
+        L, lctx, mem = self.llama.L, self.llama.lctx, self.llama.mem
+        L.llama_memory_seq_rm(mem, dst.seq_id, -1, -1)
+        if len(donor.cached) <= self.state_copy_max_tokens:
+            np = self.llama.np
+            size = L.llama_state_seq_get_size(lctx, donor.seq_id)
+            buf = np.empty(size, dtype=np.uint8)  # (not zero-filled, unlike a ctypes array)
+            ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            if (L.llama_state_seq_get_data(lctx, ptr, size, donor.seq_id) == size
+                    and L.llama_state_seq_set_data(lctx, ptr, size, dst.seq_id) == size
+                    and L.llama_memory_seq_pos_max(mem, dst.seq_id) == len(donor.cached) - 1):
+                self.state_copies += 1
+                return "sequence state"
+            L.llama_memory_seq_rm(mem, dst.seq_id, -1, -1)
+            log.warning("copying slot %d's cache through its state failed; copying its stream", donor.seq_id)
+        # (the copy runs at the start of the next llama_decode)
+        L.llama_memory_seq_cp(mem, donor.seq_id, dst.seq_id, -1, -1)
+        return "whole stream"
+
+    def offload(self, slot: Slot, keep: int) -> None:
+        """Save ``slot``'s cache to the host tier if more than OFFLOAD_MIN_TOKENS of it are about to go."""
+        tier = self.host_tier
+        if tier is None or len(slot.cached) - keep < OFFLOAD_MIN_TOKENS:
+            return
+        try:
+            tier.put(list(slot.cached), self.export_state(slot))
+        except EngineError as e:
+            log.warning("KV offload of slot %d failed: %s", slot.seq_id, e)
+
+    def spill(self, key: tuple[int, ...], data: bytes) -> None:
+        """The host tier's LRU pushed an entry out: keep it on disk if there is a disk tier."""
+        if self.disk_tier is not None:
+            self.disk_tier.put(key, data)
+
+    def restore(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Load the best host or disk entry for ``prompt`` into ``slot`` if it saves OFFLOAD_MIN_TOKENS of
+        prefill over ``keep``; returns the tokens now reusable (the caller truncates to it).  An entry read
+        from disk moves back to host memory; a damaged one is dropped and the prompt computed."""
+        host, disk = self.host_tier, self.disk_tier
+        if host is None:
+            return keep
+        found = host.best(prompt) if len(host) else None
+        source: HostKvTier | DiskKvTier = host
+        if disk is not None and len(disk):
+            on_disk = disk.best(prompt)
+            if on_disk is not None and (found is None or on_disk[1] > found[1]):
+                found, source = on_disk, disk
+        if found is None:
+            return keep
+        key, n = found
+        n = min(n, len(prompt) - 1)
+        if n < keep + OFFLOAD_MIN_TOKENS:
+            return keep
+        data = source.get(key)
+        if data is None:  # a damaged file (logged, removed): compute the prompt
+            return keep
+        if source is disk and len(data) <= host.max_bytes:  # back to host memory (it never fits: stays on disk)
+            disk.remove(key)
+            host.put(key, data)
+        tier = source
+        L, lctx, mem = self.llama.L, self.llama.lctx, self.llama.mem
+        L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = (L.llama_state_seq_set_data(lctx, buf, len(data), slot.seq_id) == len(data)
+              and L.llama_memory_seq_pos_max(mem, slot.seq_id) == len(key) - 1)
+        if self.tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+        if not ok:
+            L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            log.warning("KV restore into slot %d failed; computing the prompt", slot.seq_id)
+            return 0
+        slot.cached = list(key)
+        if self.tracking:
+            self.slot_blocks.extend(slot.seq_id, slot.cached)
+        tier.restored += 1
+        log.debug("slot %d: restored %d cached tokens from the %s tier", slot.seq_id, n,
+                  "disk" if tier is disk else "host")
+        return n
+
+    def export_state(self, slot: Slot) -> bytes:
+        """The slot's sequence state (its KV cache of the prompt), for a decode worker or the host tier."""
+        L = self.llama.L
+        t0 = time.perf_counter()
+        size = L.llama_state_seq_get_size(self.llama.lctx, slot.seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = L.llama_state_seq_get_data(self.llama.lctx, buf, size, slot.seq_id)
+        if n != size:
+            raise EngineError(f"llama.cpp exported {n} of {size} bytes of sequence state")
+        data = bytes(buf)
+        log.debug("slot %d: exported the KV state of %d tokens (%d bytes) in %.1f ms", slot.seq_id, len(slot.cached),
+                  size, 1e3 * (time.perf_counter() - t0))
+        return data
