@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-chat"  # the served model name (smollm2 with --engine llamacpp)
 REQUEST_LINE = re.compile(rb"request \S+: (\d+) prompt tokens")
 REUSE_LINE = re.compile(rb"request \S+: slot \d+, (\d+) prompt tokens, (\d+) reused from the cache")
-COPY_LINE = re.compile(rb"copies \d+ cached tokens from busy slot")
+COPY_LINE = re.compile(rb"copies \d+ cached tokens from slot")
 # --engine llamacpp: the workload's defaults, scaled to SmolLM2 on a CPU shared by 2 workers
 LLAMACPP_DEFAULTS = {"isl": 320, "groups": 6, "turns": 3, "turn_tokens": 32, "osl": 8, "rate": 0.5,
                      "duration": 90.0, "think_time": 1.0, "workers": 2, "prefix_ratios": "0.8",
