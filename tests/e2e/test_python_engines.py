@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from tests.support.proc import DynamoRun, run_cli
+from tests.support.wait import wait_until
 
 DATA = Path(__file__).parent / "data"
 SENTENCE = "The capital of France is Paris."
@@ -275,9 +275,8 @@ def test_client_disconnect_closes_the_generator(behaviour: DynamoRun):
                 got += 1
                 if got == 3:
                     break  # leave mid-stream
-    deadline = time.monotonic() + 10
-    while "closed slow-disconnect" not in events.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "closed slow-disconnect" in events.read_text().splitlines(), 10,
+               "the engine's generator closed")
     lines = events.read_text().splitlines()
     assert "start slow-disconnect" in lines
     assert "closed slow-disconnect" in lines
@@ -305,10 +304,8 @@ def test_responses_stream_mid_stream_failure_and_client_disconnect(behaviour: Dy
             deltas += '"response.output_text.delta"' in line
             if deltas == 3:
                 break  # leave mid-stream
-    deadline = time.monotonic() + 10
-    while "closed slow-responses" not in events_file.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "closed slow-responses" in events_file.read_text().splitlines()
+    wait_until(lambda: "closed slow-responses" in events_file.read_text().splitlines(), 10,
+               "the engine's generator closed")
     r = _client(behaviour).responses.create(model="behave", input="hello")
     assert r.output_text == "Hello from the behaviour engine."
 
@@ -321,15 +318,17 @@ def test_blocking_engine_does_not_freeze_the_server(behaviour: DynamoRun):
                        json={"model": "behave", "messages": [{"role": "user", "content": "block"}]})
         result["text"] = r.json()["choices"][0]["message"]["content"]
 
+    events_file: Path = behaviour.events  # type: ignore[attr-defined]
     t = threading.Thread(target=blocked_request, daemon=True)
     t.start()
-    time.sleep(0.5)  # the engine is now inside time.sleep(3)
-    start = time.monotonic()
+    wait_until(lambda: "blocking" in events_file.read_text().splitlines(), 15, "the engine to block its loop")
     health = httpx.get(behaviour.base_url + "/health", timeout=5)
     assert health.status_code == 200
-    assert time.monotonic() - start < 1.0
+    # answered while the engine was still inside its time.sleep(3)
+    assert "unblocked" not in events_file.read_text().splitlines()
     t.join(15)
     assert result["text"] == "unblocked"
+    assert "unblocked" in events_file.read_text().splitlines()
 
 
 def test_engine_error_in_stdin_mode():

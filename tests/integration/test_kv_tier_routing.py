@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,10 +19,11 @@ import httpx
 import nats
 import pytest
 
-from tests.integration.test_kv_routing import text
+from tests.integration.test_kv_routing import frontend_caught_up, text
 from tests.integration.test_llamacpp import _smollm2
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "tierllama"
@@ -80,10 +80,11 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
         await asyncio.wait_for(offloaded.wait(), 10)
         await _complete(fe, " ".join(long_prompt.split()[:12]), worker=b.instance_id)  # B: its first block
         await asyncio.wait_for(b_stored.wait(), 10)
-        await asyncio.sleep(0.2)  # the frontend's subscription got the same events (no event to await there)
+        # the frontend's router has the same events (those this subscription got before the marker)
+        await frontend_caught_up(nc, fe, f"namespace.{MODEL}.component.llamacpp.kv_events")
         decisions.clear()
         out = await _complete(fe, long_prompt)
-        await nc.flush()
+        await until(lambda: decisions, 10, "the router's decision")
         (decision,) = decisions
         assert decision["worker_id"] == a.instance_id, decision
         assert decision["overlap_blocks"] == 0  # nothing resident on A: the host tier won it
@@ -105,10 +106,8 @@ def test_a_prefix_offloaded_on_a_worker_brings_its_request_back_there(servers, t
         a.wait_ready()
         b.wait_ready()
         fe.start()
-        deadline = time.monotonic() + 30
-        while len(re.findall(r"KV state of worker", fe.stderr_text())) < 2:
-            assert time.monotonic() < deadline, fe.stderr_text()
-            time.sleep(0.05)
+        wait_until(lambda: len(re.findall(r"KV state of worker", fe.stderr_text())) >= 2, 30,
+                   "the frontend to read both workers' KV state")
         asyncio.run(_scenario(servers, fe, a, b))
     finally:
         fe.stop()

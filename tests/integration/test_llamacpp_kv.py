@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,10 +24,11 @@ from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
-from tests.integration.test_kv_routing import text
+from tests.integration.test_kv_routing import frontend_caught_up, text
 from tests.integration.test_llamacpp import _smollm2
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.servers import EtcdServer, NatsServer
+from tests.support.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 BS = 16
@@ -94,9 +94,10 @@ async def test_a_follow_up_reuses_the_previous_turns_slot_and_events_match_the_s
         _, cached = await ask(engine, second)
         shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
         assert cached == shared > 100
-        await asyncio.sleep(0.05)  # events reach the loop after each step
-        # the router, fed only the engine's events, finds the cached blocks of the prompt
-        assert router.find_matches(second) == {77: len(compute_hashes(second, BS)[0])}
+        # the router, fed only the engine's events (they reach the loop after each step), finds the
+        # cached blocks of the prompt
+        whole = {77: len(compute_hashes(second, BS)[0])}
+        await until(lambda: router.find_matches(second) == whole, 5, "the second turn's KV events")
         assert router.find_matches(chat(tok, SYSTEM, "Another question?")) == {77: shared // BS}
         # each slot's blocks are the router's hashes of its tokens; the dump is their union
         union = set()
@@ -163,8 +164,9 @@ async def test_a_prefix_held_by_a_busy_slot_is_copied_with_the_same_answer(gguf,
     engine.caches.state_copy_max_tokens = 512 if through == "sequence state" else 0
     try:
         busy = asyncio.create_task(ask(engine, chat(tok, SYSTEM, "Name three colors."), max_tokens=64))
-        while not any(s.req is not None and not s.pending and s.generated for s in engine.caches.slots):  # noqa: ASYNC110
-            await asyncio.sleep(0.01)  # the long request is decoding: its slot holds the system prompt
+        # the long request is decoding: its slot holds the system prompt
+        await until(lambda: any(s.req is not None and not s.pending and s.generated for s in engine.caches.slots), 60,
+                    "the long request to decode")
         tokens, cached = await ask(engine, question)
         assert engine.caches.copies == 1
         assert engine.caches.state_copies == (1 if through == "sequence state" else 0)
@@ -249,7 +251,9 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
         assert resp.status_code == 200, resp.text
         if want_blocks:
             await asyncio.wait_for(enough.wait(), 10)  # the prefix's blocks are announced
-        await nc.flush()
+            # ... and the frontend's router has them (it got them before the marker)
+            await frontend_caught_up(nc, fe, "namespace.kvllama.component.llamacpp.kv_events")
+        await until(lambda: decisions, 10, "the router's decision")
     finally:
         await nc.close()
     (decision,) = decisions
@@ -259,11 +263,8 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
 def test_the_router_sends_a_shared_prefix_to_the_llamacpp_worker_that_caches_it(servers, llama_workers):
     fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers).start()
     try:
-        deadline = time.monotonic() + 30
-        while not re.search(r"KV router for kvllama: .*KV events", fe.stderr_text()) or len(
-                re.findall(r"KV state of worker", fe.stderr_text())) < 2:
-            assert time.monotonic() < deadline, fe.stderr_text()
-            time.sleep(0.05)
+        wait_until(lambda: re.search(r"KV router for kvllama: .*KV events", fe.stderr_text()) and len(
+            re.findall(r"KV state of worker", fe.stderr_text())) >= 2, 30, "the frontend's KV router and both KV states")
         prefix = text(60)
         first, stored = asyncio.run(_request(servers, fe, prefix + " " + text(5), want_blocks=6))
         assert first["overlap_blocks"] == 0 and first["isl_blocks"] >= 6

@@ -3,7 +3,6 @@ the host-memory tier (reported as cached prompt tokens) with the same greedy out
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from dynamo.engines.llamacpp.host_tier import HostKvTier
 from tests.integration.test_llamacpp import _smollm2
 from tests.integration.test_llamacpp_kv import ask, chat, tok  # noqa: F401 - tok is a fixture
+from tests.support.wait import until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,7 +29,7 @@ async def _engine(gguf: Path, host_cache_mb: int) -> object:
     return engine
 
 
-async def test_revisited_prefixes_are_restored_from_the_host_tier(gguf, tok):
+async def test_revisited_prefixes_are_restored_from_the_host_tier(gguf, tok):  # noqa: F811 - the fixture
     system = "You answer questions about {} in one short sentence, politely and precisely. " * 6
     prompts = [chat(tok, system.replace("{}", topic), "What is it?") for topic in ("cats", "ships", "rain", "bread")]
     engine = await _engine(gguf, 256)
@@ -68,7 +68,7 @@ def _holding(store, prompt: list[int]) -> tuple[int, ...] | None:
     return next((k for k in store.keys() if k[:len(prompt)] == tuple(prompt)), None)
 
 
-async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):
+async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):  # noqa: F811
     from dynamo.engines.llamacpp.engine import LlamaCppEngine
     from dynamo.kv import KvRouter
     from dynamo.kv.events import DISK, HOST
@@ -81,25 +81,28 @@ async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf
         "n_parallel": 2, "n_threads": 1, "host_cache_mb": one_entry_mb, "disk_cache_mb": 64,
         "disk_cache_dir": str(tmp_path)})
     await engine.start()
-    events: list[dict] = []
-    engine.attach(0x5EED, publish_kv_event=events.append)
     router = KvRouter(block_size=16)
+    applied: list[bool] = []  # the router is fed the engine's events as they come
+
+    engine.attach(0x5EED, publish_kv_event=lambda e: applied.append(router.apply_event(e)))
     try:
         first = [await ask(engine, p) for p in prompts]
         assert len(engine.caches.host_tier) == 1 and len(engine.caches.disk_tier) >= 1
         on_disk = [i for i, p in enumerate(prompts) if _holding(engine.caches.disk_tier, p)]
         (in_host,) = [i for i, p in enumerate(prompts) if _holding(engine.caches.host_tier, p)]
-        # the router was told where each prefix is: resident, restorable from host memory, from disk
-        await asyncio.sleep(0.1)  # the scheduler thread's last events reach the loop
-        for e in events:
-            assert router.apply_event(e)
+        # the router was told where each prefix is: resident (the last one), restorable from host memory,
+        # from disk (the scheduler thread's last events reach the loop after the answers)
         wid = 0x5EED
-        assert router.find_matches(prompts[3]) == {wid: len(prompts[3]) // 16}  # the last one is resident
-        assert router.restorable(prompts[in_host]) == {
-            wid: pytest.approx(router.tier_weights[HOST] * (len(prompts[in_host]) // 16))}
-        for i in on_disk:
-            assert router.restorable(prompts[i]) == {
-                wid: pytest.approx(router.tier_weights[DISK] * (len(prompts[i]) // 16))}
+
+        def told() -> bool:
+            return (router.find_matches(prompts[3]) == {wid: len(prompts[3]) // 16}
+                    and router.restorable(prompts[in_host]) == {
+                        wid: pytest.approx(router.tier_weights[HOST] * (len(prompts[in_host]) // 16))}
+                    and all(router.restorable(prompts[i]) == {
+                        wid: pytest.approx(router.tier_weights[DISK] * (len(prompts[i]) // 16))} for i in on_disk))
+
+        await until(told, 10, "the router to know where each prefix is")
+        assert applied and all(applied)  # every event was understood
         again, cached = await ask(engine, prompts[on_disk[0]])
         assert engine.caches.disk_tier.restored == 1 and cached >= len(prompts[on_disk[0]]) - 16
         assert again == first[on_disk[0]][0]

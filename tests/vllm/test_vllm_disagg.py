@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 
 from tests.support.proc import DynamoRun, DynamoWorker
 from tests.support.tiny_model import build_tiny_hf_model
+from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -61,11 +61,13 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_t
         prefill.wait_ready()
         decode.wait_ready()
         fe = DynamoRun("out=dyn", "--max-local-prefill-length", "32", env=servers).start()
-        deadline = time.monotonic() + 60
-        while NS not in httpx.get(fe.api_url + "/models").text:
-            assert time.monotonic() < deadline, fe.stderr_text()
-            time.sleep(0.1)
-        time.sleep(1)  # the prefill worker's entry too (it is not listed in /v1/models)
+        wait_until(lambda: NS in httpx.get(fe.api_url + "/models").text, 60, "the model on the frontend")
+        # the prefill worker's entry too (it is not listed in /v1/models, but its instance is on /health)
+        prefill_endpoint = f"dyn://{NS}.prefill.generate"
+        wait_until(lambda: f"model {NS}: prefill workers at {prefill_endpoint}" in fe.stderr_text() and any(
+            i["endpoint"] == prefill_endpoint and i["instance_id"] == prefill.instance_id
+            for i in httpx.get(fe.base_url + "/health").json().get("instances", [])), 30,
+            "the prefill worker on the frontend")
         rng = random.Random(3)
         prompt = " ".join("".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(120))
         resp = httpx.post(fe.api_url + "/completions", timeout=300, json={
@@ -76,10 +78,8 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_t
         metrics = httpx.get(fe.base_url + "/metrics").text
         assert 'dynamo_frontend_disagg_prefill_total{model="vdis",where="remote"} 1.0' in metrics, metrics
         assert list(Path(shared).rglob("*.safetensors")), "the prefill worker's connector stored no KV"
-        deadline = time.monotonic() + 10
-        while "External Cache Hit" not in decode.stderr_text():  # vLLM logs from its engine core process
-            assert time.monotonic() < deadline, decode.stderr_text()[-4000:]
-            time.sleep(0.1)
+        # vLLM logs from its engine core process
+        wait_until(lambda: "External Cache Hit" in decode.stderr_text(), 10, "the decode worker's external cache hit")
         assert "External Cache Hit" not in prefill.stderr_text()
     finally:
         if fe is not None:

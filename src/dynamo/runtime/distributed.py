@@ -272,7 +272,7 @@ class DistributedRuntime:
         receiver = self._receiver
         if receiver is None:
             if self.settings.response_transport == "nats":
-                receiver = NatsResponseReceiver(self.nats)
+                receiver = NatsResponseReceiver(self.nats, self.settings.stream_liveness)
             else:
                 receiver = TcpResponseServer(self.settings.tcp_host, self.settings.stream_liveness,
                                              mux=self.settings.tcp_mux)

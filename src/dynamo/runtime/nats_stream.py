@@ -2,9 +2,10 @@
 
 The worker publishes the same frames as over TCP, coalesced per event-loop turn, to a per-request
 subject under the client's wildcard subscription. NATS gives no connection to watch, so liveness is
-explicit: the worker sends a heartbeat frame when it has been quiet for HEARTBEAT seconds, and the
-client fails a stream that has been silent for LIVENESS seconds or whose instance key vanished from
-etcd. ``stop``/``kill`` go to a per-worker control subject announced in the prologue.
+explicit: the client asks for a heartbeat every bound / 5 (``heartbeat_ms`` in the connection info, as
+over TCP), the worker sends one on a stream that has been quiet that long (HEARTBEAT seconds for a
+client that does not ask), and the client fails a stream that has been silent for its liveness bound
+(``DYN_STREAM_LIVENESS_S``) or whose instance key vanished from etcd. ``stop``/``kill`` go to a per-worker control subject announced in the prologue.
 
 Kept because it was measured against TCP (docs/runtime.md, "Transport") and works without the worker
 being able to dial the client; TCP is the default.
@@ -23,14 +24,16 @@ from nats.aio.subscription import Subscription
 
 from .codec import FrameDecoder
 from .context import Context
-from .errors import EngineError
+from .errors import EngineError, StreamStalledError
 from .transport import FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_SENTINEL, StreamState, encode_frame
 
 log = logging.getLogger(__name__)
 
 TRANSPORT_NAME = "nats"
-HEARTBEAT = 1.5
-LIVENESS = 6.0
+HEARTBEAT = 1.5  # a worker's heartbeat interval when the client does not ask for one
+LIVENESS = 5.0  # the client's default liveness bound (the runtime passes DYN_STREAM_LIVENESS_S)
+LIVENESS_TICKS = 4  # the client checks its streams LIVENESS_TICKS times per liveness bound
+HEARTBEATS_PER_BOUND = 5
 FRAME_ABORT = encode_frame(header=b'"abort"')
 _loads = orjson.loads
 
@@ -42,8 +45,10 @@ def _split(payload: bytes) -> list[tuple[bytes, bytes]]:
 class NatsResponseReceiver:
     """Client side: one wildcard subscription for every response stream of this process."""
 
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, liveness: float = LIVENESS) -> None:
         self.nc = nc
+        self.liveness = liveness
+        self._heartbeat_ms = max(1, int(liveness * 1000 / HEARTBEATS_PER_BOUND))
         self.prefix = f"_DYN_RESP.{uuid.uuid4().hex}"
         self.streams: dict[str, StreamState] = {}
         self._sub: Subscription | None = None
@@ -64,7 +69,8 @@ class NatsResponseReceiver:
         state.key = key
         state.last_seen = time.monotonic()
         self.streams[key] = state
-        return {"transport": TRANSPORT_NAME, "info": {"subject": f"{self.prefix}.{key}", "context": state.request_id}}
+        return {"transport": TRANSPORT_NAME, "info": {"subject": f"{self.prefix}.{key}", "context": state.request_id,
+                                                      "heartbeat_ms": self._heartbeat_ms}}
 
     def unregister(self, state: StreamState) -> None:
         self.streams.pop(state.key, None)
@@ -113,12 +119,17 @@ class NatsResponseReceiver:
         return send
 
     async def _liveness(self) -> None:
+        """Fail streams whose worker sent nothing, not even a heartbeat, for longer than the bound."""
         while True:
-            await asyncio.sleep(1.0)
-            cutoff = time.monotonic() - LIVENESS
+            await asyncio.sleep(self.liveness / LIVENESS_TICKS)
+            cutoff = time.monotonic() - self.liveness
             for state in list(self.streams.values()):
                 if state.last_seen < cutoff and not state.finished:
-                    state.fail_incomplete()
+                    log.warning("response stream %s: no data or heartbeat from worker %x for %.1fs; treating it "
+                                "as dead", state.request_id, (state.instance_id or 0) & 0xFFFFFFFFFFFFFFFF,
+                                self.liveness)
+                    state.send_control("kill")  # a worker that wakes up stops at once
+                    state.fail(StreamStalledError())
 
     async def close(self) -> None:
         if self._task is not None:
@@ -152,6 +163,9 @@ class NatsSinkHub:
     async def open(self, transport: str, info: dict, context: Context) -> "NatsSink":
         await self.start()
         sink = NatsSink(self, str(info["subject"]), context)
+        heartbeat_ms = info.get("heartbeat_ms")
+        if type(heartbeat_ms) is int and heartbeat_ms > 0:  # the client's bound / 5 (absent: an older client)
+            sink.heartbeat = heartbeat_ms / 1000
         self.sinks[sink.key] = sink
         return sink
 
@@ -166,10 +180,10 @@ class NatsSinkHub:
 
     async def _heartbeats(self) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT / 2)
-            cutoff = time.monotonic() - HEARTBEAT
+            await asyncio.sleep(min((sink.heartbeat for sink in self.sinks.values()), default=HEARTBEAT) / 2)
+            now = time.monotonic()
             for sink in list(self.sinks.values()):
-                if sink.last_sent < cutoff:
+                if sink.last_sent < now - sink.heartbeat:
                     sink.write(FRAME_HEARTBEAT)
 
     async def close(self) -> None:
@@ -194,6 +208,7 @@ class NatsSink:
         self.context = context
         self.finished = False
         self.last_sent = time.monotonic()
+        self.heartbeat = HEARTBEAT  # seconds of quiet before a heartbeat frame
         self._pending: list[bytes] = []
         self._outbox: list[bytes] = []
         self._flush_scheduled = False

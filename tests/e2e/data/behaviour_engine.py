@@ -52,7 +52,9 @@ async def generate(request):
         yield chunk(json.dumps(request, sort_keys=True), "stop")
         return
     if prompt == "block":
-        time.sleep(3)  # a badly behaved engine: blocks its loop
+        event("blocking")
+        time.sleep(3)  # noqa: ASYNC251 - a badly behaved engine: blocks its loop
+        event("unblocked")
         yield chunk("unblocked", "stop")
         return
     if prompt.startswith("slow"):

@@ -15,10 +15,16 @@ from dynamo.runtime.names import EndpointId
 LIVENESS = 0.4
 
 
-async def test_heartbeats_keep_a_slow_stream_alive(make_runtime, ns, serve):
-    """Silence three times the liveness bound between items (a long prefill) is slow, not frozen."""
+# the caller's response transport: multiplexed TCP (default), a TCP connection per stream, NATS subjects
+TRANSPORTS = {"tcp": {}, "tcp-per-stream": {"tcp_mux": False}, "nats": {"response_transport": "nats"}}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+async def test_heartbeats_keep_a_slow_stream_alive(make_runtime, ns, serve, transport):
+    """Silence three times the liveness bound between items (a long prefill) is slow, not frozen: the
+    worker sends heartbeats as often as the caller's bound asks, on every response transport."""
     worker = await make_runtime()
-    caller = await make_runtime(stream_liveness=LIVENESS)
+    caller = await make_runtime(stream_liveness=LIVENESS, **TRANSPORTS[transport])
 
     async def slow(request):
         for i in range(2):

@@ -19,6 +19,7 @@ from dynamo.runtime import (
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from tests.support.wait import until
 
 # "tcp": multiplexed call-home (our default); "tcp-per-stream": a connection per stream (the original's
 # protocol, DYN_TCP_MUX=0 on the caller); "nats": NATS response streams
@@ -88,10 +89,7 @@ async def test_round_robin_spreads_over_two_instances(make_runtime, ns, serve):
     await serve(w2.namespace(ns).component("b").endpoint("g"), handler_for("w2"))
     caller = await make_runtime()
     client = await caller.namespace(ns).component("b").endpoint("g").client()
-    for _ in range(50):
-        if len(client.instance_ids()) == 2:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(client.instance_ids()) == 2, 5, "both instances")
     assert sorted(client.instance_ids()) == sorted([w1.instance_id, w2.instance_id])
     answers = [(await collect(client.round_robin({})))[0]["worker"] for _ in range(6)]
     assert answers.count("w1") == 3 and answers.count("w2") == 3
@@ -257,17 +255,16 @@ async def test_watch_follows_instances_coming_and_going(make_runtime, ns, serve)
     assert await client.wait_for_instances(5) == [worker.instance_id]
     worker.shutdown()
     await asyncio.wait_for(task, 10)
-    for _ in range(100):
-        if not client.instance_ids():
-            break
-        await asyncio.sleep(0.05)
-    assert client.instance_ids() == []
+    await until(lambda: not client.instance_ids(), 5, "the instance gone from the client")
 
 
 async def test_graceful_shutdown_deregisters_then_finishes_inflight(make_runtime, ns, serve):
+    release = asyncio.Event()
+
     async def slow(request):
-        for i in range(10):
-            await asyncio.sleep(0.05)
+        yield {"i": 0}
+        await release.wait()  # in flight until the test has seen the deregistration
+        for i in range(1, 10):
             yield {"i": i}
 
     worker, caller = await make_runtime(), await make_runtime()
@@ -278,12 +275,12 @@ async def test_graceful_shutdown_deregisters_then_finishes_inflight(make_runtime
     first = await stream.__anext__()
     worker.shutdown()
     # deregistered at once ...
-    for _ in range(40):
-        if not await caller.etcd.get_prefix(f"instances/{ns}/"):
-            break
-        await asyncio.sleep(0.05)
-    assert await caller.etcd.get_prefix(f"instances/{ns}/") == []
+    async def deregistered() -> bool:
+        return await caller.etcd.get_prefix(f"instances/{ns}/") == []
+
+    await until(deregistered, 5, "the instance key gone")
     assert not serving.done()  # ... while the in-flight request still runs
+    release.set()
     rest = [item async for item in stream]
     assert [first] + rest == [{"i": i} for i in range(10)]
     await asyncio.wait_for(serving, 5)
@@ -378,8 +375,14 @@ async def test_slow_consumer_backpressures_the_handler(make_runtime, ns, serve):
     total = 30000
     stream = client.generate({"n": total})
     assert (await stream.__anext__())["i"] == 0
-    await asyncio.sleep(1.0)  # the consumer stalls; unbounded buffering would let the handler finish
-    assert produced[0] < 25000
+    # the consumer stalls: the caller asks the worker to hold the stream, and the handler is held there
+    # (with unbounded buffering it would run to the end and nothing would ever be held)
+    def held() -> bool:
+        pool = worker._mux_pool
+        return pool is not None and any(sink.paused for conn in pool._conns.values() for sink in conn.sinks.values())
+
+    await until(held, 10, "the worker to hold the stream")
+    assert produced[0] < total
     count = 1
     async for item in stream:
         assert item["i"] == count
@@ -405,7 +408,7 @@ async def test_losing_etcd_past_the_ttl_keeps_the_runtime_serving(nats_server, n
             client = await caller.namespace(ns).component("b").endpoint("g").client()
             await client.wait_for_instances(5)
             private_etcd.kill()
-            await asyncio.sleep(2.5)  # the outage itself: longer than the 1 s lease
+            await asyncio.sleep(2.5)  # the fault itself (not a wait for an event): etcd away past the 1 s lease
             assert not worker.is_shutting_down and not serving.done()
             assert len(await collect(client.generate({"n": 3}))) == 3
             await client.close()
@@ -424,6 +427,4 @@ async def test_finished_streams_leave_no_bookkeeping(make_runtime, ns, serve):
     stream = client.generate({"n": 50})
     await stream.__anext__()
     await stream.aclose()
-    await asyncio.sleep(0.1)
-    assert client._active == {}
-    assert caller._receiver.pending == {}
+    await until(lambda: client._active == {} and caller._receiver.pending == {}, 5, "the bookkeeping emptied")

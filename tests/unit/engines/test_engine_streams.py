@@ -22,6 +22,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 from dynamo.run_config import RunConfig
+from tests.support.wait import until
 
 
 def _request() -> PreprocessedRequest:
@@ -152,11 +153,6 @@ async def _take(gen: Any, n: int | None = None) -> list[Any]:
     return out
 
 
-async def _turns(n: int = 3) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
 # -- all three ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fake", FAKES)
@@ -185,7 +181,7 @@ async def test_aborts_once_when_the_context_stops(fake: type[_Fake], how: str) -
     gen = f.engine.generate(_request(), context)
     await _take(gen, 1)
     getattr(context, how)()
-    await _turns()
+    await until(lambda: f.aborted, 5, "the abort")
     assert len(f.aborted) == 1
     await gen.aclose()  # the consumer goes too: no second abort
     assert len(f.aborted) == 1
@@ -196,12 +192,14 @@ async def test_aborts_when_cancelled(fake: type[_Fake]) -> None:
     f = fake([], endless=True)
     gen = f.engine.generate(_request(), Context("r"))
 
+    streaming = asyncio.Event()
+
     async def consume() -> None:
         async for _ in gen:
-            pass
+            streaming.set()
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(streaming.wait(), 5)  # the request is under way in the engine
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

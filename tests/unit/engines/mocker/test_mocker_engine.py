@@ -3,7 +3,6 @@ arguments, and the ``out=mocker`` factory."""
 
 import asyncio
 import json
-import time
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -17,6 +16,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 from dynamo.run_config import RunConfig
+from tests.support.wait import until
 
 FAST = {"speedup_ratio": 10000.0, "block_size": 4}
 
@@ -128,27 +128,35 @@ async def test_consumer_leaving_frees_the_request(engine):
         if n == 2:
             break
     await gen.aclose()
-    for _ in range(100):
-        if engine.schedulers[0].idle:
-            break
-        await asyncio.sleep(0.001)
+    await until(lambda: engine.schedulers[0].idle, 5, "the scheduler to drop the request")
     assert engine.schedulers[0].idle and engine.schedulers[0].kv.num_active == 0
 
 
-async def test_simulated_time_is_slept_scaled():
-    eng = MockerEngine({"speedup_ratio": 20.0, "block_size": 4}, vocab_size=40, seed=1)
+@pytest.mark.parametrize("speedup", [20.0, 0.01])
+async def test_simulated_time_is_slept_scaled(speedup):
+    """Each step's simulated time, divided by ``speedup_ratio``, is what the scheduler sleeps (less the
+    little the step itself took to compute). The sleeps are recorded, not slept."""
+    eng = MockerEngine({"speedup_ratio": speedup, "block_size": 4}, vocab_size=40, seed=1)
+    slept: list[float] = []
+
+    async def recorded(seconds: float) -> None:
+        slept.append(seconds)
+        await asyncio.sleep(0)
+
+    eng.schedulers[0]._sleep = recorded  # the scheduler's sleep hook (its ``sleep=`` argument)
     try:
-        t0 = time.monotonic()
         await collect(eng, request(range(3, 103), max_tokens=5))
-        wall = time.monotonic() - t0
     finally:
         await eng.close()
     sched = eng.schedulers[0]
-    # one prefill step (its first token) then 4 decode steps
+    # one prefill step (its first token) then 4 decode steps, one sleep each
     expected_ms = prefill_time_ms(100) + 4 * decode_time_ms(0.0)
     assert sched.simulated_ms == pytest.approx(expected_ms, rel=0.01)
-    assert wall >= 0.9 * expected_ms / 20 / 1000
-    assert wall < 10 * expected_ms / 20 / 1000 + 0.5
+    assert len(slept) == sched.steps == 5
+    scaled = sched.simulated_ms / speedup / 1000
+    assert sum(slept) <= scaled
+    if speedup < 1:  # slowed down: seconds of sleep, beside which computing a step is nothing
+        assert sum(slept) == pytest.approx(scaled, rel=0.01)
 
 
 async def test_repeated_prompt_hits_prefix_cache(engine):
@@ -173,7 +181,7 @@ async def test_kv_events_feed_a_router():
         first = events[0]
         assert first["worker_id"] == 0x7AB and set(first["event"]) == {"event_id", "data"}
         assert first["event"]["data"] == {"stored": {"parent_hash": None, "blocks": [
-            {"block_hash": s, "tokens_hash": t} for s, t in zip(seq, local)]}}
+            {"block_hash": s, "tokens_hash": t} for s, t in zip(seq, local, strict=False)]}}
         router = KvRouter(block_size=4, seed=0)
         for e in events:
             assert router.apply_event(json.dumps(e))
