@@ -2,7 +2,7 @@
 
 ``RemoteCoreEngine`` sends pre-processed requests to Backend workers and yields their token items; it
 picks the worker through a :class:`RouterPolicy` and, when a worker dies mid-stream, moves the request
-to another worker up to the card's ``migration_limit`` times (spec 7.10): the resumed request carries the
+to another worker up to the card's ``migration_limit`` times: the resumed request carries the
 prompt plus the tokens already generated, and a smaller ``max_tokens``.  ``RemoteChatEngine`` forwards
 OpenAI requests to Chat workers unchanged.
 

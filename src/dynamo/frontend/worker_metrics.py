@@ -1,11 +1,11 @@
 """Per-worker load on the frontend's ``/metrics``: the workers' ForwardPassMetrics as Prometheus gauges.
 
-Workers that report their load (the mocker; spec 6.3) publish ``{"worker_id", "data": <metrics>}`` on
+Workers that report their load (the mocker) publish ``{"worker_id", "data": <metrics>}`` on
 NATS ``namespace.<ns>.kv_metrics`` whenever their KV usage or queue changes, and answer the same
 metrics on their ``load_metrics`` endpoint.  For every namespace of a discovered model the frontend
 subscribes to the subject; when a worker is discovered it also asks its ``load_metrics`` endpoint once,
-so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as in
-spec 4.8, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
+so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as on
+every frontend metric, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
 metric prefix (every one in docs/metrics.md)::
 
     <prefix>_worker_kv_total_blocks         kv_stats.kv_total_blocks
