@@ -12,7 +12,13 @@ import orjson
 from aiohttp import web
 
 from dynamo.errors import RequestError
-from dynamo.frontend.http.options import BODY_LIMIT_KEY
+
+BODY_LIMIT_KEY = web.AppKey("dynamo_body_limit", int)  # the app's body limit in bytes (options.py's)
+
+
+def too_large(request: web.Request) -> str:
+    """The 413's message."""
+    return f"Request body too large (limit {request.app[BODY_LIMIT_KEY]} bytes)"
 
 
 async def read_json(request: web.Request) -> Any:
@@ -20,7 +26,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise RequestError(f"Request body too large (limit {request.app[BODY_LIMIT_KEY]} bytes)", status=413) from None
+        raise RequestError(too_large(request), status=413) from None
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:

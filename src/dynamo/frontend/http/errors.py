@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from dynamo.errors import EngineError, RequestError
-from dynamo.frontend.http.options import BODY_LIMIT_KEY
+from dynamo.frontend.http.body import too_large
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         if e.status == 405:
             return error_response(f"Method {request.method} not allowed for {request.path}", 405)
         if e.status == 413:
-            return error_response(f"Request body too large (limit {request.app[BODY_LIMIT_KEY]} bytes)", 413)
+            return error_response(too_large(request), 413)
         return error_response(e.reason or "HTTP error", e.status)
     except EngineError as e:
         log.error("engine error: %s", e)

@@ -17,13 +17,14 @@ from aiohttp import web
 
 from dynamo.aio import Acceptor
 from dynamo.frontend.http.admission import Admission
+from dynamo.frontend.http.body import BODY_LIMIT_KEY
 from dynamo.frontend.http.chat import ChatRoutes
 from dynamo.frontend.http.embeddings import EmbeddingsRoute
 from dynamo.frontend.http.errors import error_middleware
 from dynamo.frontend.http.health import HealthRoutes
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.models import ModelsRoute
-from dynamo.frontend.http.options import BODY_LIMIT_KEY, HttpOptions
+from dynamo.frontend.http.options import HttpOptions
 from dynamo.frontend.http.responses import ResponsesRoute
 from dynamo.frontend.http.tokenize import TokenizeRoutes
 from dynamo.frontend.model_manager import ModelManager
