@@ -24,7 +24,8 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT / "src") not in sys.path:
     sys.path.insert(0, str(_ROOT / "src"))
 
-from dynamo.frontend.discovery import ModelWatcher, RouterConfig  # noqa: E402
+from dynamo.frontend.discovery import ModelWatcher  # noqa: E402
+from dynamo.frontend.model_builder import RouterConfig  # noqa: E402
 from dynamo.frontend.model_manager import ModelManager  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
@@ -527,15 +528,15 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
             await publish_model(endpoint, card, ModelType.Backend, runtime_config={"publishes_kv_events": True})
         await watcher.start()
         ids = {rt.instance_id for rt in workers}
-        await until(lambda: _after(name in watcher._served and set(watcher._served[name].client.instance_ids()) == ids),
+        await until(lambda: _after(name in watcher.served and set(watcher.served[name].client.instance_ids()) == ids),
                     10, "both endpoints' instances behind the model")
-        client = watcher._served[name].client
+        client = watcher.served[name].client
         seen = [item["served_by"] for _ in range(4) async for item in client.round_robin({})]
         assert sorted(seen) == ["a", "a", "b", "b"], seen
         health = {i["endpoint"] for i in watcher.instances() if name in i["models"]}
         assert health == {f"dyn://{ns}.a.generate", f"dyn://{ns}.b.generate"}
         if mode == "kv":  # kv_events and active_sequences_events of both components
-            subjects = {sub.subject for sub in watcher._served[name].router._subs}
+            subjects = {sub.subject for sub in watcher.served[name].router._subs}
             assert {f"namespace.{ns}.component.{c}.{e}" for c in "ab"
                     for e in ("kv_events", "active_sequences_events")} <= subjects, subjects
 

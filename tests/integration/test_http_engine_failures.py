@@ -223,13 +223,13 @@ async def test_client_gone_at_the_last_write_is_not_an_error(service: HttpServic
     """A client that closes as its stream ends (a load generator stopping) is routine, not a server error."""
     from aiohttp.client_exceptions import ClientConnectionResetError
 
-    from dynamo.frontend.http import service as service_module
+    from dynamo.frontend.http import sse
 
     async def closing(self: Any, data: bytes = b"") -> None:
         raise ClientConnectionResetError("Cannot write to closing transport")
 
-    monkeypatch.setattr(service_module._SseResponse, "write_eof", closing)
-    caplog.set_level("DEBUG", logger="dynamo.frontend.http.service")
+    monkeypatch.setattr(sse.SseResponse, "write_eof", closing)
+    caplog.set_level("DEBUG", logger="dynamo.frontend.http.sse")
     async with httpx.AsyncClient(base_url=url(service)) as client:
         with pytest.raises(httpx.HTTPError):  # the body never ends: the client sees a cut stream
             async with client.stream("POST", "/v1/chat/completions", json=chat("works", True)) as r:

@@ -36,3 +36,34 @@ def test_past_max_inflight_a_503_with_retry_after_then_serving_again():
         # counted as a rejection; the body was not read, so the model label is empty
         metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
         assert 'dynamo_frontend_model_rejection_total{endpoint="chat_completions",model=""} 1.0' in metrics
+
+
+def test_embeddings_and_responses_are_refused_and_counted_like_chat():
+    """One gate for every route that runs an engine: past ``--max-inflight`` /v1/embeddings and /v1/responses
+    get the same 503 (status, Retry-After, OpenAI error body) as chat, counted in the same metric under
+    their own endpoint."""
+    with DynamoRun("out=echo_full", "--model-name", "m", "--max-inflight", "2", delay_ms=20) as server:
+        with contextlib.ExitStack() as held, httpx.Client(timeout=30) as client:
+            readers = []
+            for _ in range(2):
+                resp = held.enter_context(client.stream("POST", server.api_url + "/chat/completions",
+                                                        json=chat("x" * 500, True)))
+                assert resp.status_code == 200
+                readers.append(resp.iter_lines())
+                next(readers[-1])
+            refusals = {}
+            for path, body in (("/chat/completions", chat("hi", False)),
+                               ("/embeddings", {"model": "m", "input": "hi"}),
+                               ("/responses", {"model": "m", "input": "hi"}),
+                               ("/responses", {"model": "m", "input": "hi", "stream": True})):
+                refused = httpx.post(server.api_url + path, json=body, timeout=10)
+                assert refused.status_code == 503, (path, refused.text)
+                assert refused.headers["retry-after"] == "1", path
+                assert refused.headers["content-type"].startswith("application/json"), path
+                refusals[path] = refused.json()
+        assert refusals["/embeddings"] == refusals["/responses"] == refusals["/chat/completions"]
+        error = refusals["/chat/completions"]["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == 503 and "limit 2" in error["message"]
+        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
+        for endpoint, n in (("chat_completions", 1), ("embeddings", 1), ("responses", 2)):
+            assert f'dynamo_frontend_model_rejection_total{{endpoint="{endpoint}",model=""}} {n}.0' in metrics, endpoint

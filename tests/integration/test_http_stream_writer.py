@@ -1,4 +1,4 @@
-"""The SSE writer (``frontend/http/service.py``'s pump): what a client sees of how it drives a stream.
+"""The SSE writer (``frontend/http/sse.py``'s pump): what a client sees of how it drives a stream.
 
 The writer drives each ``__anext__`` call itself (to send every ready item in one write without ever
 waiting for one), so it has to relay whatever the engine awaits exactly as an asyncio task would:

@@ -3,58 +3,27 @@
 A model appears when its first worker registers and disappears when its last one goes (each worker's
 entry is bound to its lease, so a dead worker's entry vanishes when the lease expires; the transport
 notices sooner and routes around it).  A name registered on several endpoints is served from all of
-their instances.  Backend models get our pre/post-processing with the card's
-tokenizer and template in front of a :class:`RemoteCoreEngine`; Chat/Completion models are forwarded.
-Prefill entries (``--disaggregation-mode prefill`` workers) are kept apart, per model name: a Backend
-model's engine sends requests to them first when there are any (frontend/disagg.py).
+their instances.  This module is the watch loop and its bookkeeping; what serves a model (client,
+router, pipeline) is built by model_builder.py, and prefill entries (``--disaggregation-mode prefill``
+workers) are kept apart, per model name, in prefill_pool.py: a Backend model's engine sends requests to
+them first when there are any (frontend/disagg.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
-from dynamo.disagg.plan import DisaggStats
-from dynamo.frontend.disagg import DisaggCoreEngine
-from dynamo.frontend.model_client import ModelClient
+from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RouterConfig, ServedModel, worker_added
 from dynamo.frontend.model_manager import ModelManager
-from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
-from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry, load_card
+from dynamo.frontend.prefill_pool import PrefillPool
+from dynamo.frontend.remote import QueuePolicy
+from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
 from dynamo.llm.model_type import ModelType
-from dynamo.llm.pipeline import CorePipeline, FullPipeline
-from dynamo.runtime.names import component_event_subject
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RouterConfig:
-    mode: str = "round-robin"
-    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
-    router_temperature: float = 0.0
-    use_kv_events: bool = True
-    # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
-    # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
-    migration_limit: int = 0
-    queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
-    max_local_prefill_length: int | None = None  # disaggregation: None is disagg/plan.py's default
-
-
-@dataclass
-class _Served:
-    name: str
-    model_type: ModelType
-    client: ModelClient
-    endpoints: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)  # endpoint -> entry keys
-    router: Any = None
-    engine: Any = None  # prefill entries: the RemoteCoreEngine over the prefill workers
-
-    @property
-    def entries(self) -> set[str]:
-        return {key for keys in self.endpoints.values() for key in keys}
 
 
 class ModelWatcher:
@@ -76,9 +45,7 @@ class ModelWatcher:
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
-        self._served: dict[str, _Served] = {}  # model name -> what serves it
-        self._prefill: dict[str, _Served] = {}  # model name -> its prefill workers (disaggregation)
-        self._clients: dict[tuple[str, str, str], Any] = {}
+        self.served: dict[str, ServedModel] = {}  # model name -> what serves it
         self._task: asyncio.Task[None] | None = None
         self._watch: Any = None
         self._lock = asyncio.Lock()  # watch events and retries change the state one at a time
@@ -89,19 +56,19 @@ class ModelWatcher:
         self.worker_metrics: Any = None
         self.metrics = metrics
         if metrics is not None:
-            from dynamo.frontend.worker_metrics import WorkerMetrics
+            from dynamo.frontend.worker_metrics import QueueCollector, WorkerMetrics
 
             self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix, self._kv_router_for)
-            metrics.registry.register(_QueueCollector(self, metrics.prefix))
-        # disaggregated serving: where prompts were prefilled (remote; local, including fallbacks; fallback)
-        self._prefill_counter: Any = None
-        if metrics is not None:
-            from prometheus_client import Counter
+            metrics.registry.register(QueueCollector(self.queued, metrics.prefix))
+        # disaggregated serving: the prefill workers, and where prompts were prefilled
+        self.prefill = PrefillPool(metrics)
+        self.builder = ModelBuilder(runtime, router, prefill_engine=self.prefill.engine,
+                                    prefill_stats=self.prefill.stats, observer=self._observer)
 
-            self._prefill_counter = Counter(
-                f"{metrics.prefix}_disagg_prefill", "Prompts by where they were prefilled: remote (a prefill "
-                "worker), local (the decode worker; includes fallbacks), fallback (a remote prefill that failed)",
-                ["model", "where"], registry=metrics.registry)
+    def _observer(self, name: str) -> Any:
+        if self.worker_metrics is None:
+            return None
+        return self.worker_metrics.observer(name, self.metrics.migrated)
 
     async def start(self) -> None:
         self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
@@ -115,21 +82,21 @@ class ModelWatcher:
         self._retries.clear()
         if self._watch is not None:
             await self._watch.close()
-        for served in [*self._served.values(), *self._prefill.values()]:
+        for served in [*self.served.values(), *self.prefill.served.values()]:
             close = getattr(served.router, "close", None)
             if close is not None:
                 await close()
-        for client in self._clients.values():
+        for client in self.builder.clients.values():
             await client.close()
         if self.worker_metrics is not None:
             await self.worker_metrics.close()
 
     def instances(self) -> list[dict[str, Any]]:
         out = []
-        for (ns, comp, ep), client in self._clients.items():
+        for (ns, comp, ep), client in self.builder.clients.items():
             for iid in client.instance_ids():
                 out.append({"endpoint": f"dyn://{ns}.{comp}.{ep}", "instance_id": iid,
-                            "models": [s.name for s in self._served.values() if (ns, comp, ep) in s.endpoints]})
+                            "models": [s.name for s in self.served.values() if (ns, comp, ep) in s.endpoints]})
         return out
 
     async def _run(self) -> None:
@@ -155,25 +122,17 @@ class ModelWatcher:
         except Exception as e:  # noqa: BLE001 - one bad entry must not stop discovery: retry it
             self._schedule_retry(key, entry, e)
 
-    async def _client_for(self, ep_key: tuple[str, str, str]) -> Any:
-        client = self._clients.get(ep_key)
-        if client is None:
-            ns, comp, ep = ep_key
-            client = await self.runtime.namespace(ns).component(comp).endpoint(ep).client()
-            self._clients[ep_key] = client
-        return client
-
     async def _add(self, key: str, entry: ModelEntry) -> None:
         if self.worker_metrics is not None:
             await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name)
-        ep_key = (entry.namespace, entry.component, entry.endpoint)
+        ep_key: EndpointKey = (entry.namespace, entry.component, entry.endpoint)
         # the worker's --max-inflight: round-robin/random/kv skip it when full, requests queue when all are
-        (await self._client_for(ep_key)).set_instance_limit(
+        (await self.builder.client_for(ep_key)).set_instance_limit(
             entry.instance_id, (entry.runtime_config or {}).get("max_inflight_requests"))
         if entry.model_type is ModelType.Prefill:
             await self._add_prefill(key, entry, ep_key)
             return
-        served = self._served.get(entry.name)
+        served = self.served.get(entry.name)
         if served is not None:
             if entry.model_type is not served.model_type:
                 if key not in self._type_warned:
@@ -181,94 +140,31 @@ class ModelWatcher:
                     log.warning("model %s: ignoring %s's %s entry; the model is served as %s", entry.name,
                                 "dyn://%s.%s.%s" % ep_key, entry.model_type.value, served.model_type.value)
                 return
-            if ep_key not in served.endpoints:
-                served.client.add(await self._client_for(ep_key))
-                await self._extend_router(served, entry)
+            if await self.builder.join(served, key, entry, ep_key):
                 log.info("model %s: also served by dyn://%s.%s.%s (requests go to the instances of %d endpoints)",
-                         entry.name, *ep_key, len(served.endpoints) + 1)
-            served.endpoints.setdefault(ep_key, set()).add(key)
-            _worker_added(served.router, entry)
+                         entry.name, *ep_key, len(served.endpoints))
+            worker_added(served.router, entry)
             return
-        client = ModelClient([await self._client_for(ep_key)])
-        card = await load_card(self.runtime.nats, entry.card)
-        observer = None  # per-worker timing and migration counts on /metrics
-        if self.worker_metrics is not None:
-            observer = self.worker_metrics.observer(entry.name, self.metrics.migrated)
-        card.display_name = entry.name
-        served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
-        if entry.model_type is ModelType.Backend:
-            served.router = await self._make_router(entry, card, client)
-            engine: Any = RemoteCoreEngine(client, served.router, queue=self.router_config.queue,
-                                           migration_limit=max(card.migration_limit, self.router_config.migration_limit),
-                                           observer=observer)
-            name = entry.name
-            engine = DisaggCoreEngine(engine, lambda: self._prefill_engine(name),
-                                      max_local_prefill_length=self.router_config.max_local_prefill_length,
-                                      stats=DisaggStats(self._observe_prefill(entry.name)))
-            model: Any = CorePipeline(entry.name, card, engine)
-        elif entry.model_type in (ModelType.Chat, ModelType.Completion):
-            chat_engine: Any = RemoteChatEngine(client, self.router_config.queue, observer=observer)
-            model = FullPipeline(entry.name, card, chat_engine)
-        elif entry.model_type is ModelType.Embedding:
-            from dynamo.frontend.remote_embeddings import RemoteEmbeddingEngine
-            from dynamo.llm.embeddings import EmbeddingModel
-            from dynamo.llm.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
-            engine = RemoteEmbeddingEngine(client, entry.name, tokenizer)  # token_ids on the wire, as the spec has
-            model = EmbeddingModel(entry.name, card, engine, tokenizer=tokenizer)
-        else:
+        built = await self.builder.build(key, entry, ep_key)
+        if built is None:
             if key not in self._type_warned:
                 self._type_warned.add(key)
                 log.warning("model %s: %s models are not served by this frontend", entry.name, entry.model_type.value)
             return
-        self._served[entry.name] = served
-        _worker_added(served.router, entry)
+        served, model = built
+        self.served[entry.name] = served
+        worker_added(served.router, entry)
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
 
-    def _observe_prefill(self, name: str) -> Any:
-        if self._prefill_counter is None:
-            return None
-        counter = self._prefill_counter
-        return lambda kind: counter.labels(model=name, where=kind).inc()
-
-    def _prefill_engine(self, name: str) -> Any:
-        served = self._prefill.get(name)
-        return served.engine if served is not None else None
-
-    async def _add_prefill(self, key: str, entry: ModelEntry, ep_key: tuple[str, str, str]) -> None:
+    async def _add_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> None:
         """A prefill worker of ``entry.name``: its own client and router (KV-aware under kv mode)."""
-        served = self._prefill.get(entry.name)
+        served = self.prefill.served.get(entry.name)
         if served is not None:
-            if ep_key not in served.endpoints:
-                served.client.add(await self._client_for(ep_key))
-                await self._extend_router(served, entry)
-            served.endpoints.setdefault(ep_key, set()).add(key)
+            await self.builder.join(served, key, entry, ep_key)
             return
-        client = ModelClient([await self._client_for(ep_key)])
-        card = await load_card(self.runtime.nats, entry.card)
-        served = _Served(entry.name, entry.model_type, client, {ep_key: {key}})
-        served.router = await self._make_router(entry, card, client)
-        # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the
-        # decode worker prefills locally at once (a 503 here is a fallback, not an error for the client)
-        served.engine = RemoteCoreEngine(client, served.router, migration_limit=0, queue=QueuePolicy(size=0, timeout=0.0))
-        self._prefill[entry.name] = served
+        self.prefill.served[entry.name] = await self.builder.build_prefill(key, entry, ep_key)
         log.info("model %s: prefill workers at dyn://%s.%s.%s (disaggregated serving)", entry.name, *ep_key)
-
-    async def _extend_router(self, served: _Served, entry: ModelEntry) -> None:
-        """A KV router also follows the KV events of another component serving the model."""
-        policy = served.router
-        kv = getattr(policy, "router", None)
-        subscribe = getattr(policy, "subscribe", None)
-        if kv is None or subscribe is None:
-            return
-        if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
-            return
-        if getattr(kv, "use_kv_events", False):  # the router follows KV events (not the approximate indexer)
-            await subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"), kv.apply_event)
-        await subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
-                        kv.apply_active_sequence_event)
 
     def _schedule_retry(self, key: str, entry: ModelEntry, error: BaseException, attempt: int = 0) -> None:
         delay = min(self.RETRY_FIRST * (2 ** attempt), self.RETRY_CAP)
@@ -290,7 +186,7 @@ class ModelWatcher:
                 except Exception as e:  # noqa: BLE001
                     self._schedule_retry(key, entry, e, attempt + 1)
                     return
-                if entry.name in self._served:
+                if entry.name in self.served:
                     log.info("model %s (%s): added after %d retr%s", entry.name, key, attempt + 1,
                              "y" if attempt == 0 else "ies")
 
@@ -303,7 +199,7 @@ class ModelWatcher:
 
     def _kv_router_for(self, model: str) -> Any:
         """The KV router of a served model (name lowercased), or None: the per-worker load gauges' source."""
-        for name, served in self._served.items():
+        for name, served in self.served.items():
             if name.lower() == model:
                 return getattr(served.router, "router", None)
         return None
@@ -311,19 +207,11 @@ class ModelWatcher:
     def queued(self) -> dict[str, int]:
         """Requests waiting for a worker with room, per served model (name lowercased)."""
         out: dict[str, int] = {}
-        for name, served in self._served.items():
+        for name, served in self.served.items():
             clients = getattr(served.client, "clients", None) or []
             # with several endpoints a waiter waits in each of their queues: the longest is the count
             out[name.lower()] = max((c.queued() for c in clients), default=0)
         return out
-
-    async def _make_router(self, entry: ModelEntry, card: Any, client: Any) -> Any:
-        cfg = self.router_config
-        if cfg.mode != "kv":
-            return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
-        from dynamo.frontend.kv_policy import make_kv_router
-
-        return await make_kv_router(self.runtime, entry, card, client, cfg)
 
     async def _on_delete(self, key: str) -> None:
         self._cancel_retry(key)
@@ -333,7 +221,7 @@ class ModelWatcher:
             return
         if self.worker_metrics is not None:
             self.worker_metrics.remove_worker(entry.instance_id, entry.name)
-        pool = self._prefill if entry.model_type is ModelType.Prefill else self._served
+        pool = self.prefill.served if entry.model_type is ModelType.Prefill else self.served
         served = pool.get(entry.name)
         if served is None:
             return
@@ -347,26 +235,20 @@ class ModelWatcher:
             instance_gone(entry.instance_id)
         if not keys:
             del served.endpoints[ep_key]
-            client = self._clients.get(ep_key)
+            client = self.builder.clients.get(ep_key)
             if client is not None and served.endpoints:
                 served.client.remove(client)
         if not served.endpoints:
             del pool[entry.name]
-            if pool is self._served:
+            if pool is self.served:
                 self.manager.remove(entry.name)
             close = getattr(served.router, "close", None)
             if close is not None:
                 await close()
-            if pool is self._served:
+            if pool is self.served:
                 log.info("removed model %s: no worker serves it any more", entry.name)
             else:
                 log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
-
-
-def _worker_added(router: Any, entry: ModelEntry) -> None:
-    added = getattr(router, "add_worker", None)  # KV routers ask a new worker what it caches
-    if added is not None:
-        added(entry)
 
 
 async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:
@@ -389,21 +271,3 @@ async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManag
         await runtime.close()
         raise
     return runtime, manager, watcher
-
-
-class _QueueCollector:
-    """``<prefix>_router_queue_pending_requests``: requests waiting because every worker is at its
-    limit (``--queue-size``), read when /metrics is scraped."""
-
-    def __init__(self, watcher: Any, prefix: str) -> None:
-        self.watcher = watcher
-        self.name = f"{prefix}_router_queue_pending_requests"
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        family = GaugeMetricFamily(self.name, "Requests waiting for a worker with room (every worker at its limit)",
-                                   labels=["model", "worker_type"])
-        for model, n in sorted(self.watcher.queued().items()):
-            family.add_metric([model, "decode"], n)
-        yield family

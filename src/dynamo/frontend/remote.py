@@ -2,7 +2,7 @@
 
 ``RemoteCoreEngine`` sends pre-processed requests to Backend workers and yields their token items; it
 picks the worker through a :class:`RouterPolicy` and, when a worker dies mid-stream, moves the request
-to another worker up to the card's ``migration_limit`` times (spec 7.10): the resumed request carries the
+to another worker up to the card's ``migration_limit`` times: the resumed request carries the
 prompt plus the tokens already generated, and a smaller ``max_tokens``.  ``RemoteChatEngine`` forwards
 OpenAI requests to Chat workers unchanged.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import msgspec
 
@@ -65,13 +65,6 @@ class QueuePolicy:
     retry_after: int = 1  # the 503's Retry-After, in seconds
 
 
-async def _admit(client: Any, queue: QueuePolicy, deadline: float) -> None:
-    """Wait until some worker has room for one more request, or raise the 503."""
-    wait = getattr(client, "wait_for_capacity", None)
-    if wait is not None and not await wait(deadline, queue.size):
-        raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after, overload=True)
-
-
 class RouterPolicy(Protocol):
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any: ...
 
@@ -105,6 +98,66 @@ def _link(ctx: Context, rt_ctx: RtContext) -> None:
     ctx.on_stop(lambda kind: rt_ctx.kill() if kind == "kill" else rt_ctx.stop_generating())
 
 
+class WorkerStarts:
+    """Starts one request's stream on a worker with room: the one retry loop of every remote engine
+    (Backend, Chat/Completion and Embedding models), for its first start and, for a Backend model, for
+    each migration.
+
+    Each start waits for a worker to exist (``INSTANCE_WAIT_S``, then a 503), then for one with room
+    (the client's queue, ``queue``; a 503 with ``Retry-After`` marked ``overload`` when the queue is full
+    or the wait is over), then opens the stream.  A worker that refused the request as busy is skipped for
+    a moment; an instance with no responder (it died and its lease has not expired yet) is skipped and the
+    request sent to another, at most ``MAX_NO_RESPONDER_RETRIES`` times over the request's whole life,
+    each counted as a ``new_request`` migration.
+    """
+
+    __slots__ = ("client", "queue", "observer", "request_id", "no_responders")
+
+    def __init__(self, client: Any, queue: QueuePolicy, observer: Any, request_id: str):
+        self.client = client
+        self.queue = queue
+        self.observer = observer  # counts migrations (dynamo.frontend.worker_metrics.ModelObserver), or None
+        self.request_id = request_id
+        self.no_responders = 0
+
+    async def start(self, open_stream: Callable[[], Any],
+                    prepare: Callable[[], Awaitable[None]] | None = None) -> Any:
+        """``open_stream()``'s stream, started; ``prepare`` is awaited before each try (the KV router
+        hashes a long prompt without holding the loop)."""
+        client, queue = self.client, self.queue
+        deadline = None  # of the wait for a worker with room
+        while True:
+            await _ensure_instances(client)
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + queue.timeout
+            wait = getattr(client, "wait_for_capacity", None)
+            if wait is not None and not await wait(deadline, queue.size):
+                raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after, overload=True)
+            if prepare is not None:
+                await prepare()
+            try:
+                stream = open_stream()
+                await stream.start()
+                return stream
+            except RuntimeConnectionError:
+                raise ServiceUnavailableError(UNREACHABLE_MESSAGE, retry_after=queue.retry_after) from None
+            except WorkerBusyError:
+                continue  # that worker is full (other frontends' requests): it is skipped for a moment
+            except NoRespondersError as e:
+                # the client marked that instance down; nothing reached a worker, so retrying is safe
+                self.no_responders += 1
+                if self.no_responders <= MAX_NO_RESPONDER_RETRIES:
+                    log.info("request %s: %s; sending it to another worker", self.request_id, e)
+                    if self.observer is not None:
+                        self.observer.migrated("new_request")
+                    continue
+                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
+            except NoInstancesError:
+                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
+            except InstanceNotFoundError as e:  # a request for a given instance (nvext.backend_instance_id)
+                raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
+
+
 async def _ensure_instances(client: Any) -> None:
     if client.instance_ids():
         return
@@ -131,40 +184,14 @@ class RemoteCoreEngine:
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
         first = True
-        no_responders = 0
-        loop = asyncio.get_running_loop()
-        deadline = None  # of the current wait for a worker with room (a migration starts a new one)
         observer = self.observer
+        starts = WorkerStarts(self.client, self.queue, observer, context.id)
+        router, client = self.router, self.client
+        prepare = getattr(router, "prepare", None)
         try:
-            while True:
-                await _ensure_instances(self.client)
-                if deadline is None:
-                    deadline = loop.time() + self.queue.timeout
-                await _admit(self.client, self.queue, deadline)
-                prepare = getattr(self.router, "prepare", None)
-                if prepare is not None:  # the KV router hashes a long prompt without holding the loop
-                    await prepare(request)
-                try:
-                    stream = self.router.open(self.client, request, rt_ctx)
-                    await stream.start()
-                    deadline = None
-                except RuntimeConnectionError:
-                    raise ServiceUnavailableError(UNREACHABLE_MESSAGE, retry_after=self.queue.retry_after) from None
-                except WorkerBusyError:
-                    continue  # that worker is full (other frontends' requests): it is skipped for a moment
-                except NoRespondersError as e:
-                    # the client marked that instance down; nothing reached a worker, so retrying is safe
-                    no_responders += 1
-                    if no_responders <= MAX_NO_RESPONDER_RETRIES:
-                        log.info("request %s: %s; sending it to another worker", context.id, e)
-                        if observer is not None:
-                            observer.migrated("new_request")
-                        continue
-                    raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
-                except NoInstancesError:
-                    raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
-                except InstanceNotFoundError as e:
-                    raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
+            while True:  # once, and once more per migration
+                stream = await starts.start(lambda: router.open(client, request, rt_ctx),
+                                            None if prepare is None else lambda: prepare(request))
                 # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
                 timing = observer.request(stream.instance_id, len(request.token_ids)) if observer is not None else None
                 ntokens = 0
@@ -232,30 +259,9 @@ class RemoteChatEngine:
         request = raw if raw is not None else request
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
-        no_responders = 0
-        deadline = asyncio.get_running_loop().time() + self.queue.timeout
-        while True:
-            await _ensure_instances(self.client)
-            await _admit(self.client, self.queue, deadline)
-            try:
-                # lazy: the chunks' JSON passes through to the SSE writer undecoded (dynamo/lazyjson.py)
-                stream = self.client.round_robin(request, context=rt_ctx, lazy=True)
-                await stream.start()
-                break
-            except RuntimeConnectionError:
-                raise ServiceUnavailableError(UNREACHABLE_MESSAGE, retry_after=self.queue.retry_after) from None
-            except WorkerBusyError:
-                continue
-            except NoRespondersError as e:
-                no_responders += 1  # as in RemoteCoreEngine: the instance is marked down, try another
-                if no_responders <= MAX_NO_RESPONDER_RETRIES:
-                    log.info("request %s: %s; sending it to another worker", context.id, e)
-                    if self.observer is not None:
-                        self.observer.migrated("new_request")
-                    continue
-                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
-            except NoInstancesError:
-                raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
+        starts = WorkerStarts(self.client, self.queue, self.observer, context.id)
+        # lazy: the chunks' JSON passes through to the SSE writer undecoded (dynamo/lazyjson.py)
+        stream = await starts.start(lambda: self.client.round_robin(request, context=rt_ctx, lazy=True))
         try:
             async for chunk in stream:
                 if type(chunk) is LazyJson and chunk.raw is not None and USAGE_KEY not in chunk.raw:

@@ -1,21 +1,20 @@
 """The frontend's side of ``ModelType.Embedding`` workers: send the inputs (and the card tokenizer's token
-ids, as the original's wire format has them) to a worker, round-robin, retrying another worker when a
-request reached none; a worker's 400 stays a 400.  The wire format is in :mod:`dynamo.llm.embeddings`."""
+ids, as the original's wire format has them) to a worker, round-robin; a worker's 400 stays a 400.  The
+worker is found as for every remote engine (remote.py's :class:`WorkerStarts`: another worker when a
+request reached none or the worker was busy, a wait in the queue when every worker is full, the same
+503s).  The wire format is in :mod:`dynamo.llm.embeddings`."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from dynamo.errors import EngineError, RequestError
-from dynamo.frontend.remote import MAX_NO_RESPONDER_RETRIES, NO_WORKER_MESSAGE, _ensure_instances
+from dynamo.frontend.remote import QueuePolicy, WorkerStarts
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
 from dynamo.runtime import Context as RtContext
 from dynamo.runtime import EngineError as RtEngineError
-from dynamo.runtime import NoInstancesError, NoRespondersError, StreamIncompleteError
-
-log = logging.getLogger(__name__)
+from dynamo.runtime import StreamIncompleteError
 
 
 class RemoteEmbeddingEngine:
@@ -23,10 +22,11 @@ class RemoteEmbeddingEngine:
 
     kind = "embedding"
 
-    def __init__(self, client: Any, name: str = "", tokenizer: Any = None):
+    def __init__(self, client: Any, name: str = "", tokenizer: Any = None, queue: QueuePolicy | None = None):
         self.client = client
         self.name = name
         self.tokenizer = tokenizer
+        self.queue = queue or QueuePolicy()
 
     def request(self, inputs: list[EmbeddingInput], dimensions: int | None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.name, "input": inputs, "encoding_format": "float",
@@ -40,18 +40,8 @@ class RemoteEmbeddingEngine:
     async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings:
         body = self.request(inputs, dimensions)
         rt_ctx = RtContext(ctx.id)
-        for _ in range(MAX_NO_RESPONDER_RETRIES + 1):
-            await _ensure_instances(self.client)
-            try:
-                stream = self.client.round_robin(body, context=rt_ctx)
-                await stream.start()
-                break
-            except NoRespondersError as e:  # nothing reached a worker: another one may take it
-                log.info("embedding request %s: %s; sending it to another worker", ctx.id, e)
-            except NoInstancesError:
-                raise RequestError(NO_WORKER_MESSAGE, status=503) from None
-        else:
-            raise RequestError(NO_WORKER_MESSAGE, status=503)
+        starts = WorkerStarts(self.client, self.queue, None, ctx.id)
+        stream = await starts.start(lambda: self.client.round_robin(body, context=rt_ctx))
         try:
             async for item in stream:
                 err = item.get("error")

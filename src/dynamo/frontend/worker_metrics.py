@@ -1,11 +1,11 @@
 """Per-worker load on the frontend's ``/metrics``: the workers' ForwardPassMetrics as Prometheus gauges.
 
-Workers that report their load (the mocker; spec 6.3) publish ``{"worker_id", "data": <metrics>}`` on
+Workers that report their load (the mocker) publish ``{"worker_id", "data": <metrics>}`` on
 NATS ``namespace.<ns>.kv_metrics`` whenever their KV usage or queue changes, and answer the same
 metrics on their ``load_metrics`` endpoint.  For every namespace of a discovered model the frontend
 subscribes to the subject; when a worker is discovered it also asks its ``load_metrics`` endpoint once,
-so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as in
-spec 4.8, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
+so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as on
+every frontend metric, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
 metric prefix (every one in docs/metrics.md)::
 
     <prefix>_worker_kv_total_blocks         kv_stats.kv_total_blocks
@@ -21,6 +21,9 @@ to each worker (read at scrape time); without a KV router the decode blocks are 
 ``kv_stats.kv_active_blocks``.  ``<prefix>_worker_last_time_to_first_token_seconds``,
 ``..._last_input_sequence_tokens`` and ``..._last_inter_token_latency_seconds`` are the last request
 each worker served, set once per request by :class:`ModelObserver` (which also counts migrations).
+
+``<prefix>_router_queue_pending_requests`` (:class:`QueueCollector`) counts the requests waiting because
+every worker of their model is at its limit (``--queue-size``), read at scrape time.
 
 The flat [0.3] shape (all fields at the top level) is read too.  A worker's series disappear when its
 model entry does (it stopped or died).  Messages from workers this frontend does not serve are ignored.
@@ -295,3 +298,20 @@ class RequestTiming:
             return None  # a worker that is gone (or not one of ours): no series to leave behind
         wm._timed.add((model, self.worker_id))
         return (model, str(self.worker_id), "0", WORKER_TYPE)
+
+
+class QueueCollector:
+    """``<prefix>_router_queue_pending_requests``: requests waiting because every worker is at its
+    limit (``--queue-size``), per model (``queued()``: lowercased name -> count), read when /metrics is
+    scraped."""
+
+    def __init__(self, queued: Callable[[], dict[str, int]], prefix: str) -> None:
+        self.queued = queued
+        self.name = f"{prefix}_router_queue_pending_requests"
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, "Requests waiting for a worker with room (every worker at its limit)",
+                                   labels=["model", "worker_type"])
+        for model, n in sorted(self.queued().items()):
+            family.add_metric([model, "decode"], n)
+        yield family

@@ -1,7 +1,7 @@
 """Import aiohttp's server (``aiohttp.web``) without running ``aiohttp/__init__.py``, which imports the
 whole HTTP client as well.
 
-Why: ``dynamo-run in=http`` should answer soon after ``exec`` (issue 14: within 0.15 s), and start-up is
+Why: ``dynamo-run in=http`` should answer soon after ``exec`` (the goal: within 0.15 s), and start-up is
 mostly imports.  ``import aiohttp.web`` runs the package's ``__init__`` first, and that imports the client
 side (``aiohttp.client``, ``connector``, ``cookiejar``, ``tracing``, ``client_ws``, ``formdata``,
 ``resolver``, ...) and builds its TLS contexts, none of which a server that makes no HTTP request uses:

@@ -2,19 +2,22 @@
 
 Inputs: a string, a list of strings, a list of token ids or a list of token-id lists.  ``dimensions``
 goes to the engine, which refuses it with a 400 unless it can honour it.  A model that is not an
-embedding model gets a 400 naming the right endpoint.
+embedding model gets a 400 naming the right endpoint.  Behind the frontend-wide limit like chat
+(admission.py): the same 503 and the same rejection count past it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
-from typing import Any
 
 from aiohttp import web
 
 from dynamo.errors import RequestError
-from dynamo.frontend.http.service import _json, _read_json
+from dynamo.frontend.http.admission import Admission
+from dynamo.frontend.http.body import json_response, read_json
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.extra import parse_embedding_request
 
@@ -25,29 +28,33 @@ def encode_base64(vector: list[float]) -> str:
 
 
 class EmbeddingsRoute:
-    def __init__(self, service: Any):
-        self.service = service
+    def __init__(self, models: ModelManager, admission: Admission):
+        self.models = models
+        self.admission = admission
 
     async def handle(self, request: web.Request) -> web.Response:
-        raw = await _read_json(request)
+        raw = await read_json(request)
         req, inputs = parse_embedding_request(raw)
-        model = self.service.models.get(req.model)
+        model = self.models.get(req.model)
         embed = getattr(model, "embed", None)
         if embed is None:
             raise RequestError(f"The model '{req.model}' is not an embedding model", param="model")
         ctx = Context()
-        rm = self.service.metrics.request(req.model, "embeddings", False)
+        rm = self.admission.begin(request, ctx, req.model, "embeddings", False)
         ok = False
         try:
             result = await embed(inputs, req.dimensions, ctx)
             rm.tokens(0, result.prompt_tokens)
             ok = True
+        except asyncio.CancelledError:
+            ctx.kill()
+            raise
         finally:
-            rm.done(ok)
+            self.admission.end(ctx, rm, ok)
         b64 = req.encoding_format == "base64"
         data = [
             {"object": "embedding", "index": i, "embedding": encode_base64(v) if b64 else v}
             for i, v in enumerate(result.vectors)
         ]
         usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-        return _json({"object": "list", "data": data, "model": req.model, "usage": usage})
+        return json_response({"object": "list", "data": data, "model": req.model, "usage": usage})

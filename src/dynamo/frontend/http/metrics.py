@@ -1,4 +1,4 @@
-"""Prometheus metrics of the HTTP frontend (spec 4.8 names and buckets).
+"""Prometheus metrics of the HTTP frontend (Dynamo's frontend metric names and buckets).
 
 The prefix is ``dynamo_frontend``, or ``DYN_METRICS_PREFIX`` sanitised to a valid metric name.  Each
 service gets its own registry so several services in one process (tests) do not collide.  With

@@ -143,12 +143,3 @@ def body_limit_from_env(env: Any = None) -> int:
     if not mb > 0:
         raise UserError(f"{BODY_LIMIT_ENV}={raw!r}: expected a positive number of megabytes")
     return int(mb * 1024 * 1024)
-
-
-def _app_key() -> Any:
-    from aiohttp import web
-
-    return web.AppKey("dynamo_body_limit", int)
-
-
-BODY_LIMIT_KEY = _app_key()  # the app's body limit in bytes, for the 413 message

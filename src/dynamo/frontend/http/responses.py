@@ -18,7 +18,6 @@ the API defines).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import Any, AsyncGenerator, AsyncIterator
@@ -26,12 +25,14 @@ from typing import Any, AsyncGenerator, AsyncIterator
 import orjson
 from aiohttp import web
 
-from dynamo.aio import Pending, next_now
-from dynamo.errors import EngineError, RequestError
-from dynamo.frontend.http.errors import error_body
+from dynamo.errors import RequestError
+from dynamo.frontend.http.admission import Admission
+from dynamo.frontend.http.body import json_response, read_json
+from dynamo.frontend.http.metrics import RequestMetrics
 from dynamo.frontend.http.responses_output import Event, OutputItems
 from dynamo.frontend.http.responses_store import ResponseStore, Stored, store_size_from_env
-from dynamo.frontend.http.service import _SSE_HEADERS, SSE_BATCH, _json, _read_json, _write_parts
+from dynamo.frontend.http.sse import stream_sse
+from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.openai import parse_chat_request
@@ -44,10 +45,14 @@ from dynamo.llm.protocols.responses import (
     parse_responses_request,
 )
 
-log = logging.getLogger(__name__)
 
 class _Run:
-    """One response being produced: its id, its output items so far, and the response object's shape."""
+    """One response being produced: its id, its output items so far, and the response object's shape.
+
+    It is also the stream's SSE format (sse.py's ``SseFormat``): the typed events with their
+    ``sequence_number``, ``response.created`` and ``response.in_progress`` first, the output items' events
+    per delta, and ``response.completed`` (or ``incomplete``) or an ``error`` event at the end.
+    """
 
     def __init__(self, req: ResponsesRequest):
         self.req = req
@@ -95,10 +100,26 @@ class _Run:
     def events(self, events: list[Event]) -> bytes:
         return b"".join(self.event(kind, **fields) for kind, fields in events)
 
+    # -- as the stream's SSE format
+    def begin(self) -> list[bytes]:
+        return [self.event("response.created", response=self.response("in_progress")),
+                self.event("response.in_progress", response=self.response("in_progress"))]
+
+    def item(self, delta: dict[str, Any]) -> bytes:
+        return self.events(self.out.feed(delta))
+
+    def end(self) -> bytes:
+        status = self.status
+        return self.events(self.out.finish(status)) + self.event(f"response.{status}", response=self.response(status))
+
+    def failed(self, message: str, status: int) -> bytes:
+        return self.event("error", code=str(status), message=message, param=None)
+
 
 class ResponsesRoute:
-    def __init__(self, service: Any):
-        self.service = service
+    def __init__(self, models: ModelManager, admission: Admission):
+        self.models = models
+        self.admission = admission
         self.store = ResponseStore(store_size_from_env())
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
@@ -106,13 +127,13 @@ class ResponsesRoute:
         if request.query.get("stream") not in (None, "false"):
             raise RequestError("Streaming a stored response is for background responses, which are not "
                                "supported", param="stream")
-        return _json(self._stored(request).response)
+        return json_response(self._stored(request).response)
 
     async def delete(self, request: web.Request) -> web.StreamResponse:
         """``DELETE /v1/responses/{id}``: forget a stored response."""
         stored = self._stored(request)
         self.store.delete(stored.response["id"])
-        return _json({"id": stored.response["id"], "object": "response", "deleted": True})
+        return json_response({"id": stored.response["id"], "object": "response", "deleted": True})
 
     async def list_input_items(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}/input_items``: the request's input items, paginated as the API does
@@ -136,7 +157,7 @@ class ResponsesRoute:
                 raise RequestError(f"No input item with id '{after}' in this response", status=404, param="after")
             items = items[ids.index(after) + 1:]
         page = items[:limit]
-        return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                       "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     def _stored(self, request: web.Request) -> Stored:
@@ -147,9 +168,9 @@ class ResponsesRoute:
         return stored
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await _read_json(request)
+        raw = await read_json(request)
         req = parse_responses_request(raw)
-        model = self.service.models.get(req.model)
+        model = self.models.get(req.model)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
@@ -176,16 +197,13 @@ class ResponsesRoute:
         run = _Run(req)
         ctx = Context()
         streaming = bool(req.stream)
-        rm = self.service.metrics.request(req.model, "responses", streaming)
-        task = asyncio.current_task()
-        if task is not None:
-            self.service._inflight.add(task)  # graceful shutdown waits for us like for chat requests
-        self.service._contexts.add(ctx)
+        rm = self.admission.begin(request, ctx, req.model, "responses", streaming)
         ok = False
         try:
-            stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, rm)
+            # streamed, the SSE writer counts the tokens; folded here, the deltas do
+            stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, None if streaming else rm)
             if streaming:
-                resp, ok = await self._stream(request, stream, run, ctx)
+                resp, ok = await stream_sse(request, stream, ctx, rm, run)
             else:
                 try:
                     async for delta in stream:
@@ -193,78 +211,21 @@ class ResponsesRoute:
                 finally:
                     await stream.aclose()
                 run.out.finish(run.status)
-                resp = _json(run.response(run.status))
+                resp = json_response(run.response(run.status))
                 ok = True
         except asyncio.CancelledError:
             ctx.kill()
             raise
         finally:
-            rm.done(ok)
-            self.service._contexts.discard(ctx)
-            if task is not None:
-                self.service._inflight.discard(task)
+            self.admission.end(ctx, rm, ok)
         if ok and req.store is not False:
             self.store.put(run.id, Stored(run.response(run.status), conversation + [run.out.assistant_message()],
                                           input_items(req)))
         return resp
 
-    async def _stream(self, request: web.Request, stream: AsyncGenerator[dict[str, Any], None], run: _Run,
-                      ctx: Context) -> tuple[web.StreamResponse, bool]:
-        try:  # the first delta before the 200, so a failure at the start gets its status code
-            first: dict[str, Any] | None = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
-        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-        ok = False
-        # as the chat stream does (service.py): every event that is ready leaves in one write
-        parts = [run.event("response.created", response=run.response("in_progress")),
-                 run.event("response.in_progress", response=run.response("in_progress"))]
-        pending: Pending | None = None
-        try:
-            await resp.prepare(request)
-            try:
-                if first is not None:
-                    parts.append(run.events(run.out.feed(first)))
-                    while True:
-                        try:
-                            item: Any = next_now(stream)
-                            if type(item) is Pending:
-                                pending = item
-                                await _write_parts(resp, parts)
-                                pending = None
-                                item = await item
-                        except StopAsyncIteration:
-                            break
-                        data = run.events(run.out.feed(item))
-                        if data:
-                            parts.append(data)
-                            if len(parts) >= SSE_BATCH:  # a long backlog: let the other streams have a turn
-                                await _write_parts(resp, parts)
-                                await asyncio.sleep(0)
-            except (EngineError, RequestError) as e:
-                log.warning("response %s failed mid-stream: %s", run.id, e)
-                code = e.status if isinstance(e, RequestError) else 500
-                err = orjson.loads(error_body(str(e), code))["error"]
-                parts.append(run.event("error", code=str(err["code"]), message=err["message"], param=None))
-                await resp.write_eof(b"".join(parts))
-                return resp, False
-            status = run.status
-            parts.append(run.events(run.out.finish(status)))
-            parts.append(run.event(f"response.{status}", response=run.response(status)))
-            await resp.write_eof(b"".join(parts))  # the last events and the end of the body: one send
-            ok = True
-        except (ConnectionResetError, ConnectionError):
-            ctx.kill()
-            log.debug("response %s: client went away", run.id)
-        finally:
-            if pending is not None:  # a write failed while the next delta was being awaited
-                await pending.abandon()
-            await stream.aclose()
-        return resp, ok
-
 
 async def _deltas(chunks: AsyncIterator[Any], run: _Run, ctx: Context,
-                  rm: Any) -> AsyncGenerator[dict[str, Any], None]:
+                  rm: RequestMetrics | None) -> AsyncGenerator[dict[str, Any], None]:
     """The deltas of a chat chunk stream (content, reasoning_content, tool_calls); finish reason and
     usage are noted on ``run``."""
     try:
@@ -278,7 +239,8 @@ async def _deltas(chunks: AsyncIterator[Any], run: _Run, ctx: Context,
                     run.finish = choice["finish_reason"]
                 delta = choice.get("delta")
                 if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
-                    rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                    if rm is not None:
+                        rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
                     yield delta
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from dynamo.errors import RequestError
-from dynamo.frontend.http.service import _json, _read_json
+from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chat_template import ChatTemplate
 from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
@@ -59,7 +59,7 @@ class TokenizeRoutes:
         return tpl
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        raw = await _read_json(request)
+        raw = await read_json(request)
         req = parse_tokenize_request(raw)
         model = pick_model(self.models, req.model)
         tok = self._tokenizer(model)
@@ -88,10 +88,10 @@ class TokenizeRoutes:
             "tokens": ids,
             "token_strs": list(enc.tokens) if req.return_token_strs else None,
         }
-        return _json(body)
+        return json_response(body)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        raw = await _read_json(request)
+        raw = await read_json(request)
         req = parse_detokenize_request(raw)
         model = pick_model(self.models, req.model)
         tok = self._tokenizer(model)
@@ -99,7 +99,7 @@ class TokenizeRoutes:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"Token id {bad} is out of vocabulary (size {vocab})", param="tokens")
-        return _json({"prompt": tok.decode(req.tokens)})
+        return json_response({"prompt": tok.decode(req.tokens)})
 
 
 def _cut_after_final(text: str, final: Any) -> str:

@@ -1,0 +1,82 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one request flow for both.
+
+Validate (parse the JSON body into the typed request) -> find the model -> start its pipeline -> stream
+the chunks as SSE (sse.py) or fold them into one response (``llm/aggregate.py``).  A client that
+disconnects cancels the handler (``handler_cancellation``), which kills the request's context and so
+stops the engine's work.  Both routes sit behind the frontend-wide limit (admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from aiohttp import web
+
+from dynamo.frontend.http.admission import Admission
+from dynamo.frontend.http.body import json_response, read_json, request_id
+from dynamo.frontend.http.metrics import RequestMetrics
+from dynamo.frontend.http.sse import stream_sse
+from dynamo.frontend.model_manager import ModelManager
+from dynamo.llm import first_token
+from dynamo.llm.aggregate import fold_chat, fold_completion
+from dynamo.llm.engine import Context
+from dynamo.llm.protocols.openai import ChatCompletionRequest, parse_chat_request, parse_completion_request
+
+log = logging.getLogger(__name__)
+
+
+class ChatRoutes:
+    def __init__(self, models: ModelManager, admission: Admission):
+        self.models = models
+        self.admission = admission
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat_completions", parse_chat_request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", parse_completion_request)
+
+    async def _generate(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
+        t_in = time.perf_counter()
+        raw = await read_json(request)
+        req = parse(raw)
+        model = self.models.get(req.model)
+        streaming = bool(req.stream)
+        ctx = Context(request_id(request))
+        first_token.begin(ctx, t_in)
+        rm = self.admission.begin(request, ctx, req.model, endpoint, streaming)
+        ok = False
+        try:
+            chat = isinstance(req, ChatCompletionRequest)
+            stream = model.chat(req, raw, ctx) if chat else model.completions(req, raw, ctx)
+            if streaming:
+                resp, ok = await stream_sse(request, stream, ctx, rm)
+                return resp
+            stream = _metered(stream, ctx, rm)
+            fold = fold_chat if chat else fold_completion
+            try:
+                body = await fold(stream, ctx, req.model)
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            resp = json_response(body)
+            first_token.report(ctx, "answer")
+            ok = True
+            return resp
+        except asyncio.CancelledError:
+            ctx.kill()
+            log.debug("request %s cancelled: client went away", ctx.id)
+            raise
+        finally:
+            self.admission.end(ctx, rm, ok)
+
+
+async def _metered(stream: AsyncIterator[Any], ctx: Context, rm: RequestMetrics) -> AsyncIterator[Any]:
+    try:
+        async for item in stream:
+            rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+            yield item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,164 @@
+"""Building a served model from a worker's model entry (``out=dyn``): its client, router and pipeline.
+
+The discovery watch loop (discovery.py) decides *when* a model appears, grows or goes; this module
+decides *what* serves it.  Backend models get our pre/post-processing with the card's tokenizer and
+template in front of a :class:`RemoteCoreEngine` (routing, migration), wrapped for disaggregation
+(frontend/disagg.py: prefill workers first when there are any); Chat/Completion models are forwarded
+(:class:`RemoteChatEngine`); Embedding models go through :class:`RemoteEmbeddingEngine`.  One client per
+endpoint is made and kept here, shared by every model registered on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dynamo.disagg.plan import DisaggStats
+from dynamo.frontend.disagg import DisaggCoreEngine
+from dynamo.frontend.model_client import ModelClient
+from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
+from dynamo.llm.model_entry import ModelEntry, load_card
+from dynamo.llm.model_type import ModelType
+from dynamo.llm.pipeline import CorePipeline, FullPipeline
+from dynamo.runtime.names import component_event_subject
+
+EndpointKey = tuple[str, str, str]  # (namespace, component, endpoint)
+
+
+@dataclass
+class RouterConfig:
+    mode: str = "round-robin"
+    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
+    # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
+    migration_limit: int = 0
+    queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
+    max_local_prefill_length: int | None = None  # disaggregation: None is disagg/plan.py's default
+
+
+@dataclass
+class ServedModel:
+    """What serves one model name: the client over its endpoints' instances, its router, and (prefill
+    workers only) the engine over them."""
+
+    name: str
+    model_type: ModelType
+    client: ModelClient
+    endpoints: dict[EndpointKey, set[str]] = field(default_factory=dict)  # endpoint -> entry keys
+    router: Any = None
+    engine: Any = None  # prefill entries: the RemoteCoreEngine over the prefill workers
+
+    @property
+    def entries(self) -> set[str]:
+        return {key for keys in self.endpoints.values() for key in keys}
+
+
+class ModelBuilder:
+    """Makes served models from entries.
+
+    ``prefill_engine(name)`` is the engine over a model's prefill workers (None while there are none),
+    ``prefill_stats(name)`` what counts where its prompts were prefilled (None without metrics): the
+    prefill pool's (prefill_pool.py).  ``observer(name)`` the per-worker metrics of a model, or None.
+    """
+
+    def __init__(self, runtime: Any, config: RouterConfig, *, prefill_engine: Callable[[str], Any],
+                 prefill_stats: Callable[[str], Any], observer: Callable[[str], Any]):
+        self.runtime = runtime
+        self.config = config
+        self.clients: dict[EndpointKey, Any] = {}  # one runtime client per endpoint
+        self._prefill_engine = prefill_engine
+        self._prefill_stats = prefill_stats
+        self._observer = observer
+
+    async def client_for(self, ep_key: EndpointKey) -> Any:
+        client = self.clients.get(ep_key)
+        if client is None:
+            ns, comp, ep = ep_key
+            client = await self.runtime.namespace(ns).component(comp).endpoint(ep).client()
+            self.clients[ep_key] = client
+        return client
+
+    async def build(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> tuple[ServedModel, Any] | None:
+        """The served model and its pipeline for the first entry of a name; None for a model type this
+        frontend does not serve."""
+        client = ModelClient([await self.client_for(ep_key)])
+        card = await load_card(self.runtime.nats, entry.card)
+        observer = self._observer(entry.name)  # per-worker timing and migration counts on /metrics
+        card.display_name = entry.name
+        served = ServedModel(entry.name, entry.model_type, client, {ep_key: {key}})
+        cfg = self.config
+        if entry.model_type is ModelType.Backend:
+            served.router = await self.make_router(entry, card, client)
+            engine: Any = RemoteCoreEngine(client, served.router, queue=cfg.queue,
+                                           migration_limit=max(card.migration_limit, cfg.migration_limit),
+                                           observer=observer)
+            name = entry.name
+            engine = DisaggCoreEngine(engine, lambda: self._prefill_engine(name),
+                                      max_local_prefill_length=cfg.max_local_prefill_length,
+                                      stats=DisaggStats(self._prefill_stats(entry.name)))
+            model: Any = CorePipeline(entry.name, card, engine)
+        elif entry.model_type in (ModelType.Chat, ModelType.Completion):
+            chat_engine: Any = RemoteChatEngine(client, cfg.queue, observer=observer)
+            model = FullPipeline(entry.name, card, chat_engine)
+        elif entry.model_type is ModelType.Embedding:
+            from dynamo.frontend.remote_embeddings import RemoteEmbeddingEngine
+            from dynamo.llm.embeddings import EmbeddingModel
+            from dynamo.llm.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
+            # token_ids on the wire, as the original's embedding workers take them
+            engine = RemoteEmbeddingEngine(client, entry.name, tokenizer, queue=cfg.queue)
+            model = EmbeddingModel(entry.name, card, engine, tokenizer=tokenizer)
+        else:
+            return None
+        return served, model
+
+    async def build_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> ServedModel:
+        """A model's first prefill worker: its own client and router (KV-aware under kv mode)."""
+        client = ModelClient([await self.client_for(ep_key)])
+        card = await load_card(self.runtime.nats, entry.card)
+        served = ServedModel(entry.name, entry.model_type, client, {ep_key: {key}})
+        served.router = await self.make_router(entry, card, client)
+        # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the
+        # decode worker prefills locally at once (a 503 here is a fallback, not an error for the client)
+        served.engine = RemoteCoreEngine(client, served.router, migration_limit=0, queue=QueuePolicy(size=0, timeout=0.0))
+        return served
+
+    async def join(self, served: ServedModel, key: str, entry: ModelEntry, ep_key: EndpointKey) -> bool:
+        """Another entry of a served model; whether it brought an endpoint the model was not served by."""
+        new = ep_key not in served.endpoints
+        if new:
+            served.client.add(await self.client_for(ep_key))
+            await self._extend_router(served, entry)
+        served.endpoints.setdefault(ep_key, set()).add(key)
+        return new
+
+    async def make_router(self, entry: ModelEntry, card: Any, client: Any) -> Any:
+        cfg = self.config
+        if cfg.mode != "kv":
+            return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
+        from dynamo.frontend.kv_policy import make_kv_router
+
+        return await make_kv_router(self.runtime, entry, card, client, cfg)
+
+    async def _extend_router(self, served: ServedModel, entry: ModelEntry) -> None:
+        """A KV router also follows the KV events of another component serving the model."""
+        policy = served.router
+        kv = getattr(policy, "router", None)
+        subscribe = getattr(policy, "subscribe", None)
+        if kv is None or subscribe is None:
+            return
+        if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
+            return
+        if getattr(kv, "use_kv_events", False):  # the router follows KV events (not the approximate indexer)
+            await subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"), kv.apply_event)
+        await subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
+                        kv.apply_active_sequence_event)
+
+
+def worker_added(router: Any, entry: ModelEntry) -> None:
+    added = getattr(router, "add_worker", None)  # KV routers ask a new worker what it caches
+    if added is not None:
+        added(entry)
