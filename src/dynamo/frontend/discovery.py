@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from dynamo.aio import cancel_and_wait
-from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RouterConfig, ServedModel, worker_added
+from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel, RouterConfig, worker_added
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
 from dynamo.frontend.remote import QueuePolicy
@@ -45,7 +45,7 @@ class ModelWatcher:
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
-        self.served: dict[str, ServedModel] = {}  # model name -> what serves it
+        self.served: dict[str, RemoteModel] = {}  # model name -> what serves it
         self._task: asyncio.Task[None] | None = None
         self._watch: Any = None
         self._lock = asyncio.Lock()  # watch events and retries change the state one at a time

@@ -39,7 +39,7 @@ class RouterConfig:
 
 
 @dataclass
-class ServedModel:
+class RemoteModel:
     """What serves one model name: the client over its endpoints' instances, its router, and (prefill
     workers only) the engine over them."""
 
@@ -80,14 +80,14 @@ class ModelBuilder:
             self.clients[ep_key] = client
         return client
 
-    async def build(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> tuple[ServedModel, Any] | None:
+    async def build(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> tuple[RemoteModel, Any] | None:
         """The served model and its pipeline for the first entry of a name; None for a model type this
         frontend does not serve."""
         client = ModelClient([await self.client_for(ep_key)])
         card = await load_card(self.runtime.nats, entry.card)
         observer = self._observer(entry.name)  # per-worker timing and migration counts on /metrics
         card.display_name = entry.name
-        served = ServedModel(entry.name, entry.model_type, client, {ep_key: {key}})
+        served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
         cfg = self.config
         if entry.model_type is ModelType.Backend:
             served.router = await self.make_router(entry, card, client)
@@ -115,18 +115,18 @@ class ModelBuilder:
             return None
         return served, model
 
-    async def build_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> ServedModel:
+    async def build_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> RemoteModel:
         """A model's first prefill worker: its own client and router (KV-aware under kv mode)."""
         client = ModelClient([await self.client_for(ep_key)])
         card = await load_card(self.runtime.nats, entry.card)
-        served = ServedModel(entry.name, entry.model_type, client, {ep_key: {key}})
+        served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
         served.router = await self.make_router(entry, card, client)
         # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the
         # decode worker prefills locally at once (a 503 here is a fallback, not an error for the client)
         served.engine = RemoteCoreEngine(client, served.router, migration_limit=0, queue=QueuePolicy(size=0, timeout=0.0))
         return served
 
-    async def join(self, served: ServedModel, key: str, entry: ModelEntry, ep_key: EndpointKey) -> bool:
+    async def join(self, served: RemoteModel, key: str, entry: ModelEntry, ep_key: EndpointKey) -> bool:
         """Another entry of a served model; whether it brought an endpoint the model was not served by."""
         new = ep_key not in served.endpoints
         if new:
@@ -143,7 +143,7 @@ class ModelBuilder:
 
         return await make_kv_router(self.runtime, entry, card, client, cfg)
 
-    async def _extend_router(self, served: ServedModel, entry: ModelEntry) -> None:
+    async def _extend_router(self, served: RemoteModel, entry: ModelEntry) -> None:
         """A KV router also follows the KV events of another component serving the model."""
         policy = served.router
         kv = getattr(policy, "router", None)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dynamo.frontend.model_builder import ServedModel
+from dynamo.frontend.model_builder import RemoteModel
 
 
 class PrefillPool:
     def __init__(self, metrics: Any = None):
-        self.served: dict[str, ServedModel] = {}  # model name -> its prefill workers
+        self.served: dict[str, RemoteModel] = {}  # model name -> its prefill workers
         self._counter: Any = None
         if metrics is not None:
             from prometheus_client import Counter
