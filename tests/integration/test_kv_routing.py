@@ -170,6 +170,15 @@ def routed(servers: dict[str, str], fe: DynamoRun, ns: str, *prompts: str, sync:
     return asyncio.run(_observed(servers, fe, ns, sends, sync))[0]
 
 
+def route_until_cached(servers: dict[str, str], fe: DynamoRun, ns: str, prompt: str) -> dict[str, Any]:
+    """Send ``prompt``, wait until the frontend's router has the KV events of the blocks it stored, send it
+    again: the second decision, which must find the prompt's blocks cached."""
+    routed(servers, fe, ns, prompt, sync=True)
+    (event,) = routed(servers, fe, ns, prompt)
+    assert event["overlap_blocks"] > 0, f"the router found nothing of a prompt whose blocks were stored: {event}"
+    return event
+
+
 def scrape(fe: DynamoRun) -> str:
     return httpx.get(fe.base_url + "/metrics").text
 
