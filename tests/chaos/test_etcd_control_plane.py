@@ -127,9 +127,9 @@ async def test_watch_survives_etcd_down_during_resync(etcd, monkeypatch):
     async def compacted_once():
         if failures["stream"] > 0:
             failures["stream"] -= 1
-            from dynamo.runtime.etcd import _Compacted
+            from dynamo.runtime.etcd_watch import WatchCompacted
 
-            raise _Compacted()
+            raise WatchCompacted()
         return await original_stream()
 
     monkeypatch.setattr(client, "get_prefix_with_revision", flaky_list)
@@ -172,7 +172,7 @@ async def test_watch_failures_are_logged_once_per_run_not_at_debug(etcd, monkeyp
     monkeypatch.setattr(watch, "_stream_once", refusing)
     watch._task.cancel()
     await asyncio.gather(watch._task, return_exceptions=True)
-    caplog.set_level("DEBUG", logger="dynamo.runtime.etcd")
+    caplog.set_level("DEBUG", logger="dynamo.runtime.etcd_watch")
     watch._task = asyncio.create_task(watch._run())
     writer = await client_for(etcd)
     try:

@@ -104,7 +104,7 @@ class ModelWatcher:
                 ["model", "where"], registry=metrics.registry)
 
     async def start(self) -> None:
-        self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
+        self._watch = await self.runtime.discovery().watch_prefix(MODELS_PREFIX).start()
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:

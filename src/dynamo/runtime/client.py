@@ -1,4 +1,4 @@
-"""Client of an endpoint: which instances are alive (etcd watch), which one gets a request
+"""Client of an endpoint: which instances are alive (a discovery watch), which one gets a request
 (random / round-robin / direct), and the response stream as an async iterator.
 
 ``client.round_robin(req)`` returns a :class:`ResponseStream` at once; the request is sent when the
@@ -19,17 +19,18 @@ import asyncio
 import logging
 import random as _random
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-import nats.errors
 import orjson
 
 from dynamo.aio import cancel_and_wait
 from dynamo.lazyjson import LazyJson
 
 from .annotated import Annotated
+from .config import RuntimeSettings
 from .context import Context
+from .discovery import Discovery, DiscoveryWatch
 from .errors import (
     AckTimeoutError,
     EngineError,
@@ -41,13 +42,11 @@ from .errors import (
     StreamStalledError,
     WorkerBusyError,
 )
-from .etcd import PrefixWatch
 from .instance import Instance
 from .names import EndpointId, parse_lease_hex
+from .request_plane import NoResponders, RequestPlane, RequestPlaneError
+from .response_streams import ResponseStreams
 from .transport import ACK_BUSY, PING, StreamState, encode_request
-
-if TYPE_CHECKING:
-    from .distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +59,6 @@ PROBE_FIRST = 0.25  # first ping to a set-aside instance; the interval doubles u
 RECONNECT_WAIT = 2.0  # a request finding NATS disconnected waits this long for it (a blip) before failing
 
 
-async def _reconnected(nc: Any, timeout: float) -> bool:
-    """Wait up to ``timeout`` for a reconnecting NATS client (nats-py has no event for it: poll)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if nc.is_connected:
-            return True
-        if nc.is_closed:
-            return False
-        await asyncio.sleep(0.05)
-    return bool(nc.is_connected)
-
-
 def _encode_request(request: Any) -> bytes:
     if isinstance(request, (bytes, bytearray, memoryview)):
         return bytes(request)  # already JSON
@@ -83,18 +69,27 @@ def _encode_request(request: Any) -> bytes:
 
 
 class Client:
-    """Routes requests to the live instances of one endpoint."""
+    """Routes requests to the live instances of one endpoint.
 
-    def __init__(self, runtime: "DistributedRuntime", endpoint: EndpointId, *, static: bool = False) -> None:
-        self.runtime = runtime
+    It needs no runtime, only its parts: the settings, the request plane (requests, acks, pings), the
+    response streams (where streams come back) and, unless static, the discovery store it follows the
+    endpoint's instances in (``Endpoint.client()`` passes the runtime's)."""
+
+    def __init__(self, endpoint: EndpointId, *, settings: RuntimeSettings, requests: RequestPlane,
+                 streams: ResponseStreams | None = None, discovery: Discovery | None = None,
+                 static: bool = False) -> None:
         self.endpoint_id = endpoint
+        self.settings = settings
+        self.requests = requests
+        self.streams = streams
+        self.discovery = discovery
         self.is_static = static
         self._instances: dict[int, Instance] = {}
         self._down: set[int] = set()
         self._available: list[int] = []
         self._counter = 0
         self._changed = asyncio.Event()
-        self._watch: PrefixWatch | None = None
+        self._watch: DiscoveryWatch | None = None
         self._task: asyncio.Task | None = None
         self._active: dict[int, set[StreamState]] = {}
         self._aside: dict[int, asyncio.Task] = {}  # instance -> its probe (frozen? not sent new requests)
@@ -106,9 +101,9 @@ class Client:
         if self.is_static:
             return self
         # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
-        etcd = self.runtime.etcd_client
-        assert etcd is not None  # only a static runtime has none
-        self._watch = await etcd.watch_prefix(self.endpoint_id.etcd_prefix + ":")
+        if self.discovery is None:
+            raise ValueError("a client that follows instances needs a discovery store (or static=True)")
+        self._watch = await self.discovery.watch_prefix(self.endpoint_id.etcd_prefix + ":").start()
         for kv in self._watch.initial:
             self._apply_put(kv.key, kv.value)
         self._recompute()
@@ -127,7 +122,8 @@ class Client:
                 if iid is not None:
                     self._instances.pop(iid, None)
                     self._forget(iid)
-                    self.runtime._on_instance_gone(iid, list(self._active.get(iid, ())))
+                    if self.streams is not None:
+                        self.streams.on_instance_gone(list(self._active.get(iid, ())))
             self._down.clear()  # as the original: a watch update resets "down" marks
             self._recompute()
 
@@ -186,7 +182,7 @@ class Client:
         self._available = [i for i in self._available if i != instance_id]
 
     async def _probe(self, instance_id: int) -> None:
-        bound = self.runtime.settings.stream_liveness
+        bound = self.settings.stream_liveness
         delay = min(PROBE_FIRST, bound)
         while True:
             await asyncio.sleep(delay)
@@ -194,12 +190,11 @@ class Client:
             if inst is None:
                 return
             try:
-                ack = await self.runtime.nats.request(inst.subject or self.endpoint_id.subject(instance_id), PING,
-                                                      timeout=bound)
+                ack = await self.requests.send(inst.subject or self.endpoint_id.subject(instance_id), PING, bound)
             except Exception as exc:  # noqa: BLE001 - timeout, no responders, NATS away: still not healthy
                 log.debug("probe of instance %x: %s", instance_id & 0xFFFFFFFFFFFFFFFF, type(exc).__name__)
             else:
-                if not ack.data:
+                if not ack:
                     log.info("instance %x of %s answers again; sending it requests",
                              instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
                     self._aside.pop(instance_id, None)
@@ -426,12 +421,14 @@ class ResponseStream:
 
     async def _send(self) -> None:
         client = self._client
-        runtime = client.runtime
-        if not runtime.nats.is_connected and not await _reconnected(runtime.nats, RECONNECT_WAIT):
+        requests = client.requests
+        if not requests.connected and not await requests.wait_connected(RECONNECT_WAIT):
             # NATS is away: fail now rather than after the ack timeout (and blaming the instance)
             raise RuntimeConnectionError("NATS is not connected; cannot send the request to a worker")
         instance_id, subject = client._select(self._mode, self._instance_id)
-        receiver = await runtime._response_receiver()
+        if client.streams is None:
+            raise RuntimeConnectionError("this client has no response streams to receive on")
+        receiver = await client.streams.receiver()
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
         conn = receiver.register(state)
@@ -449,27 +446,27 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         frame = encode_request(ctx.id(), conn, _encode_request(self._request))
-        bound = runtime.settings.stream_liveness
+        bound = client.settings.stream_liveness
         try:
-            ack = await runtime._request_sender().send(subject, frame, bound, state)  # or the first frame
+            ack = await requests.send(subject, frame, bound, state)  # or the first frame
             if ack:
                 if ack == ACK_BUSY:
                     client._mark_busy(instance_id)
                     raise WorkerBusyError(subject, instance_id)
-                raise nats.errors.NoRespondersError  # a draining worker refuses: as good as gone
-        except nats.errors.NoRespondersError:
+                raise NoResponders(subject)  # a draining worker refuses: as good as gone
+        except NoResponders:
             client.report_instance_down(instance_id)
             error: BaseException = NoRespondersError(subject, instance_id)
             state.fail(error)
             raise error from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             # withdrawing the stream key (state.fail) turns a late call-home away: safe to send elsewhere
             client.report_instance_unresponsive(instance_id)
             error = AckTimeoutError(subject, instance_id, bound)
             state.fail(error)
             raise error from None
-        except nats.errors.Error as exc:  # NATS connection closed / reconnecting: nothing reached a worker
-            error = RuntimeConnectionError(f"cannot send the request over NATS: {exc or type(exc).__name__}")
+        except RequestPlaneError as exc:  # NATS connection closed / reconnecting: nothing reached a worker
+            error = RuntimeConnectionError(str(exc))
             state.fail(error)
             raise error from None
         except BaseException as exc:
