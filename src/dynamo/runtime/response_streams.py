@@ -38,6 +38,16 @@ class ResponseStreams:
         self._mux_pool: MuxPool | None = None
         self._closed = False
 
+    @property
+    def started_receiver(self) -> Receiver | None:
+        """The receiver if one was created (diagnostics, tests)."""
+        return self._receiver
+
+    @property
+    def mux_pool(self) -> MuxPool | None:
+        """The worker's multiplexed connections if any was opened (diagnostics, tests)."""
+        return self._mux_pool
+
     def _nats(self) -> NatsClient:
         if self._nc is None:
             raise DynamoRuntimeError("NATS response streams need a NATS connection")

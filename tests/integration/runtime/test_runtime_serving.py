@@ -426,4 +426,4 @@ async def test_finished_streams_leave_no_bookkeeping(make_runtime, ns, serve):
     await stream.aclose()
     await asyncio.sleep(0.1)
     assert client._active == {}
-    assert caller._receiver.pending == {}
+    assert caller.response_streams().started_receiver.pending == {}
