@@ -1,6 +1,6 @@
 """Multiplexed call-home: one TCP connection from a worker to a client process carries all its streams.
 
-Why: with a connection per stream (the original's protocol, spec 7.4) every token costs one ``send`` on
+Why: with a connection per stream (the original's protocol) every token costs one ``send`` on
 the worker and one ``recv`` on the client per stream, and a new request costs a connect, an accept and a
 handshake, each a loop turn behind every other stream's tokens. Over one connection a loop turn's tokens
 of all streams leave in one ``send`` and arrive in one ``recv`` (docs/performance.md has the figures).
