@@ -181,7 +181,7 @@ class KvRouterPolicy:
             await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
 
     async def subscribe(self, subject: str, handler: Any) -> None:
-        async def cb(subject: str, payload: bytes) -> None:
+        async def cb(_subject: str, payload: bytes) -> None:
             handler(payload)
 
         self._subs.append(await self._events.subscribe(subject, cb))
@@ -208,11 +208,11 @@ class KvRouterPolicy:
 
 
 async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: Any) -> KvRouterPolicy:
-    events = runtime.event_plane()
+    plane = runtime.event_plane()
 
     def publisher(subject: str):
         def publish(event: dict[str, Any]) -> Any:
-            return events.publish(subject, orjson.dumps(event))
+            return plane.publish(subject, orjson.dumps(event))
         return publish
 
     events = cfg.use_kv_events and publishes_kv_events(entry)
@@ -226,7 +226,7 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
     )
-    policy = KvRouterPolicy(router, events, runtime=runtime, events_requested=cfg.use_kv_events)
+    policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)

@@ -96,7 +96,7 @@ class WorkerMetrics:
         if namespace not in self._subs:
             subject = namespace_event_subject(namespace, "kv_metrics")
 
-            async def on_message(subject: str, payload: bytes) -> None:
+            async def on_message(_subject: str, payload: bytes) -> None:
                 self.apply(payload)
 
             try:
