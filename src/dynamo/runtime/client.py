@@ -6,9 +6,13 @@ stream is awaited or first iterated, so both ``async for x in client.generate(re
 ``async for x in await client.generate(req)`` (the original binding's style) work.
 
 Health, as this client sees it: an instance whose request found no responder, or whose stream broke, is
-*down* until the next etcd update for the endpoint (as the original). One that did not acknowledge a
-request or whose stream went silent (frozen: SIGSTOP, a stalled host) is *set aside* and probed with
-pings, with backoff, until it answers again. Capacity: an instance may announce how many requests it
+*down*; one that did not acknowledge a request or whose stream went silent (frozen: SIGSTOP, a stalled
+host) is *set aside*. Either way it gets no new request and is probed with pings, with backoff, until it
+answers again (or etcd says it is gone). A down mark also ends at the next etcd update for the endpoint
+(as the original), but that alone is not enough: "no responders" also means a live worker that is not
+subscribed on NATS *yet*. After a NATS restart every process reconnects on its own retry timer, so a
+frontend back before its workers finds nobody on their subjects, while their leases and keys never change
+and no etcd update ever comes; without the probe those workers would stay down for good. Capacity: an instance may announce how many requests it
 takes at once (:meth:`Client.set_instance_limit`); round-robin and random skip full instances, and
 :meth:`Client.wait_for_capacity` queues a caller until one has room.
 """
@@ -92,7 +96,8 @@ class Client:
         self._watch: DiscoveryWatch | None = None
         self._task: asyncio.Task | None = None
         self._active: dict[int, set[StreamState]] = {}
-        self._aside: dict[int, asyncio.Task] = {}  # instance -> its probe (frozen? not sent new requests)
+        self._aside: set[int] = set()  # instances that did not ack or went silent (frozen?)
+        self._probes: dict[int, asyncio.Task] = {}  # down or set-aside instance -> the task pinging it
         self._limits: dict[int, int] = {}  # instance -> requests it takes at once (what it announced)
         self._busy_until: dict[int, float] = {}  # instance -> loop time until which it is treated as full
         self._waiters: deque[asyncio.Future] = deque()  # callers queued for capacity, first come first served
@@ -125,6 +130,8 @@ class Client:
                     if self.streams is not None:
                         self.streams.on_instance_gone(list(self._active.get(iid, ())))
             self._down.clear()  # as the original: a watch update resets "down" marks
+            for iid in [i for i in self._probes if i not in self._aside]:
+                self._stop_probe(iid)
             self._recompute()
 
     def _apply_put(self, key: str, value: bytes) -> None:
@@ -150,9 +157,9 @@ class Client:
         self._wake_waiters(everyone=True)
 
     def _forget(self, instance_id: int) -> None:
-        probe = self._aside.pop(instance_id, None)
-        if probe is not None:
-            probe.cancel()
+        self._stop_probe(instance_id)
+        self._aside.discard(instance_id)
+        self._down.discard(instance_id)
         self._limits.pop(instance_id, None)
         self._busy_until.pop(instance_id, None)
 
@@ -166,10 +173,14 @@ class Client:
         return [self._instances[i] for i in self._available if i in self._instances]
 
     def report_instance_down(self, instance_id: int) -> None:
-        """Skip this instance until the next etcd update for the endpoint."""
-        if instance_id in self._instances:
+        """Skip this instance until it answers a ping or the next etcd update for the endpoint.
+
+        The ping matters when etcd stays quiet: a worker that is alive but not (yet) subscribed on NATS,
+        e.g. still reconnecting after a NATS restart, answers "no responders" exactly like a dead one."""
+        if instance_id in self._instances and not self.is_static:
             self._down.add(instance_id)
             self._available = [i for i in self._available if i != instance_id]
+            self._start_probe(instance_id)
 
     def report_instance_unresponsive(self, instance_id: int) -> None:
         """Set aside an instance that did not ack or went silent mid-stream; ping it until it answers."""
@@ -177,9 +188,19 @@ class Client:
             return
         log.warning("instance %x of %s is not responding; no new requests go to it until it answers again",
                     instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
-        self._aside[instance_id] = asyncio.get_running_loop().create_task(
-            self._probe(instance_id), name=f"probe:{instance_id & 0xFFFFFFFFFFFFFFFF:x}")
+        self._aside.add(instance_id)
         self._available = [i for i in self._available if i != instance_id]
+        self._start_probe(instance_id)
+
+    def _start_probe(self, instance_id: int) -> None:
+        if instance_id not in self._probes:
+            self._probes[instance_id] = asyncio.get_running_loop().create_task(
+                self._probe(instance_id), name=f"probe:{instance_id & 0xFFFFFFFFFFFFFFFF:x}")
+
+    def _stop_probe(self, instance_id: int) -> None:
+        probe = self._probes.pop(instance_id, None)
+        if probe is not None:
+            probe.cancel()
 
     async def _probe(self, instance_id: int) -> None:
         bound = self.settings.stream_liveness
@@ -187,7 +208,8 @@ class Client:
         while True:
             await asyncio.sleep(delay)
             inst = self._instances.get(instance_id)
-            if inst is None:
+            if inst is None:  # gone from etcd meanwhile (_forget normally cancels us first)
+                self._probes.pop(instance_id, None)
                 return
             try:
                 ack = await self.requests.send(inst.subject or self.endpoint_id.subject(instance_id), PING, bound)
@@ -197,7 +219,9 @@ class Client:
                 if not ack:
                     log.info("instance %x of %s answers again; sending it requests",
                              instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
-                    self._aside.pop(instance_id, None)
+                    self._probes.pop(instance_id, None)
+                    self._aside.discard(instance_id)
+                    self._down.discard(instance_id)
                     self._recompute()
                     return
             delay = min(delay * 2, bound)
@@ -299,8 +323,8 @@ class Client:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for iid in list(self._aside):
-            self._forget(iid)
+        for iid in list(self._probes):
+            self._stop_probe(iid)
         if self._watch is not None:
             await self._watch.close()
             self._watch = None

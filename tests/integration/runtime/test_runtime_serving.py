@@ -243,7 +243,7 @@ async def test_no_responders_marks_instance_down(make_runtime, ns, serve):
     with pytest.raises(NoRespondersError) as err:
         await collect(client.generate({}))
     assert err.value.instance_id == ghost_id
-    assert client.instance_ids() == []  # reported down until the next watch update
+    assert client.instance_ids() == []  # down until it answers a ping (it never will) or a watch update
     with pytest.raises(NoInstancesError):
         await collect(client.generate({}))
 

@@ -24,9 +24,11 @@ class _Requests:
     def __init__(self) -> None:
         self.answers = False
         self.pings = 0
+        self.pinged = asyncio.Event()
 
     async def send(self, address: str, payload: bytes, timeout: float, state=None) -> bytes:
         self.pings += 1
+        self.pinged.set()
         if not self.answers:
             raise TimeoutError
         return b""
@@ -130,6 +132,24 @@ async def test_an_unresponsive_instance_is_set_aside_until_it_answers_a_probe():
     plane.answers = True
     await asyncio.wait_for(client._changed.wait(), 2)
     assert client.instance_ids() == [1, 2]
+    await client.close()
+
+
+async def test_an_instance_with_no_responder_is_down_until_it_answers_a_probe():
+    """No etcd update comes for a live worker that is merely not subscribed yet: the probe brings it back."""
+    client = make_client(1, 2, liveness=0.2)
+    nats = client.runtime.nats
+    client.report_instance_down(1)
+    assert client.instance_ids() == [2]
+    async with asyncio.timeout(2):
+        while nats.pings < 2:  # probed, still no answer: stays down
+            nats.pinged.clear()
+            await nats.pinged.wait()
+    assert client.instance_ids() == [2]
+    nats.answers = True
+    await asyncio.wait_for(client._changed.wait(), 2)
+    assert client.instance_ids() == [1, 2]
+    assert not client._probes
     await client.close()
 
 
