@@ -1,5 +1,5 @@
 """The client's view of worker capacity and health without servers: limits per instance, the wait queue
-for a worker with room, and instances set aside as unresponsive. The runtime behind it is a stub; the
+for a worker with room, and instances set aside as unresponsive. The request plane behind it is a stub; the
 same paths run against real workers in tests/chaos/test_stream_faults.py."""
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ async def test_an_unresponsive_instance_is_set_aside_until_it_answers_a_probe():
 async def test_an_instance_with_no_responder_is_down_until_it_answers_a_probe():
     """No etcd update comes for a live worker that is merely not subscribed yet: the probe brings it back."""
     client = make_client(1, 2, liveness=0.2)
-    nats = client.runtime.nats
+    nats = client.requests
+    assert isinstance(nats, _Requests)
     client.report_instance_down(1)
     assert client.instance_ids() == [2]
     async with asyncio.timeout(2):
