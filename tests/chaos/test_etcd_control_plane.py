@@ -237,7 +237,7 @@ async def test_watch_failures_are_logged_once_per_run_not_at_debug(etcd, monkeyp
     monkeypatch.setattr(watch, "_stream_once", refusing)
     watch._task.cancel()
     await asyncio.gather(watch._task, return_exceptions=True)
-    caplog.set_level("DEBUG", logger="dynamo.runtime.etcd")
+    caplog.set_level("DEBUG", logger="dynamo.runtime.etcd_watch")
     watch._task = asyncio.create_task(watch._run())
     writer = await client_for(etcd)
     try:

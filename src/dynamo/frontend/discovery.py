@@ -71,7 +71,7 @@ class ModelWatcher:
         return self.worker_metrics.observer(name, self.metrics.migrated)
 
     async def start(self) -> None:
-        self._watch = await self.runtime.etcd.watch_prefix(MODELS_PREFIX).start()
+        self._watch = await self.runtime.discovery().watch_prefix(MODELS_PREFIX).start()
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:

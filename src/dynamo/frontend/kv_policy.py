@@ -55,10 +55,10 @@ def publishes_kv_events(entry: Any) -> bool:
 
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, nats: Any, *, runtime: Any = None, events_requested: bool = True):
+    def __init__(self, router: KvRouter, events: Any, *, runtime: Any = None, events_requested: bool = True):
         self.router = router
         self.events_requested = events_requested  # --use-kv-events
-        self._nats = nats
+        self._events = events  # the runtime's event plane (runtime/event_plane.py)
         self._runtime = runtime
         self._subs: list[Any] = []
         self._tracked: set[str] = set()
@@ -163,14 +163,14 @@ class KvRouterPolicy:
         interval = self.router.peer_ttl / 3
         loop = asyncio.get_running_loop()
         next_beat = 0.0
-        reconnects = _reconnects(self._nats)
+        reconnects = _reconnects(self._events)
         while True:
             now = loop.time()
             if now >= next_beat:
                 next_beat = now + interval
                 self.router.heartbeat()
                 self.router.expire_peers()
-            seen = _reconnects(self._nats)
+            seen = _reconnects(self._events)
             if seen != reconnects:
                 reconnects = seen
                 if not isinstance(self.router.indexer, ApproxKvIndexer):
@@ -181,10 +181,10 @@ class KvRouterPolicy:
             await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
 
     async def subscribe(self, subject: str, handler: Any) -> None:
-        async def cb(msg: Any) -> None:
-            handler(msg.data)
+        async def cb(_subject: str, payload: bytes) -> None:
+            handler(payload)
 
-        self._subs.append(await self._nats.subscribe(subject, cb=cb))
+        self._subs.append(await self._events.subscribe(subject, cb))
 
     async def close(self) -> None:
         tasks = [t for t in (self._timer, *self._tasks) if t is not None]
@@ -208,11 +208,11 @@ class KvRouterPolicy:
 
 
 async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: Any) -> KvRouterPolicy:
-    nats = runtime.nats
+    plane = runtime.event_plane()
 
     def publisher(subject: str):
         def publish(event: dict[str, Any]) -> Any:
-            return nats.publish(subject, orjson.dumps(event))
+            return plane.publish(subject, orjson.dumps(event))
         return publish
 
     events = cfg.use_kv_events and publishes_kv_events(entry)
@@ -226,7 +226,7 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
     )
-    policy = KvRouterPolicy(router, nats, runtime=runtime, events_requested=cfg.use_kv_events)
+    policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
@@ -244,6 +244,5 @@ async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: 
     return policy
 
 
-def _reconnects(nats: Any) -> int:
-    stats = getattr(nats, "stats", None)
-    return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+def _reconnects(events: Any) -> int:
+    return int(getattr(events, "reconnects", 0) or 0)

@@ -37,10 +37,6 @@ class ModelClient:
             self._clients.remove(client)
 
     @property
-    def runtime(self) -> Any:
-        return self._clients[0].runtime
-
-    @property
     def endpoint_id(self) -> Any:
         return self._clients[0].endpoint_id
 

@@ -99,11 +99,11 @@ class WorkerMetrics:
         if namespace not in self._subs:
             subject = namespace_event_subject(namespace, "kv_metrics")
 
-            async def on_message(msg: Any) -> None:
-                self.apply(msg.data)
+            async def on_message(_subject: str, payload: bytes) -> None:
+                self.apply(payload)
 
             try:
-                self._subs[namespace] = await self.runtime.nats.subscribe(subject, cb=on_message)
+                self._subs[namespace] = await self.runtime.event_plane().subscribe(subject, on_message)
             except Exception as e:  # metrics must never break discovery
                 log.warning("cannot subscribe to %s: %s", subject, e)
         task = asyncio.create_task(self._poll(namespace, component, worker_id), name="load-metrics-poll")

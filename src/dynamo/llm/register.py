@@ -52,7 +52,7 @@ async def register_llm(
 async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
                         runtime_config: dict[str, Any] | None = None) -> ModelEntry:
     runtime = endpoint.runtime
-    if runtime.is_static or runtime.etcd is None:
+    if runtime.is_static:
         raise RuntimeError("Cannot attach to static endpoint: a static worker is not discoverable")
     ident = endpoint.id
     entry = ModelEntry(
@@ -60,6 +60,6 @@ async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
         model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.nats, card),
         runtime_config=runtime_config,
     )
-    await runtime.etcd.put(entry.key(), entry.to_json(), lease=True)
+    await runtime.discovery().put(entry.key(), entry.to_json(), lease=True)
     log.info("registered model %s (%s) at %s", card.display_name, model_type.value, ident)
     return entry

@@ -1,4 +1,4 @@
-"""Distributed runtime: etcd discovery with leases, NATS requests, TCP response streams.
+"""Distributed runtime: discovery with leases (etcd), requests and events (NATS), TCP response streams.
 
 Public API (mirrors the original's Python binding where it exists)::
 
@@ -22,7 +22,8 @@ from .client import Client, ResponseStream
 from .component import Component, Endpoint, Namespace
 from .config import EtcdSettings, NatsSettings, RuntimeSettings
 from .context import Context
-from .distributed import DistributedRuntime, KeyValueStore
+from .discovery import Discovery, DiscoveryWatch, KeyValue, WatchEvent
+from .distributed import DistributedRuntime
 from .errors import (
     STREAM_INCOMPLETE_MESSAGE,
     AckTimeoutError,
@@ -39,17 +40,21 @@ from .errors import (
     StreamStalledError,
     WorkerBusyError,
 )
-from .etcd import EtcdClient, KeyValue, PrefixWatch, WatchEvent
+from .etcd import EtcdClient
+from .etcd_watch import PrefixWatch
+from .event_plane import EventPlane
 from .instance import Instance
+from .kv_store import KeyValueStore
 from .names import EndpointId, lease_hex, parse_lease_hex, slugify
+from .request_plane import RequestPlane
 from .worker import dynamo_worker, run_worker
 
 __all__ = [
     "AckTimeoutError", "StreamStalledError", "WorkerBusyError",
-    "Annotated", "Client", "Component", "Context", "DistributedRuntime", "DynamoRuntimeError", "EndpointId",
-    "Endpoint", "EngineError", "EtcdClient", "EtcdSettings", "Instance", "InstanceNotFoundError",
+    "Annotated", "Client", "Component", "Context", "Discovery", "DiscoveryWatch", "DistributedRuntime",
+    "DynamoRuntimeError", "EndpointId", "Endpoint", "EngineError", "EtcdClient", "EventPlane", "EtcdSettings", "Instance", "InstanceNotFoundError",
     "KeyValue", "KeyValueStore", "LeaseLostError", "Namespace", "NatsSettings", "NoInstancesError",
-    "NoRespondersError", "PrefixWatch", "ResponseStream", "RuntimeConfigError", "RuntimeConnectionError", "RuntimeSettings",
+    "NoRespondersError", "PrefixWatch", "RequestPlane", "ResponseStream", "RuntimeConfigError", "RuntimeConnectionError", "RuntimeSettings",
     "STREAM_INCOMPLETE_MESSAGE", "ServiceAlreadyExistsError", "StreamIncompleteError", "WatchEvent",
     "dynamo_worker", "lease_hex", "parse_lease_hex", "run_worker", "slugify",
 ]

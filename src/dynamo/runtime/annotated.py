@@ -1,4 +1,4 @@
-"""``Annotated``: the envelope of every stream item (spec 7.4): ``{"data"?, "id"?, "event"?, "comment"?}``.
+"""``Annotated``: the envelope of every stream item, as the original sends it: ``{"data"?, "id"?, "event"?, "comment"?}``.
 
 Handlers yield plain dicts (wrapped as ``{"data": item}``) or Annotated objects when they need events or
 comments (e.g. LLM in-stream annotations). An item whose event is ``"error"`` is an error; its comments

@@ -1,4 +1,4 @@
-"""Client of an endpoint: which instances are alive (etcd watch), which one gets a request
+"""Client of an endpoint: which instances are alive (a discovery watch), which one gets a request
 (random / round-robin / direct), and the response stream as an async iterator.
 
 ``client.round_robin(req)`` returns a :class:`ResponseStream` at once; the request is sent when the
@@ -6,9 +6,13 @@ stream is awaited or first iterated, so both ``async for x in client.generate(re
 ``async for x in await client.generate(req)`` (the original binding's style) work.
 
 Health, as this client sees it: an instance whose request found no responder, or whose stream broke, is
-*down* until the next etcd update for the endpoint (as the original). One that did not acknowledge a
-request or whose stream went silent (frozen: SIGSTOP, a stalled host) is *set aside* and probed with
-pings, with backoff, until it answers again. Capacity: an instance may announce how many requests it
+*down*; one that did not acknowledge a request or whose stream went silent (frozen: SIGSTOP, a stalled
+host) is *set aside*. Either way it gets no new request and is probed with pings, with backoff, until it
+answers again (or etcd says it is gone). A down mark also ends at the next etcd update for the endpoint
+(as the original), but that alone is not enough: "no responders" also means a live worker that is not
+subscribed on NATS *yet*. After a NATS restart every process reconnects on its own retry timer, so a
+frontend back before its workers finds nobody on their subjects, while their leases and keys never change
+and no etcd update ever comes; without the probe those workers would stay down for good. Capacity: an instance may announce how many requests it
 takes at once (:meth:`Client.set_instance_limit`); round-robin and random skip full instances, and
 :meth:`Client.wait_for_capacity` queues a caller until one has room.
 """
@@ -19,17 +23,18 @@ import asyncio
 import logging
 import random as _random
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-import nats.errors
 import orjson
 
 from dynamo.aio import cancel_and_wait
 from dynamo.lazyjson import LazyJson
 
 from .annotated import Annotated
+from .config import RuntimeSettings
 from .context import Context
+from .discovery import Discovery, DiscoveryWatch
 from .errors import (
     AckTimeoutError,
     EngineError,
@@ -41,13 +46,11 @@ from .errors import (
     StreamStalledError,
     WorkerBusyError,
 )
-from .etcd import PrefixWatch
 from .instance import Instance
 from .names import EndpointId, parse_lease_hex
+from .request_plane import NoResponders, RequestPlane, RequestPlaneError
+from .response_streams import ResponseStreams
 from .transport import ACK_BUSY, PING, StreamState, encode_request
-
-if TYPE_CHECKING:
-    from .distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +63,6 @@ PROBE_FIRST = 0.25  # first ping to a set-aside instance; the interval doubles u
 RECONNECT_WAIT = 2.0  # a request finding NATS disconnected waits this long for it (a blip) before failing
 
 
-async def _reconnected(nc: Any, timeout: float) -> bool:
-    """Wait up to ``timeout`` for a reconnecting NATS client (nats-py has no event for it: poll)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if nc.is_connected:
-            return True
-        if nc.is_closed:
-            return False
-        await asyncio.sleep(0.05)
-    return bool(nc.is_connected)
-
-
 def _encode_request(request: Any) -> bytes:
     if isinstance(request, (bytes, bytearray, memoryview)):
         return bytes(request)  # already JSON
@@ -83,21 +73,31 @@ def _encode_request(request: Any) -> bytes:
 
 
 class Client:
-    """Routes requests to the live instances of one endpoint."""
+    """Routes requests to the live instances of one endpoint.
 
-    def __init__(self, runtime: "DistributedRuntime", endpoint: EndpointId, *, static: bool = False) -> None:
-        self.runtime = runtime
+    It needs no runtime, only its parts: the settings, the request plane (requests, acks, pings), the
+    response streams (where streams come back) and, unless static, the discovery store it follows the
+    endpoint's instances in (``Endpoint.client()`` passes the runtime's)."""
+
+    def __init__(self, endpoint: EndpointId, *, settings: RuntimeSettings, requests: RequestPlane,
+                 streams: ResponseStreams | None = None, discovery: Discovery | None = None,
+                 static: bool = False) -> None:
         self.endpoint_id = endpoint
+        self.settings = settings
+        self.requests = requests
+        self.streams = streams
+        self.discovery = discovery
         self.is_static = static
         self._instances: dict[int, Instance] = {}
         self._down: set[int] = set()
         self._available: list[int] = []
         self._counter = 0
         self._changed = asyncio.Event()
-        self._watch: PrefixWatch | None = None
+        self._watch: DiscoveryWatch | None = None
         self._task: asyncio.Task | None = None
         self._active: dict[int, set[StreamState]] = {}
-        self._aside: dict[int, asyncio.Task] = {}  # instance -> its probe (frozen? not sent new requests)
+        self._aside: set[int] = set()  # instances that did not ack or went silent (frozen?)
+        self._probes: dict[int, asyncio.Task] = {}  # down or set-aside instance -> the task pinging it
         self._limits: dict[int, int] = {}  # instance -> requests it takes at once (what it announced)
         self._busy_until: dict[int, float] = {}  # instance -> loop time until which it is treated as full
         self._waiters: deque[asyncio.Future] = deque()  # callers queued for capacity, first come first served
@@ -106,9 +106,9 @@ class Client:
         if self.is_static:
             return self
         # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
-        etcd = self.runtime.etcd_client
-        assert etcd is not None  # only a static runtime has none
-        self._watch = await etcd.watch_prefix(self.endpoint_id.etcd_prefix + ":")
+        if self.discovery is None:
+            raise ValueError("a client that follows instances needs a discovery store (or static=True)")
+        self._watch = await self.discovery.watch_prefix(self.endpoint_id.etcd_prefix + ":").start()
         for kv in self._watch.initial:
             self._apply_put(kv.key, kv.value)
         self._recompute()
@@ -127,8 +127,11 @@ class Client:
                 if iid is not None:
                     self._instances.pop(iid, None)
                     self._forget(iid)
-                    self.runtime._on_instance_gone(iid, list(self._active.get(iid, ())))
+                    if self.streams is not None:
+                        self.streams.on_instance_gone(list(self._active.get(iid, ())))
             self._down.clear()  # as the original: a watch update resets "down" marks
+            for iid in [i for i in self._probes if i not in self._aside]:
+                self._stop_probe(iid)
             self._recompute()
 
     def _apply_put(self, key: str, value: bytes) -> None:
@@ -154,9 +157,9 @@ class Client:
         self._wake_waiters(everyone=True)
 
     def _forget(self, instance_id: int) -> None:
-        probe = self._aside.pop(instance_id, None)
-        if probe is not None:
-            probe.cancel()
+        self._stop_probe(instance_id)
+        self._aside.discard(instance_id)
+        self._down.discard(instance_id)
         self._limits.pop(instance_id, None)
         self._busy_until.pop(instance_id, None)
 
@@ -170,10 +173,14 @@ class Client:
         return [self._instances[i] for i in self._available if i in self._instances]
 
     def report_instance_down(self, instance_id: int) -> None:
-        """Skip this instance until the next etcd update for the endpoint."""
-        if instance_id in self._instances:
+        """Skip this instance until it answers a ping or the next etcd update for the endpoint.
+
+        The ping matters when etcd stays quiet: a worker that is alive but not (yet) subscribed on NATS,
+        e.g. still reconnecting after a NATS restart, answers "no responders" exactly like a dead one."""
+        if instance_id in self._instances and not self.is_static:
             self._down.add(instance_id)
             self._available = [i for i in self._available if i != instance_id]
+            self._start_probe(instance_id)
 
     def report_instance_unresponsive(self, instance_id: int) -> None:
         """Set aside an instance that did not ack or went silent mid-stream; ping it until it answers."""
@@ -181,28 +188,40 @@ class Client:
             return
         log.warning("instance %x of %s is not responding; no new requests go to it until it answers again",
                     instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
-        self._aside[instance_id] = asyncio.get_running_loop().create_task(
-            self._probe(instance_id), name=f"probe:{instance_id & 0xFFFFFFFFFFFFFFFF:x}")
+        self._aside.add(instance_id)
         self._available = [i for i in self._available if i != instance_id]
+        self._start_probe(instance_id)
+
+    def _start_probe(self, instance_id: int) -> None:
+        if instance_id not in self._probes:
+            self._probes[instance_id] = asyncio.get_running_loop().create_task(
+                self._probe(instance_id), name=f"probe:{instance_id & 0xFFFFFFFFFFFFFFFF:x}")
+
+    def _stop_probe(self, instance_id: int) -> None:
+        probe = self._probes.pop(instance_id, None)
+        if probe is not None:
+            probe.cancel()
 
     async def _probe(self, instance_id: int) -> None:
-        bound = self.runtime.settings.stream_liveness
+        bound = self.settings.stream_liveness
         delay = min(PROBE_FIRST, bound)
         while True:
             await asyncio.sleep(delay)
             inst = self._instances.get(instance_id)
-            if inst is None:
+            if inst is None:  # gone from etcd meanwhile (_forget normally cancels us first)
+                self._probes.pop(instance_id, None)
                 return
             try:
-                ack = await self.runtime.nats.request(inst.subject or self.endpoint_id.subject(instance_id), PING,
-                                                      timeout=bound)
+                ack = await self.requests.send(inst.subject or self.endpoint_id.subject(instance_id), PING, bound)
             except Exception as exc:  # noqa: BLE001 - timeout, no responders, NATS away: still not healthy
                 log.debug("probe of instance %x: %s", instance_id & 0xFFFFFFFFFFFFFFFF, type(exc).__name__)
             else:
-                if not ack.data:
+                if not ack:
                     log.info("instance %x of %s answers again; sending it requests",
                              instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
-                    self._aside.pop(instance_id, None)
+                    self._probes.pop(instance_id, None)
+                    self._aside.discard(instance_id)
+                    self._down.discard(instance_id)
                     self._recompute()
                     return
             delay = min(delay * 2, bound)
@@ -304,8 +323,8 @@ class Client:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for iid in list(self._aside):
-            self._forget(iid)
+        for iid in list(self._probes):
+            self._stop_probe(iid)
         if self._watch is not None:
             await self._watch.close()
             self._watch = None
@@ -426,12 +445,14 @@ class ResponseStream:
 
     async def _send(self) -> None:
         client = self._client
-        runtime = client.runtime
-        if not runtime.nats.is_connected and not await _reconnected(runtime.nats, RECONNECT_WAIT):
+        requests = client.requests
+        if not requests.connected and not await requests.wait_connected(RECONNECT_WAIT):
             # NATS is away: fail now rather than after the ack timeout (and blaming the instance)
             raise RuntimeConnectionError("NATS is not connected; cannot send the request to a worker")
         instance_id, subject = client._select(self._mode, self._instance_id)
-        receiver = await runtime._response_receiver()
+        if client.streams is None:
+            raise RuntimeConnectionError("this client has no response streams to receive on")
+        receiver = await client.streams.receiver()
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
         conn = receiver.register(state)
@@ -449,27 +470,27 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         frame = encode_request(ctx.id(), conn, _encode_request(self._request))
-        bound = runtime.settings.stream_liveness
+        bound = client.settings.stream_liveness
         try:
-            ack = await runtime._request_sender().send(subject, frame, bound, state)  # or the first frame
+            ack = await requests.send(subject, frame, bound, state)  # or the first frame
             if ack:
                 if ack == ACK_BUSY:
                     client._mark_busy(instance_id)
                     raise WorkerBusyError(subject, instance_id)
-                raise nats.errors.NoRespondersError  # a draining worker refuses: as good as gone
-        except nats.errors.NoRespondersError:
+                raise NoResponders(subject)  # a draining worker refuses: as good as gone
+        except NoResponders:
             client.report_instance_down(instance_id)
             error: BaseException = NoRespondersError(subject, instance_id)
             state.fail(error)
             raise error from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             # withdrawing the stream key (state.fail) turns a late call-home away: safe to send elsewhere
             client.report_instance_unresponsive(instance_id)
             error = AckTimeoutError(subject, instance_id, bound)
             state.fail(error)
             raise error from None
-        except nats.errors.Error as exc:  # NATS connection closed / reconnecting: nothing reached a worker
-            error = RuntimeConnectionError(f"cannot send the request over NATS: {exc or type(exc).__name__}")
+        except RequestPlaneError as exc:  # NATS connection closed / reconnecting: nothing reached a worker
+            error = RuntimeConnectionError(str(exc))
             state.fail(error)
             raise error from None
         except BaseException as exc:

@@ -1,4 +1,5 @@
-"""Two-part frames, the unit of every message between a client and a worker (spec 7.4).
+"""Two-part frames, the unit of every message between a client and a worker (the original's
+wire format, so our clients and workers interoperate with the original's).
 
 A frame is a 24-byte header of three big-endian u64 (header_len, body_len, checksum), then the header
 bytes, then the body bytes. The header carries control JSON, the body carries data. The checksum is

@@ -1,36 +1,58 @@
 """Namespace / Component / Endpoint: the handles user code navigates (``runtime.namespace(ns)
 .component(c).endpoint(e)``), and serving an endpoint.
 
-A component is a NATS micro service (name ``slug(ns_comp)``, version 0.0.1, one group named after the
-service); each served endpoint is a service endpoint ``<ep>-<lease_hex>`` in that group, so its request
-subject is ``<service>.<ep>-<lease_hex>`` (spec 7.3). Serving also writes the Instance record under the
-primary lease so clients find it (spec 7.2).
+A component is a service of the request plane (name ``slug(ns_comp)``); each served endpoint is served
+there as ``<ep>-<lease_hex>``, so over NATS its request subject is ``<service>.<ep>-<lease_hex>``.
+Serving also writes the Instance record under the primary lease in discovery, so clients find it.
+
+The handles hold a :class:`RuntimeHandle`: the runtime's parts they use (settings, lease, planes,
+discovery), not the runtime's class, so this module does not depend on the module that builds a runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable
-
-from nats import micro
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .client import Client
+from .config import RuntimeSettings
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
+from .event_plane import EventPlane
 from .ingress import Handler, Ingress
 from .instance import Instance
+from .kv_store import KeyValueStore
 from .names import EndpointId, component_event_subject, component_service_name, namespace_event_subject
+from .request_plane import RequestPlane
+from .response_streams import ResponseStreams
 
 if TYPE_CHECKING:
-    from .distributed import DistributedRuntime
+    from .system_server import SystemStatusServer
 
 log = logging.getLogger(__name__)
 
-SERVICE_VERSION = "0.0.1"
+
+class RuntimeHandle(Protocol):
+    """What the handles use of the runtime that made them (a DistributedRuntime is one)."""
+
+    settings: RuntimeSettings
+    is_static: bool
+    primary_lease_id: int
+    system: "SystemStatusServer | None"
+
+    def discovery(self) -> KeyValueStore: ...
+
+    def request_plane(self) -> RequestPlane: ...
+
+    def event_plane(self) -> EventPlane: ...
+
+    def response_streams(self) -> ResponseStreams: ...
+
+    async def wait_for_shutdown(self) -> None: ...
 
 
 class Namespace:
-    def __init__(self, runtime: "DistributedRuntime", name: str) -> None:
+    def __init__(self, runtime: RuntimeHandle, name: str) -> None:
         self.runtime = runtime
         self.name = name
 
@@ -63,31 +85,20 @@ class Component:
         return component_event_subject(self.namespace.name, self.name, event)
 
     async def create_service(self, stats_handler: Callable[[Any], Any] | None = None) -> None:
-        """Register this component's NATS micro service. Fails if this process already did."""
-        services = self.runtime._services
-        if self.service_name in services:
-            raise ServiceAlreadyExistsError("Service already exists")
-        services[self.service_name] = await micro.add_service(
-            self.runtime.nats,
-            name=self.service_name,
-            version=SERVICE_VERSION,
-            description=f"Dynamo component {self.name} in namespace {self.namespace.name}",
-            stats_handler=stats_handler,
-        )
+        """Register this component's service (a NATS micro service). Fails if this process already did."""
+        await self.runtime.request_plane().add_service(
+            self.service_name, description=f"Dynamo component {self.name} in namespace {self.namespace.name}",
+            stats_handler=stats_handler)
 
     def set_stats_handler(self, stats_handler: Callable[[Any], Any]) -> None:
         """User data for ``$SRV.STATS`` answers (how load metrics are exposed). Needs create_service."""
-        service = self.runtime._services.get(self.service_name)
-        if service is None:
-            raise DynamoRuntimeError("create_service() first")
-        service._stats_handler = stats_handler
+        self.runtime.request_plane().set_stats_handler(self.service_name, stats_handler)
 
-    async def _service(self) -> micro.Service:
-        service = self.runtime._services.get(self.service_name)
-        if service is None:
+    async def _ensure_service(self) -> None:
+        try:
             await self.create_service()
-            service = self.runtime._services[self.service_name]
-        return service
+        except ServiceAlreadyExistsError:
+            pass
 
     def __repr__(self) -> str:
         return f"Component({self.namespace.name!r}, {self.name!r})"
@@ -124,25 +135,22 @@ class Endpoint:
         """
         runtime = self.runtime
         lease = self.lease_id()
-        service = await self.component._service()
+        await self.component._ensure_service()
         system = runtime.system
         metrics = None
         if system is not None:
             metrics = system.endpoint_metrics(self.id.namespace, self.id.component, self.id.name)
             system.set_endpoint(self.name, False)
-        ingress = Ingress(handler, name=str(self.id), sink_openers=runtime._sink_openers(),
+        ingress = Ingress(handler, name=str(self.id), sink_openers=runtime.response_streams().sink_openers(),
                           max_inflight=max_inflight, metrics=metrics)
-        group = service.add_group(name=self.component.service_name)
-        endpoint_name = self.id.endpoint_name(lease)
-        await group.add_endpoint(name=endpoint_name, handler=ingress.on_request)
-        nats_endpoint = next(e for e in reversed(service._endpoints) if e._name == endpoint_name)
-        await runtime.nats.flush()  # the subscription is live on the server before anyone is told
+        served = await runtime.request_plane().serve(self.component.service_name, self.id.endpoint_name(lease),
+                                                     ingress.on_request)  # live before anyone is told
+        store = None if runtime.is_static else runtime.discovery()
         key = None
         try:
-            if not runtime.is_static:
-                assert runtime.etcd is not None  # a non-static runtime has etcd
+            if store is not None:
                 key = self.id.instance_key(lease)
-                created = await runtime.etcd.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease=True)
+                created = await store.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease=True)
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
             log.info("serving %s on subject %s", self.id, self.id.subject(lease))
@@ -155,30 +163,24 @@ class Endpoint:
             ingress.accepting = False
             if system is not None:
                 system.set_endpoint(self.name, False)
-            await _stop_nats_endpoint(service, nats_endpoint)
-            if key is not None and runtime.etcd is not None:
+            await served.stop()
+            if key is not None and store is not None:
                 try:
-                    await runtime.etcd.delete(key)
+                    await store.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway
                     log.debug("deleting %s failed: %s", key, exc)
             timeout = runtime.settings.graceful_shutdown_timeout if graceful_shutdown else 0
             await ingress.drain(timeout)
 
     async def client(self, *, static: bool | None = None) -> Client:
-        """A client for this endpoint, following its instances through etcd (static: fixed subject)."""
-        static = self.runtime.is_static if static is None else static
-        return await Client(self.runtime, self.id, static=static)._start()
+        """A client for this endpoint, following its instances in discovery (static: fixed subject)."""
+        runtime = self.runtime
+        static = runtime.is_static if static is None else static
+        client = Client(self.id, settings=runtime.settings, requests=runtime.request_plane(),
+                        streams=runtime.response_streams(), discovery=None if static else runtime.discovery().client,
+                        static=static)
+        return await client._start()
 
     def __repr__(self) -> str:
         return f"Endpoint({self.id})"
 
-
-async def _stop_nats_endpoint(service: micro.Service, endpoint: Any) -> None:
-    """Unsubscribe one endpoint of a micro service (nats-py has no public call for a single one)."""
-    try:
-        if endpoint in service._endpoints:
-            service._endpoints.remove(endpoint)
-        if getattr(endpoint, "_subscription", None) is not None:
-            await endpoint._stop()
-    except Exception as exc:  # noqa: BLE001 - NATS may already be closed
-        log.debug("stopping NATS endpoint failed: %s", exc)

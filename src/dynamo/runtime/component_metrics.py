@@ -1,4 +1,5 @@
-"""The ``dynamo_component_*`` series a worker counts for every endpoint it serves (spec 4.8, last part).
+"""The ``dynamo_component_*`` series a worker counts for every endpoint it serves, as Dynamo's
+workers do (so the same dashboards work).
 
 Names, types and labels are Dynamo's (``dynamo_namespace``, ``dynamo_component``, ``dynamo_endpoint``),
 so its dashboards read them unchanged.  The ingress counts per request, never per token: a request's

@@ -1,4 +1,4 @@
-"""Runtime settings read from the environment (spec 1.4), in one place.
+"""Runtime settings read from the environment (the variables the original reads), in one place.
 
 Read once when a DistributedRuntime is built, so tests can set env vars per runtime.
 """

@@ -32,7 +32,7 @@ from .component_metrics import (
 )
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
-from .tcp import TcpSink
+from .tcp_callhome import open_tcp_sink
 from .transport import ACK_BUSY, ACK_REFUSED, encode_error_item, encode_item, parse_request_control
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,6 @@ async def _as_async_iterator(result: Any):
 
 
 SinkOpener = Callable[[str, dict, Context], Awaitable[Any]]
-
-
-async def open_tcp_sink(transport: str, info: dict, context: Context) -> TcpSink:
-    if transport != TCP_TRANSPORT:
-        raise ValueError(f"unsupported response transport {transport!r}")
-    return await TcpSink.connect(info, context)
 
 
 class Ingress:

@@ -1,4 +1,5 @@
-"""The Instance record stored under ``instances/<ns>/<comp>/<ep>:<lease_hex>`` (spec 7.2)."""
+"""The Instance record stored under ``instances/<ns>/<comp>/<ep>:<lease_hex>``, in the original's
+JSON shape, so clients of either implementation find workers of the other."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The primary lease: granted at start-up, refreshed every TTL/3, revoked at shutdown.
+"""The primary lease (on any :class:`~dynamo.runtime.discovery.Discovery` store): granted at start-up,
+refreshed every TTL/3, revoked at shutdown.
 
 Its id is the process's instance id: it is in the instance keys and the NATS subjects. Every key written
 with it (instance records, model entries) disappears when the process dies (after the TTL) or shuts
@@ -25,8 +26,9 @@ from typing import Awaitable, Callable
 
 from dynamo.aio import cancel_and_wait
 
+from .backoff import backoff_delays
+from .discovery import Discovery
 from .errors import DynamoRuntimeError, RuntimeConnectionError
-from .etcd import EtcdClient, backoff_delays
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class LeaseKeeper:
     RETRY_FIRST = 0.25
     RETRY_CAP = 2.0
 
-    def __init__(self, client: EtcdClient, ttl: int, on_restored: Restorer | None = None) -> None:
+    def __init__(self, client: Discovery, ttl: int, on_restored: Restorer | None = None) -> None:
         self.client = client
         self.ttl = ttl
         self.on_restored = on_restored

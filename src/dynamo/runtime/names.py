@@ -1,7 +1,7 @@
 """Names on the network: ``dyn://namespace.component.endpoint`` parsing, slugs, keys and subjects.
 
-Everything here is pure string work so that the etcd key layout and NATS subjects (spec 7.1-7.3) are
-decided in one place and can be unit-tested without servers.
+Everything here is pure string work so that the etcd key layout and NATS subjects (the original's, so the two
+interoperate) are decided in one place and can be unit-tested without servers.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ def component_service_name(namespace: str, component: str) -> str:
 
 
 def component_event_subject(namespace: str, component: str, event: str) -> str:
-    """Plain pub/sub subject for component events such as ``kv_events`` (spec 7.3)."""
+    """Plain pub/sub subject for component events such as ``kv_events`` (the original's layout)."""
     return f"namespace.{namespace}.component.{component}.{event}"
 
 
 def namespace_event_subject(namespace: str, event: str) -> str:
-    """Plain pub/sub subject for namespace events such as ``kv-hit-rate`` (spec 7.3)."""
+    """Plain pub/sub subject for namespace events such as ``kv-hit-rate`` (the original's layout)."""
     return f"namespace.{namespace}.{event}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from urllib.parse import urlsplit
 
 import nats
@@ -63,15 +64,30 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
     await _probe(url, timeout)
 
     last_error: list[BaseException] = []
+    client: list[NatsClient] = []  # set once connected: the callbacks below ask it what state it is in
+    lost_at: list[float] = []
 
     async def on_error(exc: Exception) -> None:
         last_error.append(exc)
         log.debug("nats error: %s", exc)
 
+    # One line per transition (retries log at debug), so an operator can tell "NATS was away" from "the
+    # workers were away" when requests fail around a NATS restart.
+    async def on_disconnected() -> None:
+        if client and client[0].is_reconnecting and not lost_at:
+            lost_at.append(time.monotonic())
+            log.warning("NATS connection to %s lost; reconnecting", _redact(url))
+
+    async def on_reconnected() -> None:
+        away = time.monotonic() - lost_at.pop() if lost_at else 0.0
+        log.info("NATS at %s reconnected after %.1fs", _redact(url), away)
+
     options: dict = dict(
         name=name,
         connect_timeout=timeout,
         error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
         allow_reconnect=True,
         max_reconnect_attempts=-1,  # after the first connect, ride out NATS restarts
         reconnect_time_wait=0.5,
@@ -88,7 +104,9 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
     if settings.credentials_file:
         options["user_credentials"] = settings.credentials_file
     try:
-        return await asyncio.wait_for(nats.connect(url, **options), timeout)
+        nc = await asyncio.wait_for(nats.connect(url, **options), timeout)
     except (asyncio.TimeoutError, Exception) as exc:
         cause = last_error[-1] if last_error else exc
         raise RuntimeConnectionError(f"cannot connect to NATS at {_redact(url)}: {_reason(cause)}") from None
+    client.append(nc)
+    return nc

@@ -3,7 +3,7 @@ client-side state of one response stream.
 
 Request (client -> worker, one NATS request per stream): a two-part frame whose header is the control
 JSON ``{"id", "request_type": "single_in", "response_type": "many_out", "connection_info":
-{"transport", "info": "<JSON string>"}}`` and whose body is the request JSON (spec 7.4). The worker acks
+{"transport", "info": "<JSON string>"}}`` and whose body is the request JSON (the original's envelope). The worker acks
 with an empty reply at once, then streams the response to where ``connection_info`` says.
 
 Response stream (worker -> client), each a frame:

@@ -19,16 +19,16 @@ from dynamo.runtime.names import component_event_subject, namespace_event_subjec
 
 def worker_event_publishers(endpoint: Endpoint) -> tuple[Callable[[dict[str, Any]], Any], Callable[[dict[str, Any]], Any]]:
     """(publish_kv_event, publish_metrics) callbacks for an engine serving on ``endpoint``."""
-    nats = endpoint.runtime.nats
+    events = endpoint.runtime.event_plane()
     ident = endpoint.id
     kv_subject = component_event_subject(ident.namespace, ident.component, "kv_events")
     metrics_subject = namespace_event_subject(ident.namespace, "kv_metrics")
 
     def publish_kv_event(event: dict[str, Any]) -> Any:
-        return nats.publish(kv_subject, orjson.dumps(event))
+        return events.publish(kv_subject, orjson.dumps(event))
 
     def publish_metrics(metrics: dict[str, Any]) -> Any:
-        return nats.publish(metrics_subject, orjson.dumps(metrics))
+        return events.publish(metrics_subject, orjson.dumps(metrics))
 
     return publish_kv_event, publish_metrics
 

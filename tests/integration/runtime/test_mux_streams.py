@@ -28,11 +28,11 @@ async def test_many_concurrent_streams_share_one_connection(make_runtime, ns, se
         asyncio.gather(*(collect(client.generate({"s": s, "n": items})) for s in range(n))), 60)
     for s, got in enumerate(results):
         assert got == [{"s": s, "i": i} for i in range(items)]
-    receiver = caller._receiver
+    receiver = caller.response_streams().started_receiver
     assert len(receiver.mux_connections) == 1  # every stream came over the same connection
     (conn,) = receiver.mux_connections
     assert conn.streams == {} and receiver.pending == {} and receiver.mux_pending == {}
-    assert worker._mux_pool is not None and len(worker._mux_pool._conns) == 1
+    assert worker.response_streams().mux_pool is not None and len(worker.response_streams().mux_pool._conns) == 1
     # the next burst reuses it
     await collect(client.generate({"s": 0, "n": 2}))
     assert receiver.mux_connections == {conn}
@@ -68,7 +68,7 @@ async def test_cancelling_one_multiplexed_stream_stops_only_its_handler(make_run
         await asyncio.sleep(0.01)
     assert outcomes.get(0) in ("GeneratorExit", "CancelledError")
     assert [outcomes[s] for s in (1, 2, 3)] == ["done"] * 3
-    assert len(caller._receiver.mux_connections) == 1
+    assert len(caller.response_streams().started_receiver.mux_connections) == 1
 
 
 async def test_a_worker_that_does_not_multiplex_is_served_per_stream(make_runtime, ns, serve):
@@ -80,8 +80,8 @@ async def test_a_worker_that_does_not_multiplex_is_served_per_stream(make_runtim
     await client.wait_for_instances(5)
     results = await asyncio.gather(*(collect(client.generate({"s": s, "n": 5})) for s in range(8)))
     assert results == [[{"s": s, "i": i} for i in range(5)] for s in range(8)]
-    assert caller._receiver.mux_connections == set() and caller._receiver.mux_pending == {}
-    assert worker._mux_pool is None
+    assert caller.response_streams().started_receiver.mux_connections == set() and caller.response_streams().started_receiver.mux_pending == {}
+    assert worker.response_streams().mux_pool is None
 
 
 async def test_a_client_that_does_not_offer_it_gets_per_stream_connections(make_runtime, ns, serve):
@@ -90,8 +90,8 @@ async def test_a_client_that_does_not_offer_it_gets_per_stream_connections(make_
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     await client.wait_for_instances(5)
     assert await collect(client.generate({"s": 1, "n": 3})) == [{"s": 1, "i": i} for i in range(3)]
-    assert caller._receiver.mux_connections == set()
-    assert worker._mux_pool is None
+    assert caller.response_streams().started_receiver.mux_connections == set()
+    assert worker.response_streams().mux_pool is None
 
 
 async def test_errors_and_worker_shutdown_over_a_multiplexed_connection(make_runtime, ns, serve):

@@ -66,6 +66,37 @@ async def test_an_instance_that_never_acks_is_set_aside_until_it_answers(make_ru
         await sub.unsubscribe()
 
 
+async def test_an_instance_with_no_responder_gets_requests_again_once_it_answers(make_runtime, ns):
+    """A live worker that is not subscribed on NATS yet (it is still reconnecting after a NATS restart)
+    gives "no responders" exactly like a dead one, and etcd, which would tell them apart, stays quiet.
+    So the instance is pinged, and is sent requests again once it answers, with no etcd update at all."""
+    caller = await make_runtime(stream_liveness=LIVENESS)
+    late = 0x1A7E
+    ep = EndpointId(ns, "b", "g")
+    inst = Instance.for_endpoint(ep, late)
+    await caller.etcd.put(ep.instance_key(late), inst.to_json())
+    sub = None
+    try:
+        client = await caller.namespace(ns).component("b").endpoint("g").client()
+        assert await client.wait_for_instances(5) == [late]
+        with pytest.raises(NoRespondersError) as info:
+            await client.round_robin({}).start()
+        assert not isinstance(info.value, AckTimeoutError) and info.value.instance_id == late
+        assert client.instance_ids() == []  # down: no new request goes there
+
+        async def answer(msg):  # subscribed at last: answers pings
+            if not msg.data:
+                await msg.respond(b"")
+
+        sub = await caller.nats.subscribe(inst.subject, cb=answer)
+        await caller.nats.flush()
+        assert await client.wait_for_instances(5) == [late]  # a probe got its answer
+    finally:
+        await caller.etcd.delete(ep.instance_key(late))
+        if sub is not None:
+            await sub.unsubscribe()
+
+
 async def test_a_worker_at_its_limit_refuses_as_busy_and_answers_pings(make_runtime, ns, serve):
     worker = await make_runtime()
     caller = await make_runtime()

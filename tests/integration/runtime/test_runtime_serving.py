@@ -241,7 +241,7 @@ async def test_no_responders_marks_instance_down(make_runtime, ns, serve):
     with pytest.raises(NoRespondersError) as err:
         await collect(client.generate({}))
     assert err.value.instance_id == ghost_id
-    assert client.instance_ids() == []  # reported down until the next watch update
+    assert client.instance_ids() == []  # down until it answers a ping (it never will) or a watch update
     with pytest.raises(NoInstancesError):
         await collect(client.generate({}))
 
@@ -378,7 +378,7 @@ async def test_slow_consumer_backpressures_the_handler(make_runtime, ns, serve):
     # the consumer stalls: the caller asks the worker to hold the stream, and the handler is held there
     # (with unbounded buffering it would run to the end and nothing would ever be held)
     def held() -> bool:
-        pool = worker._mux_pool
+        pool = worker.response_streams().mux_pool
         return pool is not None and any(sink.paused for conn in pool._conns.values() for sink in conn.sinks.values())
 
     await until(held, 10, "the worker to hold the stream")
@@ -427,4 +427,4 @@ async def test_finished_streams_leave_no_bookkeeping(make_runtime, ns, serve):
     stream = client.generate({"n": 50})
     await stream.__anext__()
     await stream.aclose()
-    await until(lambda: client._active == {} and caller._receiver.pending == {}, 5, "the bookkeeping emptied")
+    await until(lambda: client._active == {} and caller.response_streams().started_receiver.pending == {}, 5, "the bookkeeping emptied")

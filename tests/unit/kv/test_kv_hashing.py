@@ -135,7 +135,7 @@ async def test_the_kv_policy_routes_a_long_prompt_on_hashes_made_beforehand():
     local, seq = compute_hashes(tokens, 16)
     router.apply_event({"worker_id": 2, "event": {"event_id": 1, "data": {"stored": {
         "parent_hash": None, "blocks": [{"block_hash": s, "tokens_hash": lo} for s, lo in zip(seq, local, strict=True)]}}}})
-    policy = KvRouterPolicy(router, nats=None)
+    policy = KvRouterPolicy(router, events=None)
     request = PreprocessedRequest(token_ids=tokens, model="m")
     await policy.prepare(request)
     assert len(policy._prepared) == 1

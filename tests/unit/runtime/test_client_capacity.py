@@ -1,11 +1,10 @@
 """The client's view of worker capacity and health without servers: limits per instance, the wait queue
-for a worker with room, and instances set aside as unresponsive. The runtime behind it is a stub; the
+for a worker with room, and instances set aside as unresponsive. The request plane behind it is a stub; the
 same paths run against real workers in tests/chaos/test_stream_faults.py."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,23 +18,24 @@ from dynamo.runtime.transport import StreamState
 EP = EndpointId("ns", "comp", "gen")
 
 
-class _Nats:
-    """Probes: ``answers`` says whether a ping is acknowledged."""
+class _Requests:
+    """A request plane for probes: ``answers`` says whether a ping is acknowledged."""
 
     def __init__(self) -> None:
         self.answers = False
         self.pings = 0
+        self.pinged = asyncio.Event()
 
-    async def request(self, subject: str, payload: bytes, timeout: float):
+    async def send(self, address: str, payload: bytes, timeout: float, state=None) -> bytes:
         self.pings += 1
+        self.pinged.set()
         if not self.answers:
-            raise asyncio.TimeoutError
-        return SimpleNamespace(data=b"")
+            raise TimeoutError
+        return b""
 
 
 def make_client(*ids: int, liveness: float = 0.2) -> Client:
-    runtime = SimpleNamespace(settings=RuntimeSettings(stream_liveness=liveness), nats=_Nats())
-    client = Client(runtime, EP)  # type: ignore[arg-type]
+    client = Client(EP, settings=RuntimeSettings(stream_liveness=liveness), requests=_Requests())  # type: ignore[arg-type]
     for i in ids:
         client._instances[i] = Instance.for_endpoint(EP, i)
     client._recompute()
@@ -121,16 +121,36 @@ async def test_no_limits_means_no_waiting():
 
 async def test_an_unresponsive_instance_is_set_aside_until_it_answers_a_probe():
     client = make_client(1, 2, liveness=0.2)
-    nats = client.runtime.nats
+    plane = client.requests
+    assert isinstance(plane, _Requests)
     client.report_instance_unresponsive(1)
     assert client.instance_ids() == [2]
     assert {client._select("round_robin", None)[0] for _ in range(4)} == {2}
-    while nats.pings < 2:  # probed, still frozen: stays aside
+    while plane.pings < 2:  # probed, still frozen: stays aside
         await asyncio.sleep(0.02)
+    assert client.instance_ids() == [2]
+    plane.answers = True
+    await asyncio.wait_for(client._changed.wait(), 2)
+    assert client.instance_ids() == [1, 2]
+    await client.close()
+
+
+async def test_an_instance_with_no_responder_is_down_until_it_answers_a_probe():
+    """No etcd update comes for a live worker that is merely not subscribed yet: the probe brings it back."""
+    client = make_client(1, 2, liveness=0.2)
+    nats = client.requests
+    assert isinstance(nats, _Requests)
+    client.report_instance_down(1)
+    assert client.instance_ids() == [2]
+    async with asyncio.timeout(2):
+        while nats.pings < 2:  # probed, still no answer: stays down
+            nats.pinged.clear()
+            await nats.pinged.wait()
     assert client.instance_ids() == [2]
     nats.answers = True
     await asyncio.wait_for(client._changed.wait(), 2)
     assert client.instance_ids() == [1, 2]
+    assert not client._probes
     await client.close()
 
 

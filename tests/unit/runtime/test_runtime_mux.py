@@ -15,11 +15,12 @@ from dynamo.runtime.errors import StreamIncompleteError, StreamStalledError
 from dynamo.runtime.mux import (
     INFO_KEY,
     EnvelopeDecoder,
-    MuxPool,
     envelope,
     split_frames,
 )
-from dynamo.runtime.tcp import TcpResponseServer, TcpSink
+from dynamo.runtime.mux_callhome import MuxPool
+from dynamo.runtime.tcp_callhome import TcpSink
+from dynamo.runtime.tcp_listener import TcpResponseServer
 from dynamo.runtime.transport import FRAME_COMPLETE, FRAME_PROLOGUE_OK, FRAME_SENTINEL, StreamState, encode_item
 
 FRAME_PROLOGUE = FRAME_PROLOGUE_OK
@@ -303,7 +304,7 @@ class _FakeServer:
 
 
 def test_demultiplexing_any_split_of_the_byte_stream():
-    from dynamo.runtime.mux import MuxClientProtocol
+    from dynamo.runtime.mux_listener import MuxClientProtocol
 
     def wire() -> bytes:
         return (envelope(1, FRAME_PROLOGUE + encode_item("a1")) + envelope(2, FRAME_PROLOGUE)
@@ -326,7 +327,7 @@ def test_demultiplexing_any_split_of_the_byte_stream():
 
 
 def test_a_garbled_envelope_closes_the_connection_and_fails_its_streams():
-    from dynamo.runtime.mux import MuxClientProtocol
+    from dynamo.runtime.mux_listener import MuxClientProtocol
 
     s1 = StreamState("1", 1)
     transport = _FakeTransport()
@@ -339,7 +340,8 @@ def test_a_garbled_envelope_closes_the_connection_and_fails_its_streams():
 
 def test_plain_items_travel_as_their_own_json():
     from dynamo.runtime.annotated import Annotated
-    from dynamo.runtime.mux import MuxClientProtocol, encode_plain_item
+    from dynamo.runtime.mux import encode_plain_item
+    from dynamo.runtime.mux_listener import MuxClientProtocol
 
     assert encode_plain_item({"a": 1})[24:] == b'"item"{"a":1}'
     assert encode_plain_item(Annotated(data=1, event="e")) == encode_item(Annotated(data=1, event="e"))
