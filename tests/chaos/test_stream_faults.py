@@ -271,7 +271,7 @@ def test_frozen_worker_mid_stream_is_migrated_exactly_and_serves_again_after_sig
 
 # the other response transports: a connection per stream (the original's protocol) and NATS subjects
 TRANSPORT_ENV = {"tcp-per-stream": {"DYN_TCP_MUX": "0"}, "nats": {"DYN_RESPONSE_TRANSPORT": "nats"}}
-TRANSPORT_LOGGER = {"tcp-per-stream": "dynamo.runtime.tcp", "nats": "dynamo.runtime.nats_stream"}
+TRANSPORT_LOGGER = {"tcp-per-stream": "dynamo.runtime.tcp_listener", "nats": "dynamo.runtime.nats_stream"}
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORT_ENV))
