@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness.procs import DynamoRun
+from harness.proc import DynamoRun
 
 KEY = "sk-bench-0123456789abcdef"
 ORIGIN = "https://app.example.com"

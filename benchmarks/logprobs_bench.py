@@ -21,9 +21,9 @@ import time
 import numpy as np
 import openai
 
-from benchmarks.harness.models import SMOLLM2_MODEL as MODEL
-from benchmarks.harness.models import smollm2_gguf as _smollm2
-from benchmarks.harness.procs import DynamoRun
+from harness.proc import DynamoRun
+from harness.smollm2 import SMOLLM2_MODEL as MODEL
+from harness.smollm2 import smollm2_gguf_or_exit as _smollm2
 
 
 def pieces(repeat: int = 2000) -> None:

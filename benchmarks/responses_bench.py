@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import orjson
 
-from benchmarks.harness.models import build_tiny_hf_model
-from benchmarks.harness.procs import DynamoRun
 from dynamo.frontend.http.responses_output import OutputItems
 from dynamo.llm.chunks import ChatChunks
+from harness.proc import DynamoRun
+from harness.tiny_model import build_tiny_hf_model
 
 
 def deltas() -> list[dict]:

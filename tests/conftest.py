@@ -11,7 +11,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-from tests.support.tiny_model import build_tiny_hf_model  # noqa: E402
+from harness.tiny_model import build_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

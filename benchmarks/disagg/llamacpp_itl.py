@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness.procs import DynamoRun, DynamoWorker, cli_command
-from benchmarks.harness.servers import EtcdServer, NatsServer
+from harness.proc import DynamoRun, DynamoWorker, cli_command
+from harness.servers import EtcdServer, NatsServer
 
 MODEL = "itlbench"
 

@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.procs import DynamoWorker, free_port
+from harness.proc import DynamoWorker, free_port
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DECODE_WORKER = re.compile(r"\bdecode_worker_id=(\d+)")

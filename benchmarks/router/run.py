@@ -6,7 +6,7 @@ One command::
     .venv/bin/python -m benchmarks.router.run                       # the default sweep (~15 minutes)
     .venv/bin/python -m benchmarks.router.run --prefix-ratios 0.9 --modes round-robin,kv --duration 20
 
-It starts etcd and nats-server (benchmarks/harness/servers.py), builds the tiny test model folder (a real
+It starts etcd and nats-server (harness/servers.py), builds the tiny test model folder (a real
 tokenizer, no weights), and then, for every prefix ratio and every router mode, starts ``--workers``
 fresh mocker workers (``dynamo-run in=dyn://<ns>.mocker.generate out=mocker``, so their caches start
 cold) and a fresh frontend (``dynamo-run in=http out=dyn --router-mode <mode>``), drives the workload of
@@ -62,11 +62,11 @@ from typing import Any
 
 import orjson
 
-from benchmarks.harness.models import build_tiny_hf_model
-from benchmarks.harness.procs import DynamoRun, DynamoWorker
-from benchmarks.harness.servers import EtcdServer, NatsServer
 from benchmarks.loadgen import _Proto, pct
 from benchmarks.router.workload import Conversation, WorkloadConfig, build
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.tiny_model import build_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

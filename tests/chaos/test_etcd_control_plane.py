@@ -33,7 +33,7 @@ from dynamo.llm.model_type import ModelType  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from dynamo.runtime.errors import RuntimeConfigError  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer, etcd_binary  # noqa: E402
+from harness.servers import EtcdServer, NatsServer, etcd_binary  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
 
@@ -559,7 +559,7 @@ def test_slow_engine_load_does_not_starve_the_lease(etcd, nats, tiny_model):
     """pytok's load used to run on the event loop: a load longer than the TTL starved the keep-alive
     and the lease expired under the loading worker (which then had to be re-registered, or, before that
     existed, shut down). Now the loop stays free: the lease is never lost."""
-    from tests.support.proc import DynamoWorker
+    from harness.proc import DynamoWorker
 
     engine = Path(__file__).parent / "data" / "slow_load_engine.py"
     env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LEASE_TTL": "1", "SLOW_LOAD_S": "3",

@@ -26,9 +26,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 

@@ -2,7 +2,7 @@
 a worker frozen with SIGSTOP mid-stream (with and without migration) and thawed again, a worker killed -9
 mid-stream, NATS killed and restarted, and ten times more requests than the workers take.
 
-Workers run ``tests/chaos/det_engine.py``, whose next token depends only on the previous one, so every
+Workers run ``harness/det_engine.py``, whose next token depends only on the previous one, so every
 output is checked token for token: exactly ``max_tokens`` words, each following from the one before
 (a lost, repeated or reordered token breaks the chain). The liveness bound is short here
 (``DYN_STREAM_LIVENESS_S=1.5``) so a frozen worker is detected in about two seconds.
@@ -25,14 +25,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.chaos.det_engine import MID_GENERATION, next_token, word_tokens
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import wait_until
+from harness.det_engine import MID_GENERATION, next_token, word_tokens
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(90)]
 
-ENGINE = Path(__file__).with_name("det_engine.py")
+ENGINE = Path(__file__).resolve().parents[2] / "harness" / "det_engine.py"
 LIVENESS_S = 1.5
 DETECT_S = LIVENESS_S * 1.25 + 2.5  # the bound, one liveness tick, and slack for a loaded 2-core machine
 TOKEN_MS = 25
@@ -271,7 +271,7 @@ def test_frozen_worker_mid_stream_is_migrated_exactly_and_serves_again_after_sig
 
 # the other response transports: a connection per stream (the original's protocol) and NATS subjects
 TRANSPORT_ENV = {"tcp-per-stream": {"DYN_TCP_MUX": "0"}, "nats": {"DYN_RESPONSE_TRANSPORT": "nats"}}
-TRANSPORT_LOGGER = {"tcp-per-stream": "dynamo.runtime.tcp", "nats": "dynamo.runtime.nats_stream"}
+TRANSPORT_LOGGER = {"tcp-per-stream": "dynamo.runtime.tcp_listener", "nats": "dynamo.runtime.nats_stream"}
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORT_ENV))

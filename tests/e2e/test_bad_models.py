@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.proc import run_cli
-from tests.support.tiny_model import (
+from harness.proc import run_cli
+from harness.tiny_model import (
     build_tiny_gguf,
     build_tiny_hf_model,
     write_corrupt_gguf,

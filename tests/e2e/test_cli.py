@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.proc import cli_command, cli_env, run_cli
+from harness.proc import cli_command, cli_env, run_cli
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 

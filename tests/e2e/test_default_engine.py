@@ -12,8 +12,8 @@ import pytest
 from dynamo.engines import served_model
 from dynamo.errors import UserError
 from dynamo.llm.model_card import ModelCard
-from tests.support.proc import run_cli
-from tests.support.tiny_model import build_tiny_gguf, build_tiny_hf_model
+from harness.proc import run_cli
+from harness.tiny_model import build_tiny_gguf, build_tiny_hf_model
 
 
 def _installed(module: str) -> bool:

@@ -24,9 +24,9 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker, free_port, run_cli
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

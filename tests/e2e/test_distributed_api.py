@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,9 +17,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker, free_port, run_cli
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 

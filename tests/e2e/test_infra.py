@@ -14,7 +14,7 @@ import pytest
 
 from dynamo.runtime import DistributedRuntime, RuntimeSettings
 from dynamo.runtime.config import EtcdSettings, NatsSettings
-from tests.support.servers import free_port
+from harness.servers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, run_cli
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, run_cli
+from harness.wait import wait_until
 
 DATA = Path(__file__).parent / "data"
 SENTENCE = "The capital of France is Paris."

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from harness.qwen3 import require_qwen3_model_dir
 from tests.e2e.test_tool_calls import ENGINE, MARKUP, EngineServer
-from tests.support.qwen3 import require_qwen3_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 

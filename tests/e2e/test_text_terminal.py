@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.support.proc import cli_command, cli_env
+from harness.proc import cli_command, cli_env
 
 pty = pytest.importorskip("pty")
 

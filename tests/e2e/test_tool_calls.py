@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.qwen3 import require_qwen3_model_dir
-from tests.support.servers import EtcdServer, NatsServer
+from harness.proc import DynamoRun, DynamoWorker
+from harness.qwen3 import require_qwen3_model_dir
+from harness.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
 

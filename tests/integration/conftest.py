@@ -1,7 +1,7 @@
 """Servers for the HTTP integration tests: ``dynamo-run in=http`` as a real subprocess.
 
 Session-scoped so the suite starts each configuration once; tests that change the server's state
-(signals, environment) start their own with :class:`tests.support.proc.DynamoRun`.
+(signals, environment) start their own with :class:`harness.proc.DynamoRun`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from collections import defaultdict
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 IGNORE_EOS = {"nvext": {"ignore_eos": True}}
 HELLO = [{"role": "user", "content": "hello"}]

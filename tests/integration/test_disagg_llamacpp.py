@@ -22,9 +22,9 @@ import pytest_asyncio
 from dynamo.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
 from tests.integration.test_llamacpp import _smollm2
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(240)
 

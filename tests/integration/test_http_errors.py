@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
 

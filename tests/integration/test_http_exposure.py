@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, run_cli
+from harness.proc import DynamoRun, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 

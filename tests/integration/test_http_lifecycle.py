@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 LONG_PROMPT = "word " * 300  # about 300 tokens: ~15 s of streaming at 50 ms a token
 

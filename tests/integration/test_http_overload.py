@@ -8,7 +8,7 @@ import contextlib
 
 import httpx
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 
 def chat(content: str, stream: bool) -> dict:

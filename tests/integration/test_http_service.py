@@ -7,7 +7,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 
 def metrics(base_url: str) -> dict[tuple[str, tuple], float]:

@@ -23,7 +23,7 @@ from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import ChatChunks
 from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
-from tests.support.wait import until
+from harness.wait import until
 
 BIG_ITEMS = 4000  # about 1 MB of events: many direct writes and drain checks (every 64 KiB) in one stream
 HUGE_ITEMS = 20000  # about 8 MB: far more than the socket buffers between the writer and a stalled client

@@ -11,7 +11,7 @@ that ``huggingface_hub.snapshot_download`` uses (as read from its source):
 * a missing repo is a 404 with ``X-Error-Code: RepoNotFound`` like the hub (or a bare 404, as a mirror
   may send).
 
-``dynamo-run`` then fetches a tiny model built by ``tests/support/tiny_model.py`` with
+``dynamo-run`` then fetches a tiny model built by ``harness/tiny_model.py`` with
 ``HF_ENDPOINT`` pointing at it and ``HF_HOME`` in a temporary folder.
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.support.proc import DynamoRun, cli_command, cli_env, free_port, run_cli
-from tests.support.tiny_model import build_tiny_hf_model
+from harness.proc import DynamoRun, cli_command, cli_env, free_port, run_cli
+from harness.tiny_model import build_tiny_hf_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")

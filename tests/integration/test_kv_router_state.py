@@ -21,9 +21,9 @@ import httpx
 import nats
 import pytest
 
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
 from tests.integration.test_kv_routing import route_until_cached, routed, text
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
 

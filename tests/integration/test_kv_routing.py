@@ -23,9 +23,9 @@ import httpx
 import nats
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import until, wait_until
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,11 +19,11 @@ import httpx
 import nats
 import pytest
 
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import until, wait_until
 from tests.integration.test_kv_routing import frontend_caught_up, text
 from tests.integration.test_llamacpp import _smollm2
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "tierllama"

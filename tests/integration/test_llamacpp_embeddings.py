@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.support.proc import DynamoRun  # noqa: E402
+from harness.proc import DynamoRun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["What is the capital of France?", "Paris is the capital of France.", "héllo wörld 🙂"]

@@ -24,11 +24,11 @@ from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import until, wait_until
 from tests.integration.test_kv_routing import frontend_caught_up, text
 from tests.integration.test_llamacpp import _smollm2
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 BS = 16

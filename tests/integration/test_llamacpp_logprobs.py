@@ -14,9 +14,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from harness.proc import DynamoRun, DynamoWorker  # noqa: E402
+from harness.servers import EtcdServer, NatsServer  # noqa: E402
 from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
-from tests.support.proc import DynamoRun, DynamoWorker  # noqa: E402
-from tests.support.servers import EtcdServer, NatsServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 ASK = [{"role": "user", "content": "What is 2+2?"}]
@@ -51,7 +51,7 @@ def dyn_client(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def _wait_for_model(c: "openai.OpenAI") -> None:
-    from tests.support.wait import wait_until
+    from harness.wait import wait_until
 
     wait_until(lambda: any(m.id == MODEL for m in c.models.list().data), 30, f"{MODEL} discovered")
 

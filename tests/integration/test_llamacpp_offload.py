@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dynamo.engines.llamacpp.host_tier import HostKvTier
+from harness.wait import until
 from tests.integration.test_llamacpp import _smollm2
 from tests.integration.test_llamacpp_kv import ask, chat, tok  # noqa: F401 - tok is a fixture
-from tests.support.wait import until
 
 pytestmark = pytest.mark.timeout(240)
 

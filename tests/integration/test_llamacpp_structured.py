@@ -13,8 +13,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
+from harness.proc import DynamoRun  # noqa: E402
 from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
-from tests.support.proc import DynamoRun  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,8 +23,8 @@ from dynamo.errors import ModelError, RequestError  # noqa: E402
 from dynamo.llm.engine import Context  # noqa: E402
 from dynamo.llm.model_source import resolve_card  # noqa: E402
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request  # noqa: E402
-from tests.support.proc import DynamoRun, run_cli  # noqa: E402
-from tests.support.tiny_model import build_tiny_gguf, build_tiny_hf_model  # noqa: E402
+from harness.proc import DynamoRun, run_cli  # noqa: E402
+from harness.tiny_model import build_tiny_gguf, build_tiny_hf_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)

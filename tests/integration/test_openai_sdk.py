@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun
+from harness.proc import DynamoRun
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 IGNORE_EOS = {"nvext": {"ignore_eos": True}}

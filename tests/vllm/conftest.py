@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.support.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsServer
 
 
 @pytest.fixture(scope="module")

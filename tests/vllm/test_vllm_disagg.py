@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.tiny_model import build_tiny_hf_model
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, DynamoWorker
+from harness.tiny_model import build_tiny_hf_model
+from harness.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,

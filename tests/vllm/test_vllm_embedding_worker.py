@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.servers import EtcdServer, NatsServer
-from tests.support.tiny_model import build_tiny_hf_model
-from tests.support.wait import wait_until
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.tiny_model import build_tiny_hf_model
+from harness.wait import wait_until
 from tests.vllm.test_vllm_embeddings import EXTRA_ARGS, STARTUP_TIMEOUT, TEXTS, reference
 
 pytestmark = [

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun
-from tests.support.tiny_model import build_tiny_hf_model
+from harness.proc import DynamoRun
+from harness.tiny_model import build_tiny_hf_model
 
 pytestmark = [
     pytest.mark.vllm,

@@ -19,8 +19,8 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.support.proc import DynamoRun, run_cli
-from tests.support.tiny_model import build_tiny_hf_model
+from harness.proc import DynamoRun, run_cli
+from harness.tiny_model import build_tiny_hf_model
 
 pytestmark = [
     pytest.mark.vllm,

@@ -30,8 +30,8 @@ from dynamo.kv.indexer import KvIndexer
 from dynamo.kv.zmq_events import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
 from dynamo.llm.model_card import ModelCard
 from dynamo.run_config import RunConfig
-from tests.support.proc import DynamoRun, DynamoWorker
-from tests.support.tiny_model import build_tiny_hf_model
+from harness.proc import DynamoRun, DynamoWorker
+from harness.tiny_model import build_tiny_hf_model
 
 pytestmark = [
     pytest.mark.vllm,

@@ -17,7 +17,7 @@ from dynamo.disagg.plan import DisaggStats
 from dynamo.frontend.disagg import DisaggCoreEngine
 from dynamo.frontend.model_client import ModelClient
 from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
-from dynamo.llm.model_entry import ModelEntry, load_card
+from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, load_card
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
 from dynamo.runtime.names import component_event_subject
@@ -84,7 +84,7 @@ class ModelBuilder:
         """The served model and its pipeline for the first entry of a name; None for a model type this
         frontend does not serve."""
         client = ModelClient([await self.client_for(ep_key)])
-        card = await load_card(self.runtime.nats, entry.card)
+        card = await load_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
         observer = self._observer(entry.name)  # per-worker timing and migration counts on /metrics
         card.display_name = entry.name
         served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
@@ -118,7 +118,7 @@ class ModelBuilder:
     async def build_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> RemoteModel:
         """A model's first prefill worker: its own client and router (KV-aware under kv mode)."""
         client = ModelClient([await self.client_for(ep_key)])
-        card = await load_card(self.runtime.nats, entry.card)
+        card = await load_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
         served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
         served.router = await self.make_router(entry, card, client)
         # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the

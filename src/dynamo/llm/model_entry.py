@@ -20,6 +20,7 @@ from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_type import ModelType
 from dynamo.runtime.names import lease_hex, slugify
+from dynamo.runtime.object_store import ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)
 
@@ -66,46 +67,33 @@ class ModelEntry:
         )
 
 
-async def _object_store(nats: Any) -> Any:
-    js = nats.jetstream()
-    try:
-        return await js.object_store(OBJECT_BUCKET)
-    except Exception:  # not created yet
-        try:
-            return await js.create_object_store(OBJECT_BUCKET)
-        except Exception as e:
-            raise ModelError(
-                f"cannot use the NATS JetStream object store to publish the model card ({e}); "
-                "is nats-server running with JetStream enabled (nats-server -js)?"
-            ) from None
-
-
-async def publish_card(nats: Any, card: ModelCard) -> dict[str, Any]:
+async def publish_card(store: ObjectStore, card: ModelCard) -> dict[str, Any]:
     """The card as it goes into a model entry, with the tokenizer uploaded to the object store."""
     data = card.to_json()
     tokenizer = data.pop("tokenizer_json", None)
     if tokenizer is not None:
         blob = tokenizer.encode("utf-8")
         digest = hashlib.sha256(blob).hexdigest()
-        store = await _object_store(nats)
         try:
-            await store.get_info(digest)
-        except Exception:
-            await store.put(digest, blob)
+            uploaded = await store.put_if_absent(digest, blob)
+        except ObjectStoreError as e:
+            raise ModelError(f"cannot publish the model card: {e}") from None
+        if uploaded:
             log.debug("uploaded tokenizer of %s (%d bytes) as %s", card.display_name, len(blob), digest)
         data["tokenizer_object"] = digest
     return data
 
 
-async def load_card(nats: Any, data: dict[str, Any]) -> ModelCard:
+async def load_card(store: ObjectStore, data: dict[str, Any]) -> ModelCard:
     """The card of an entry, with its tokenizer fetched from the object store."""
     data = dict(data)
     digest = data.pop("tokenizer_object", None)
     card = ModelCard.from_json(data)
     if digest:
-        store = await _object_store(nats)
-        result = await store.get(digest)
-        blob = result.data
+        try:
+            blob = await store.get(digest)
+        except ObjectStoreError as e:
+            raise ModelError(f"cannot load the model card's tokenizer: {e}") from None
         if hashlib.sha256(blob).hexdigest() != digest:
             raise ModelError(f"tokenizer object {digest} is corrupt")
         card.tokenizer_json = blob.decode("utf-8")

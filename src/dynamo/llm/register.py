@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_entry import ModelEntry, publish_card
+from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, publish_card
 from dynamo.llm.model_type import ModelType
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
     ident = endpoint.id
     entry = ModelEntry(
         name=card.display_name, namespace=ident.namespace, component=ident.component, endpoint=ident.name,
-        model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.nats, card),
+        model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.object_store(OBJECT_BUCKET), card),
         runtime_config=runtime_config,
     )
     await runtime.discovery().put(entry.key(), entry.to_json(), lease=True)

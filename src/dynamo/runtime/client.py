@@ -12,9 +12,11 @@ answers again (or etcd says it is gone). A down mark also ends at the next etcd 
 (as the original), but that alone is not enough: "no responders" also means a live worker that is not
 subscribed on NATS *yet*. After a NATS restart every process reconnects on its own retry timer, so a
 frontend back before its workers finds nobody on their subjects, while their leases and keys never change
-and no etcd update ever comes; without the probe those workers would stay down for good. Capacity: an instance may announce how many requests it
-takes at once (:meth:`Client.set_instance_limit`); round-robin and random skip full instances, and
-:meth:`Client.wait_for_capacity` queues a caller until one has room.
+and no etcd update ever comes; without the probe those workers would stay down for good.
+
+Capacity: an instance may announce how many requests it takes at once (:meth:`Client.set_instance_limit`);
+round-robin and random skip full instances, and :meth:`Client.wait_for_capacity` queues a caller until one
+has room.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ from .lease import LeaseKeeper
 from .names import lease_hex
 from .nats_conn import connect_nats
 from .nats_event_plane import NatsEventPlane
+from .nats_object_store import NatsObjectStore
 from .nats_request_plane import NatsRequestPlane
+from .object_store import ObjectStore
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
 
@@ -146,6 +148,12 @@ class DistributedRuntime:
         if self._events is None:
             raise _not_connected()
         return self._events
+
+    def object_store(self, bucket: str) -> ObjectStore:
+        """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``."""
+        if self.nats is None:
+            raise _not_connected()
+        return NatsObjectStore(self.nats, bucket)
 
     def response_streams(self) -> ResponseStreams:
         """Where this process's response streams arrive, and how it sends streams back."""

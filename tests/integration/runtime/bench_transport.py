@@ -116,7 +116,7 @@ def main() -> None:
         asyncio.run(run_worker(args.burst))
         return
 
-    from tests.support.servers import EtcdServer, NatsServer
+    from harness.servers import EtcdServer, NatsServer
 
     with EtcdServer() as etcd, NatsServer() as nats:
         env = dict(os.environ, ETCD_ENDPOINTS=etcd.url, NATS_SERVER=nats.url)

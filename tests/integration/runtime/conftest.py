@@ -1,5 +1,5 @@
 """Fixtures for runtime integration tests: real etcd + nats-server (session-scoped, from
-tests/support/servers.py), runtimes connected to them, and a unique namespace per test."""
+harness/servers.py), runtimes connected to them, and a unique namespace per test."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ for _p in (str(_ROOT), str(_ROOT / "src")):
 
 from dynamo.runtime import DistributedRuntime, Endpoint  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
-from tests.support.servers import (  # noqa: E402,F401  (fixtures re-exported for pytest)
+from harness.servers import (  # noqa: E402,F401  (fixtures re-exported for pytest)
     RuntimeServers,
     etcd_server,
     nats_server,

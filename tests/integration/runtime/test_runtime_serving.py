@@ -19,7 +19,7 @@ from dynamo.runtime import (
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
-from tests.support.wait import until
+from harness.wait import until
 
 # "tcp": multiplexed call-home (our default); "tcp-per-stream": a connection per stream (the original's
 # protocol, DYN_TCP_MUX=0 on the caller); "nats": NATS response streams
@@ -393,7 +393,7 @@ async def test_slow_consumer_backpressures_the_handler(make_runtime, ns, serve):
 async def test_losing_etcd_past_the_ttl_keeps_the_runtime_serving(nats_server, ns):
     """etcd gone for longer than the lease: the worker keeps serving the clients that know it (it used to
     shut down; docs/reliability.md)."""
-    from tests.support.servers import EtcdServer
+    from harness.servers import EtcdServer
 
     with EtcdServer() as private_etcd:
         settings = RuntimeSettings(etcd=EtcdSettings([private_etcd.url]), nats=NatsSettings(nats_server.url),

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.runtime import EngineError
 from dynamo.runtime.config import RuntimeConfigError, SystemSettings
+from harness.proc import free_port
 from tests.integration.runtime.test_runtime_process import spawn  # noqa: F401  (fixture)
-from tests.support.proc import free_port
 
 
 async def start_serving(endpoint, handler) -> asyncio.Task:

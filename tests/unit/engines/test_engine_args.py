@@ -28,7 +28,7 @@ from dynamo.llm.protocols.common import (
     StopConditions,
 )
 from dynamo.run_config import RunConfig
-from tests.support.proc import run_cli
+from harness.proc import run_cli
 
 
 @pytest.fixture

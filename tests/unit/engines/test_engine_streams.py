@@ -22,7 +22,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 from dynamo.run_config import RunConfig
-from tests.support.wait import until
+from harness.wait import until
 
 
 def _request() -> PreprocessedRequest:

@@ -8,7 +8,7 @@ import pytest
 
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate, TemplateError
-from tests.support.tiny_model import DEFAULT_CHAT_TEMPLATE, DEFAULT_SYSTEM_PROMPT, render_chat_template
+from harness.tiny_model import DEFAULT_CHAT_TEMPLATE, DEFAULT_SYSTEM_PROMPT, render_chat_template
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": None}
 

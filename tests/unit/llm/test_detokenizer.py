@@ -8,7 +8,7 @@ import pytest
 
 from dynamo.llm.detokenizer import IncrementalDetokenizer
 from dynamo.llm.tokenizer import Tokenizer
-from tests.support.tiny_model import MULTIBYTE_SAMPLES
+from harness.tiny_model import MULTIBYTE_SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def sp_tok() -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from tests.support.tiny_model import CORPUS
+    from harness.tiny_model import CORPUS
 
     hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     hf.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -24,7 +24,7 @@ from dynamo.llm.protocols.common import EngineOutput, OutputOptions, Preprocesse
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.worker.handlers import backend_handler
-from tests.support.tiny_model import IM_END_ID
+from harness.tiny_model import IM_END_ID
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from dynamo.errors import ModelError
 from dynamo.llm.model_card import load_hf_folder
 from dynamo.llm.model_source import resolve_card
-from tests.support.tiny_model import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, build_tiny_hf_model
+from harness.tiny_model import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, build_tiny_hf_model
 
 
 def test_card_from_folder(tiny_model: Path):

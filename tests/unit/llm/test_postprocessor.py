@@ -10,7 +10,7 @@ from dynamo.errors import EngineError
 from dynamo.llm.backend import PostProcessor
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
 from dynamo.llm.tokenizer import Tokenizer
-from tests.support.tiny_model import ENDOFTEXT_ID, IM_END_ID
+from harness.tiny_model import ENDOFTEXT_ID, IM_END_ID
 
 
 @pytest.fixture(scope="module")

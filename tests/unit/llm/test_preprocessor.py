@@ -10,7 +10,7 @@ from dynamo.errors import RequestError
 from dynamo.llm.model_card import load_hf_folder
 from dynamo.llm.preprocessor import Preprocessor
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
-from tests.support.tiny_model import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+from harness.tiny_model import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_wire_format_has_every_field(pre):
 
 
 def test_model_without_chat_template_rejects_chat_but_serves_completions(tmp_path):
-    from tests.support.tiny_model import build_tiny_hf_model
+    from harness.tiny_model import build_tiny_hf_model
 
     folder = build_tiny_hf_model(tmp_path, chat_template=None, with_weights=False)
     p = Preprocessor(load_hf_folder(folder))
@@ -221,7 +221,7 @@ def test_model_without_chat_template_rejects_chat_but_serves_completions(tmp_pat
 
 
 def test_chat_template_jinja_file_is_used(tmp_path):
-    from tests.support.tiny_model import build_tiny_hf_model
+    from harness.tiny_model import build_tiny_hf_model
 
     folder = build_tiny_hf_model(tmp_path, with_chat_template_file=True, with_weights=False)
     out = chat(Preprocessor(load_hf_folder(folder)))

@@ -18,7 +18,7 @@ from dynamo.llm.preprocessor import Preprocessor
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
 from dynamo.llm.segment_cache import SegmentCache, segmentable
 from dynamo.llm.tokenizer import OFF_LOOP_CHARS, Tokenizer
-from tests.support.qwen3 import qwen3_model_dir
+from harness.qwen3 import qwen3_model_dir
 
 WORDS = ["alpha", "beta", "gamma", "delta", " spaced", "\n", "naïve", "日本語", "12345", "  ", "don't", "!?"]
 
@@ -30,7 +30,7 @@ def _text(rng: random.Random, n: int) -> str:
 def _tokenizers() -> list[tuple[str, str]]:
     import tempfile
 
-    from tests.support.tiny_model import build_tiny_hf_model
+    from harness.tiny_model import build_tiny_hf_model
 
     out = [("tiny", (build_tiny_hf_model(Path(tempfile.mkdtemp()), with_weights=False) / "tokenizer.json").read_text())]
     q = qwen3_model_dir()
@@ -107,7 +107,7 @@ def test_the_cache_is_bounded_by_tokens():
 def test_a_long_prompt_does_not_block_the_event_loop(tmp_path: Path):
     """While a long chat prompt is tokenized, the loop keeps running (encode_batch in a thread frees the
     GIL): a ticker on the loop gets many turns during one tokenization, not one."""
-    from tests.support.tiny_model import build_tiny_hf_model
+    from harness.tiny_model import build_tiny_hf_model
 
     model = build_tiny_hf_model(tmp_path, with_weights=False, max_position_embeddings=1 << 20)
     pre = Preprocessor(load_hf_folder(model))

@@ -18,7 +18,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(_REPO_ROOT) not in sys.path:  # `tests` has no __init__.py; make it importable
     sys.path.insert(0, str(_REPO_ROOT))
 
-from tests.support.tiny_model import (  # noqa: E402
+from harness.tiny_model import (  # noqa: E402
     DEFAULT_CHAT_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -227,7 +227,7 @@ def test_deterministic(tmp_path: Path) -> None:
 def test_builds_train_the_tokenizer_once_per_vocab_size(tmp_path: Path) -> None:
     """What keeps a build cheap (one per test): the BPE is trained once per vocab size, later builds
     reuse it, and a build at a new size is a whole, loadable model."""
-    from tests.support.tiny_model import _trained_tokenizer_json
+    from harness.tiny_model import _trained_tokenizer_json
 
     before = _trained_tokenizer_json.cache_info()
     d = build_tiny_hf_model(tmp_path / "a", name="fast", vocab_size=400)  # uncached vocab size

@@ -16,7 +16,7 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
 from dynamo.run_config import RunConfig
-from tests.support.wait import until
+from harness.wait import until
 
 FAST = {"speedup_ratio": 10000.0, "block_size": 4}
 

@@ -1,4 +1,4 @@
-"""A deterministic token engine for the reliability benchmark (``out=pytok:benchmarks/harness/det_engine.py <hf folder>``).
+"""A deterministic token engine for fault tests (``out=pytok:harness/det_engine.py <hf folder>``).
 
 The next token depends only on the previous one (:func:`next_token`), so a request that moved to another
 worker mid-stream can be checked token for token: every word of the output must follow from the one
@@ -6,9 +6,8 @@ before it, and the count must be exactly ``max_tokens`` (nothing lost, nothing r
 
 The vocabulary is the model's tokens that are one space and a lowercase word (``Ġword`` in a byte-level
 BPE), so each token decodes to `` word`` on its own. ``DET_TOKEN_DELAY_MS`` (default 20) paces tokens.
-
-The chaos tests run the same engine (tests/chaos/det_engine.py); this copy keeps the benchmark runnable
-from a checkout without the test tree.
+After the third token of a request it writes :data:`MID_GENERATION` to stderr, so a test can inject a fault
+mid-generation (even of a unary request) once it sees that line.
 """
 
 from __future__ import annotations
@@ -17,10 +16,12 @@ import asyncio
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 DELAY_S = float(os.environ.get("DET_TOKEN_DELAY_MS", "20")) / 1000
 WORDS: list[int] = []  # token ids of " word" tokens, in id order
+MID_GENERATION = "det_engine: 3 tokens out"
 
 
 def word_tokens(model_dir: str | Path) -> dict[int, str]:
@@ -49,8 +50,10 @@ def initialize(args: list[str]) -> None:
 async def generate(request):
     max_tokens = request["stop_conditions"].get("max_tokens") or 16
     prev = request["token_ids"][-1]
-    for _ in range(max_tokens):
+    for n in range(max_tokens):
         await asyncio.sleep(DELAY_S)
         prev = next_token(prev, WORDS)
         yield {"token_ids": [prev]}
+        if n == 2:
+            print(MID_GENERATION, file=sys.stderr, flush=True)
     yield {"token_ids": [], "finish_reason": "length"}

