@@ -42,7 +42,7 @@ OUTAGE_S = 3.0
 # ways and once left to the load alone
 LATE = [(0, 1), (1,), (), (0, 1)]
 STEADY = 8  # requests that must all succeed once both workers serve again, per cycle
-LOG = "info,dynamo.llm.worker_handlers=debug"  # a worker logs "request <id>" for each request
+LOG = "info,dynamo.worker.handlers=debug"  # a worker logs "request <id>" for each request
 
 
 @dataclass

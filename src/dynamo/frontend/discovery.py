@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo.aio import cancel_and_wait
-from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel, RouterConfig, worker_added
+from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel, worker_added
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
-from dynamo.frontend.remote import QueuePolicy
+from dynamo.frontend.remote import QueuePolicy, RouterConfig
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.run_config import RunConfig
+from dynamo.runtime import DistributedRuntime
+
+if TYPE_CHECKING:  # the HTTP service's metrics: the frontend package imports it only to annotate
+    from dynamo.frontend.http.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +256,8 @@ class ModelWatcher:
                 log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
 
 
-async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManager, ModelWatcher]:
+async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
+                         ) -> tuple[DistributedRuntime, ModelManager, ModelWatcher]:
     """Connect the runtime and start following models; the caller serves the manager.  With ``metrics``
     (the HTTP service's FrontendMetrics) the workers' load is exported there too."""
     from dynamo.runtime.distributed import connect_runtime
@@ -263,7 +269,7 @@ async def start_frontend(cfg: Any, metrics: Any = None) -> tuple[Any, ModelManag
         router_temperature=cfg.router_temperature, use_kv_events=cfg.use_kv_events,
         migration_limit=cfg.migration_limit,
         queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
-        max_local_prefill_length=getattr(cfg, "max_local_prefill_length", None),
+        max_local_prefill_length=cfg.max_local_prefill_length,
     ), metrics=metrics)
     try:
         await watcher.start()

@@ -25,12 +25,15 @@ from typing import Any
 
 import orjson
 
+from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.events import KV_STATE_ENDPOINT
 from dynamo.kv.hashing import compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S
-from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS, ModelEntry
 from dynamo.llm.protocols.common import PreprocessedRequest
+from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
 
 log = logging.getLogger(__name__)
@@ -207,7 +210,8 @@ class KvRouterPolicy:
         self._subs.clear()
 
 
-async def make_kv_router(runtime: Any, entry: Any, card: Any, client: Any, cfg: Any) -> KvRouterPolicy:
+async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
+                         cfg: RouterConfig) -> KvRouterPolicy:
     plane = runtime.event_plane()
 
     def publisher(subject: str):

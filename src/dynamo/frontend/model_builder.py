@@ -16,26 +16,13 @@ from typing import Any, Callable
 from dynamo.disagg.plan import DisaggStats
 from dynamo.frontend.disagg import DisaggCoreEngine
 from dynamo.frontend.model_client import ModelClient
-from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, SimpleRouter
+from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, RouterConfig, SimpleRouter
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, load_card
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
 from dynamo.runtime.names import component_event_subject
 
 EndpointKey = tuple[str, str, str]  # (namespace, component, endpoint)
-
-
-@dataclass
-class RouterConfig:
-    mode: str = "round-robin"
-    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
-    router_temperature: float = 0.0
-    use_kv_events: bool = True
-    # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
-    # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
-    migration_limit: int = 0
-    queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
-    max_local_prefill_length: int | None = None  # disaggregation: None is disagg/plan.py's default
 
 
 @dataclass

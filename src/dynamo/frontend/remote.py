@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import msgspec
@@ -63,6 +63,21 @@ class QueuePolicy:
     size: int = 256  # requests that may wait at once; one more is answered 503 at once
     timeout: float = 30.0  # seconds one request may wait before its 503
     retry_after: int = 1  # the 503's Retry-After, in seconds
+
+
+@dataclass
+class RouterConfig:
+    """How a frontend routes a model's requests (the --router-mode family of flags, migration, the queue)."""
+
+    mode: str = "round-robin"
+    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
+    # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
+    migration_limit: int = 0
+    queue: QueuePolicy = field(default_factory=QueuePolicy)  # --queue-size / --queue-timeout
+    max_local_prefill_length: int | None = None  # disaggregation: None is disagg/plan.py's default
 
 
 class RouterPolicy(Protocol):
