@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from dynamo.llm.parsers.tool_calls._json_calls import JsonCallsParser
+from dynamo.llm.parsers.tool_calls.json_calls import JsonCallsParser
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

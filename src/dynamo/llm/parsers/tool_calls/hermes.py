@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dynamo.llm.parsers.tool_calls._json_calls import JsonCallsParser
+from dynamo.llm.parsers.tool_calls.json_calls import JsonCallsParser
 
 
 class HermesParser(JsonCallsParser):

@@ -10,7 +10,7 @@ Only an output that opens with ``{`` is taken for a call (vLLM does the same); a
 
 from __future__ import annotations
 
-from dynamo.llm.parsers.tool_calls._json_calls import JsonCallsParser
+from dynamo.llm.parsers.tool_calls.json_calls import JsonCallsParser
 
 
 class Llama3JsonParser(JsonCallsParser):

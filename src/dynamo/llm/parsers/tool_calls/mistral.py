@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from dynamo.llm.parsers.tool_calls._json_calls import JsonCallsParser
+from dynamo.llm.parsers.tool_calls.json_calls import JsonCallsParser
 
 _HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_\-.]*)\[ARGS\]")
 _PARTIAL = re.compile(r"[A-Za-z_][A-Za-z0-9_\-.]*(\[(A(R(G(S)?)?)?)?)?")
