@@ -1,4 +1,4 @@
-"""Embedding workers and ``--chat-template`` across the distributed runtime (issue 12), real processes:
+"""Embedding workers and ``--chat-template`` across the distributed runtime, real processes:
 etcd, nats-server, a frontend (``in=http out=dyn``) and workers (``in=dyn://...``).
 
 An ``--embedding`` worker registers as ``ModelType.Embedding``; the frontend lists it and routes
@@ -116,7 +116,7 @@ def test_embeddings_survive_a_worker_killed(frontend: DynamoRun, workers):
 
 
 def test_a_python_embedding_worker_gets_token_ids(rt_env, frontend: DynamoRun, tiny_model: Path, tmp_path: Path):
-    """A worker using only the original's API: token ids in, ``embeddings`` out (spec 8.2); its
+    """A worker using only the original's API: token ids in, ``embeddings`` out (the Embedding wire format); its
     ``register_llm(custom_template_path=...)`` template reaches the frontend in the card."""
     import sys
 

@@ -1,4 +1,4 @@
-"""The endpoints beyond chat and completions (issue 12): /tokenize, /detokenize, --chat-template,
+"""The endpoints beyond chat and completions: /tokenize, /detokenize, --chat-template,
 /v1/embeddings and /v1/responses, through the ``openai`` SDK where it has them, on real processes.
 
 ``plain`` is ``echo_core`` on the tiny model with ``--chat-template`` set to a template that writes

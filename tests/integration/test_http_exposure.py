@@ -1,4 +1,4 @@
-"""A server safe to expose (issue 12, item 5): API keys, TLS, CORS and the body limit, on a real process.
+"""A server safe to expose: API keys, TLS, CORS and the body limit, on a real process.
 
 One server for most tests: ``--api-key`` twice, HTTPS with a self-signed certificate made here with the
 ``openssl`` CLI, one allowed CORS origin, a 1 MB body limit and debug logging (so the test can check that

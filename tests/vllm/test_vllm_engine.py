@@ -173,7 +173,7 @@ def test_unknown_extra_engine_arg_is_one_clear_error(model: Path, vllm_env: dict
 
 
 def test_logprobs_unary_and_streamed(client: openai.OpenAI) -> None:
-    """vLLM's logprobs reach the client (they were dropped before issue 11): entries spell the text, and
+    """vLLM's logprobs reach the client (they were once dropped): entries spell the text, and
     under greedy decoding the chosen token is the likeliest of vLLM's raw distribution."""
     r = greedy(client, 6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content, entries = r.choices[0].message.content, r.choices[0].logprobs.content

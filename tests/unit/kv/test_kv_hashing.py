@@ -1,4 +1,4 @@
-"""Block hashing (spec 7.9): vectors computed here straight from struct + xxhash, not through our code."""
+"""Block hashing: vectors computed here straight from struct + xxhash, not through our code."""
 
 import struct
 
