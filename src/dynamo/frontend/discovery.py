@@ -88,9 +88,8 @@ class ModelWatcher:
         if self._watch is not None:
             await self._watch.close()
         for served in [*self.served.values(), *self.prefill.served.values()]:
-            close = getattr(served.router, "close", None)
-            if close is not None:
-                await close()
+            if served.router is not None:
+                await served.router.close()
         for client in self.builder.clients.values():
             await client.close()
         if self.worker_metrics is not None:
@@ -206,14 +205,14 @@ class ModelWatcher:
         """The KV router of a served model (name lowercased), or None: the per-worker load gauges' source."""
         for name, served in self.served.items():
             if name.lower() == model:
-                return getattr(served.router, "router", None)
+                return served.router.kv_router if served.router is not None else None
         return None
 
     def queued(self) -> dict[str, int]:
         """Requests waiting for a worker with room, per served model (name lowercased)."""
         out: dict[str, int] = {}
         for name, served in self.served.items():
-            clients = getattr(served.client, "clients", None) or []
+            clients = served.client.clients
             # with several endpoints a waiter waits in each of their queues: the longest is the count
             out[name.lower()] = max((c.queued() for c in clients), default=0)
         return out
@@ -235,9 +234,8 @@ class ModelWatcher:
         if keys is None or key not in keys:
             return
         keys.discard(key)
-        instance_gone = getattr(served.router, "remove_worker", None)
-        if instance_gone is not None:
-            instance_gone(entry.instance_id)
+        if served.router is not None:
+            served.router.remove_worker(entry.instance_id)
         if not keys:
             del served.endpoints[ep_key]
             client = self.builder.clients.get(ep_key)
@@ -247,9 +245,8 @@ class ModelWatcher:
             del pool[entry.name]
             if pool is self.served:
                 self.manager.remove(entry.name)
-            close = getattr(served.router, "close", None)
-            if close is not None:
-                await close()
+            if served.router is not None:
+                await served.router.close()
             if pool is self.served:
                 log.info("removed model %s: no worker serves it any more", entry.name)
             else:

@@ -114,6 +114,18 @@ class KvRouterPolicy:
         self._workers.pop(worker_id, None)
         self.router.remove_worker(worker_id)
 
+    @property
+    def kv_router(self) -> KvRouter:
+        return self.router
+
+    async def follow_component(self, namespace: str, component: str) -> None:
+        """Another component serves the model too: its workers' KV events (unless the router predicts the
+        cache itself) and its routers' in-flight bookkeeping."""
+        if self.router.use_kv_events:
+            await self.subscribe(component_event_subject(namespace, component, "kv_events"), self.router.apply_event)
+        await self.subscribe(component_event_subject(namespace, component, "active_sequences_events"),
+                             self.router.apply_active_sequence_event)
+
     def add_worker(self, entry: Any) -> None:
         """A worker's model entry appeared: with KV events, ask it what it caches already."""
         events = not isinstance(self.router.indexer, ApproxKvIndexer)

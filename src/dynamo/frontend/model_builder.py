@@ -16,11 +16,17 @@ from typing import Any, Callable
 from dynamo.disagg.plan import DisaggStats
 from dynamo.frontend.disagg import DisaggCoreEngine
 from dynamo.frontend.model_client import ModelClient
-from dynamo.frontend.remote import QueuePolicy, RemoteChatEngine, RemoteCoreEngine, RouterConfig, SimpleRouter
+from dynamo.frontend.remote import (
+    QueuePolicy,
+    RemoteChatEngine,
+    RemoteCoreEngine,
+    RouterConfig,
+    RouterPolicy,
+    SimpleRouter,
+)
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, load_card
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
-from dynamo.runtime.names import component_event_subject
 
 EndpointKey = tuple[str, str, str]  # (namespace, component, endpoint)
 
@@ -34,7 +40,7 @@ class RemoteModel:
     model_type: ModelType
     client: ModelClient
     endpoints: dict[EndpointKey, set[str]] = field(default_factory=dict)  # endpoint -> entry keys
-    router: Any = None
+    router: RouterPolicy | None = None
     engine: Any = None  # prefill entries: the RemoteCoreEngine over the prefill workers
 
     @property
@@ -122,7 +128,7 @@ class ModelBuilder:
         served.endpoints.setdefault(ep_key, set()).add(key)
         return new
 
-    async def make_router(self, entry: ModelEntry, card: Any, client: Any) -> Any:
+    async def make_router(self, entry: ModelEntry, card: Any, client: Any) -> RouterPolicy:
         cfg = self.config
         if cfg.mode != "kv":
             return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
@@ -132,20 +138,13 @@ class ModelBuilder:
 
     async def _extend_router(self, served: RemoteModel, entry: ModelEntry) -> None:
         """A KV router also follows the KV events of another component serving the model."""
-        policy = served.router
-        kv = getattr(policy, "router", None)
-        subscribe = getattr(policy, "subscribe", None)
-        if kv is None or subscribe is None:
+        if served.router is None:
             return
         if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
             return
-        if getattr(kv, "use_kv_events", False):  # the router follows KV events (not the approximate indexer)
-            await subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"), kv.apply_event)
-        await subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
-                        kv.apply_active_sequence_event)
+        await served.router.follow_component(entry.namespace, entry.component)
 
 
-def worker_added(router: Any, entry: ModelEntry) -> None:
-    added = getattr(router, "add_worker", None)  # KV routers ask a new worker what it caches
-    if added is not None:
-        added(entry)
+def worker_added(router: RouterPolicy | None, entry: ModelEntry) -> None:
+    if router is not None:
+        router.add_worker(entry)  # KV routers ask a new worker what it caches

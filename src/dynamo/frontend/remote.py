@@ -81,11 +81,28 @@ class RouterConfig:
 
 
 class RouterPolicy(Protocol):
+    """How a model's requests pick a worker, and what the router hears about its workers."""
+
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any: ...
 
     def finished(self, request_id: str) -> None: ...
 
     def first_token(self, request_id: str) -> None: ...
+
+    def add_worker(self, entry: Any) -> None:
+        """A worker's model entry appeared."""
+
+    def remove_worker(self, worker_id: int) -> None:
+        """A worker's model entry went away."""
+
+    async def follow_component(self, namespace: str, component: str) -> None:
+        """Another component serves the model too: follow its workers' events."""
+
+    @property
+    def kv_router(self) -> Any:
+        """The KV router behind the policy (the per-worker load gauges read it), or None."""
+
+    async def close(self) -> None: ...
 
 
 class SimpleRouter:
@@ -106,6 +123,22 @@ class SimpleRouter:
         pass
 
     def first_token(self, request_id: str) -> None:
+        pass
+
+    def add_worker(self, entry: Any) -> None:
+        pass
+
+    def remove_worker(self, worker_id: int) -> None:
+        pass
+
+    async def follow_component(self, namespace: str, component: str) -> None:
+        pass
+
+    @property
+    def kv_router(self) -> None:
+        return None
+
+    async def close(self) -> None:
         pass
 
 

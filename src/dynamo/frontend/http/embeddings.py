@@ -18,6 +18,7 @@ from dynamo.errors import RequestError
 from dynamo.frontend.http.admission import Admission
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
+from dynamo.llm.embeddings import EmbeddingModel
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.extra import parse_embedding_request
 
@@ -36,14 +37,13 @@ class EmbeddingsRoute:
         raw = await read_json(request)
         req, inputs = parse_embedding_request(raw)
         model = self.models.get(req.model)
-        embed = getattr(model, "embed", None)
-        if embed is None:
+        if not isinstance(model, EmbeddingModel):
             raise RequestError(f"The model '{req.model}' is not an embedding model", param="model")
         ctx = Context()
         rm = self.admission.begin(request, ctx, req.model, "embeddings", False)
         ok = False
         try:
-            result = await embed(inputs, req.dimensions, ctx)
+            result = await model.embed(inputs, req.dimensions, ctx)
             rm.tokens(0, result.prompt_tokens)
             ok = True
         except asyncio.CancelledError:

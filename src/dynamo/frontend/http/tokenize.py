@@ -17,8 +17,10 @@ from dynamo.errors import RequestError
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.pipeline import ServedModel
 from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
 from dynamo.llm.protocols.openai import content_text
+from dynamo.llm.tokenizer import Tokenizer
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -38,8 +40,8 @@ class TokenizeRoutes:
         self.models = models
         self._templates: dict[tuple[str, int], ChatTemplate] = {}
 
-    def _tokenizer(self, model: Any) -> Any:
-        tok = getattr(model, "tokenizer", None)
+    def _tokenizer(self, model: ServedModel) -> Tokenizer:
+        tok = model.tokenizer
         if tok is None:
             raise RequestError(f"The model '{model.name}' has no tokenizer on this server", param="model")
         return tok
