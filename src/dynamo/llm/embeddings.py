@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from dynamo.errors import EngineError, RequestError, UserError
 from dynamo.llm.engine import Context
@@ -38,6 +38,13 @@ class Embeddings:
 
 class EmbeddingEngine(Protocol):
     kind: str  # "embedding"
+
+    async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings: ...
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    """A served model that answers ``/v1/embeddings`` (an :class:`EmbeddingModel`, or any model with ``embed``)."""
 
     async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings: ...
 

@@ -18,7 +18,7 @@ from dynamo.errors import RequestError
 from dynamo.frontend.http.admission import Admission
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
-from dynamo.llm.embeddings import EmbeddingModel
+from dynamo.llm.embeddings import Embeds
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.extra import parse_embedding_request
 
@@ -37,7 +37,7 @@ class EmbeddingsRoute:
         raw = await read_json(request)
         req, inputs = parse_embedding_request(raw)
         model = self.models.get(req.model)
-        if not isinstance(model, EmbeddingModel):
+        if not isinstance(model, Embeds):
             raise RequestError(f"The model '{req.model}' is not an embedding model", param="model")
         ctx = Context()
         rm = self.admission.begin(request, ctx, req.model, "embeddings", False)
