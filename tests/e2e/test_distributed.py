@@ -533,9 +533,9 @@ def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
     port = closed_port()
     env = dict(rt_env)
     if down == "etcd":
-        env["ETCD_ENDPOINTS"] = address = f"http://127.0.0.1:{port}"
+        env["ETCD_ENDPOINTS"] = f"http://127.0.0.1:{port}"
     else:
-        env["NATS_SERVER"] = address = f"nats://127.0.0.1:{port}"
+        env["NATS_SERVER"] = f"nats://127.0.0.1:{port}"
     args = (["in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(free_port())] if role == "frontend"
             else ["in=dyn://down.backend.generate", "out=echo_core", str(tiny_model)])
     start = time.monotonic()
@@ -548,6 +548,18 @@ def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
     naming = [line for line in lines if f"127.0.0.1:{port}" in line]
     assert len(naming) == 1, result.stderr
     assert len(lines) <= 2, result.stderr  # the error, at most one log line before it
+
+
+def test_nats_without_jetstream_is_one_clear_line(rt_env, tiny_model):
+    """The model card's tokenizer goes to the runtime's object store (JetStream on NATS): a worker on a
+    nats-server started without ``-js`` stops with one line saying so, not a traceback."""
+    with NatsServer(jetstream=False) as plain:
+        env = dict(rt_env, NATS_SERVER=plain.url)
+        result = run_cli(["in=dyn://nojs.backend.generate", "out=echo_core", str(tiny_model)], env=env, timeout=30)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "JetStream" in line]
+    assert len(errors) == 1 and "nats-server -js" in errors[0], result.stderr
 
 
 # -- last: the crashed worker's lease has expired --------------------------------------------------------

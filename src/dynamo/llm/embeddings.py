@@ -36,17 +36,15 @@ class Embeddings:
     prompt_tokens: int
 
 
-class EmbeddingEngine(Protocol):
-    kind: str  # "embedding"
-
-    async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings: ...
-
-
 @runtime_checkable
 class Embeds(Protocol):
-    """A served model that answers ``/v1/embeddings`` (an :class:`EmbeddingModel`, or any model with ``embed``)."""
+    """Answers ``/v1/embeddings``: an embedding engine, or a served model over one (:class:`EmbeddingModel`)."""
 
     async def embed(self, inputs: list[EmbeddingInput], dimensions: int | None, ctx: Context) -> Embeddings: ...
+
+
+class EmbeddingEngine(Embeds, Protocol):
+    kind: str  # "embedding"
 
 
 class EmbeddingModel:

@@ -68,6 +68,7 @@ class DistributedRuntime:
         self._closed = False
         self._requests: RequestPlane | None = None
         self._events: EventPlane | None = None
+        self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
         self._shutdown_task: asyncio.Task | None = None
         # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
@@ -153,7 +154,10 @@ class DistributedRuntime:
         """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``."""
         if self.nats is None:
             raise _not_connected()
-        return NatsObjectStore(self.nats, bucket)
+        store = self._object_stores.get(bucket)
+        if store is None:  # one handle per bucket: it opens (or creates) the bucket once, on first use
+            store = self._object_stores[bucket] = NatsObjectStore(self.nats, bucket)
+        return store
 
     def response_streams(self) -> ResponseStreams:
         """Where this process's response streams arrive, and how it sends streams back."""
