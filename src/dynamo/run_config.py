@@ -50,6 +50,10 @@ class RunConfig:
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    # how this process reaches workers and hears events (None: DYN_REQUEST_PLANE / DYN_EVENT_PLANE, else
+    # the runtime's rule: NATS when it answers, else TCP and ZMQ)
+    request_plane: str | None = None
+    event_plane: str | None = None
 
     @property
     def input_kind(self) -> str:

@@ -534,8 +534,9 @@ def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
     env = dict(rt_env)
     if down == "etcd":
         env["ETCD_ENDPOINTS"] = f"http://127.0.0.1:{port}"
-    else:
+    else:  # asked for NATS (without a request plane named, no NATS means TCP and ZMQ instead)
         env["NATS_SERVER"] = f"nats://127.0.0.1:{port}"
+        env["DYN_REQUEST_PLANE"] = "nats"
     args = (["in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(free_port())] if role == "frontend"
             else ["in=dyn://down.backend.generate", "out=echo_core", str(tiny_model)])
     start = time.monotonic()

@@ -27,6 +27,8 @@ MAX_HTTP_WORKERS = 64
 # engines cheap enough to run once per HTTP worker process (--http-workers): the others would load the model N times
 HTTP_WORKER_ENGINES = ("dyn", "echo_full", "echo_core")
 DISAGG_MODES = ("agg", "prefill", "decode")
+REQUEST_PLANES = ("tcp", "nats")
+EVENT_PLANES = ("nats", "zmq")
 # engines that can serve --disaggregation-mode prefill/decode (others: a clear error, never ignored)
 DISAGG_ENGINES = ("llamacpp", "mocker", "vllm")
 
@@ -40,6 +42,7 @@ USAGE = (
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
     "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
+    "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
     "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
     "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] [-v|-vv] "
@@ -195,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
     p.add_argument("--tls-key-path", metavar="PEM", help="in=http: the private key of --tls-cert-path")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGINS", help="in=http: CORS origins allowed to call the API ('https://app.example.com', comma-separated, repeatable, or '*'; default none)")
+    p.add_argument("--request-plane", choices=REQUEST_PLANES, help="how requests reach workers: tcp (each worker listens; "
+                   "no NATS) or nats (default: DYN_REQUEST_PLANE, else nats when a NATS server answers, else tcp)")
+    p.add_argument("--event-plane", choices=EVENT_PLANES, help="how KV events and load metrics travel: zmq (no NATS) "
+                   "or nats (default: DYN_EVENT_PLANE, else nats when a NATS server answers, else zmq)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
@@ -298,6 +305,8 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         tls_cert_path=ns.tls_cert_path,
         tls_key_path=ns.tls_key_path,
         allowed_origins=ns.allowed_origins or [],
+        request_plane=ns.request_plane,
+        event_plane=ns.event_plane,
     )
     validate(cfg)
     return cfg

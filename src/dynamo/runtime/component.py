@@ -150,10 +150,10 @@ class Endpoint:
         try:
             if store is not None:
                 key = self.id.instance_key(lease)
-                created = await store.create(key, Instance.for_endpoint(self.id, lease).to_json(), lease=True)
+                created = await store.create(key, Instance.for_endpoint(self.id, lease, served.address).to_json(), lease=True)
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
-            log.info("serving %s on subject %s", self.id, self.id.subject(lease))
+            log.info("serving %s at %s", self.id, served.address)
             if system is not None:
                 system.set_endpoint(self.name, True)
             if ready is not None:

@@ -196,6 +196,14 @@ class RuntimeSettings:
     # accepted by workers; DYN_TCP_MUX=0 keeps a connection per stream (the original's protocol).
     tcp_mux: bool = True
     system: SystemSettings = field(default_factory=SystemSettings)
+    # How requests reach a worker: "nats", "tcp" (the worker listens, its address in discovery), or None:
+    # chosen at connect time (runtime/distributed.py says the rule and logs the choice).
+    request_plane: str | None = None
+    # Port of a worker's request-plane listener with "tcp" (0: any free port; the address is in discovery).
+    tcp_rpc_port: int = 0
+    # How KV events and load metrics travel: "nats", "zmq" (each publisher binds, subscribers find it in
+    # discovery), or None: chosen at connect time, as the request plane.
+    event_plane: str | None = None
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
@@ -210,5 +218,39 @@ class RuntimeSettings:
             stream_liveness=_float_env("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS, minimum=0.05),
             tcp_mux=_bool_env("DYN_TCP_MUX", True),
             system=SystemSettings.from_env(),
+            request_plane=_choice_env("DYN_REQUEST_PLANE", REQUEST_PLANES),
+            tcp_rpc_port=_port_env("DYN_TCP_RPC_PORT"),
+            event_plane=_choice_env("DYN_EVENT_PLANE", EVENT_PLANES),
         )
+
+
+REQUEST_PLANES = ("nats", "tcp")
+EVENT_PLANES = ("nats", "zmq")
+
+
+def check_choice(what: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    """``value`` lowercased if it is one of ``choices`` (None: not given), else a clear error."""
+    if value is None:
+        return None
+    low = value.strip().lower()
+    if low not in choices:
+        raise RuntimeConfigError(f"{what}={value!r}: use {' or '.join(choices)}")
+    return low
+
+
+def _choice_env(name: str, choices: tuple[str, ...]) -> str | None:
+    return check_choice(name, _env(name), choices)
+
+
+def _port_env(name: str) -> int:
+    raw = _env(name)
+    if raw is None:
+        return 0
+    try:
+        port = int(raw)
+    except ValueError:
+        raise RuntimeConfigError(f"{name}={raw!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise RuntimeConfigError(f"{name}={raw!r} must be a port (0: any free one)")
+    return port
 

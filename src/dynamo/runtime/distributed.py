@@ -2,8 +2,12 @@
 that lease, and its shutdown signal.
 
 This is where the backends are chosen and wired: etcd behind the discovery seam
-(:mod:`.discovery`), NATS behind the request and event planes (:mod:`.request_plane`,
-:mod:`.event_plane`), TCP call-home for response streams (:mod:`.response_streams`). Everything else
+(:mod:`.discovery`), NATS or direct TCP behind the request plane (:mod:`.request_plane`), NATS or ZMQ
+behind the event plane (:mod:`.event_plane`), TCP call-home for response streams
+(:mod:`.response_streams`). The planes' rule, in one block of ``_open``: what ``DYN_REQUEST_PLANE`` /
+``DYN_EVENT_PLANE`` (``--request-plane`` / ``--event-plane``) say; where either is not given, NATS when a
+server answers at ``NATS_SERVER``, else TCP and ZMQ; one log line says what was chosen. With TCP and
+ZMQ, NATS is still used for the object store when a server answers. Everything else
 gets those parts through the accessors (``discovery()``, ``request_plane()``, ``event_plane()``,
 ``response_streams()``), never a backend's module.
 
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.client import Client as NatsClient
 
 from .component import Namespace
-from .config import RuntimeSettings
+from .config import EVENT_PLANES, REQUEST_PLANES, RuntimeSettings, check_choice
 from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .etcd import EtcdClient
 from .event_plane import EventPlane
@@ -37,14 +41,18 @@ from .nats_conn import connect_nats
 from .nats_event_plane import NatsEventPlane
 from .nats_object_store import NatsObjectStore
 from .nats_request_plane import NatsRequestPlane
-from .object_store import ObjectStore
+from .object_store import MissingObjectStore, ObjectStore
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
+from .tcp_request_plane import TcpRequestPlane
+from .zmq_event_plane import ZmqEventPlane
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
 
 log = logging.getLogger(__name__)
+
+NATS_PROBE_TIMEOUT = 1.0  # a NATS that does not answer within this is taken as absent when it is optional
 
 
 class DistributedRuntime:
@@ -93,7 +101,7 @@ class DistributedRuntime:
 
     async def start(self) -> "DistributedRuntime":
         """Connect a runtime built with the constructor (``connect()`` does both steps)."""
-        if self.nats is None:
+        if self._requests is None:
             await self._open()
         return self
 
@@ -103,13 +111,42 @@ class DistributedRuntime:
                 self.etcd_client = EtcdClient(self.settings.etcd)
                 await self.etcd_client.connect()
                 self.etcd = KeyValueStore(self.etcd_client, lambda: self.primary_lease_id, self._shutdown.is_set)
-            self.nats = await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}")
-            self._requests = NatsRequestPlane(self.nats)
-            self._events = NatsEventPlane(self.nats)
-            self._streams = ResponseStreams(self.settings, self.nats)
+            # ---- the request and event planes: which ones, and whether NATS is needed at all
+            settings = self.settings
+            requests, events = settings.request_plane, settings.event_plane
+            if self.is_static:  # no discovery to find a TCP listener or a ZMQ publisher in
+                requests, events = requests or "nats", events or "nats"
+            if requests == "tcp" and events == "zmq":  # NATS only for the object store (model cards), if up
+                self.nats = await self._try_nats()
+            elif requests is None or events is None:  # NATS when it answers, else TCP and ZMQ
+                self.nats = await self._try_nats()
+                requests = requests or ("nats" if self.nats is not None else "tcp")
+                events = events or ("nats" if self.nats is not None else "zmq")
+                if self.nats is None and "nats" in (requests, events):
+                    self.nats = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")  # the error
+            else:
+                self.nats = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")
+            if self.is_static and (requests, events) != ("nats", "nats"):
+                raise RuntimeConfigError("a static runtime (no discovery) needs the NATS request and event planes")
+            # either way a client reaches the workers of both planes (by their instance records' address)
+            self._requests = TcpRequestPlane(settings.tcp_host, settings.tcp_rpc_port,
+                                             fallback=NatsRequestPlane(self.nats) if self.nats is not None else None,
+                                             serve_on_fallback=requests == "nats")
+            log.info("request plane %s, event plane %s%s", requests, events,
+                     "" if self.nats is not None else " (no NATS server: none is needed)")
+            # ---- end of the plane choice
+            self._streams = ResponseStreams(settings, self.nats)
             if self.etcd is not None:
-                self._lease = LeaseKeeper(self.etcd.client, self.settings.lease_ttl, on_restored=self.etcd.republish)
+                self._lease = LeaseKeeper(self.etcd.client, settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
+            if events == "zmq":
+                assert self.etcd is not None
+                zmq_plane = ZmqEventPlane(self.etcd, settings.tcp_host)
+                self._events = zmq_plane
+                await zmq_plane.start_publisher(self.primary_lease_id)
+            else:
+                assert self.nats is not None
+                self._events = NatsEventPlane(self.nats)
             if self.settings.system.enabled:
                 from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
 
@@ -118,6 +155,14 @@ class DistributedRuntime:
         except BaseException:
             await self._close_connections()
             raise
+
+    async def _try_nats(self) -> NatsClient | None:
+        """A NATS connection if a server answers at the configured address, else None (no error)."""
+        try:
+            return await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}", timeout=NATS_PROBE_TIMEOUT)
+        except RuntimeConnectionError as exc:
+            log.debug("no NATS: %s", exc)
+            return None
 
     @property
     def instance_id(self) -> int:
@@ -153,7 +198,11 @@ class DistributedRuntime:
     def object_store(self, bucket: str) -> ObjectStore:
         """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``."""
         if self.nats is None:
-            raise _not_connected()
+            if self._requests is None:
+                raise _not_connected()
+            # connected, on the TCP and ZMQ planes with no NATS server
+            return MissingObjectStore(f"no NATS server at {self.settings.nats.server}: the object store "
+                                      "(a model card's tokenizer) needs one")
         store = self._object_stores.get(bucket)
         if store is None:  # one handle per bucket: it opens (or creates) the bucket once, on first use
             store = self._object_stores[bucket] = NatsObjectStore(self.nats, bucket)
@@ -210,6 +259,8 @@ class DistributedRuntime:
             await self._streams.close()
         if self._requests is not None:
             await self._requests.close()
+        if isinstance(self._events, ZmqEventPlane):
+            await self._events.close()
         if self.nats is not None and not self.nats.is_closed:
             try:
                 await self.nats.close()
@@ -229,12 +280,16 @@ def _not_connected() -> DynamoRuntimeError:
     return DynamoRuntimeError("runtime is not connected: await DistributedRuntime.connect() (or rt.start())")
 
 
-async def connect_runtime() -> DistributedRuntime:
+async def connect_runtime(*, request_plane: str | None = None, event_plane: str | None = None) -> DistributedRuntime:
     """Connect with the settings in the environment, for a command-line process: a bad setting or an
-    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback."""
+    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback. ``request_plane`` and
+    ``event_plane`` (the command line's) win over the environment's."""
     from dynamo.errors import UserError
 
     try:
-        return await DistributedRuntime.connect()
+        settings = RuntimeSettings.from_env()
+        settings.request_plane = check_choice("--request-plane", request_plane, REQUEST_PLANES) or settings.request_plane
+        settings.event_plane = check_choice("--event-plane", event_plane, EVENT_PLANES) or settings.event_plane
+        return await DistributedRuntime.connect(settings)
     except (RuntimeConnectionError, RuntimeConfigError) as e:
         raise UserError(str(e)) from None

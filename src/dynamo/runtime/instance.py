@@ -16,11 +16,14 @@ class Instance:
     component: str
     endpoint: str
     instance_id: int
-    subject: str  # NATS request subject, stored as transport.nats_tcp
+    # its address on the request plane: a NATS subject (stored as transport.nats_tcp, the original's
+    # field) or a TCP address ``tcp://host:port/<service>.<endpoint>`` (stored as transport.tcp)
+    subject: str
 
     @classmethod
-    def for_endpoint(cls, endpoint: EndpointId, lease_id: int) -> "Instance":
-        return cls(endpoint.namespace, endpoint.component, endpoint.name, lease_id, endpoint.subject(lease_id))
+    def for_endpoint(cls, endpoint: EndpointId, lease_id: int, address: str | None = None) -> "Instance":
+        return cls(endpoint.namespace, endpoint.component, endpoint.name, lease_id,
+                   address or endpoint.subject(lease_id))
 
     def to_json(self) -> bytes:
         """Pretty JSON in the original's field order."""
@@ -30,7 +33,7 @@ class Instance:
                 "endpoint": self.endpoint,
                 "namespace": self.namespace,
                 "instance_id": self.instance_id,
-                "transport": {"nats_tcp": self.subject},
+                "transport": {"tcp" if self.subject.startswith("tcp://") else "nats_tcp": self.subject},
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -40,4 +43,4 @@ class Instance:
         obj = orjson.loads(raw)
         transport = obj.get("transport") or {}
         return cls(obj["namespace"], obj["component"], obj["endpoint"], int(obj["instance_id"]),
-                   transport.get("nats_tcp", ""))
+                   transport.get("nats_tcp") or transport.get("tcp") or "")

@@ -23,3 +23,17 @@ class ObjectStore(Protocol):
 
     async def get(self, name: str) -> bytes:
         """The object stored under ``name``; :class:`ObjectStoreError` when there is none."""
+
+
+class MissingObjectStore:
+    """The object store of a process with no server to keep one: every use is a clear
+    :class:`ObjectStoreError` (a model whose card needs no object still registers)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    async def put_if_absent(self, name: str, data: bytes) -> bool:
+        raise ObjectStoreError(self.reason)
+
+    async def get(self, name: str) -> bytes:
+        raise ObjectStoreError(self.reason)

@@ -305,9 +305,11 @@ async def test_unreachable_servers_fail_fast(runtime_servers):
     with pytest.raises(RuntimeConnectionError) as err:
         await DistributedRuntime.connect(RuntimeSettings(etcd=EtcdSettings(["http://127.0.0.1:1"]), nats=good_nats))
     assert str(err.value) == "cannot reach etcd at http://127.0.0.1:1: connection refused"
-    with pytest.raises(RuntimeConnectionError) as err:
-        await DistributedRuntime.connect(RuntimeSettings(etcd=good_etcd, nats=NatsSettings("nats://127.0.0.1:1")))
-    assert str(err.value) == "cannot reach NATS at nats://127.0.0.1:1: connection refused"
+    for planes in ({"request_plane": "nats"}, {"event_plane": "nats"}):  # NATS asked for: it must answer
+        with pytest.raises(RuntimeConnectionError) as err:
+            await DistributedRuntime.connect(RuntimeSettings(etcd=good_etcd, nats=NatsSettings("nats://127.0.0.1:1"),
+                                                             **planes))
+        assert str(err.value) == "cannot reach NATS at nats://127.0.0.1:1: connection refused"
     assert time.monotonic() - start < 6
 
 

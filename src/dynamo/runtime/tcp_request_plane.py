@@ -1,0 +1,361 @@
+"""The request plane over direct TCP (a :class:`~dynamo.runtime.request_plane.RequestPlane` with no broker):
+the worker listens, the client dials the address in the instance record.
+
+Why: over NATS every request crosses nats-server and back for its ack, and a fleet needs a NATS server
+running first. Here each worker process runs one listener (``DYN_TCP_RPC_HOST`` / ``DYN_TCP_RPC_PORT``,
+an ephemeral port by default) for all its endpoints; an endpoint's address is
+``tcp://<host>:<port>/<service>.<endpoint>``, written into its instance record. A client keeps one
+connection per worker process and sends every request to that process over it.
+
+Wire format: the multiplexed call-home's envelopes (:mod:`.mux`: stream id u64, length u64, payload), in
+both directions, the stream id being the request's number on this connection:
+  client -> worker: one frame (:mod:`.codec`): header = the endpoint's ``<service>.<endpoint>``, body =
+      the request plane's payload (the request frame of :mod:`.transport`, or empty: a ping)
+  worker -> client: one frame: header empty and body = the ack (empty: taken), or header
+      ``"no_responders"``: nothing is served under that name here (stopped, or a process that reused the
+      port), which the client treats as NATS's "no responders".
+The request, the acks and what they mean are the NATS plane's, so :mod:`.client` and :mod:`.ingress`
+are the same for both. What TCP adds: a refused connect, or a connection that closes before the ack,
+is "no responders" at once (the worker is gone); a frozen worker (SIGSTOP) still accepts connections in
+its kernel and acks nothing, so it is caught by the ack timeout exactly as over NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from .codec import decode_frame, encode_frame
+from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
+from .mux import EnvelopeDecoder, envelope
+from .request_plane import NoResponders, RequestHandler, RequestPlaneError
+from .tcp import CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
+from .transport import StreamState
+
+log = logging.getLogger(__name__)
+
+SCHEME = "tcp://"
+NO_RESPONDERS = b'"no_responders"'
+_NO_RESPONDERS_REPLY = encode_frame(header=NO_RESPONDERS)
+_EMPTY_ACK = encode_frame()
+
+
+def is_tcp_address(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """``tcp://host:port/name`` -> (``host:port``, ``name``)."""
+    rest = address[len(SCHEME):]
+    hostport, sep, name = rest.partition("/")
+    if not sep or not name or ":" not in hostport:
+        raise ValueError(f"not a TCP request-plane address: {address!r}")
+    return hostport, name
+
+
+# ---------------------------------------------------------------------------------- worker side
+
+
+class TcpIncomingRequest:
+    """One request as the worker's handler sees it (the IncomingRequest of the NATS plane)."""
+
+    __slots__ = ("data", "_conn", "_rid")
+
+    def __init__(self, conn: "ServerConnection", rid: int, data: bytes) -> None:
+        self.data = data
+        self._conn = conn
+        self._rid = rid
+
+    async def respond(self, data: bytes = b"") -> None:
+        self._conn.reply(self._rid, encode_frame(body=data) if data else _EMPTY_ACK)
+
+
+class ServerConnection(asyncio.Protocol):
+    """A client process's connection to this worker: requests in, acks out."""
+
+    def __init__(self, plane: "TcpRequestPlane") -> None:
+        self.plane = plane
+        self.transport: asyncio.Transport | None = None
+        self.decoder = EnvelopeDecoder()
+        self.tasks: set[asyncio.Task] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        tune_socket(transport)
+        self.transport = transport
+        self.plane.server_conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.plane.server_conns.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            envelopes = self.decoder.feed(data)
+        except ValueError as exc:
+            log.warning("request plane: dropping a connection that sent garbage: %s", exc)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        handlers = self.plane.handlers
+        loop = asyncio.get_running_loop()
+        for rid, payload in envelopes:
+            try:
+                name, body = decode_frame(payload)
+            except ValueError as exc:
+                log.warning("request plane: undecodable request: %s", exc)
+                continue
+            handler = handlers.get(name.decode("utf-8", "replace"))
+            if handler is None:
+                self.reply(rid, _NO_RESPONDERS_REPLY)
+                continue
+            task = loop.create_task(handler(TcpIncomingRequest(self, rid, body)))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def reply(self, rid: int, frame: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(envelope(rid, frame))
+
+
+class TcpEndpoint:
+    """One served endpoint; ``stop()`` makes its requests find no responder."""
+
+    def __init__(self, plane: "TcpRequestPlane", name: str, address: str) -> None:
+        self.plane = plane
+        self.name = name
+        self.address = address
+
+    async def stop(self) -> None:
+        self.plane.handlers.pop(self.name, None)
+
+
+# ---------------------------------------------------------------------------------- client side
+
+
+class ClientConnection(asyncio.Protocol):
+    """This process's connection to one worker process: requests out, acks in, by request number."""
+
+    def __init__(self, hostport: str) -> None:
+        self.hostport = hostport
+        self.transport: asyncio.Transport | None = None
+        self.decoder = EnvelopeDecoder()
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.next_id = 0
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        tune_socket(transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():  # no ack will come: the worker process is gone
+            if not fut.done():
+                fut.set_exception(NoResponders(self.hostport))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            envelopes = self.decoder.feed(data)
+        except ValueError as exc:
+            log.warning("request plane: %s sent garbage: %s", self.hostport, exc)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        waiting = self.waiting
+        for rid, payload in envelopes:
+            fut = waiting.pop(rid, None)
+            if fut is None or fut.done():
+                continue  # late (timed out) or the stream's first frame came first
+            try:
+                header, body = decode_frame(payload)
+            except ValueError as exc:
+                fut.set_exception(RequestPlaneError(f"undecodable ack from {self.hostport}: {exc}"))
+                continue
+            if header == NO_RESPONDERS:
+                fut.set_exception(NoResponders(self.hostport))
+            else:
+                fut.set_result(body)
+
+    def send(self, name: bytes, payload: bytes, fut: asyncio.Future) -> int:
+        if self.transport is None:
+            raise NoResponders(self.hostport)  # lost between the dial and now
+        self.next_id += 1
+        rid = self.next_id
+        self.waiting[rid] = fut
+        self.transport.write(envelope(rid, encode_frame(header=name, body=payload)))
+        return rid
+
+
+class TcpRequestPlane:
+    """Both sides: a listener for the endpoints this process serves (started on the first ``serve``),
+    and a connection per worker process for the requests it sends.
+
+    ``fallback`` (the NATS plane, when this process is connected to NATS) carries requests to workers
+    whose address is a NATS subject, so a client reaches workers of either plane. With ``serve_on_fallback``
+    (a process on the NATS request plane) this process's own endpoints are served over NATS, and this
+    plane only sends to the workers whose instance record gives a TCP address."""
+
+    def __init__(self, host: str | None = None, port: int = 0, fallback: Any = None,
+                 serve_on_fallback: bool = False) -> None:
+        self.host = host
+        self.port = port
+        self.fallback = fallback
+        self.serving = fallback if serve_on_fallback else None
+        self.handlers: dict[str, RequestHandler] = {}
+        self.server_conns: set[ServerConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._advertised = ""
+        self._listening = asyncio.Lock()
+        self._conns: dict[str, ClientConnection] = {}
+        self._dialing: dict[str, asyncio.Future] = {}
+        self._services: dict[str, Callable[[Any], Any] | None] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ client side
+
+    @property
+    def connected(self) -> bool:
+        """On the NATS plane, NATS's state: a request finding it down waits for it (a blip) rather than
+        fail, as before; TCP connections are per worker and need no waiting for."""
+        if self._closed:
+            return False
+        return True if self.serving is None else bool(self.serving.connected)
+
+    async def wait_connected(self, timeout: float) -> bool:
+        if self._closed:
+            return False
+        return True if self.serving is None else bool(await self.serving.wait_connected(timeout))
+
+    async def _connection(self, hostport: str, timeout: float) -> ClientConnection:
+        conn = self._conns.get(hostport)
+        if conn is not None and not conn.closed:
+            return conn
+        dialing = self._dialing.get(hostport)
+        if dialing is None:  # one dial per worker process, however many requests wait for it
+            dialing = self._dialing[hostport] = asyncio.ensure_future(self._dial(hostport))
+            dialing.add_done_callback(lambda _f: self._dialing.pop(hostport, None))
+        return await asyncio.wait_for(asyncio.shield(dialing), timeout)
+
+    async def _dial(self, hostport: str) -> ClientConnection:
+        host, port = split_address(hostport)
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: ClientConnection(hostport), host, port), CALL_HOME_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            # refused: nobody listens there any more (the worker is gone); as NATS's "no responders"
+            raise NoResponders(f"{hostport}: {exc}") from None
+        self._conns[hostport] = conn
+        return conn
+
+    async def send(self, address: str, payload: bytes, timeout: float, state: StreamState | None = None) -> bytes:
+        if self._closed:
+            raise RequestPlaneError("the request plane is closed")
+        if not is_tcp_address(address):
+            if self.fallback is None:
+                raise NoResponders(f"{address} is served over NATS and this process has no NATS request plane "
+                                   "(start it with --request-plane nats, or the worker with --request-plane tcp)")
+            return bytes(await self.fallback.send(address, payload, timeout, state))
+        try:
+            hostport, name = parse_address(address)
+        except ValueError:
+            raise NoResponders(address) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            conn = await self._connection(hostport, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no connection to {hostport} within {timeout:g}s") from None
+        fut = loop.create_future()
+        if state is not None:
+            state.set_waiter(fut)  # the stream's first frame is as good as the ack (runtime/ack.py)
+        rid = conn.send(name.encode(), payload, fut)
+        try:
+            async with asyncio.timeout_at(deadline):
+                result = await fut
+        except TimeoutError:
+            raise TimeoutError(f"no acknowledgement from {address} within {timeout:g}s") from None
+        finally:
+            conn.waiting.pop(rid, None)
+            if state is not None:
+                state.clear_waiter(fut)
+        return b"" if result is None else bytes(result)
+
+    # ------------------------------------------------------------------ worker side
+
+    async def _listen(self) -> None:
+        async with self._listening:
+            if self._server is not None:
+                return
+            loop = asyncio.get_running_loop()
+            if self.port:
+                self._server = await loop.create_server(lambda: ServerConnection(self), self.host or "0.0.0.0",
+                                                        self.port, backlog=1024, reuse_address=True)
+            else:
+                sock = await listen(self.host or "0.0.0.0")
+                self._server = await loop.create_server(lambda: ServerConnection(self), sock=sock)
+            port = self._server.sockets[0].getsockname()[1]
+            host = advertise_host(self.host)
+            self._advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("request plane: listening for requests on tcp://%s", self._advertised)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` this process's endpoints are reached at (empty until one is served)."""
+        return self._advertised
+
+    async def add_service(self, name: str, *, description: str = "",
+                          stats_handler: Callable[[Any], Any] | None = None) -> None:
+        if self.serving is not None:
+            await self.serving.add_service(name, description=description, stats_handler=stats_handler)
+            return
+        if name in self._services:
+            raise ServiceAlreadyExistsError("Service already exists")
+        self._services[name] = stats_handler
+        if stats_handler is not None:
+            self._warn_stats()
+
+    def set_stats_handler(self, name: str, stats_handler: Callable[[Any], Any]) -> None:
+        if self.serving is not None:
+            self.serving.set_stats_handler(name, stats_handler)
+            return
+        if name not in self._services:
+            raise DynamoRuntimeError("create_service() first")
+        self._services[name] = stats_handler
+        self._warn_stats()
+
+    @staticmethod
+    def _warn_stats() -> None:
+        log.warning("a stats handler answers NATS $SRV.STATS requests; the TCP request plane has no such "
+                    "request, so nobody will read it (serve load metrics on an endpoint instead)")
+
+    async def serve(self, service: str, endpoint: str, handler: RequestHandler) -> Any:
+        if self.serving is not None:
+            return await self.serving.serve(service, endpoint, handler)
+        if service not in self._services:
+            await self.add_service(service)
+        await self._listen()
+        name = f"{service}.{endpoint}"
+        self.handlers[name] = handler
+        return TcpEndpoint(self, name, f"{SCHEME}{self._advertised}/{name}")
+
+    async def close(self) -> None:
+        self._closed = True
+        self.handlers.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for sconn in list(self.server_conns):
+            if sconn.transport is not None:
+                sconn.transport.close()
+        for conn in list(self._conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._conns.clear()
+        if self.fallback is not None:
+            await self.fallback.close()

@@ -1,0 +1,206 @@
+"""The event plane over ZMQ pub/sub (an :class:`~dynamo.runtime.event_plane.EventPlane` with no broker).
+
+Each process binds one PUB socket when it connects (an ephemeral port; ``DYN_TCP_RPC_HOST`` is the
+address it advertises) and writes ``tcp://host:port`` under ``event_plane/zmq/<instance>`` in discovery,
+bound to its lease; it is gone when the process is. A process that subscribes opens one SUB socket,
+watches that prefix, and connects to every publisher as it appears and disconnects as it goes, its own
+included (as NATS delivers a process its own messages). ZMQ filters by topic prefix on the publisher's
+side; an event is sent as two frames, the subject followed by a NUL byte (so ``kv_events`` does not
+match ``kv_events_x``) and the payload.
+
+What may be lost, as the event plane allows: events published before a subscriber's connection to the
+publisher has finished its handshake, and while a connection is down. Every finished handshake counts
+in :attr:`ZmqEventPlane.reconnects`, the signal on which consumers that need every event (the KV
+router) ask each worker for a snapshot (its ``kv_state``), so a subscriber that joins after the
+publisher, or sees a publisher come and go, catches up as it does after a NATS reconnect.
+
+Why pyzmq rather than our own framing over TCP: fan-out to many subscribers, publisher-side filtering,
+reconnection and high-water marks are what ZMQ is, and vLLM's KV events already use it
+(:mod:`dynamo.kv.zmq_events`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .event_plane import EventHandler
+from .kv_store import KeyValueStore
+from .names import lease_hex
+from .tcp import advertise_host
+
+log = logging.getLogger(__name__)
+
+PUBLISHERS_PREFIX = "event_plane/zmq/"
+SEND_HWM = 100_000  # events queued per subscriber before ZMQ drops them (a stalled subscriber)
+
+
+def _topic(subject: str) -> bytes:
+    return subject.encode() + b"\0"
+
+
+class ZmqSubscription:
+    def __init__(self, plane: "ZmqEventPlane", subject: str, handler: EventHandler) -> None:
+        self.plane = plane
+        self.subject = subject
+        self.handler = handler
+
+    async def unsubscribe(self) -> None:
+        self.plane.remove(self)
+
+
+class ZmqEventPlane:
+    def __init__(self, discovery: KeyValueStore, host: str | None = None) -> None:
+        self.discovery = discovery
+        self.host = host
+        self.address = ""
+        self._ctx = zmq.asyncio.Context()
+        self._pub: Any = None
+        self._sub: Any = None
+        self._handlers: dict[bytes, list[ZmqSubscription]] = {}
+        self._publishers: dict[str, str] = {}  # discovery key -> address connected to
+        self._tasks: list[asyncio.Task] = []
+        self._watch: Any = None
+        self._reconnects = 0
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ publishing
+
+    async def start_publisher(self, instance_id: int) -> None:
+        """Bind the PUB socket and say where it is in discovery (under this process's lease)."""
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://*" if not self.host else f"tcp://{self.host}")
+        host = advertise_host(self.host)
+        self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self._pub = sock
+        await self.discovery.put(PUBLISHERS_PREFIX + lease_hex(instance_id),
+                                 orjson.dumps({"address": self.address, "instance_id": instance_id}), lease=True)
+        log.debug("event plane: publishing on %s", self.address)
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        if self._pub is None or self._closed:
+            raise RuntimeError("the ZMQ event plane has no publisher (closed, or a static runtime)")
+        await self._pub.send_multipart((_topic(subject), payload), copy=False)
+
+    # ------------------------------------------------------------------ subscribing
+
+    async def subscribe(self, subject: str, handler: EventHandler) -> ZmqSubscription:
+        await self._start_subscriber()
+        sub = ZmqSubscription(self, subject, handler)
+        topic = _topic(subject)
+        subs = self._handlers.setdefault(topic, [])
+        if not subs:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        subs.append(sub)
+        return sub
+
+    def remove(self, sub: ZmqSubscription) -> None:
+        topic = _topic(sub.subject)
+        subs = self._handlers.get(topic)
+        if subs and sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self._handlers[topic]
+                if self._sub is not None and not self._closed:
+                    self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
+
+    @property
+    def reconnects(self) -> int:
+        """Handshakes finished with publishers (new ones and reconnected ones): events may have been missed."""
+        return self._reconnects
+
+    async def _start_subscriber(self) -> None:
+        async with self._lock:
+            if self._sub is not None:
+                return
+            if self._closed:
+                raise RuntimeError("the ZMQ event plane is closed")
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._sub = sock
+            self._watch = await self.discovery.watch_prefix(PUBLISHERS_PREFIX).start()
+            for kv in self._watch.initial:
+                self._connect(kv.key, kv.value)
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._receive(), name="zmq-events"),
+                           loop.create_task(self._follow(), name="zmq-publishers"),
+                           loop.create_task(self._monitor(monitor), name="zmq-monitor")]
+
+    def _connect(self, key: str, value: bytes) -> None:
+        try:
+            address = str(orjson.loads(value)["address"])
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            log.warning("ignoring invalid event publisher record %s: %s", key, exc)
+            return
+        old = self._publishers.get(key)
+        if old == address:
+            return
+        if old is not None:
+            self._sub.disconnect(old)
+        self._publishers[key] = address
+        self._sub.connect(address)
+        log.debug("event plane: subscribed to %s", address)
+
+    def _disconnect(self, key: str) -> None:
+        address = self._publishers.pop(key, None)
+        if address is not None and address not in self._publishers.values():
+            try:
+                self._sub.disconnect(address)
+            except zmq.ZMQError:
+                pass
+
+    async def _follow(self) -> None:
+        async for ev in self._watch:
+            if ev.initial:
+                continue
+            if ev.kind == "put":
+                self._connect(ev.key, ev.value)
+            else:
+                self._disconnect(ev.key)
+
+    async def _monitor(self, monitor: Any) -> None:
+        """Count the handshakes: each one is a publisher whose earlier events this process may lack."""
+        while True:
+            msg = parse_monitor_message(await monitor.recv_multipart())
+            if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._reconnects += 1
+
+    async def _receive(self) -> None:
+        sock = self._sub
+        handlers = self._handlers
+        while True:
+            topic, payload = await sock.recv_multipart()
+            subject = topic[:-1].decode()
+            for sub in list(handlers.get(topic, ())):
+                try:
+                    await sub.handler(subject, payload)
+                except Exception as exc:  # noqa: BLE001 - one bad handler must not stop the others
+                    log.warning("event handler for %s failed: %s", subject, exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._watch is not None:
+            await self._watch.close()
+            self._watch = None
+        if self._sub is not None:
+            self._sub.disable_monitor()
+        self._ctx.destroy(linger=0)
+        self._pub = self._sub = None
