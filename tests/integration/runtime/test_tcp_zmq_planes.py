@@ -1,0 +1,231 @@
+"""The TCP request plane and the ZMQ event plane between runtimes in this process, with a real etcd and no
+NATS server at all (``NATS_SERVER`` points at a closed port): requests, acks, no responders, busy, a
+frozen listener, and events to subscribers that join before or after the publisher. A NATS-plane client
+reaching a TCP worker is here too (that one with the session's nats-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+
+from dynamo.runtime import AckTimeoutError, NoRespondersError, WorkerBusyError
+from dynamo.runtime.codec import decode_frame, encode_frame
+from dynamo.runtime.config import NatsSettings
+from dynamo.runtime.instance import Instance
+from dynamo.runtime.mux import EnvelopeDecoder, envelope
+from dynamo.runtime.names import EndpointId
+from harness.servers import free_port
+
+LIVENESS = 0.4
+
+
+def closed_nats() -> NatsSettings:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return NatsSettings(f"nats://127.0.0.1:{port}")
+
+
+@pytest.fixture
+def no_nats_runtime(make_runtime):
+    """``await no_nats_runtime(**overrides)``: a runtime whose NATS_SERVER answers nothing."""
+    async def make(**overrides):
+        return await make_runtime(nats=closed_nats(), **overrides)
+    return make
+
+
+async def collect(stream) -> list:
+    return [x async for x in stream]
+
+
+async def test_without_nats_the_runtime_chooses_tcp_and_zmq_and_serves(no_nats_runtime, ns, serve, caplog):
+    caplog.set_level("INFO", logger="dynamo.runtime.distributed")
+    workers = [await no_nats_runtime(), await no_nats_runtime()]
+    caller = await no_nats_runtime()
+    assert caller.nats is None
+    assert "request plane tcp, event plane zmq (no NATS server: none is needed)" in caplog.text
+
+    def handler_of(rt):
+        async def gen(request):
+            for i in range(request["n"]):
+                yield {"i": i, "by": rt.instance_id}
+        return gen
+
+    for rt in workers:
+        await serve(rt.namespace(ns).component("b").endpoint("g"), handler_of(rt))
+    key = EndpointId(ns, "b", "g").instance_key(workers[0].instance_id)
+    record = Instance.from_json((await caller.discovery().get(key)).value)
+    assert record.subject.startswith("tcp://") and record.subject.endswith(f"/{EndpointId(ns, 'b', 'g').subject(workers[0].instance_id)}")
+
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    while len(client.instance_ids()) < 2:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    seen = []
+    for _ in range(4):
+        items = await collect(client.round_robin({"n": 3}))
+        assert [x["i"] for x in items] == [0, 1, 2]
+        seen.append(items[0]["by"])
+    assert seen[0] != seen[1] and seen[:2] == seen[2:]  # round-robin over both workers
+
+
+async def test_a_stopped_endpoint_and_a_gone_worker_are_no_responders(no_nats_runtime, ns, serve):
+    worker = await no_nats_runtime()
+    caller = await no_nats_runtime(stream_liveness=LIVENESS)
+
+    async def gen(request):
+        yield {"ok": True}
+
+    task = await serve(worker.namespace(ns).component("b").endpoint("g"), gen)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    assert await collect(client.round_robin({})) == [{"ok": True}]
+    inst = client.instances()[0]
+    # the listener is up but nothing is served under that name any more: "no responders", at once
+    plane = worker.request_plane()
+    name = inst.subject.rpartition("/")[2]
+    handler = plane.handlers.pop(name)  # type: ignore[attr-defined]
+    with pytest.raises(NoRespondersError) as info:
+        await client.direct({}, worker.instance_id).start()
+    assert not isinstance(info.value, AckTimeoutError)
+    plane.handlers[name] = handler  # type: ignore[attr-defined]
+    # the whole process gone (its listener closed, its key still there): "no responders" too
+    await plane.close()
+    client._down.clear()
+    client._recompute()
+    with pytest.raises(NoRespondersError) as info:
+        await client.direct({}, worker.instance_id).start()
+    assert not isinstance(info.value, AckTimeoutError)
+    task.cancel()
+
+
+async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, ns, serve):
+    worker = await no_nats_runtime()
+    caller = await no_nats_runtime()
+    release = asyncio.Event()
+
+    async def held(request):
+        yield {"started": True}
+        await release.wait()
+        yield {"done": True}
+
+    await serve(worker.namespace(ns).component("b").endpoint("g"), held, max_inflight=1)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    first = client.round_robin({})
+    assert await first.__anext__() == {"started": True}
+    with pytest.raises(WorkerBusyError):
+        await client.direct({}, worker.instance_id).start()
+    assert client.instance_ids() == [worker.instance_id]  # busy is not down
+    assert await caller.request_plane().send(client.instances()[0].subject, b"", 2) == b""  # a ping
+    release.set()
+    assert await collect(first) == [{"done": True}]
+
+
+async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_runtime, ns):
+    """A frozen worker's kernel still accepts the connection; only the missing ack tells."""
+    caller = await no_nats_runtime(stream_liveness=LIVENESS)
+    answering = asyncio.Event()
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = EnvelopeDecoder()
+        while data := await reader.read(65536):
+            for rid, payload in decoder.feed(data):
+                _, body = decode_frame(payload)
+                if answering.is_set() and not body:  # thawed: answers pings
+                    writer.write(envelope(rid, encode_frame()))
+
+    server = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    fake = 0x5EED
+    ep = EndpointId(ns, "b", "g")
+    inst = Instance.for_endpoint(ep, fake, f"tcp://127.0.0.1:{port}/{ep.subject(fake)}")
+    await caller.discovery().put(ep.instance_key(fake), inst.to_json())
+    try:
+        client = await caller.namespace(ns).component("b").endpoint("g").client()
+        assert await client.wait_for_instances(5) == [fake]
+        with pytest.raises(AckTimeoutError):
+            await client.round_robin({}).start()
+        assert client.instance_ids() == []  # set aside
+        answering.set()
+        assert await client.wait_for_instances(5) == [fake]  # a probe got its answer
+    finally:
+        await caller.discovery().delete(ep.instance_key(fake))
+        server.close()
+
+
+async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve):
+    """Each instance record names its plane: a process on NATS sends to a TCP worker directly."""
+    worker = await no_nats_runtime()
+    caller = await make_runtime(request_plane="nats", event_plane="nats")
+
+    async def gen(request):
+        yield {"ok": True}
+
+    await serve(worker.namespace(ns).component("b").endpoint("g"), gen)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    assert await collect(client.round_robin({})) == [{"ok": True}]
+
+
+async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime, ns, serve):
+    port = free_port()
+    worker = await no_nats_runtime(tcp_rpc_port=port, tcp_host="127.0.0.1")
+
+    async def gen(request):
+        yield 1
+
+    await serve(worker.namespace(ns).component("b").endpoint("g"), gen)
+    kv = await worker.discovery().get(EndpointId(ns, "b", "g").instance_key(worker.instance_id))
+    assert Instance.from_json(kv.value).subject.startswith(f"tcp://127.0.0.1:{port}/")
+
+
+# -- the ZMQ event plane -------------------------------------------------------------------------------
+
+
+async def published_until(publisher, subject: str, got: asyncio.Queue, payload: bytes) -> None:
+    """Publish until the subscriber has one (its connection's handshake may still be under way)."""
+    async with asyncio.timeout(10):
+        while got.empty():
+            await publisher.event_plane().publish(subject, payload)
+            await asyncio.sleep(0.02)
+
+
+async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publisher(no_nats_runtime, ns):
+    early = await no_nats_runtime()
+    publisher = await no_nats_runtime()
+    subject = f"namespace.{ns}.kv_metrics"
+    got_early: asyncio.Queue = asyncio.Queue()
+    got_other: asyncio.Queue = asyncio.Queue()
+
+    async def on_early(subj: str, payload: bytes) -> None:
+        got_early.put_nowait((subj, payload))
+
+    await early.event_plane().subscribe(subject, on_early)
+    other = await early.event_plane().subscribe(subject + "_other", lambda s, p: got_other.put(p))
+    await published_until(publisher, subject, got_early, b"one")
+    assert (await got_early.get())[0] == subject
+    assert got_other.empty()  # "kv_metrics_other" is another subject, not a prefix match
+    await other.unsubscribe()
+
+    late = await no_nats_runtime()  # starts after the publisher: finds it in discovery
+    got_late: asyncio.Queue = asyncio.Queue()
+
+    async def on_late(subj: str, payload: bytes) -> None:
+        got_late.put_nowait(payload)
+
+    before = late.event_plane().reconnects
+    await late.event_plane().subscribe(subject, on_late)
+    await published_until(publisher, subject, got_late, b"two")
+    assert await got_late.get() == b"two"
+    assert late.event_plane().reconnects > before  # the handshake: the cue to ask for snapshots
+
+    # a publisher that joins later still (a worker started after the frontend)
+    newcomer = await no_nats_runtime()
+    while not got_late.empty():
+        got_late.get_nowait()
+    await published_until(newcomer, subject, got_late, b"three")
+    assert await got_late.get() == b"three"
