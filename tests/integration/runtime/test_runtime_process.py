@@ -125,7 +125,8 @@ async def test_sigterm_is_graceful(make_runtime, ns, spawn):
 
 
 async def test_worker_with_unreachable_nats_exits_with_one_line(ns, runtime_servers):
-    env = {**os.environ, **runtime_servers.env, "NATS_SERVER": "nats://127.0.0.1:1"}
+    # asked for the NATS request plane (without it, no NATS means the TCP and ZMQ planes instead)
+    env = {**os.environ, **runtime_servers.env, "NATS_SERVER": "nats://127.0.0.1:1", "DYN_REQUEST_PLANE": "nats"}
     start = time.monotonic()
     proc = await asyncio.to_thread(
         subprocess.run, [sys.executable, str(WORKER_APP), ns], env=env, capture_output=True, text=True, timeout=30
