@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
@@ -81,9 +81,8 @@ class ServerConnection(asyncio.Protocol):
         self.tasks: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
         tune_socket(transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
         self.plane.server_conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -146,9 +145,8 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
         tune_socket(transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
