@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Distributed serving benchmark: our dynamo-run vs the ORIGINAL (Rust, ai-dynamo 0.3.2), over NATS.
+"""Distributed serving benchmark: our dynamo-run over NATS and over the TCP request plane vs the ORIGINAL
+(Rust, ai-dynamo 0.3.2, NATS only).
 
-    .venv/bin/python -m benchmarks.dist_compare [--duration 20] [--only ours|original] [--scenarios a,b]
-                                                [--repeats 1] [--quiet 0.3] [--profile DIR [--profile-raw]]
+    .venv/bin/python -m benchmarks.dist_compare [--duration 20] [--only ours,ours-tcp,original]
+                                                [--scenarios a,b] [--repeats 1] [--quiet 0.3]
+                                                [--profile DIR [--profile-raw]]
 
-Topology, the same for both implementations, all on loopback:
+Topology, the same for every implementation, all on loopback:
 
     load generator --HTTP--> frontend `dynamo-run in=http out=dyn`
-                                 |  request: NATS (nats-server with JetStream)
-                                 |  response stream: TCP call-home (both implementations' default)
+                                 |  request: NATS (nats-server with JetStream); `ours-tcp`: straight to the
+                                 |    worker's listener (`--request-plane tcp --event-plane zmq` on both)
+                                 |  response stream: TCP call-home (every implementation's default)
                                  v
                              worker `dynamo-run in=dyn://bench.backend.generate out=echo_full --model-name bench-echo`
 
@@ -21,6 +24,9 @@ load from benchmarks/loadgen.py, stop everything (SIGINT, then SIGKILL).
 Scenarios (200-word prompts, 1,158 characters = tokens for echo_full, keep-alive connections):
   a  DYN_TOKEN_ECHO_DELAY_MS=0,  64 streams:  tokens/s (the cost of the whole path)
   b  DYN_TOKEN_ECHO_DELAY_MS=10, 256 streams: tokens/s and ITL p99 (ideal: 25,600 tokens/s)
+
+"start to first answer s" is from starting the worker and the frontend (at once) until a chat completion
+through them answered: a fresh two-process fleet's start-up.
 
 CPU seconds are reported per process (frontend, worker, nats-server, client) from /proc, plus what the
 rest of the machine used meanwhile.  The machine is shared: before each run the script waits (up to
@@ -64,8 +70,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
           "delay_ms": "10", "load": dict(concurrency=256, prompt_words=200)},
 }
 
+# what each implementation adds to both processes' command lines
+PLANE_ARGS: dict[str, list[str]] = {"ours-tcp": ["--request-plane", "tcp", "--event-plane", "zmq"],
+                                    "ours": ["--request-plane", "nats", "--event-plane", "nats"]}
+IMPLEMENTATIONS = ("original", "ours", "ours-tcp")
+
 METRICS = [
     # (key, label, better)
+    ("ready_s", "start to first answer s", "lower"),
     ("tokens_per_s", "tokens/s", "higher"),
     ("itl_p50", "ITL p50 ms", "lower"),
     ("itl_p99", "ITL p99 ms", "lower"),
@@ -83,12 +95,15 @@ METRICS = [
 
 def implementations(args: argparse.Namespace) -> dict[str, list[str]]:
     """name -> the dynamo-run command prefix."""
+    only = [n.strip() for n in args.only.split(",")] if args.only else list(IMPLEMENTATIONS)
     out: dict[str, list[str]] = {}
-    if args.only in (None, "original"):
+    if "original" in only:
         out["original"] = [str(args.original_bin or fetch_original.fetch())]
-    if args.only in (None, "ours"):
-        exe = Path(sys.executable).parent / "dynamo-run"
-        out["ours"] = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
+    exe = Path(sys.executable).parent / "dynamo-run"
+    ours = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
+    for name in ("ours", "ours-tcp"):
+        if name in only:
+            out[name] = ours
     return out
 
 
@@ -219,9 +234,10 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
         env.update({"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "HF_HUB_OFFLINE": "1"})
         port = echo_compare.free_port()
         url = f"http://127.0.0.1:{port}"
-        worker = Proc(f"{impl} worker", cmd + [f"in={ENDPOINT}", "out=echo_full", "--model-name", MODEL],
+        planes = PLANE_ARGS.get(impl, [])
+        worker = Proc(f"{impl} worker", cmd + [f"in={ENDPOINT}", "out=echo_full", "--model-name", MODEL, *planes],
                       {**env, "DYN_TOKEN_ECHO_DELAY_MS": sc["delay_ms"]}, log)
-        frontend = Proc(f"{impl} frontend", cmd + ["in=http", "out=dyn", "--http-port", str(port)], env, log)
+        frontend = Proc(f"{impl} frontend", cmd + ["in=http", "out=dyn", "--http-port", str(port), *planes], env, log)
         procs = [worker, frontend]
         try:
             out["ready_s"] = wait_ready(url, procs)
@@ -260,6 +276,7 @@ def metrics(run: dict[str, Any]) -> dict[str, Any]:
     cpu = r["cpu_s"]
     fw = cpu["frontend"] + cpu["worker"]
     return {
+        "ready_s": run.get("ready_s"),
         "tokens_per_s": r["tokens_per_s"],
         "itl_p50": r["itl_ms"]["p50"], "itl_p99": r["itl_ms"]["p99"],
         "ttft_p50": r["ttft_ms"]["p50"], "ttft_p99": r["ttft_ms"]["p99"],
@@ -282,17 +299,25 @@ def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+RATIOS = (("ours-tcp", "ours"), ("ours", "original"), ("ours-tcp", "original"))
+
+
 def table(results: dict[str, dict[str, dict[str, Any]]], order: list[str]) -> str:
-    rows = [("scen", "metric", "original", "ours", "ours/orig", "better")]
+    names = [n for n in IMPLEMENTATIONS if any(n in results.get(k, {}) for k in order)]
+    ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
+    rows = [("scen", "metric", *names, *(f"{a}/{b}" for a, b in ratios), "better")]
     for key in order:
-        orig = results.get(key, {}).get("original", {}).get("metrics", {})
-        ours = results.get(key, {}).get("ours", {}).get("metrics", {})
+        ms = {n: results.get(key, {}).get(n, {}).get("metrics", {}) for n in names}
         for m, label, better in METRICS:
-            o, u = orig.get(m), ours.get(m)
-            if o is None and u is None:
+            vals = {n: ms[n].get(m) for n in names}
+            if all(v is None for v in vals.values()):
                 continue
-            ratio = f"{u / o:.2f}" if isinstance(o, (int, float)) and isinstance(u, (int, float)) and o else "-"
-            rows.append((key, label, echo_compare.fmt(o), echo_compare.fmt(u), ratio, better))
+            cells = []
+            for a, b in ratios:
+                u, o = vals[a], vals[b]
+                cells.append(f"{u / o:.2f}" if isinstance(o, (int, float)) and isinstance(u, (int, float)) and o
+                             else "-")
+            rows.append((key, label, *(echo_compare.fmt(vals[n]) for n in names), *cells, better))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
@@ -305,7 +330,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]], order: list[str]) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per load run")
-    ap.add_argument("--only", choices=("ours", "original"), default=None)
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma list from " + ",".join(IMPLEMENTATIONS) + " (default: all)")
     ap.add_argument("--scenarios", default="a,b", help="comma list from a,b")
     ap.add_argument("--repeats", type=int, default=1, help="runs per scenario and implementation (median shown)")
     ap.add_argument("--original-bin", type=Path, default=None,
@@ -322,6 +348,9 @@ def main() -> None:
                          "servers on a shared core (as a client on another machine; loadgen.batch_policy)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output file")
     args = ap.parse_args()
+    for name in (args.only or "").split(","):
+        if name.strip() and name.strip() not in IMPLEMENTATIONS:
+            ap.error(f"--only: unknown implementation {name.strip()!r}")
 
     uv = False if args.no_uvloop else loadgen.install_uvloop()
     echo_compare.CLIENT_BATCH = args.client_batch
@@ -344,7 +373,9 @@ def main() -> None:
     print(f"dist_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
           f"uvloop={uv}", flush=True)
     for name, cmd in impls.items():
-        print(f"  {name}: {shlex.join(cmd)} in=http out=dyn  +  {shlex.join(cmd)} in={ENDPOINT} out=echo_full")
+        planes = " ".join(PLANE_ARGS.get(name, []))
+        print(f"  {name}: {shlex.join(cmd)} in=http out=dyn {planes}  +  {shlex.join(cmd)} in={ENDPOINT} "
+              f"out=echo_full {planes}")
 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for key in order:
