@@ -69,7 +69,7 @@ class DistributedRuntime:
         self.is_static = static
         self.etcd_client: EtcdClient | None = None
         self.etcd: KeyValueStore | None = None
-        self.nats: NatsClient = None  # type: ignore[assignment]
+        self.nats: NatsClient = None  # type: ignore[assignment]  # stays None without NATS
         self.primary_lease_id = 0
         self._lease: LeaseKeeper | None = None
         self._shutdown = asyncio.Event()
@@ -116,16 +116,18 @@ class DistributedRuntime:
             requests, events = settings.request_plane, settings.event_plane
             if self.is_static:  # no discovery to find a TCP listener or a ZMQ publisher in
                 requests, events = requests or "nats", events or "nats"
+            nc: NatsClient | None
             if requests == "tcp" and events == "zmq":  # NATS only for the object store (model cards), if up
-                self.nats = await self._try_nats()
+                nc = await self._try_nats()
             elif requests is None or events is None:  # NATS when it answers, else TCP and ZMQ
-                self.nats = await self._try_nats()
-                requests = requests or ("nats" if self.nats is not None else "tcp")
-                events = events or ("nats" if self.nats is not None else "zmq")
-                if self.nats is None and "nats" in (requests, events):
-                    self.nats = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")  # the error
+                nc = await self._try_nats()
+                requests = requests or ("nats" if nc is not None else "tcp")
+                events = events or ("nats" if nc is not None else "zmq")
+                if nc is None and "nats" in (requests, events):
+                    nc = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")  # the error
             else:
-                self.nats = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")
+                nc = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")
+            self.nats = nc  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             if self.is_static and (requests, events) != ("nats", "nats"):
                 raise RuntimeConfigError("a static runtime (no discovery) needs the NATS request and event planes")
             # either way a client reaches the workers of both planes (by their instance records' address)

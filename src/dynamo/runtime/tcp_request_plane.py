@@ -78,7 +78,7 @@ class ServerConnection(asyncio.Protocol):
         self.plane = plane
         self.transport: asyncio.Transport | None = None
         self.decoder = EnvelopeDecoder()
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Future] = set()  # handlers running (kept referenced until done)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tune_socket(transport)
@@ -109,7 +109,7 @@ class ServerConnection(asyncio.Protocol):
             if handler is None:
                 self.reply(rid, _NO_RESPONDERS_REPLY)
                 continue
-            task = loop.create_task(handler(TcpIncomingRequest(self, rid, body)))
+            task: asyncio.Future = asyncio.ensure_future(handler(TcpIncomingRequest(self, rid, body)), loop=loop)
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
