@@ -26,6 +26,8 @@ import asyncio
 import logging
 from typing import Any, Callable, cast
 
+from dynamo.aio import finish
+
 from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .mux import EnvelopeDecoder, envelope
@@ -54,6 +56,37 @@ def parse_address(address: str) -> tuple[str, str]:
     return hostport, name
 
 
+class CoalescingWriter:
+    """What a connection writes during one loop turn leaves in one ``send`` at the end of the turn: a
+    burst of requests (or of their acks) costs one system call, not one each, as nats-py's flusher does
+    for the NATS plane."""
+
+    __slots__ = ("transport", "_out", "_loop")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def write(self, data: bytes) -> None:
+        if not self._out:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+
+async def _rest(call: Any, signal: Any) -> Any:
+    return await finish(call, signal)
+
+
 # ---------------------------------------------------------------------------------- worker side
 
 
@@ -71,12 +104,12 @@ class TcpIncomingRequest:
         self._conn.reply(self._rid, encode_frame(body=data) if data else _EMPTY_ACK)
 
 
-class ServerConnection(asyncio.Protocol):
+class ServerConnection(CoalescingWriter, asyncio.Protocol):
     """A client process's connection to this worker: requests in, acks out."""
 
     def __init__(self, plane: "TcpRequestPlane") -> None:
+        super().__init__()
         self.plane = plane
-        self.transport: asyncio.Transport | None = None
         self.decoder = EnvelopeDecoder()
         self.tasks: set[asyncio.Future] = set()  # handlers running (kept referenced until done)
 
@@ -109,13 +142,22 @@ class ServerConnection(asyncio.Protocol):
             if handler is None:
                 self.reply(rid, _NO_RESPONDERS_REPLY)
                 continue
-            task: asyncio.Future = asyncio.ensure_future(handler(TcpIncomingRequest(self, rid, body)), loop=loop)
+            # the handler (the ingress) normally acks and returns without waiting: run it here, and make
+            # a task of it only if it has to wait (a task per request costs more than the request's ack)
+            call: Any = handler(TcpIncomingRequest(self, rid, body))
+            try:
+                signal = call.send(None)
+            except StopIteration:
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failing handler must not drop the connection
+                log.warning("request plane: handler for %s failed: %s", name.decode("utf-8", "replace"), exc)
+                continue
+            task: asyncio.Future = asyncio.ensure_future(_rest(call, signal), loop=loop)
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
     def reply(self, rid: int, frame: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(envelope(rid, frame))
+        self.write(envelope(rid, frame))
 
 
 class TcpEndpoint:
@@ -133,12 +175,12 @@ class TcpEndpoint:
 # ---------------------------------------------------------------------------------- client side
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(CoalescingWriter, asyncio.Protocol):
     """This process's connection to one worker process: requests out, acks in, by request number."""
 
     def __init__(self, hostport: str) -> None:
+        super().__init__()
         self.hostport = hostport
-        self.transport: asyncio.Transport | None = None
         self.decoder = EnvelopeDecoder()
         self.waiting: dict[int, asyncio.Future] = {}
         self.next_id = 0
@@ -185,7 +227,7 @@ class ClientConnection(asyncio.Protocol):
         self.next_id += 1
         rid = self.next_id
         self.waiting[rid] = fut
-        self.transport.write(envelope(rid, encode_frame(header=name, body=payload)))
+        self.write(envelope(rid, encode_frame(header=name, body=payload)))
         return rid
 
 
