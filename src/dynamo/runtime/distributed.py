@@ -45,10 +45,10 @@ from .object_store import MissingObjectStore, ObjectStore
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
 from .tcp_request_plane import TcpRequestPlane
-from .zmq_event_plane import ZmqEventPlane
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
+    from .zmq_event_plane import ZmqEventPlane
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class DistributedRuntime:
         self._closed = False
         self._requests: RequestPlane | None = None
         self._events: EventPlane | None = None
+        self._zmq_events: "ZmqEventPlane | None" = None  # the event plane again, when it is ZMQ's (to close)
         self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
         self._shutdown_task: asyncio.Task | None = None
@@ -142,8 +143,11 @@ class DistributedRuntime:
                 self._lease = LeaseKeeper(self.etcd.client, settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
             if events == "zmq":
+                from .zmq_event_plane import ZmqEventPlane  # pyzmq: imported only by processes that use it
+
                 assert self.etcd is not None
                 zmq_plane = ZmqEventPlane(self.etcd, settings.tcp_host)
+                self._zmq_events = zmq_plane
                 self._events = zmq_plane
                 await zmq_plane.start_publisher(self.primary_lease_id)
             else:
@@ -261,8 +265,8 @@ class DistributedRuntime:
             await self._streams.close()
         if self._requests is not None:
             await self._requests.close()
-        if isinstance(self._events, ZmqEventPlane):
-            await self._events.close()
+        if self._zmq_events is not None:
+            await self._zmq_events.close()
         if self.nats is not None and not self.nats.is_closed:
             try:
                 await self.nats.close()
