@@ -408,6 +408,9 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
         fe_env = {**servers}
         if args.logs:
             fe_env["DYN_LOG"] = "info,dynamo.kv.router=debug"  # one "kv route:" line per decision
+            if base.startswith("kv"):  # the router's decision log (src/dynamo/kv/decision_log.py)
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                fe_env["DYN_ROUTER_LOG"] = str(Path(args.logs) / f"{run_index:02d}-{mode}-{ratio:g}-decisions.jsonl")
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
         wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)

@@ -6,15 +6,25 @@ Per worker, :class:`ActiveSequences` tracks the requests this router sent there 
 * ``active_tokens``: the prompt tokens still to prefill, summed over requests that have not produced
   their first token yet.
 
-For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on worker ``w``::
+For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on worker ``w``, and whose first
+``f_w`` blocks are blocks of requests in flight there::
 
-    prefill_tokens_w = (isl - o_w * block_size) + active_tokens_w
+    prefill_tokens_w = (isl - max(o_w, f_w) * block_size) + active_tokens_w
     decode_blocks_w  = |request blocks not already active on w| + active_blocks_w
     logit_w          = overlap_score_weight * prefill_tokens_w / block_size + decode_blocks_w
 
 Offloaded blocks (docs/routing.md): ``r_w``, the blocks past ``o_w`` that worker ``w`` can restore from
 host memory or disk, each weighted by its tier (``KvRouter.tier_weights``), also come off the prefill:
 ``prefill_tokens_w = (isl - (o_w + r_w) * block_size) + active_tokens_w``.
+
+``f_w`` counts as cached because it will be by the time this request is prefilled: an engine reports a
+block only after computing it (llama.cpp after the prefill step that completes it, so the event reaches
+the router about when the first token does), while the request that computes it is already booked here
+from the moment it was routed.  Without it, the second request of a prefix routed in that window saw a
+full miss everywhere and went to whichever worker was idle, computing the prefix a second time; with it,
+it follows the first one unless that worker's pending prefill (``active_tokens_w``, the first request's
+included) makes it dearer.  A worker that computes a prefix another slot is still computing waits for it
+and copies it (llama.cpp; the mocker shares active blocks), so the credit is real.
 
 Lower is better.  Temperature 0 picks the minimum, breaking ties uniformly at random; a temperature
 T > 0 samples from a softmax of the negated, range-normalised logits divided by T.
@@ -207,11 +217,13 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
         if seqs is None:
             decode = n
         else:
-            prefill += seqs.active_tokens
             decode = n + seqs.num_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
+                # blocks routed here and not yet reported are computed by then: no prefill for them
+                prefill = min(prefill, max(0, isl - hint * block_size))
+            prefill += seqs.active_tokens
         add_p(prefill)
         add_d(decode)
         add_l(scale * prefill + decode)
@@ -352,11 +364,12 @@ def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], 
         decode = n
         seqs = trackers.get(w)
         if seqs is not None:
-            prefill += seqs.active_tokens
             decode += seqs.num_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
+                prefill = min(prefill, max(0, isl - hint * block_size))  # in flight: as in compute_costs
+            prefill += seqs.active_tokens
         evaluated.append(WorkerCost(w, o, prefill, decode, scale * prefill + decode))
     touched_set = {c.worker_id for c in evaluated}
     best = min((c.logit for c in evaluated), default=math.inf)
