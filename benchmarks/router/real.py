@@ -13,7 +13,7 @@ thread each.  The workload (workload.py, the same prompts for both modes) is the
 must pay off: 6 groups of users sharing a 256-token system prompt (a worker's 4 slots hold at most 4 of
 them, the two workers together 8), conversations of 3 turns resending their history, 8 output tokens,
 and ``--clients`` (2) clients in a closed loop, each running one conversation after another with a 1 s
-think time, for ``--duration`` (90) s; requests sent in the first ``--warmup`` (10) s are not measured.
+think time, for ``--duration`` (75) s; requests sent in the first ``--warmup`` (10) s are not measured.
 
 Per run it reports kv / round-robin TTFT p50 and mean (the goal: p50 <= 0.5 and mean <= 0.8 in every
 run), both modes' p50, mean and p99, requests per worker, what the engines reused from their caches, and
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--clients", type=int, default=2, help="closed-loop clients per mode")
-    p.add_argument("--duration", type=float, default=90.0, help="seconds during which clients start requests")
+    p.add_argument("--duration", type=float, default=75.0, help="seconds during which clients start requests")
     p.add_argument("--warmup", type=float, default=10.0, help="requests sent in the first seconds are not measured")
     p.add_argument("--workers", type=int, default=2, help="llamacpp workers per mode")
     p.add_argument("--llamacpp-slots", type=int, default=4)

@@ -186,6 +186,8 @@ class KvRouterPolicy:
                 next_beat = now + interval
                 self.router.heartbeat()
                 self.router.expire_peers()
+            if self.router.decision_log is not None:
+                self.router.decision_log.flush()
             seen = _reconnects(self._events)
             if seen != reconnects:
                 reconnects = seen

@@ -16,9 +16,11 @@ router's own monotonic clock (``t``, seconds), and ``benchmarks/router/decisions
   as it was applied;
 * ``{"t", "ev": "first" | "done", "id"}``: the request's first token arrived; its stream ended.
 
-Lines are written to a buffered file (a few hundred bytes each, one ``write`` system call per 64 KiB), so
-logging costs the event loop microseconds per decision; it is meant for a benchmark or a diagnosis, not
-for serving at rates where even that matters.  The file is flushed and closed with the router.
+Lines are written to a buffered file (a few hundred bytes each, one ``write`` system call per 64 KiB or
+per half second: the frontend's router timer flushes it), so logging costs the event loop microseconds
+per decision; it is meant for a benchmark or a diagnosis, not for serving at rates where even that
+matters.  The file is closed with the router.  Several models on one frontend each append their own
+lines to the same file (each line is written whole).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class DecisionLog:
             return
         record.setdefault("t", round(self.clock(), 6))
         f.write(orjson.dumps(record) + b"\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
         f, self._file = self._file, None
