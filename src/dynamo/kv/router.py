@@ -148,7 +148,7 @@ class KvRouter:
                 costs = [*costs, choice]
         else:
             costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
-                                  self.overlap_score_weight, self.trackers, restorable)
+                                  self.overlap_score_weight, self.trackers, restorable, now=self.clock())
             choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
@@ -409,14 +409,14 @@ class KvRouter:
             tracker = self.trackers[worker] = ActiveSequences()
         if request_id in tracker.requests:
             self._free(worker, request_id)
-        tracker.add_request(request_id, blocks, prefill)
+        tracker.add_request(request_id, blocks, prefill, self.clock())
         if blocks:
             self._heads.setdefault(blocks[0], set()).add(worker)
         self._loads.update(worker, tracker)
 
     def _mark(self, worker: WorkerId, request_id: str) -> bool:
         tracker = self.trackers.get(worker)
-        if tracker is None or not tracker.mark_prefill_completed(request_id):
+        if tracker is None or not tracker.mark_prefill_completed(request_id, self.clock()):
             return False
         self._loads.update(worker, tracker)
         return True

@@ -58,6 +58,10 @@ class _Req:
     blocks: tuple[int | str, ...]
     prefill_tokens: int
     prefilling: bool = True
+    routed_at: float = 0.0
+
+
+PREFILL_RATE_ALPHA = 0.3  # weight of the newest sample in a worker's prefill rate (an exponential average)
 
 
 @dataclass(slots=True)
@@ -74,6 +78,10 @@ class ActiveSequences:
     active_tokens: int = 0
     num_blocks: int = 0
     heads: dict[int | str, int] = field(default_factory=dict)
+    # the requests still prefilling, oldest first, and what the worker's past prefills say of its speed
+    prefilling: dict[str, _Req] = field(default_factory=dict)
+    prefill_rate: float = 0.0  # prompt tokens per second (0: not measured yet)
+    prefill_done_at: float = 0.0  # when its last prefill ended (the next one in line started then)
 
     @property
     def active_blocks(self) -> int:
@@ -106,11 +114,13 @@ class ActiveSequences:
                 hi = mid
         return lo
 
-    def add_request(self, request_id: str, blocks: Sequence[int | str], prefill_tokens: int) -> None:
+    def add_request(self, request_id: str, blocks: Sequence[int | str], prefill_tokens: int,
+                    now: float = 0.0) -> None:
         if request_id in self.requests:
             self.free(request_id)
-        req = _Req(tuple(blocks), max(0, prefill_tokens))
+        req = _Req(tuple(blocks), max(0, prefill_tokens), routed_at=now)
         self.requests[request_id] = req
+        self.prefilling[request_id] = req
         refs = self.block_refs
         for b in req.blocks:
             refs[b] = refs.get(b, 0) + 1
@@ -120,13 +130,38 @@ class ActiveSequences:
             self.heads[head] = self.heads.get(head, 0) + 1
         self.active_tokens += req.prefill_tokens
 
-    def mark_prefill_completed(self, request_id: str) -> bool:
+    def mark_prefill_completed(self, request_id: str, now: float | None = None) -> bool:
+        """The request's first token came (at ``now``, on the router's clock: then, if it was the oldest
+        prefill here, it also measures the worker's prefill rate)."""
         req = self.requests.get(request_id)
         if req is None or not req.prefilling:
             return False
         req.prefilling = False
         self.active_tokens -= req.prefill_tokens
+        oldest = next(iter(self.prefilling), None) == request_id
+        del self.prefilling[request_id]
+        if now is not None and oldest:
+            took = now - max(req.routed_at, self.prefill_done_at)
+            if took > 0 and req.prefill_tokens > 0:
+                rate = req.prefill_tokens / took
+                self.prefill_rate = rate if not self.prefill_rate else (
+                    PREFILL_RATE_ALPHA * rate + (1 - PREFILL_RATE_ALPHA) * self.prefill_rate)
+            self.prefill_done_at = now
         return True
+
+    def prefill_progress(self, now: float) -> int:
+        """Prompt tokens of the oldest pending prefill that the worker has computed by ``now``, as far as
+        its measured rate says (0 before it has one): that request is the one in progress, the others wait
+        for it."""
+        if not self.prefill_rate or not self.prefilling:
+            return 0
+        req = next(iter(self.prefilling.values()))
+        elapsed = now - max(req.routed_at, self.prefill_done_at)
+        return min(req.prefill_tokens, int(self.prefill_rate * elapsed)) if elapsed > 0 else 0
+
+    def pending_tokens(self, now: float | None) -> int:
+        """``active_tokens`` less what the oldest prefill has done by ``now`` (None: all of it pending)."""
+        return self.active_tokens if now is None else self.active_tokens - self.prefill_progress(now)
 
     def free(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -134,6 +169,7 @@ class ActiveSequences:
             return False
         if req.prefilling:
             self.active_tokens -= req.prefill_tokens
+            del self.prefilling[request_id]
         refs = self.block_refs
         for b in req.blocks:
             n = refs[b] - 1
@@ -190,9 +226,11 @@ class CostTable(Sequence[WorkerCost]):
 def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
                   isl: int, block_size: int, overlap_score_weight: float,
                   trackers: Mapping[WorkerId, ActiveSequences],
-                  restorable: Mapping[WorkerId, float] | None = None) -> CostTable:
+                  restorable: Mapping[WorkerId, float] | None = None, now: float | None = None) -> CostTable:
     """The cost of each worker; ``request_blocks`` must be prefix-closed (a request's blocks are).
     ``restorable``: weighted offloaded blocks per worker, beyond its resident prefix (None: no worker has any).
+    ``now``: the router's clock, to count only what is left of each worker's prefill in progress
+    (:meth:`ActiveSequences.prefill_progress`); None counts all of it.
 
     One plain loop that reads two numbers and a tiny dict per worker, and builds no object per worker:
     with 1,000 workers it is most of a decision."""
@@ -223,7 +261,7 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
                 decode -= hint
                 # blocks routed here and not yet reported are computed by then: no prefill for them
                 prefill = min(prefill, max(0, isl - hint * block_size))
-            prefill += seqs.active_tokens
+            prefill += seqs.pending_tokens(now)
         add_p(prefill)
         add_d(decode)
         add_l(scale * prefill + decode)

@@ -440,3 +440,47 @@ def test_the_credit_ends_with_the_request_and_the_reported_blocks_take_over():
     assert picks == {1, 2}  # a plain miss everywhere again: ties spread
     publish_prefix(r, first.worker_id, system)  # reported now
     assert r.select(system + [5, 6, 7, 8], [1, 2]).worker_id == first.worker_id
+
+
+# -- a prefill in progress: what is left of it -----------------------------------------------------------
+
+def test_a_prefill_nearly_done_on_the_worker_holding_the_prefix_is_waited_for():
+    """Worker 1 holds a group's system prompt and is prefilling a long unrelated prompt; worker 2 is idle.
+    Just after that prompt was routed, a request of the group goes to worker 2 (computing the system prompt
+    there is cheaper than waiting behind a whole prefill).  Once worker 1 has measured its prefill rate
+    and most of that prefill is behind it, the request goes to worker 1, where only its own tail is left;
+    before, the router counted the whole prompt as pending until its first token came and sent such
+    requests to compute the prefix again elsewhere (the decision log's ``elsewhere`` class, 5-11 s each
+    on a loaded CPU against about 1 s for a hit)."""
+    now = [0.0]
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, clock=lambda: now[0])
+    system = list(range(1000, 1128))  # 32 blocks of 4
+    publish_prefix(r, 1, system)
+    # worker 1's speed: a 400-token prompt's first token 1 s after it was routed there
+    r.add_request("warm", [5000 + i for i in range(400)], 1)
+    now[0] = 1.0
+    r.on_first_token("warm")
+    r.on_finished("warm")
+    assert r.trackers[1].prefill_rate == 400.0
+    now[0] = 10.0
+    r.add_request("cold", [9000 + i for i in range(100)], 1)  # prefilling on worker 1 from t = 10
+    group = system + [1, 2, 3, 4, 5, 6, 7, 8]
+    assert r.select(group, [1, 2]).worker_id == 2  # just routed: all 100 tokens ahead of it
+    now[0] = 10.125  # 50 of its 100 tokens done, by worker 1's rate
+    assert r.select(group, [1, 2]).worker_id == 1
+    costs = {c.worker_id: c for c in r.last_costs}
+    assert costs[1].prefill_tokens == 8 + 50 and costs[2].prefill_tokens == 136
+    now[0] = 30.0  # overdue: nothing more is counted than the whole prompt, and never less than 0
+    assert r.trackers[1].prefill_progress(now[0]) == 100
+
+
+def test_the_rate_is_measured_on_the_oldest_prefill_only():
+    s = ActiveSequences()
+    s.add_request("a", [1], prefill_tokens=100, now=0.0)
+    s.add_request("b", [2], prefill_tokens=100, now=0.5)  # waits behind a
+    assert s.mark_prefill_completed("a", now=1.0)  # 100 tokens in 1 s
+    assert s.prefill_rate == 100.0
+    assert s.prefill_progress(1.5) == 50  # b started when a ended
+    assert s.mark_prefill_completed("b", now=2.0)  # 100 tokens in 1 s (from 1.0), not 1.5 s
+    assert s.prefill_rate == 100.0
+    assert s.prefill_progress(5.0) == 0  # nothing pending
