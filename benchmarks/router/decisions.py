@@ -36,7 +36,6 @@ from typing import Any
 
 import orjson
 
-
 REUSE = re.compile(rb"request (\S+): slot \d+, (\d+) prompt tokens, (\d+) reused from the cache")
 
 

