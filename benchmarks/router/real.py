@@ -99,7 +99,7 @@ def one_run(index: int, args: argparse.Namespace, cfg: WorkloadConfig, convs: li
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("| run | kv/rr p50 | kv/rr mean | rr p50 / mean / p99 | kv p50 / mean / p99 | requests rr, kv | "
-            "per worker rr; kv | engine reuse rr, kv | router hit | load (min-max) |")
+            "per worker rr; kv | engine reuse rr, kv | hits rr, kv (p50 hit / miss) | router hit | load (min-max) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in runs:
         rr, kv = r["rows"]["round-robin"], r["rows"]["kv"]
@@ -111,10 +111,16 @@ def table(runs: list[dict[str, Any]]) -> str:
         def fmt(v: Any) -> str:
             return "-" if v is None else f"{v:.2f}"
 
+        def hits(x: dict[str, Any]) -> str:
+            if x.get("hit_share") is None:
+                return "-"
+            return f"{x['hit_share']:.2f} ({x['ttft_p50_hits_ms'] or 0:.0f} / {x['ttft_p50_misses_ms'] or 0:.0f})"
+
         lines.append(f"| {r['run']} | **{fmt(r['p50_ratio'])}** | **{fmt(r['mean_ratio'])}** | {times(rr)} | "
                      f"{times(kv)} | {rr['measured']}, {kv['measured']} | "
                      f"{'/'.join(map(str, rr['worker_requests']))}; {'/'.join(map(str, kv['worker_requests']))} | "
-                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {fmt(kv['router_hit_rate'])} | "
+                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {hits(rr)}, {hits(kv)} | "
+                     f"{fmt(kv['router_hit_rate'])} | "
                      f"{r['load_min']:.1f}-{r['load_max']:.1f} |")
     return "\n".join(lines)
 

@@ -339,7 +339,22 @@ def summarize(records: list[Record], start: float, end: float, warmup: float) ->
         "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
         "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
                            if any(r.cached_tokens is not None for r in ok) else None),
+        **hits_and_misses(measured),
     }
+
+
+def hits_and_misses(measured: list[Record]) -> dict[str, Any]:
+    """Where the engine says how much it reused: the share of measured requests that took at least half of
+    their prompt from the cache, and the TTFT p50 of those and of the rest (a mode's p50 is one or the
+    other, whichever is the majority)."""
+    known = [r for r in measured if r.cached_tokens is not None and r.ttft is not None and r.prompt_tokens]
+    if not known:
+        return {}
+    hits = [r for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_tokens]
+    misses = [r for r in known if r not in hits]
+    return {"hit_share": round(len(hits) / len(known), 2),
+            "ttft_p50_hits_ms": _ms(pct([r.ttft for r in hits if r.ttft is not None], 50)),
+            "ttft_p50_misses_ms": _ms(pct([r.ttft for r in misses if r.ttft is not None], 50))}
 
 
 def _ms(v: float | None) -> float | None:
