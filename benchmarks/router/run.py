@@ -639,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", default="", help="also write the table as Markdown to this file")
     p.add_argument("--json", default="", help="results file (default benchmarks/results/router-<time>.json)")
     p.add_argument("--logs", default="", help="write every process's log and the per-request records to this folder "
-                   "(the frontend then logs each KV routing decision)")
+                   "(the frontend then logs each KV routing decision, and kv modes write the router's decision "
+                   "log, DYN_ROUTER_LOG: read it with python -m benchmarks.router.decisions)")
     p.add_argument("--dynamo16", default="", metavar="VENV",
                    help="a virtualenv with ai-dynamo 1.6.1 (see dynamo16.py): enables modes d16:round-robin, "
                         "d16:random, d16:kv (options as for ours: d16:kv+w=2)")
