@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                                  think_time=args.think_time, seed=args.seed + i, clients=args.clients)
             convs = build(cfg, tokenizer)
             t = time.monotonic()
-            print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} at once, {args.clients} clients each ...",
+            print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} {'one after the other' if args.sequential else 'at once'}, "
+                  f"{args.clients} clients each ...",
                   file=sys.stderr, flush=True)
             r = one_run(i, args, cfg, convs, servers, model)
             runs.append(r)
