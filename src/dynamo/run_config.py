@@ -50,6 +50,7 @@ class RunConfig:
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    anthropic_api: bool | None = None  # --[no-]enable-anthropic-api; None: DYN_ENABLE_ANTHROPIC_API decides
 
     @property
     def input_kind(self) -> str:

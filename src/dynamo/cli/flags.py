@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
     p.add_argument("--tls-key-path", metavar="PEM", help="in=http: the private key of --tls-cert-path")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGINS", help="in=http: CORS origins allowed to call the API ('https://app.example.com', comma-separated, repeatable, or '*'; default none)")
+    p.add_argument("--enable-anthropic-api", action=argparse.BooleanOptionalAction, default=None,
+                   dest="anthropic_api", help="in=http: serve Anthropic's Messages API, /v1/messages and "
+                   "/v1/messages/count_tokens (default: DYN_ENABLE_ANTHROPIC_API, else off)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
@@ -298,6 +301,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         tls_cert_path=ns.tls_cert_path,
         tls_key_path=ns.tls_key_path,
         allowed_origins=ns.allowed_origins or [],
+        anthropic_api=ns.anthropic_api,
     )
     validate(cfg)
     return cfg
@@ -384,14 +388,16 @@ def _validate_api(cfg: RunConfig) -> None:
     """--chat-template, --embedding and the HTTP exposure flags."""
     http_flags = [name for name, value in (("--api-key", cfg.api_keys), ("--tls-cert-path", cfg.tls_cert_path),
                                             ("--tls-key-path", cfg.tls_key_path),
-                                            ("--allowed-origins", cfg.allowed_origins)) if value]
+                                            ("--allowed-origins", cfg.allowed_origins),
+                                            ("--enable-anthropic-api", cfg.anthropic_api)) if value]
     if http_flags and cfg.input_kind != "http":
         raise UserError(f"{', '.join(http_flags)}: only for in=http (the HTTP server), not in={cfg.input}")
     if cfg.input_kind == "http":
         from dynamo.frontend.http.options import build_http_options
 
         build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
-                           tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+                           tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path,
+                           anthropic_api=cfg.anthropic_api)
     if cfg.chat_template is not None:
         if cfg.engine == "dyn":
             raise UserError("--chat-template goes on the worker (in=dyn://...): the frontend uses the template "

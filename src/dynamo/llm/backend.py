@@ -35,7 +35,7 @@ class PostProcessor:
     logprobs asked for, :meth:`take_logprobs` then gives the entries of the tokens that text came from."""
 
     __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_prompt", "_prompt_n", "_tokenizer",
-                 "generated", "finished")
+                 "generated", "finished", "_upstream_stop")
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest):
         sc = request.stop_conditions
@@ -52,6 +52,7 @@ class PostProcessor:
         self._tokenizer = tokenizer
         self.generated = 0
         self.finished: str | None = None
+        self._upstream_stop: str | None = None
 
     def process(self, out: EngineOutput) -> tuple[str, str | None]:
         error = finish_error_message(out.finish_reason)
@@ -64,6 +65,8 @@ class PostProcessor:
             if reason is None and self._max is not None and self.generated >= self._max:
                 reason = "length"
             self.finished = reason
+            if out.stop_sequence is not None:
+                self._upstream_stop = out.stop_sequence
             if self._lp is not None and out.logprobs_content:
                 self._released += out.logprobs_content
             return out.text, reason
@@ -115,6 +118,13 @@ class PostProcessor:
         self.finished = self.finished or "stop"
         tail, cut = self._flush()
         return self._done(tail, "stop", cut)[0]
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer (None: it ended otherwise, or has not ended)."""
+        if self._upstream_stop is not None:
+            return self._upstream_stop
+        return self._stops.matched if self._stops is not None and self.finished == "stop" else None
 
     def take_logprobs(self) -> list[Entry] | None:
         """The entries released with the text of the last ``process``/``end`` (None: not asked for)."""

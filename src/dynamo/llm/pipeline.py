@@ -209,7 +209,10 @@ class CorePipeline:
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         if echo:  # the engine sent nothing at all: the echo still goes out
             yield chunks.delta(echo, logprobs=[])
-        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        last = chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        if post.stop_sequence is not None:  # vLLM's field: the stop string that ended the answer
+            last["choices"][0]["stop_reason"] = post.stop_sequence
+        yield last
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
 

@@ -69,6 +69,8 @@ def backend_handler(card: ModelCard, engine: Engine):
                 entries = post.take_logprobs()
                 if entries is not None:  # asked for: the entries of the tokens this text came from
                     item["logprobs_content"] = entries
+                if reason is not None and post.stop_sequence is not None:
+                    item["stop_sequence"] = post.stop_sequence
                 yield item if stage is None else stage.annotate(item)
                 if reason is not None:
                     return
@@ -77,6 +79,8 @@ def backend_handler(card: ModelCard, engine: Engine):
             entries = post.take_logprobs()
             if entries is not None:
                 item["logprobs_content"] = entries
+            if post.stop_sequence is not None:
+                item["stop_sequence"] = post.stop_sequence
             yield item if stage is None else stage.annotate(item)
         finally:
             ctx.stop_generating()

@@ -118,6 +118,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     # ours: a Backend worker's OpenAI chat logprob entries of the tokens whose text this item carries
     # (hold-back and stop strings applied, so they match ``text``, not ``token_ids``)
     logprobs_content: list[dict[str, Any]] | None = None
+    # ours: the stop string that ended the answer, from a Backend worker (the frontend shows it as the
+    # choice's ``stop_reason``, vLLM's field, and as Anthropic's ``stop_sequence``)
+    stop_sequence: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
