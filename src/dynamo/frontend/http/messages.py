@@ -31,7 +31,12 @@ from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm import first_token
 from dynamo.llm.engine import Context
 from dynamo.llm.pipeline import CorePipeline
-from dynamo.llm.protocols.anthropic import chat_request, parse_count_tokens_request, parse_messages_request
+from dynamo.llm.protocols.anthropic import (
+    chat_request,
+    parse_count_tokens_request,
+    parse_messages_request,
+    thinking_omitted,
+)
 from dynamo.llm.protocols.openai import parse_chat_request
 
 ENABLE_FLAG = "--enable-anthropic-api"
@@ -54,7 +59,7 @@ class MessagesRoutes:
         first_token.begin(ctx, t_in)
         streaming = bool(req.stream)
         rm = self.admission.begin(request, ctx, req.model, "messages", streaming)
-        builder = MessageBuilder(req.model, ctx)
+        builder = MessageBuilder(req.model, ctx, thinking_omitted(req))
         ok = False
         try:
             stream = model.chat(chat_req, chat_raw, ctx)

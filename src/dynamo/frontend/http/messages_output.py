@@ -79,8 +79,9 @@ class MessageBuilder:
     """One message being produced from chat chunks.  As the stream's SSE format (sse.py's
     ``SseFormat``) it writes Anthropic's events; :meth:`message` is the whole message (unary)."""
 
-    def __init__(self, model: str, ctx: Context):
+    def __init__(self, model: str, ctx: Context, omit_thinking: bool = False):
         self.model = model
+        self.omit_thinking = omit_thinking  # ``display: omitted``: thinking blocks without their text
         self.ctx = ctx
         self.id = "msg_" + ctx.id.replace("-", "")
         self.blocks: list[_Block] = []
@@ -103,7 +104,7 @@ class MessageBuilder:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content")
             if reasoning:
-                self._text("thinking", reasoning, out)
+                self._text("thinking", "" if self.omit_thinking else reasoning, out)
             content = delta.get("content")
             if content:
                 self._text("text", content, out)
@@ -119,6 +120,8 @@ class MessageBuilder:
         block = self._open
         if block is None or block.kind != kind:
             block = self._begin(kind, out)
+        if not text:  # an omitted thought: its block, without the text
+            return
         block.parts.append(text)
         out.append(event("content_block_delta", {"type": "content_block_delta", "index": block.index,
                                                  "delta": block.delta(text)}))

@@ -10,16 +10,19 @@ template, the tool-call parsers and the reasoning parsers treat both alike:
   turn's ``reasoning_content`` (templates that show earlier thinking render it).
 * ``tools`` (``input_schema``) -> function tools; ``tool_choice`` ``auto``/``any``/``tool``/``none`` ->
   ``auto``/``required``/a named function/``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls``.
-* ``thinking`` -> ``chat_template_kwargs.enable_thinking`` (on for ``enabled``, off otherwise, as the API
-  thinks only when asked); ``budget_tokens`` is checked as the API does (at least 1024, below
-  ``max_tokens``) but the model's thinking is bounded by ``max_tokens`` alone: nothing can end a thought
-  early and still let the model answer.
+* ``thinking`` -> ``chat_template_kwargs.enable_thinking``: on for ``enabled`` and ``adaptive`` (the model
+  decides), off for ``disabled`` or no ``thinking`` (the API thinks only when asked); ``budget_tokens`` is
+  checked as the API does (at least 1024, below ``max_tokens``) but the model's thinking is bounded by
+  ``max_tokens`` alone: nothing can end a thought early and still let the model answer.  ``display:
+  omitted`` returns thinking blocks without their text, as the API does.
+* ``output_config.format`` (a JSON schema) -> ``response_format``: guided decoding, where the engine can.
 * ``stop_sequences``, ``temperature`` (0 to 1), ``top_p``, ``top_k``, ``max_tokens`` (required),
   ``metadata.user_id`` -> ``user``.
 
 What cannot be honoured is a 400 naming the field: images and documents (no engine here takes them),
-server tools, unknown fields.  ``cache_control`` marks are accepted and need nothing: the engines reuse
-cached prefixes by themselves, and ``usage.cache_read_input_tokens`` reports what they reused.
+server tools, ``output_config.effort``, unknown fields.  ``cache_control`` marks (on blocks, or the
+request's own) are accepted and need nothing: the engines reuse cached prefixes by themselves, and
+``usage.cache_read_input_tokens`` reports what they reused.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # the prefix cache is automatic: nothing to do
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
@@ -98,9 +103,14 @@ def _thinking(req: CountTokensRequest, max_tokens: int | None) -> bool:
     kind = cfg.get("type")
     if kind == "disabled" and set(cfg) == {"type"}:
         return False
-    if kind != "enabled" or set(cfg) - {"type", "budget_tokens"}:
-        raise RequestError("thinking: expected {\"type\": \"enabled\", \"budget_tokens\": N} or "
-                           "{\"type\": \"disabled\"}", param="thinking")
+    allowed = {"type", "display"} | ({"budget_tokens"} if kind == "enabled" else set())
+    if kind not in ("enabled", "adaptive") or set(cfg) - allowed:
+        raise RequestError("thinking: expected {\"type\": \"enabled\", \"budget_tokens\": N}, "
+                           "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", param="thinking")
+    if cfg.get("display") not in (None, "summarized", "omitted"):
+        raise RequestError("thinking.display: must be 'summarized' or 'omitted'", param="thinking.display")
+    if kind == "adaptive":
+        return True
     budget = cfg.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
         raise RequestError(f"thinking.budget_tokens: must be an integer of at least {MIN_THINKING_BUDGET}",
@@ -108,6 +118,30 @@ def _thinking(req: CountTokensRequest, max_tokens: int | None) -> bool:
     if max_tokens is not None and budget >= max_tokens:
         raise RequestError("thinking.budget_tokens: must be less than max_tokens", param="thinking.budget_tokens")
     return True
+
+
+def thinking_omitted(req: CountTokensRequest) -> bool:
+    """``thinking.display: omitted``: thinking blocks come back without their text."""
+    return bool(req.thinking) and req.thinking.get("display") == "omitted"  # type: ignore[union-attr]
+
+
+def _response_format(cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config`` as the chat ``response_format``; ``effort`` is a 400 (no model here has the knob)."""
+    if not cfg:
+        return None
+    extra = set(cfg) - {"format", "effort"}
+    if extra:
+        raise RequestError(f"output_config.{sorted(extra)[0]}: not supported", param=f"output_config.{sorted(extra)[0]}")
+    if cfg.get("effort") is not None:
+        raise RequestError("output_config.effort: the models served here have no effort setting",
+                           param="output_config.effort")
+    fmt = cfg.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise RequestError("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
+                           param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def chat_request(req: CountTokensRequest) -> dict[str, Any]:
@@ -119,6 +153,9 @@ def chat_request(req: CountTokensRequest) -> dict[str, Any]:
     tools = _tools(req.tools)
     if tools:
         chat["tools"] = tools
+    fmt = _response_format(req.output_config)
+    if fmt is not None:
+        chat["response_format"] = fmt
     if req.tool_choice is not None:
         choice, parallel = _tool_choice(req.tool_choice, tools)
         chat["tool_choice"] = choice
