@@ -304,3 +304,17 @@ def test_cache_reads_through_out_dyn(dyn: DynamoRun):
     cached = second.usage.cache_read_input_tokens
     assert cached is not None and 16 <= cached <= second.usage.input_tokens and cached % 16 == 0
     assert second.usage.input_tokens == first.usage.input_tokens
+
+
+def test_openai_stream_names_the_stop_string(server: ExposedRun):
+    """The same stop string reaches OpenAI clients as the last chunk's ``stop_reason`` (vLLM's field)."""
+    body = {"model": MODEL, "messages": HELLO, "stop": ["helpful"], "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"x-api-key": KEY}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["stop_reason"] == "helpful"
+    body["stop"] = ["nowhere"]
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"x-api-key": KEY}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "stop_reason" not in chunks[-1]["choices"][0]  # ended by the end of turn, not a stop string

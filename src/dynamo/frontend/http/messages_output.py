@@ -182,7 +182,7 @@ class MessageBuilder:
 
     def begin(self) -> list[bytes]:
         ctx = self.ctx
-        start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+        start: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": ctx.prompt_tokens, "output_tokens": 0,
                            "cache_read_input_tokens": ctx.cached_tokens, "cache_creation_input_tokens": 0}}
