@@ -318,3 +318,28 @@ def test_openai_stream_names_the_stop_string(server: ExposedRun):
                       headers={"x-api-key": KEY}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "stop_reason" not in chunks[-1]["choices"][0]  # ended by the end of turn, not a stop string
+
+
+def test_llamacpp_prefix_reuse_is_a_cache_read():
+    """A real engine: SmolLM2 on llama.cpp reuses the prompt of the turn before (greedy, so the streamed
+    and the unary answers are the same)."""
+    from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except NotInstalled as e:
+        pytest.skip(str(e))
+    with DynamoRun("out=llamacpp", str(gguf), "--enable-anthropic-api", startup_timeout=120) as srv:
+        c = anthropic.Anthropic(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        kw: dict[str, Any] = {"model": SMOLLM2_MODEL, "max_tokens": 12, "extra_body": {"temperature": 0},
+                              "system": "You answer in one short sentence. " * 8,
+                              "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        first = c.messages.create(**kw)
+        assert first.content[0].text and first.usage.output_tokens <= 12  # type: ignore[union-attr]
+        with c.messages.stream(**kw) as s:
+            second = s.get_final_message()
+        assert second.content[0].text == first.content[0].text and second.stop_reason == first.stop_reason  # type: ignore[union-attr]
+        assert second.usage.input_tokens == first.usage.input_tokens
+        assert 0 < (second.usage.cache_read_input_tokens or 0) < second.usage.input_tokens
+        assert c.messages.count_tokens(model=SMOLLM2_MODEL, system=kw["system"],
+                                       messages=kw["messages"]).input_tokens == first.usage.input_tokens
