@@ -343,3 +343,38 @@ def test_llamacpp_prefix_reuse_is_a_cache_read():
         assert 0 < (second.usage.cache_read_input_tokens or 0) < second.usage.input_tokens
         assert c.messages.count_tokens(model=SMOLLM2_MODEL, system=kw["system"],
                                        messages=kw["messages"]).input_tokens == first.usage.input_tokens
+
+
+def test_engine_failures_in_anthropics_shape():
+    """A failure before the first token is a 500 ``api_error``; after it, the stream ends with an ``error``
+    event (the headers are out); the SDK raises either way.  count_tokens is refused for an engine that
+    templates by itself."""
+    engine = Path(__file__).parents[1] / "e2e" / "data" / "behaviour_engine.py"
+    with DynamoRun(f"out=pystr:{engine}", "--model-name", "behave", "--enable-anthropic-api") as srv:
+        def ask(text: str) -> dict[str, Any]:
+            return {"model": "behave", "max_tokens": 50, "messages": [{"role": "user", "content": text}]}
+
+        r = httpx.post(srv.base_url + "/v1/messages", json=ask("raise"), timeout=30)
+        assert "boom requested" in anthropic_error(r, 500, "api_error")
+        with httpx.stream("POST", srv.base_url + "/v1/messages", json={**ask("raise-mid"), "stream": True},
+                          timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[-2] == "event: error" and "message_stop" not in "".join(lines)
+        error = json.loads(lines[-1][6:])
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert "mid-stream failure" in error["error"]["message"]
+        c = anthropic.Anthropic(base_url=srv.base_url, api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(anthropic.APIError), c.messages.stream(**ask("raise-mid")) as s:
+            s.get_final_message()
+        m = c.messages.create(**ask("hi"))
+        assert m.content[0].text == "Hello from the behaviour engine." and m.stop_reason == "end_turn"  # type: ignore[union-attr]
+        r = httpx.post(srv.base_url + "/v1/messages/count_tokens", json=ask("hi"), timeout=30)
+        assert "cannot be counted" in anthropic_error(r, 400, "invalid_request_error")
+
+
+def test_the_flag_is_for_the_http_server(tiny_model: Path):
+    from harness.proc import run_cli
+
+    r = run_cli(["in=dyn://a.b.c", "out=echo_core", str(tiny_model), "--enable-anthropic-api"])
+    assert r.returncode != 0 and "--enable-anthropic-api" in r.stderr and "Traceback" not in r.stderr
