@@ -50,6 +50,8 @@ class RunConfig:
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    # the distributed runtime (in=dyn://..., out=dyn): "etcd", "file", or None for the default rule
+    discovery_backend: str | None = None
 
     @property
     def input_kind(self) -> str:
