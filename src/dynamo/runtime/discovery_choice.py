@@ -55,7 +55,7 @@ async def etcd_answers(endpoint: str, timeout: float = PROBE_TIMEOUT) -> bool:
 async def choose_discovery(settings: RuntimeSettings) -> tuple[str, str]:
     """(backend, why) for this process."""
     if settings.discovery_backend:
-        return settings.discovery_backend, "as asked (--discovery-backend / DYN_DISCOVERY_BACKEND)"
+        return settings.discovery_backend, "as asked: --discovery-backend or DYN_DISCOVERY_BACKEND"
     if settings.etcd.explicit:
         return "etcd", "ETCD_ENDPOINTS is set"
     endpoint = settings.etcd.endpoints[0]
