@@ -6,7 +6,8 @@ from typing import Iterator
 
 import pytest
 
-from harness.dist_configs import DIST_CONFIGS, DistConfig, dist_config as start_dist_config
+from harness.dist_configs import DIST_CONFIGS, DistConfig
+from harness.dist_configs import dist_config as start_dist_config
 
 
 @pytest.fixture(scope="module", params=DIST_CONFIGS)

@@ -85,11 +85,11 @@ class MismatchCheck:
     backend is in use by someone; stops at the first sign of another process here."""
 
     def __init__(self, backend: str, others_here: Callable[[], Awaitable[bool]],
-                 other_in_use: Callable[[], Awaitable[str | None]], after: float = MISMATCH_AFTER) -> None:
+                 other_in_use: Callable[[], Awaitable[str | None]], after: float | None = None) -> None:
         self.backend = backend
         self.others_here = others_here  # True when another process's keys are in this store
         self.other_in_use = other_in_use  # where the other backend is in use, or None
-        self.after = after
+        self.after = MISMATCH_AFTER if after is None else after
         self.warned = False
 
     async def run(self) -> None:

@@ -30,9 +30,9 @@ from dynamo.aio import cancel_and_wait
 
 from .component import Namespace
 from .config import RuntimeSettings, discovery_backend_name
-from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .discovery import Discovery
 from .discovery_choice import MismatchCheck, choose_discovery, etcd_answers, live_leases_in
+from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .etcd import EtcdClient
 from .event_plane import EventPlane
 from .file_object_store import FileObjectStore
