@@ -51,6 +51,8 @@ class RunConfig:
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     anthropic_api: bool | None = None  # --[no-]enable-anthropic-api; None: DYN_ENABLE_ANTHROPIC_API decides
+    # the distributed runtime (in=dyn://..., out=dyn): "etcd", "file", or None for the default rule
+    discovery_backend: str | None = None
 
     @property
     def input_kind(self) -> str:

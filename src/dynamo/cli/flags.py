@@ -42,7 +42,8 @@ USAGE = (
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
     "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
-    "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] [-v|-vv] "
+    "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] "
+    "[--discovery-backend etcd|file] [-v|-vv] "
     "[-- <python engine args>]"
 )
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-anthropic-api", action=argparse.BooleanOptionalAction, default=None,
                    dest="anthropic_api", help="in=http: serve Anthropic's Messages API, /v1/messages and "
                    "/v1/messages/count_tokens (default: DYN_ENABLE_ANTHROPIC_API, else off)")
+    p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), help="in=dyn://... and out=dyn: where processes find each other: etcd (kv_store is the same), or file (a directory shared by the processes of one host, DYN_FILE_KV); default DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers on localhost:2379, else file")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
@@ -302,6 +304,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         tls_key_path=ns.tls_key_path,
         allowed_origins=ns.allowed_origins or [],
         anthropic_api=ns.anthropic_api,
+        discovery_backend={"kv_store": "etcd"}.get(ns.discovery_backend, ns.discovery_backend),
     )
     validate(cfg)
     return cfg
@@ -352,6 +355,8 @@ def validate(cfg: RunConfig) -> None:
         if cfg.engine not in DISAGG_ENGINES:
             raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode}: out={cfg.output} cannot hand KV state "
                             f"between workers; engines that can: {', '.join(DISAGG_ENGINES)}")
+    if cfg.discovery_backend is not None and cfg.input_kind != "endpoint" and cfg.engine != "dyn":
+        raise UserError("--discovery-backend is for the distributed runtime: use it with in=dyn://... or out=dyn")
     if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
         raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
     for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, tool_call_parser_names()),

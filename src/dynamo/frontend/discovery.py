@@ -259,7 +259,7 @@ async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
     (the HTTP service's FrontendMetrics) the workers' load is exported there too."""
     from dynamo.runtime.distributed import connect_runtime
 
-    runtime = await connect_runtime()
+    runtime = await connect_runtime(cfg.discovery_backend)
     manager = ModelManager()
     watcher = ModelWatcher(runtime, manager, RouterConfig(
         mode=cfg.router_mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,

@@ -39,7 +39,7 @@ def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
 
 async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
     ident = EndpointId.parse(cfg.input)
-    runtime = await connect_runtime()
+    runtime = await connect_runtime(cfg.discovery_backend)
     owned: object | None = None  # the engine to close on the way out (the disagg wrapper closes its engine)
     try:
         endpoint = runtime.namespace(ident.namespace).component(ident.component).endpoint(ident.name)
