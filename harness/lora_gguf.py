@@ -8,6 +8,9 @@ it: ``general.type = "adapter"``, ``adapter.type = "lora"``, ``adapter.lora.alph
 ``W + scale * alpha / r * B @ A``.  numpy shapes are ggml's reversed.  SmolLM2-135M's query projection
 is 576 x 576 in each of its 30 layers.
 
+Tensors are F16 (convert_lora_to_gguf.py's default): F32 LoRA tensors crash llama-cpp-python 0.3.36's
+CPU matmul (a null kernel pointer, measured), and the engine refuses them.
+
 ``scale=0`` writes ``B = 0``: an adapter that loads and runs but changes nothing (the control for "a
 non-zero adapter changes greedy output").
 """
@@ -22,15 +25,17 @@ SMOLLM2_HIDDEN = 576
 
 def write_lora_gguf(path: Path, *, seed: int = 0, scale: float = 1.0, rank: int = 8, alpha: float = 16.0,
                     layers: int = SMOLLM2_LAYERS, n_in: int = SMOLLM2_HIDDEN, n_out: int = SMOLLM2_HIDDEN,
-                    arch: str = "llama", file_type: str = "adapter", tensor: str = "attn_q") -> Path:
+                    arch: str = "llama", file_type: str = "adapter", tensor: str = "attn_q",
+                    f32: bool = False) -> Path:
     """Write a LoRA adapter of the ``tensor`` projection of every layer to ``path`` (returned).
 
     ``arch``, ``file_type`` and ``n_in``/``n_out`` let tests write the wrong adapters: another
-    architecture, a GGUF that is not an adapter, shapes that fit another model."""
+    architecture, a GGUF that is not an adapter, shapes that fit another model, F32 tensors."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    dtype = np.float32 if f32 else np.float16
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.type", file_type)
     w.add_string("general.name", path.stem)
@@ -40,8 +45,8 @@ def write_lora_gguf(path: Path, *, seed: int = 0, scale: float = 1.0, rank: int 
     for i in range(layers):
         a = rng.standard_normal((rank, n_in)).astype(np.float32) / np.sqrt(n_in)
         b = (rng.standard_normal((n_out, rank)).astype(np.float32) * scale / np.sqrt(rank))
-        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_a", a)
-        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_b", b.astype(np.float32))
+        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_a", a.astype(dtype))
+        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_b", b.astype(dtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
