@@ -46,10 +46,10 @@ async def ask(engine: Any, prompt: list[int], model: str | None = None, max_toke
     return tokens, cached
 
 
-async def _engine(gguf: Path, slots: int = 4) -> Any:
+async def _engine(path: Path, slots: int = 4) -> Any:
     from dynamo.engines.llamacpp.engine import LlamaCppEngine
 
-    engine = LlamaCppEngine(gguf, context_length=512, args={"n_parallel": slots, "n_threads": 1}, block_size=BS)
+    engine = LlamaCppEngine(path, context_length=512, args={"n_parallel": slots, "n_threads": 1}, block_size=BS)
     await engine.start()
     return engine
 
