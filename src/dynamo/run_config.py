@@ -45,6 +45,7 @@ class RunConfig:
     extra_args: list[str] = field(default_factory=list)
     # the served API and how it is exposed
     chat_template: Path | None = None
+    loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH: adapters loaded at start
     embedding: bool = False
     api_keys: list[str] = field(default_factory=list)
     tls_cert_path: str | None = None

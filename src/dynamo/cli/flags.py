@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(reasoning_parser_names()) + " (default auto: from the chat template; worker side)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file replacing the model's (local engine or worker; travels in the model card)")
+    p.add_argument("--lora", action="append", dest="loras", metavar="NAME=PATH", help="serve the LoRA adapter in the GGUF file PATH as the model NAME (out=llamacpp; repeatable)")
     p.add_argument("--embedding", action="store_true", help="serve the model for /v1/embeddings (out=llamacpp, out=vllm, out=echo_core) instead of generation")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY", help="in=http: require 'Authorization: Bearer KEY' on every route but /health, /live, /metrics (repeat for several keys; default: DYN_API_KEY)")
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
@@ -227,6 +228,19 @@ def _version() -> str:
 
 
 VALID_INPUTS = ("text", "stdin", "http", "none")
+
+
+def parse_lora_flags(values: list[str]) -> list[tuple[str, str]]:
+    """``--lora name=path`` (repeatable) as (name, path) pairs; UserError for a malformed one."""
+    out: list[tuple[str, str]] = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora {value!r}: expected NAME=PATH (the adapter's model name and its GGUF file)")
+        if name in {n for n, _ in out}:
+            raise UserError(f"--lora: adapter name {name!r} is given twice")
+        out.append((name, path))
+    return out
 
 
 def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfig:
@@ -299,6 +313,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         extra_args=extra,
         chat_template=Path(ns.chat_template).expanduser() if ns.chat_template else None,
         embedding=ns.embedding,
+        loras=parse_lora_flags(ns.loras or []),
         api_keys=ns.api_keys or [],
         tls_cert_path=ns.tls_cert_path,
         tls_key_path=ns.tls_key_path,

@@ -92,6 +92,10 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
         if kind == "http":
             manager = ModelManager()
             manager.add(model)
+            from dynamo.llm.lora import served_adapters
+
+            for adapter in served_adapters(model):
+                manager.add(adapter)
             return await _serve_http(cfg, manager, stop)
         if kind == "text":
             from dynamo.inputs.text import run_text

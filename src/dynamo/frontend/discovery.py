@@ -6,7 +6,9 @@ notices sooner and routes around it).  A name registered on several endpoints is
 their instances.  This module is the watch loop and its bookkeeping; what serves a model (client,
 router, pipeline) is built by model_builder.py, and prefill entries (``--disaggregation-mode prefill``
 workers) are kept apart, per model name, in prefill_pool.py: a Backend model's engine sends requests to
-them first when there are any (frontend/disagg.py).
+them first when there are any (frontend/disagg.py).  A LoRA adapter is a model of its own, announced by
+each worker that loaded it (its card's ``lora``): its requests go only to those workers, and its KV
+router hashes prompts with the adapter's salt (kv/hashing.py).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class ModelWatcher:
             if await self.builder.join(served, key, entry, ep_key):
                 log.info("model %s: also served by dyn://%s.%s.%s (requests go to the instances of %d endpoints)",
                          entry.name, *ep_key, len(served.endpoints))
+            _allow_adapter_worker(served, entry)
             worker_added(served.router, entry)
             return
         built = await self.builder.build(key, entry, ep_key)
@@ -157,6 +160,7 @@ class ModelWatcher:
             return
         served, model = built
         self.served[entry.name] = served
+        _allow_adapter_worker(served, entry)
         worker_added(served.router, entry)
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
@@ -234,6 +238,8 @@ class ModelWatcher:
         if keys is None or key not in keys:
             return
         keys.discard(key)
+        if served.client.only is not None:
+            served.client.only.discard(entry.instance_id)
         if served.router is not None:
             served.router.remove_worker(entry.instance_id)
         if not keys:
@@ -251,6 +257,14 @@ class ModelWatcher:
                 log.info("removed model %s: no worker serves it any more", entry.name)
             else:
                 log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
+
+
+def _allow_adapter_worker(served: RemoteModel, entry: ModelEntry) -> None:
+    """A LoRA adapter's model goes only to the workers whose entries announce it."""
+    if (entry.card or {}).get("lora"):
+        if served.client.only is None:
+            served.client.only = set()
+        served.client.only.add(entry.instance_id)
 
 
 async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None

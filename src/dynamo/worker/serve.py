@@ -16,7 +16,8 @@ from dynamo.engines.served_model import build_served_model
 from dynamo.errors import UserError
 from dynamo.heap import settle_heap
 from dynamo.llm.embeddings import embedding_handler
-from dynamo.llm.engine import Engine, EngineCapabilities, capabilities_of, close_engine
+from dynamo.llm.engine import Engine, EngineCapabilities, ServesLoraAdapters, capabilities_of, close_engine
+from dynamo.llm.lora import adapter_card
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.model_type import ModelType
@@ -86,6 +87,9 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         runtime_config = dict(capabilities_of(engine).runtime_config, max_inflight_requests=limit)
         runtime_config[PUBLISHES_KV_EVENTS] = publishes_kv_events
         await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
+        if isinstance(served.engine, ServesLoraAdapters):  # one entry per adapter: frontends route by them
+            for name, path in served.engine.lora_adapters().items():
+                await publish_model(endpoint, adapter_card(card, name, path), model_type, runtime_config=runtime_config)
         log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
                  endpoint.lease_id())
         settle_heap()

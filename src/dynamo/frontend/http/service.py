@@ -22,6 +22,7 @@ from dynamo.frontend.http.chat import ChatRoutes
 from dynamo.frontend.http.embeddings import EmbeddingsRoute
 from dynamo.frontend.http.errors import error_middleware
 from dynamo.frontend.http.health import HealthRoutes
+from dynamo.frontend.http.lora import LoraRoutes, runtime_lora_allowed
 from dynamo.frontend.http.messages import MessagesRoutes, messages_disabled
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.models import ModelsRoute
@@ -75,6 +76,8 @@ class HttpService:
         tokenize = TokenizeRoutes(self.models)
         router.add_post("/tokenize", tokenize.tokenize)
         router.add_post("/detokenize", tokenize.detokenize)
+        if runtime_lora_allowed():
+            LoraRoutes(self.models).install(router)
         health = HealthRoutes(self.models, self.metrics)
         router.add_get("/health", health.health)
         router.add_get("/live", health.live)
