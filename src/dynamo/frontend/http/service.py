@@ -67,6 +67,7 @@ class HttpService:
         tokenize = TokenizeRoutes(self.models)
         router.add_post("/tokenize", tokenize.tokenize)
         router.add_post("/detokenize", tokenize.detokenize)
+        router.add_get("/tokenizer_info", tokenize.tokenizer_info)
         health = HealthRoutes(self.models, self.metrics)
         router.add_get("/health", health.health)
         router.add_get("/live", health.live)
