@@ -121,9 +121,11 @@ class CorePipeline:
         what its tokens' logprob entries spell), and the engine asked for its logprobs.  ``max_tokens``
         0 (echo only) asks the engine for one token, which :meth:`_stream` does not pass on."""
         self._check_logprobs(pre, echo=bool(req.echo))
+        request = pre.request
+        if request.output_options.logprobs is not None:
+            request.output_options.stop_token_logprobs = True
         if not req.echo:
             return None
-        request = pre.request
         echo = pre.formatted_prompt
         if echo is None:
             echo = self.tokenizer.decode(request.token_ids) if self.tokenizer is not None else ""
