@@ -44,6 +44,21 @@ class LlamaReference:
         per = self.token_logprobs(context + continuation)[len(context) - 1:]
         return sum(lp for lp, _ in per), all(g for _, g in per)
 
+    def greedy(self, ids: list[int], max_tokens: int, stop_ids: set[int]) -> list[int]:
+        """The argmax continuation of ``ids``: up to ``max_tokens`` tokens, ending before a stop id."""
+        np = self._np
+        llm = self._llama
+        llm.reset()
+        llm.eval(ids)
+        out: list[int] = []
+        for _ in range(max_tokens):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if tok in stop_ids:
+                break
+            out.append(tok)
+            llm.eval([tok])
+        return out
+
     def close(self) -> None:
         self._llama.close()
 
