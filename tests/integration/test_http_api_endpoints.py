@@ -116,6 +116,14 @@ def test_completions_echo_a_token_id_prompt(plain: DynamoRun):
         both = sdk(plain).completions.create(model="plain", prompt=[ids, ids[:2]], echo=True, max_tokens=0)
         assert [(ch.index, ch.text) for ch in both.choices] == [(0, "hello world"), (1, head)]
         assert both.usage.prompt_tokens == len(ids) + 2
+        streamed: dict[int, str] = {}
+        for chunk in sdk(plain).completions.create(model="plain", prompt=[ids, ids[:2]], echo=True, max_tokens=0,
+                                                   stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+        assert streamed == {0: "hello world", 1: head}
+        r = c.post("/v1/completions", json={"model": "plain", "prompt": [ids, [10 ** 9]], "max_tokens": 1})
+        assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
 
 
 def test_tokenize_errors(plain: DynamoRun, full_server: DynamoRun):

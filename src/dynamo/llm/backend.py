@@ -1,9 +1,9 @@
 """Post-processing of a core engine's token stream: detokenize, hold back stop strings, count, finish (our decisions in docs/decisions.md).
 
 Per token: incremental detokenisation, then the stop conditions in this order: ``min_tokens`` (nothing
-stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown, their logprob entry kept only where
-the request asks, as completions do), stop strings (held back
-so no part of one is ever shown), ``max_tokens`` (enforced here for every engine).  Items that arrive
+stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown; the logprob entry of the one
+that ends the choice is kept only when the request asks, as completions do), stop strings (held back so
+no part of one is ever shown), ``max_tokens`` (enforced here for every engine).  Items that arrive
 already detokenised (``text`` set by a remote Backend worker that did this work) pass through.
 """
 
