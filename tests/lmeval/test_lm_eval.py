@@ -31,7 +31,7 @@ from harness.servers import EtcdServer, NatsServer
 from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.lmeval, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.lmeval, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = Path(__file__).parent / "tasks"
@@ -123,7 +123,7 @@ def run_lm_eval(lm_eval: Path, server: DynamoRun, tasks: list[str], out_dir: Pat
     # datasets cache out of the user's home, the offline switches keep datasets from asking the hub
     env = cli_env({"HF_HOME": str(out_dir / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     env.pop("PYTHONPATH", None)  # lm_eval's own interpreter: nothing of ours
-    done = subprocess.run(cmd, cwd=TASKS, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, cwd=TASKS, env=env, capture_output=True, text=True, timeout=540)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return Run(out_dir, log)
