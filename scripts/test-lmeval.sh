@@ -3,7 +3,7 @@
 # the wheels), then run tests/lmeval: `lm_eval --model local-completions` with its default settings on local
 # tasks against out=llamacpp (SmolLM2) and out=dyn, every score checked against llama-cpp-python in process.
 # The server runs from .venv (scripts/setup-venv.sh).  Extra arguments go to pytest.  Measured: the install
-# takes 3 min cold, 30 s from the pip cache; the tests 85 s on a quiet 2-core machine (7.7 min at load 8-10).
+# took 3 min cold and 30 s from the pip cache; the tests 83 s in one run, 7.7 min in another at load 8-10.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-lmeval-venv.sh
