@@ -55,7 +55,7 @@ inputs (in=):
   stdin                read all of stdin as one prompt, print the answer, exit (default when piped)
   http                 OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions,
                        /v1/embeddings, /v1/responses (GET/DELETE /v1/responses/ID, .../input_items),
-                       /v1/models, /tokenize, /detokenize, /health, /live, /metrics
+                       /v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /live, /metrics
   batch:FILE.jsonl     run every {"text": ...} line of FILE, write output.jsonl beside it
   dyn://ns.comp.ep     serve the engine as a worker on the distributed runtime (etcd + NATS);
                        missing parts are defaulted (dyn://test)

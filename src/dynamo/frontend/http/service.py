@@ -78,6 +78,7 @@ class HttpService:
         router.add_post("/detokenize", tokenize.detokenize)
         if runtime_lora_allowed():
             LoraRoutes(self.models).install(router)
+        router.add_get("/tokenizer_info", tokenize.tokenizer_info)
         health = HealthRoutes(self.models, self.metrics)
         router.add_get("/health", health.health)
         router.add_get("/live", health.live)

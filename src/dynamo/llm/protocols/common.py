@@ -42,6 +42,10 @@ class OutputOptions(msgspec.Struct, omit_defaults=False):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     formatted_prompt: bool | None = None
+    # ours: the hidden stop token (EOS) that ends a choice keeps its logprob entry, as the legacy
+    # completions shape has it (OpenAI, vLLM): a scorer reading "the prompt's entries, then one per
+    # generated token" must find one for a token that was generated but not shown
+    stop_token_logprobs: bool | None = None
 
 
 class ResponseParsing(msgspec.Struct, omit_defaults=True):
