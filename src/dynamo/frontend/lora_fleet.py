@@ -106,9 +106,11 @@ class LoraFleet:
             loaded = [w for w in workers if answers[w] is None]
             failed = [w for w in workers if answers[w] is not None]
             if not failed:
-                await self.manager.wait_until(
-                    lambda: name in self.manager.names() and set(loaded) <= self._adapter_workers(name),
-                    SEEN_TIMEOUT_S)
+                if not await self.manager.wait_until(
+                        lambda: name in self.manager.names() and set(loaded) <= self._adapter_workers(name),
+                        SEEN_TIMEOUT_S):
+                    log.warning("LoRA adapter %s loaded, but its workers' entries have not reached this frontend "
+                                "after %gs: it is listed once they do", name, SEEN_TIMEOUT_S)
                 log.info("LoRA adapter %s of %s loaded on %d worker(s)", name, base, len(loaded))
                 return f"Success: LoRA adapter '{name}' added successfully."
             why = "; ".join(f"{w}: {answers[w]}" for w in failed)

@@ -144,9 +144,10 @@ class LoraControl:
             async with self._lock:
                 if name not in self.engine.lora_adapters():
                     raise UserError(f"The lora adapter '{name}' cannot be found.")
-                key = self._keys.pop(name, None)
+                key = self._keys.get(name)
                 if key is not None:  # withdrawn first: frontends stop sending it here
                     await self.endpoint.runtime.discovery().delete(key)
+                    del self._keys[name]
                 await self.engine.unload_lora(name)
         except UserError as e:
             yield _error(str(e), name)
