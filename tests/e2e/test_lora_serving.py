@@ -55,7 +55,7 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
     env = {"DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     with DynamoRun("out=llamacpp", str(gguf), "--model-name", "smol", "--context-length", "512",
                    "--extra-engine-args", str(args_file), "--lora", f"strong={adapter}",
-                   env=env, startup_timeout=120) as srv:
+                   env=env, startup_timeout=120, api_key=KEY) as srv:
         client = openai.OpenAI(base_url=srv.api_url, api_key=KEY)
         listed = {m.id: m for m in client.models.list().data}
         assert set(listed) == {"smol", "strong"}
@@ -63,6 +63,12 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
         base, strong = answer(client, "smol"), answer(client, "strong")
         assert base and strong and base != strong
         post = httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        # the routes want the API key; without it nothing is loaded or unloaded
+        for route, body in (("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)}),
+                            ("/v1/unload_lora_adapter", {"lora_name": "strong"})):
+            r = httpx.post(srv.base_url + route, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert set(m.id for m in client.models.list().data) == {"smol", "strong"}
         # run time: load, serve, unload
         r = post.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(other)})
         assert r.status_code == 200 and "added successfully" in r.text

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from dynamo.aio import cancel_and_wait
+from dynamo.frontend.lora_fleet import LoraFleet
 from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel, worker_added
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
@@ -71,6 +72,9 @@ class ModelWatcher:
         self.prefill = PrefillPool(metrics)
         self.builder = ModelBuilder(runtime, router, prefill_engine=self.prefill.engine,
                                     prefill_stats=self.prefill.stats, observer=self._observer)
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter, sent on to the workers
+        self.loras = LoraFleet(runtime, manager, self.entries)
+        manager.loras = self.loras
 
     def _observer(self, name: str) -> Any:
         if self.worker_metrics is None:
@@ -96,6 +100,11 @@ class ModelWatcher:
             await client.close()
         if self.worker_metrics is not None:
             await self.worker_metrics.close()
+        await self.loras.close()
+
+    def entries(self) -> list[ModelEntry]:
+        """The model entries of every worker, as discovered."""
+        return list(self._entries.values())
 
     def instances(self) -> list[dict[str, Any]]:
         out = []
@@ -112,6 +121,7 @@ class ModelWatcher:
                     await self._on_put(event.key, event.value)
                 else:
                     await self._on_delete(event.key)
+                self.manager.notify()  # run-time LoRA loads wait for their workers' entries
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:

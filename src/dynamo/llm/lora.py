@@ -12,12 +12,30 @@ adapter's requests only to the workers that have it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 from dynamo.errors import UserError
 from dynamo.llm.engine import ServesLoraAdapters
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.pipeline import CorePipeline, ServedModel
+
+# run-time loading (HTTP routes, a worker's load_lora endpoint): the operator's decision, off by default
+RUNTIME_LORA_ENV = ("DYN_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def runtime_lora_allowed() -> bool:
+    """Whether this process loads and unloads adapters at run time (loading reads any file it can read)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes") for name in RUNTIME_LORA_ENV)
+
+
+# a worker's control endpoints beside ``generate`` (Dynamo's names; worker/lora_control.py), and the key of
+# its runtime_config that says it serves adapters (present) and loads them at run time (true)
+LOAD_LORA_ENDPOINT = "load_lora"
+UNLOAD_LORA_ENDPOINT = "unload_lora"
+LIST_LORAS_ENDPOINT = "list_loras"
+RUNTIME_LORA_KEY = "runtime_lora_updating"
+
 
 # what vLLM accepts in --lora-modules name=path; a name must not look like a path or carry spaces
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")

@@ -8,15 +8,14 @@ Off unless the operator sets ``DYN_ALLOW_RUNTIME_LORA_UPDATING=true`` (or vLLM's
 operator's decision, and the routes are behind the API key like every route but the operational ones
 (auth.py).  Without it the routes are absent (404), as in vLLM.
 
-The adapter is loaded into the engine of the served base model that takes adapters
-(``ServesLoraAdapters``: a local ``out=llamacpp``) and served as a model of its own (llm/lora.py).  A
-frontend of workers (``out=dyn``) has no such engine: adapters are given to the workers at start
-(``--lora``), and these routes answer 400 saying so.
+A local engine (``out=llamacpp``): the adapter is loaded into the engine of the served base model that
+takes adapters (``ServesLoraAdapters``) and served as a model of its own (llm/lora.py).  A frontend of
+workers (``out=dyn``): the load or unload is sent on to the workers of the base model
+(frontend/lora_fleet.py: all or nothing), each of which must allow it too; with several base models
+the body names one as ``base_model_name`` (ours).
 """
 
 from __future__ import annotations
-
-import os
 
 from aiohttp import web
 
@@ -26,12 +25,6 @@ from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.engine import ServesLoraAdapters
 from dynamo.llm.lora import adapter_model, check_adapter_name
 from dynamo.llm.pipeline import ServedModel
-
-RUNTIME_LORA_ENV = ("DYN_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-
-
-def runtime_lora_allowed() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes") for name in RUNTIME_LORA_ENV)
 
 
 class LoraRoutes:
@@ -45,7 +38,15 @@ class LoraRoutes:
     async def load(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        base_name = body.get("base_model_name") if isinstance(body, dict) else None
+        if base_name is not None and (not isinstance(base_name, str) or not base_name):
+            raise RequestError("'base_model_name' must be a non-empty string", param="base_model_name")
+        if self.models.loras is not None:  # out=dyn: the workers load it
+            return web.Response(text=await self.models.loras.load(name, path, base_name))
         base = self._base()
+        if base_name is not None and base_name != base.name:
+            self.models.get(base_name)  # a 404 if it does not exist
+            raise RequestError(f"'{base_name}' does not take LoRA adapters here", param="base_model_name")
         if name in self.models.names():
             raise RequestError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         try:
@@ -58,6 +59,8 @@ class LoraRoutes:
 
     async def unload(self, request: web.Request) -> web.Response:
         name = _field(await read_json(request), "lora_name")
+        if self.models.loras is not None:  # out=dyn: the workers unload it
+            return web.Response(text=await self.models.loras.unload(name))
         base = self._base()
         engine = _engine(base)
         if name not in engine.lora_adapters():
@@ -71,8 +74,7 @@ class LoraRoutes:
         bases = [m for m in (self.models.get(n) for n in self.models.names())
                  if isinstance(m.engine, ServesLoraAdapters) and m.card.lora is None]
         if not bases:
-            raise RequestError("no served model takes LoRA adapters at run time here (out=llamacpp does; a "
-                               "frontend of workers cannot load them: start the workers with --lora NAME=PATH)")
+            raise RequestError("no served model takes LoRA adapters at run time here (out=llamacpp does)")
         if len(bases) > 1:
             raise RequestError("several base models serve LoRA adapters; load adapters at start with --lora")
         return bases[0]

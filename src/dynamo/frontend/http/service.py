@@ -22,7 +22,7 @@ from dynamo.frontend.http.chat import ChatRoutes
 from dynamo.frontend.http.embeddings import EmbeddingsRoute
 from dynamo.frontend.http.errors import error_middleware
 from dynamo.frontend.http.health import HealthRoutes
-from dynamo.frontend.http.lora import LoraRoutes, runtime_lora_allowed
+from dynamo.frontend.http.lora import LoraRoutes
 from dynamo.frontend.http.messages import MessagesRoutes, messages_disabled
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.models import ModelsRoute
@@ -30,6 +30,7 @@ from dynamo.frontend.http.options import HttpOptions
 from dynamo.frontend.http.responses import ResponsesRoute
 from dynamo.frontend.http.tokenize import TokenizeRoutes
 from dynamo.frontend.model_manager import ModelManager
+from dynamo.llm.lora import runtime_lora_allowed
 
 log = logging.getLogger(__name__)
 
