@@ -83,7 +83,7 @@ class KvRouterPolicy:
         entry = self._prepared.get(id(request))
         if entry is not None and entry[0] is ids:
             return
-        hashes = await compute_hashes_async(ids, self.router.block_size)
+        hashes = await compute_hashes_async(ids, self.router.block_size, lora_name=self.router.lora_name)
         self._prepared[id(request)] = (ids, hashes)
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: Any) -> Any:
@@ -247,6 +247,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
+        lora_name=card.lora_name,
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
@@ -262,6 +263,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         how = "approximate indexer (--use-kv-events false)"
     else:
         how = "approximate indexer (its workers do not publish KV events)"
+    if card.lora_name:
+        how += f", LoRA adapter {card.lora_name} (its own block hashes)"
     log.info("KV router for %s: block size %d, overlap weight %.2f, temperature %.2f, %s",
              entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature, how)
     policy.start()

@@ -65,7 +65,8 @@ class RoutingDecision(NamedTuple):
 
 
 class KvRouter:
-    """KV-aware worker selection for one model (one block size)."""
+    """KV-aware worker selection for one model (one block size).  ``lora_name``: the model is that LoRA
+    adapter, so prompts are hashed with its salt (hashing.py) and match only blocks computed under it."""
 
     def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
                  use_kv_events: bool = True, *, approx_ttl: float = DEFAULT_APPROX_TTL_S,
@@ -73,7 +74,8 @@ class KvRouter:
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
-                 tier_weights: Mapping[str, float] | None = None, decision_log: DecisionLog | None = None):
+                 tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
+                 decision_log: DecisionLog | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -85,6 +87,7 @@ class KvRouter:
             if tier not in LOWER_TIERS or not 0 <= weight <= 1:
                 raise ValueError(f"tier weight {tier}={weight}: tiers are {LOWER_TIERS}, weights 0..1")
         self.block_size = block_size
+        self.lora_name = lora_name or None
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self.use_kv_events = use_kv_events
@@ -118,7 +121,7 @@ class KvRouter:
         prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
         prompt, so that hashing does not hold the event loop)."""
         if hashes is None:
-            local = compute_block_hashes(token_ids, self.block_size)
+            local = compute_block_hashes(token_ids, self.block_size, self.lora_name)
             seq = compute_seq_hashes(local)
         else:
             local, seq = hashes
@@ -180,7 +183,7 @@ class KvRouter:
     def add_request(self, request_id: str, token_ids: Sequence[int], worker_id: WorkerId,
                     overlap_blocks: int = 0) -> None:
         """Track a request routed without :meth:`select` (e.g. ``backend_instance_id`` was given)."""
-        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
         blocks = self._request_blocks(seq, len(token_ids))
         self._add(request_id, worker_id, blocks, len(token_ids) - overlap_blocks * self.block_size)
         emit(self.publish_active_sequence, self._seq_event(request_id, worker_id, {
@@ -340,7 +343,7 @@ class KvRouter:
     # -- queries -------------------------------------------------------------------------------
     def find_matches(self, token_ids: Sequence[int]) -> Overlaps:
         """Cached prefix length, in blocks, of ``token_ids`` per worker."""
-        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size))
+        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size, self.lora_name))
 
     def worker_load(self, worker_id: WorkerId) -> dict[str, int]:
         t = self.trackers.get(worker_id)
@@ -352,7 +355,7 @@ class KvRouter:
     def restorable(self, token_ids: Sequence[int]) -> dict[WorkerId, float]:
         """Per worker, the weighted blocks of ``token_ids`` it could restore from a lower tier beyond its
         resident prefix (what :meth:`select` credits)."""
-        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
         return self._restorable(seq, self.indexer.find_matches([], seq))
 
     # -- internals -----------------------------------------------------------------------------

@@ -38,6 +38,9 @@ class EtcdSettings:
     cert_file: str | None = None
     key_file: str | None = None
     resync_grace: float = DEFAULT_RESYNC_GRACE
+    # True when the endpoints were given (in code, or ETCD_ENDPOINTS): then etcd is the discovery backend
+    # unless another is asked for; False only from_env without ETCD_ENDPOINTS (the default rule probes)
+    explicit: bool = True
 
     @classmethod
     def from_env(cls) -> "EtcdSettings":
@@ -51,6 +54,7 @@ class EtcdSettings:
             cert_file=_env("ETCD_AUTH_CLIENT_CERT"),
             key_file=_env("ETCD_AUTH_CLIENT_KEY"),
             resync_grace=_float_env("DYN_ETCD_RESYNC_GRACE", DEFAULT_RESYNC_GRACE, minimum=0.0),
+            explicit=_env("ETCD_ENDPOINTS") is not None,
         )
 
 
@@ -196,11 +200,17 @@ class RuntimeSettings:
     # accepted by workers; DYN_TCP_MUX=0 keeps a connection per stream (the original's protocol).
     tcp_mux: bool = True
     system: SystemSettings = field(default_factory=SystemSettings)
+    # Discovery: "etcd", "file", or None to choose at start-up (runtime/discovery_choice.py).
+    discovery_backend: str | None = None
+    # The file store's directory (None: DYN_FILE_KV, else $TMPDIR/dynamo_store_kv).
+    file_kv: str | None = None
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
         timeout = _env("DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT")
         return cls(
+            discovery_backend=discovery_backend_name(_env("DYN_DISCOVERY_BACKEND"), "DYN_DISCOVERY_BACKEND"),
+            file_kv=_env("DYN_FILE_KV"),
             etcd=EtcdSettings.from_env(),
             nats=NatsSettings.from_env(),
             lease_ttl=int(_float_env("DYN_LEASE_TTL", DEFAULT_LEASE_TTL, minimum=1)),
@@ -212,3 +222,19 @@ class RuntimeSettings:
             system=SystemSettings.from_env(),
         )
 
+
+
+DISCOVERY_BACKENDS = ("etcd", "file")
+# the names Dynamo 1.x accepts for the same backends
+_DISCOVERY_ALIASES = {"etcd": "etcd", "kv_store": "etcd", "file": "file"}
+
+
+def discovery_backend_name(raw: str | None, source: str = "--discovery-backend") -> str | None:
+    """``etcd`` / ``kv_store`` -> ``etcd``, ``file`` -> ``file``, None or ``auto`` -> None (choose at
+    start-up); anything else is a clear error naming where it came from."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    name = _DISCOVERY_ALIASES.get(raw.strip().lower())
+    if name is None:
+        raise RuntimeConfigError(f"{source}={raw!r}: use etcd (or kv_store) or file")
+    return name

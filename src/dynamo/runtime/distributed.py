@@ -1,8 +1,8 @@
 """DistributedRuntime: one process's connections, its primary lease (= instance id), the keys bound to
 that lease, and its shutdown signal.
 
-This is where the backends are chosen and wired: etcd behind the discovery seam
-(:mod:`.discovery`), NATS behind the request and event planes (:mod:`.request_plane`,
+This is where the backends are chosen and wired: etcd or the file store behind the discovery seam
+(:mod:`.discovery`; the default rule is :mod:`.discovery_choice`), NATS behind the request and event planes (:mod:`.request_plane`,
 :mod:`.event_plane`), TCP call-home for response streams (:mod:`.response_streams`). Everything else
 gets those parts through the accessors (``discovery()``, ``request_plane()``, ``event_plane()``,
 ``response_streams()``), never a backend's module.
@@ -21,15 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NatsClient
 
+from dynamo.aio import cancel_and_wait
+
 from .component import Namespace
-from .config import RuntimeSettings
+from .config import RuntimeSettings, discovery_backend_name
+from .discovery import Discovery
+from .discovery_choice import MismatchCheck, choose_discovery, etcd_answers, live_leases_in
 from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .etcd import EtcdClient
 from .event_plane import EventPlane
+from .file_object_store import FileObjectStore
+from .file_store import FileStore, FileStoreError, default_file_kv_dir
 from .kv_store import KeyValueStore
 from .lease import LeaseKeeper
 from .names import lease_hex
@@ -60,6 +67,10 @@ class DistributedRuntime:
         self.settings = settings or RuntimeSettings.from_env()
         self.is_static = static
         self.etcd_client: EtcdClient | None = None
+        self.file_store: FileStore | None = None
+        self.discovery_backend = ""  # "etcd" or "file" once connected ("" when static)
+        self._mismatch_task: asyncio.Task | None = None
+        # the discovery store, whatever backs it (named etcd for the original's ``runtime.etcd``)
         self.etcd: KeyValueStore | None = None
         self.nats: NatsClient = None  # type: ignore[assignment]
         self.primary_lease_id = 0
@@ -100,9 +111,8 @@ class DistributedRuntime:
     async def _open(self) -> None:
         try:
             if not self.is_static:
-                self.etcd_client = EtcdClient(self.settings.etcd)
-                await self.etcd_client.connect()
-                self.etcd = KeyValueStore(self.etcd_client, lambda: self.primary_lease_id, self._shutdown.is_set)
+                self.etcd = KeyValueStore(await self._open_discovery(), lambda: self.primary_lease_id,
+                                          self._shutdown.is_set)
             self.nats = await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}")
             self._requests = NatsRequestPlane(self.nats)
             self._events = NatsEventPlane(self.nats)
@@ -110,6 +120,7 @@ class DistributedRuntime:
             if self.etcd is not None:
                 self._lease = LeaseKeeper(self.etcd.client, self.settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
+                self._start_mismatch_check()
             if self.settings.system.enabled:
                 from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
 
@@ -118,6 +129,49 @@ class DistributedRuntime:
         except BaseException:
             await self._close_connections()
             raise
+
+    # ------------------------------------------------------------------ discovery backend (chosen here only)
+
+    async def _open_discovery(self) -> Discovery:
+        """etcd or the file store: as asked, else by the rule of :mod:`.discovery_choice`; one log line."""
+        backend, why = await choose_discovery(self.settings)
+        self.discovery_backend = backend
+        if backend == "file":
+            root = self.settings.file_kv or default_file_kv_dir()
+            self.file_store = FileStore(root)
+            try:
+                await self.file_store.connect()
+            except FileStoreError as exc:
+                raise RuntimeConfigError(str(exc)) from None
+            log.info("discovery: file store at %s (%s)", self.file_store.root, why)
+            return self.file_store
+        self.etcd_client = EtcdClient(self.settings.etcd)
+        await self.etcd_client.connect()
+        log.info("discovery: etcd at %s (%s)", self.etcd_client.endpoint, why)
+        return self.etcd_client
+
+    def _start_mismatch_check(self) -> None:
+        """Say so when this process is alone in its store while the other backend is in use."""
+        store = self.etcd
+        if store is None:
+            return
+        me = self.primary_lease_id
+
+        async def others_here() -> bool:
+            return any(kv.lease not in (0, me) for kv in await store.get_prefix(""))
+
+        async def other_in_use() -> str | None:
+            if self.discovery_backend == "file":
+                endpoint = self.settings.etcd.endpoints[0]
+                return f"an etcd answers at {endpoint}" if await etcd_answers(endpoint) else None
+            root = default_file_kv_dir() if self.settings.file_kv is None else self.settings.file_kv
+            live = await asyncio.to_thread(live_leases_in, Path(root))
+            return f"{live} process(es) use the file store at {root}" if live else None
+
+        check = MismatchCheck(self.discovery_backend, others_here, other_in_use)
+        self._mismatch_task = asyncio.get_running_loop().create_task(check.run(), name="discovery-mismatch")
+
+    # ------------------------------------------------------------------ identity
 
     @property
     def instance_id(self) -> int:
@@ -151,12 +205,19 @@ class DistributedRuntime:
         return self._events
 
     def object_store(self, bucket: str) -> ObjectStore:
-        """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``."""
-        if self.nats is None:
-            raise _not_connected()
+        """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``: beside
+        the file store when discovery is on files (one host), else NATS JetStream."""
         store = self._object_stores.get(bucket)
-        if store is None:  # one handle per bucket: it opens (or creates) the bucket once, on first use
-            store = self._object_stores[bucket] = NatsObjectStore(self.nats, bucket)
+        if store is not None:
+            return store
+        # one handle per bucket: it opens (or creates) the bucket once, on first use
+        if self.file_store is not None:
+            store = FileObjectStore(self.file_store.root, bucket)
+        elif self.nats is not None:
+            store = NatsObjectStore(self.nats, bucket)
+        else:
+            raise _not_connected()
+        self._object_stores[bucket] = store
         return store
 
     def response_streams(self) -> ResponseStreams:
@@ -202,6 +263,7 @@ class DistributedRuntime:
         await self._close_connections()
 
     async def _close_connections(self) -> None:
+        await cancel_and_wait(self._mismatch_task)
         if self.system is not None:
             await self.system.close()
         if self._lease is not None:
@@ -217,6 +279,8 @@ class DistributedRuntime:
                 pass
         if self.etcd_client is not None:
             await self.etcd_client.close()
+        if self.file_store is not None:
+            await self.file_store.close()
 
     async def __aenter__(self) -> "DistributedRuntime":
         return self
@@ -229,12 +293,16 @@ def _not_connected() -> DynamoRuntimeError:
     return DynamoRuntimeError("runtime is not connected: await DistributedRuntime.connect() (or rt.start())")
 
 
-async def connect_runtime() -> DistributedRuntime:
+async def connect_runtime(discovery_backend: str | None = None) -> DistributedRuntime:
     """Connect with the settings in the environment, for a command-line process: a bad setting or an
-    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback."""
+    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback.  ``discovery_backend``
+    (``--discovery-backend``) overrides ``DYN_DISCOVERY_BACKEND``."""
     from dynamo.errors import UserError
 
     try:
-        return await DistributedRuntime.connect()
+        settings = RuntimeSettings.from_env()
+        if discovery_backend:
+            settings.discovery_backend = discovery_backend_name(discovery_backend)
+        return await DistributedRuntime.connect(settings)
     except (RuntimeConnectionError, RuntimeConfigError) as e:
         raise UserError(str(e)) from None
