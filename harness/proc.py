@@ -207,9 +207,11 @@ class DynamoRun(_ChildProcess):
         env: Mapping[str, str] | None = None,
         delay_ms: float | int = 0,
         startup_timeout: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
         self.args = list(args)
         self.port = free_port()
+        self.api_key = api_key  # its --api-key: readiness asks /v1/models with it
         super().__init__(env, delay_ms, startup_timeout)
 
     @property
@@ -221,7 +223,8 @@ class DynamoRun(_ChildProcess):
         return self.base_url + "/v1"
 
     def command(self) -> list[str]:
-        return cli_command() + ["in=http", *self.args, "--http-host", "127.0.0.1", "--http-port", str(self.port)]
+        key = ["--api-key", self.api_key] if self.api_key else []
+        return cli_command() + ["in=http", *self.args, *key, "--http-host", "127.0.0.1", "--http-port", str(self.port)]
 
     def _name(self) -> str:
         return "dynamo-run"
@@ -233,8 +236,10 @@ class DynamoRun(_ChildProcess):
         return self
 
     def _serving(self) -> bool:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=1) as resp:
+            with urllib.request.urlopen(urllib.request.Request(self.base_url + "/v1/models", headers=headers),
+                                        timeout=1) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False

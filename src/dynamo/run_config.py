@@ -45,11 +45,15 @@ class RunConfig:
     extra_args: list[str] = field(default_factory=list)
     # the served API and how it is exposed
     chat_template: Path | None = None
+    loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH: adapters loaded at start
     embedding: bool = False
     api_keys: list[str] = field(default_factory=list)
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    anthropic_api: bool | None = None  # --[no-]enable-anthropic-api; None: DYN_ENABLE_ANTHROPIC_API decides
+    # the distributed runtime (in=dyn://..., out=dyn): "etcd", "file", or None for the default rule
+    discovery_backend: str | None = None
     # how this process reaches workers and hears events (None: DYN_REQUEST_PLANE / DYN_EVENT_PLANE, else
     # the runtime's rule: NATS when it answers, else TCP and ZMQ)
     request_plane: str | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -75,3 +76,81 @@ def test_infra_port_in_use_is_one_line_error(tmp_path: Path) -> None:
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"NATS port 127.0.0.1:{port} is in use" in lines[0], r.stderr
+
+
+def _child_pid(parent: int, name: str) -> int:
+    """The pid of ``parent``'s child whose command names ``name`` (Linux /proc)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    for pid in children:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        if Path(cmd).name == name:
+            return int(pid)
+    raise AssertionError(f"no {name} child of {parent}: {children}")
+
+
+async def _stderr_line(proc: subprocess.Popen[str], needle: str, timeout: float = 30) -> str:
+    async def read() -> str:
+        while True:
+            line = await asyncio.to_thread(proc.stderr.readline)  # type: ignore[union-attr]
+            if not line:
+                raise AssertionError(f"dynamo-run-infra ended before saying {needle!r}")
+            if needle in line:
+                return line
+    return await asyncio.wait_for(read(), timeout)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the server children through /proc")
+async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: Path) -> None:
+    """kill -9 nats-server, then etcd: each comes back on its port with its data, the other stays up, and
+    a connected runtime keeps working (NATS reconnects; the etcd key under its lease is still there)."""
+    etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        _infra_cmd("--etcd-port", str(etcd_port), "--etcd-peer-port", str(peer_port),
+                   "--nats-port", str(nats_port), "--data-dir", str(tmp_path / "infra")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rt = None
+    try:
+        await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        settings = RuntimeSettings(etcd=EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_port}"]),
+                                   nats=NatsSettings(server=f"nats://127.0.0.1:{nats_port}"))
+        rt = await DistributedRuntime.connect(settings)
+        await rt.etcd.put("infra-test/mine", {"ok": True}, lease=True)
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_event(_subject: str, payload: bytes) -> None:
+            got.put_nowait(payload)
+
+        await rt.event_plane().subscribe("infra-test.events", on_event)
+
+        etcd_pid = _child_pid(proc.pid, "etcd")
+        os.kill(_child_pid(proc.pid, "nats-server"), signal.SIGKILL)
+        line = await _stderr_line(proc, "nats-server exited")
+        assert "-9" in line and "restarting" in line, line
+        await _stderr_line(proc, "nats-server restarted")
+        assert _child_pid(proc.pid, "etcd") == etcd_pid  # the other server was left alone
+        # the runtime's NATS connection comes back by itself: an event goes through again
+        for _ in range(100):
+            await rt.event_plane().publish("infra-test.events", b"after")
+            try:
+                assert await asyncio.wait_for(got.get(), 0.2) == b"after"
+                break
+            except asyncio.TimeoutError:
+                continue
+        else:
+            raise AssertionError("no event through the restarted nats-server")
+
+        os.kill(etcd_pid, signal.SIGKILL)
+        await _stderr_line(proc, "etcd exited")
+        await _stderr_line(proc, "etcd restarted")
+        # same data dir: the key is there, its lease kept alive by the runtime, and writes work again
+        kv = await rt.etcd.get("infra-test/mine")
+        assert kv is not None and kv.json() == {"ok": True}
+        await rt.etcd.put("infra-test/after", "1")
+        assert proc.poll() is None
+    finally:
+        if rt is not None:
+            await rt.close()
+        proc.send_signal(signal.SIGINT)
+        rc = await asyncio.to_thread(proc.wait, 20)
+    assert rc == 0
+    assert not _listening(etcd_port) and not _listening(nats_port)

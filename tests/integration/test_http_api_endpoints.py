@@ -86,6 +86,46 @@ def test_tokenize_messages_and_detokenize_round_trip(plain: DynamoRun):
         assert "".join(r["token_strs"]).replace("Ġ", " ") == "abc abc"
 
 
+def test_tokenizer_info_describes_the_served_tokenizer(plain: DynamoRun, tiny_model: Path):
+    """vLLM's shape, what lm-evaluation-harness reads to use our tokenizer: the special tokens as strings,
+    the context length, the class a client rebuilds the tokenizer with, the template in use."""
+    import json
+
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    info = httpx.get(plain.base_url + "/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == "<|im_end|>" and info["eos_token"] == config["eos_token"]
+    assert {"bos_token", "pad_token", "unk_token"} <= info.keys()
+    assert info["tokenizer_class"] == config.get("tokenizer_class", "PreTrainedTokenizerFast")
+    assert isinstance(info["model_max_length"], int) and info["model_max_length"] > 0
+    assert info["chat_template"] == PLAIN_TEMPLATE  # --chat-template replaced the model's
+    assert httpx.get(plain.base_url + "/tokenizer_info", params={"model": "plain"}, timeout=10).json() == info
+    assert httpx.get(plain.base_url + "/tokenizer_info", params={"model": "nope"}, timeout=10).status_code == 404
+    # the eos token round-trips through /tokenize as one id, as the harness finds its id
+    eos = httpx.post(plain.base_url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                     timeout=10).json()["tokens"]
+    assert len(eos) == 1
+
+
+def test_completions_echo_a_token_id_prompt(plain: DynamoRun):
+    with httpx.Client(base_url=plain.base_url, timeout=10) as c:
+        ids = c.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()["tokens"]
+        r = sdk(plain).completions.create(model="plain", prompt=ids, echo=True, max_tokens=0)
+        assert r.choices[0].text == "hello world" and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 0
+        head = c.post("/detokenize", json={"tokens": ids[:2]}).json()["prompt"]
+        both = sdk(plain).completions.create(model="plain", prompt=[ids, ids[:2]], echo=True, max_tokens=0)
+        assert [(ch.index, ch.text) for ch in both.choices] == [(0, "hello world"), (1, head)]
+        assert both.usage.prompt_tokens == len(ids) + 2
+        streamed: dict[int, str] = {}
+        for chunk in sdk(plain).completions.create(model="plain", prompt=[ids, ids[:2]], echo=True, max_tokens=0,
+                                                   stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+        assert streamed == {0: "hello world", 1: head}
+        r = c.post("/v1/completions", json={"model": "plain", "prompt": [ids, [10 ** 9]], "max_tokens": 1})
+        assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
+
+
 def test_tokenize_errors(plain: DynamoRun, full_server: DynamoRun):
     with httpx.Client(base_url=plain.base_url, timeout=10) as c:
         assert c.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404

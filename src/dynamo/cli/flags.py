@@ -45,7 +45,8 @@ USAGE = (
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
     "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
-    "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] [-v|-vv] "
+    "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] "
+    "[--discovery-backend etcd|file] [-v|-vv] "
     "[-- <python engine args>]"
 )
 
@@ -57,7 +58,7 @@ inputs (in=):
   stdin                read all of stdin as one prompt, print the answer, exit (default when piped)
   http                 OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions,
                        /v1/embeddings, /v1/responses (GET/DELETE /v1/responses/ID, .../input_items),
-                       /v1/models, /tokenize, /detokenize, /health, /live, /metrics
+                       /v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /live, /metrics
   batch:FILE.jsonl     run every {"text": ...} line of FILE, write output.jsonl beside it
   dyn://ns.comp.ep     serve the engine as a worker on the distributed runtime (etcd + NATS);
                        missing parts are defaulted (dyn://test)
@@ -193,11 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(reasoning_parser_names()) + " (default auto: from the chat template; worker side)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file replacing the model's (local engine or worker; travels in the model card)")
+    p.add_argument("--lora", action="append", dest="loras", metavar="NAME=PATH", help="serve the LoRA adapter in the GGUF file PATH as the model NAME (out=llamacpp; repeatable)")
     p.add_argument("--embedding", action="store_true", help="serve the model for /v1/embeddings (out=llamacpp, out=vllm, out=echo_core) instead of generation")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY", help="in=http: require 'Authorization: Bearer KEY' on every route but /health, /live, /metrics (repeat for several keys; default: DYN_API_KEY)")
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
     p.add_argument("--tls-key-path", metavar="PEM", help="in=http: the private key of --tls-cert-path")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGINS", help="in=http: CORS origins allowed to call the API ('https://app.example.com', comma-separated, repeatable, or '*'; default none)")
+    p.add_argument("--enable-anthropic-api", action=argparse.BooleanOptionalAction, default=None,
+                   dest="anthropic_api", help="in=http: serve Anthropic's Messages API, /v1/messages and "
+                   "/v1/messages/count_tokens (default: DYN_ENABLE_ANTHROPIC_API, else off)")
+    p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), help="in=dyn://... and out=dyn: where processes find each other: etcd (kv_store is the same), or file (a directory shared by the processes of one host, DYN_FILE_KV); default DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers on localhost:2379, else file")
     p.add_argument("--request-plane", choices=REQUEST_PLANES, help="how requests reach workers: tcp (each worker listens; "
                    "no NATS) or nats (default: DYN_REQUEST_PLANE, else nats when a NATS server answers, else tcp)")
     p.add_argument("--event-plane", choices=EVENT_PLANES, help="how KV events and load metrics travel: zmq (no NATS) "
@@ -229,6 +235,19 @@ def _version() -> str:
 
 
 VALID_INPUTS = ("text", "stdin", "http", "none")
+
+
+def parse_lora_flags(values: list[str]) -> list[tuple[str, str]]:
+    """``--lora name=path`` (repeatable) as (name, path) pairs; UserError for a malformed one."""
+    out: list[tuple[str, str]] = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora {value!r}: expected NAME=PATH (the adapter's model name and its GGUF file)")
+        if name in {n for n, _ in out}:
+            raise UserError(f"--lora: adapter name {name!r} is given twice")
+        out.append((name, path))
+    return out
 
 
 def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfig:
@@ -301,10 +320,13 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         extra_args=extra,
         chat_template=Path(ns.chat_template).expanduser() if ns.chat_template else None,
         embedding=ns.embedding,
+        loras=parse_lora_flags(ns.loras or []),
         api_keys=ns.api_keys or [],
         tls_cert_path=ns.tls_cert_path,
         tls_key_path=ns.tls_key_path,
         allowed_origins=ns.allowed_origins or [],
+        anthropic_api=ns.anthropic_api,
+        discovery_backend={"kv_store": "etcd"}.get(ns.discovery_backend, ns.discovery_backend),
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
     )
@@ -357,6 +379,8 @@ def validate(cfg: RunConfig) -> None:
         if cfg.engine not in DISAGG_ENGINES:
             raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode}: out={cfg.output} cannot hand KV state "
                             f"between workers; engines that can: {', '.join(DISAGG_ENGINES)}")
+    if cfg.discovery_backend is not None and cfg.input_kind != "endpoint" and cfg.engine != "dyn":
+        raise UserError("--discovery-backend is for the distributed runtime: use it with in=dyn://... or out=dyn")
     if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
         raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
     for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, tool_call_parser_names()),
@@ -393,14 +417,16 @@ def _validate_api(cfg: RunConfig) -> None:
     """--chat-template, --embedding and the HTTP exposure flags."""
     http_flags = [name for name, value in (("--api-key", cfg.api_keys), ("--tls-cert-path", cfg.tls_cert_path),
                                             ("--tls-key-path", cfg.tls_key_path),
-                                            ("--allowed-origins", cfg.allowed_origins)) if value]
+                                            ("--allowed-origins", cfg.allowed_origins),
+                                            ("--enable-anthropic-api", cfg.anthropic_api)) if value]
     if http_flags and cfg.input_kind != "http":
         raise UserError(f"{', '.join(http_flags)}: only for in=http (the HTTP server), not in={cfg.input}")
     if cfg.input_kind == "http":
         from dynamo.frontend.http.options import build_http_options
 
         build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
-                           tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+                           tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path,
+                           anthropic_api=cfg.anthropic_api)
     if cfg.chat_template is not None:
         if cfg.engine == "dyn":
             raise UserError("--chat-template goes on the worker (in=dyn://...): the frontend uses the template "

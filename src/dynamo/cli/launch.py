@@ -92,6 +92,10 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
         if kind == "http":
             manager = ModelManager()
             manager.add(model)
+            from dynamo.llm.lora import served_adapters
+
+            for adapter in served_adapters(model):
+                manager.add(adapter)
             return await _serve_http(cfg, manager, stop)
         if kind == "text":
             from dynamo.inputs.text import run_text
@@ -123,7 +127,8 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
     from dynamo.heap import settle_heap
 
     options = build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
-                                 tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+                                 tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path,
+                                 anthropic_api=cfg.anthropic_api)
     service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT,
                           options=options)
     await service.start(cfg.http_host, cfg.http_port)

@@ -10,7 +10,8 @@ from typing import cast
 from dynamo.engines.registry import OPTIONAL_PACKAGES, create_engine, engine_installed
 from dynamo.errors import UserError
 from dynamo.llm.constraints import engine_guided_kinds
-from dynamo.llm.engine import Engine, capabilities_of, start_engine
+from dynamo.llm.engine import Engine, ServesLoraAdapters, capabilities_of, start_engine
+from dynamo.llm.lora import check_adapter_name
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.pipeline import CorePipeline, FullPipeline, ServedModel
 from dynamo.run_config import RunConfig
@@ -55,8 +56,13 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
     if cfg.chat_template is not None and engine.kind != "core":
         raise UserError(f"--chat-template: out={engine_name} applies its own template; the flag works with "
                         "engines that take tokens (llamacpp, vllm, sglang, trtllm, echo_core, pytok:, mocker)")
+    if cfg.loras and not isinstance(engine, ServesLoraAdapters):
+        raise UserError(f"--lora: out={engine_name} does not serve LoRA adapters (out=llamacpp does)")
     await start_engine(engine)
     name = card.display_name
+    for lora_name, path in cfg.loras:  # a bad adapter stops the start with its one-line error
+        if isinstance(engine, ServesLoraAdapters):
+            await engine.load_lora(check_adapter_name(lora_name, name), path)
     caps = capabilities_of(engine)
     if engine.kind == "core":
         card.guided_decoding = engine_guided_kinds(caps.guided_decoding)

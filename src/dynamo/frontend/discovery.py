@@ -6,7 +6,9 @@ notices sooner and routes around it).  A name registered on several endpoints is
 their instances.  This module is the watch loop and its bookkeeping; what serves a model (client,
 router, pipeline) is built by model_builder.py, and prefill entries (``--disaggregation-mode prefill``
 workers) are kept apart, per model name, in prefill_pool.py: a Backend model's engine sends requests to
-them first when there are any (frontend/disagg.py).
+them first when there are any (frontend/disagg.py).  A LoRA adapter is a model of its own, announced by
+each worker that loaded it (its card's ``lora``): its requests go only to those workers, and its KV
+router hashes prompts with the adapter's salt (kv/hashing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from dynamo.aio import cancel_and_wait
+from dynamo.frontend.lora_fleet import LoraFleet
 from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel, worker_added
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
@@ -69,6 +72,9 @@ class ModelWatcher:
         self.prefill = PrefillPool(metrics)
         self.builder = ModelBuilder(runtime, router, prefill_engine=self.prefill.engine,
                                     prefill_stats=self.prefill.stats, observer=self._observer)
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter, sent on to the workers
+        self.loras = LoraFleet(runtime, manager, self.entries)
+        manager.loras = self.loras
 
     def _observer(self, name: str) -> Any:
         if self.worker_metrics is None:
@@ -94,6 +100,11 @@ class ModelWatcher:
             await client.close()
         if self.worker_metrics is not None:
             await self.worker_metrics.close()
+        await self.loras.close()
+
+    def entries(self) -> list[ModelEntry]:
+        """The model entries of every worker, as discovered."""
+        return list(self._entries.values())
 
     def instances(self) -> list[dict[str, Any]]:
         out = []
@@ -110,6 +121,7 @@ class ModelWatcher:
                     await self._on_put(event.key, event.value)
                 else:
                     await self._on_delete(event.key)
+                self.manager.notify()  # run-time LoRA loads wait for their workers' entries
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:
@@ -147,6 +159,7 @@ class ModelWatcher:
             if await self.builder.join(served, key, entry, ep_key):
                 log.info("model %s: also served by dyn://%s.%s.%s (requests go to the instances of %d endpoints)",
                          entry.name, *ep_key, len(served.endpoints))
+            _allow_adapter_worker(served, entry)
             worker_added(served.router, entry)
             return
         built = await self.builder.build(key, entry, ep_key)
@@ -157,6 +170,7 @@ class ModelWatcher:
             return
         served, model = built
         self.served[entry.name] = served
+        _allow_adapter_worker(served, entry)
         worker_added(served.router, entry)
         self.manager.add(model)
         log.info("added model %s (%s) served by dyn://%s.%s.%s", entry.name, entry.model_type.value, *ep_key)
@@ -234,6 +248,8 @@ class ModelWatcher:
         if keys is None or key not in keys:
             return
         keys.discard(key)
+        if served.client.only is not None:
+            served.client.only.discard(entry.instance_id)
         if served.router is not None:
             served.router.remove_worker(entry.instance_id)
         if not keys:
@@ -253,13 +269,22 @@ class ModelWatcher:
                 log.info("model %s: no prefill worker any more; prefilling on the decode workers", entry.name)
 
 
+def _allow_adapter_worker(served: RemoteModel, entry: ModelEntry) -> None:
+    """A LoRA adapter's model goes only to the workers whose entries announce it."""
+    if (entry.card or {}).get("lora"):
+        if served.client.only is None:
+            served.client.only = set()
+        served.client.only.add(entry.instance_id)
+
+
 async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
                          ) -> tuple[DistributedRuntime, ModelManager, ModelWatcher]:
     """Connect the runtime and start following models; the caller serves the manager.  With ``metrics``
     (the HTTP service's FrontendMetrics) the workers' load is exported there too."""
     from dynamo.runtime.distributed import connect_runtime
 
-    runtime = await connect_runtime(request_plane=cfg.request_plane, event_plane=cfg.event_plane)
+    runtime = await connect_runtime(discovery_backend=cfg.discovery_backend, request_plane=cfg.request_plane,
+                                    event_plane=cfg.event_plane)
     manager = ModelManager()
     watcher = ModelWatcher(runtime, manager, RouterConfig(
         mode=cfg.router_mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,

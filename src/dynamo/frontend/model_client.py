@@ -6,6 +6,9 @@ name from the **union** of their live instances: :class:`ModelClient` looks like
 :class:`~dynamo.runtime.Client` to the routers (``instance_ids``, ``round_robin``, ``random``,
 ``direct``, ``wait_for_instances``) and hands each request to the endpoint client that owns the chosen
 instance. With a single endpoint (the usual case) it simply delegates, so behaviour is unchanged.
+
+A LoRA adapter's model is served only by the workers that announced it (their own model entry for the
+adapter): ``only`` is then the set of those instance ids, and every choice is made among them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class ModelClient:
     def __init__(self, clients: list[Client] | None = None) -> None:
         self._clients: list[Client] = list(clients or [])
         self._counter = 0
+        self.only: set[int] | None = None  # when set: the instances that may serve (a LoRA adapter's)
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -43,6 +47,11 @@ class ModelClient:
     # -- instances -------------------------------------------------------------------------------
 
     def instance_ids(self) -> list[int]:
+        if self.only is not None:
+            return [i for i in self._all_ids() if i in self.only]
+        return self._all_ids()
+
+    def _all_ids(self) -> list[int]:
         if len(self._clients) == 1:
             return self._clients[0].instance_ids()
         ids: set[int] = set()
@@ -53,11 +62,13 @@ class ModelClient:
     def free_instance_ids(self) -> list[int]:
         """Live instances below their limit of requests in flight (see Client.free_instance_ids)."""
         if len(self._clients) == 1:
-            return self._clients[0].free_instance_ids()
-        ids: set[int] = set()
-        for client in self._clients:
-            ids.update(client.free_instance_ids())
-        return sorted(ids)
+            free = self._clients[0].free_instance_ids()
+        else:
+            ids: set[int] = set()
+            for client in self._clients:
+                ids.update(client.free_instance_ids())
+            free = sorted(ids)
+        return free if self.only is None else [i for i in free if i in self.only]
 
     async def wait_for_capacity(self, deadline: float, max_waiters: int) -> bool:
         """Wait until some endpoint has an instance with room (Client.wait_for_capacity); with several
@@ -116,7 +127,7 @@ class ModelClient:
 
     def round_robin(self, request: Any, *, context: Context | None = None, annotated: bool = False,
                     lazy: bool = False) -> ResponseStream:
-        if len(self._clients) == 1:
+        if len(self._clients) == 1 and self.only is None:
             return self._clients[0].round_robin(request, context=context, annotated=annotated, lazy=lazy)
         ids = self.free_instance_ids() or self.instance_ids()
         if not ids:  # let the first client raise NoInstancesError
@@ -127,7 +138,7 @@ class ModelClient:
 
     def random(self, request: Any, *, context: Context | None = None, annotated: bool = False,
                lazy: bool = False) -> ResponseStream:
-        if len(self._clients) == 1:
+        if len(self._clients) == 1 and self.only is None:
             return self._clients[0].random(request, context=context, annotated=annotated, lazy=lazy)
         ids = self.free_instance_ids() or self.instance_ids()
         if not ids:

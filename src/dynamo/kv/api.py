@@ -166,17 +166,19 @@ class RadixTree:
 
 
 def compute_block_hash_for_seq(tokens: Sequence[int], kv_block_size: int,
-                               block_mm_infos: Sequence[dict[str, Any] | None] | None = None) -> list[int]:
+                               block_mm_infos: Sequence[dict[str, Any] | None] | None = None,
+                               lora_name: str | None = None) -> list[int]:
     """The local hash of each *complete* block of ``tokens`` (a partial last block has none): what
     workers send as ``tokens_hash`` and what :meth:`RadixTree.find_matches` takes.
 
     ``block_mm_infos``: per block, None or ``{"mm_objects": [{"mm_hash": <u64>, ...}, ...]}``, the
-    multimodal objects the block shows; their hashes go into that block's hash."""
+    multimodal objects the block shows; their hashes go into that block's hash.  ``lora_name``: the blocks
+    were computed under that LoRA adapter, whose name salts the hashes (an empty name is none)."""
     if kv_block_size == 0:
         raise ValueError("kv_block_size cannot be 0")
     if kv_block_size < 0:
         raise OverflowError("kv_block_size must not be negative")
-    hashes = compute_block_hashes(tokens, kv_block_size)
+    hashes = compute_block_hashes(tokens, kv_block_size, lora_name)
     if block_mm_infos:
         for i, info in enumerate(block_mm_infos[:len(hashes)]):
             if info is None:
@@ -187,5 +189,5 @@ def compute_block_hash_for_seq(tokens: Sequence[int], kv_block_size: int,
                 raise ValueError("each block_mm_infos entry must be None or "
                                  "{'mm_objects': [{'mm_hash': int}, ...]}") from None
             start = i * kv_block_size
-            hashes[i] = block_hash_mm(tokens[start:start + kv_block_size], mm)
+            hashes[i] = block_hash_mm(tokens[start:start + kv_block_size], mm, lora_name)
     return hashes

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
+from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import (
     DISK,
     HOST,
@@ -64,7 +65,8 @@ class RoutingDecision(NamedTuple):
 
 
 class KvRouter:
-    """KV-aware worker selection for one model (one block size)."""
+    """KV-aware worker selection for one model (one block size).  ``lora_name``: the model is that LoRA
+    adapter, so prompts are hashed with its salt (hashing.py) and match only blocks computed under it."""
 
     def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
                  use_kv_events: bool = True, *, approx_ttl: float = DEFAULT_APPROX_TTL_S,
@@ -72,7 +74,8 @@ class KvRouter:
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
-                 tier_weights: Mapping[str, float] | None = None):
+                 tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
+                 decision_log: DecisionLog | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -84,6 +87,7 @@ class KvRouter:
             if tier not in LOWER_TIERS or not 0 <= weight <= 1:
                 raise ValueError(f"tier weight {tier}={weight}: tiers are {LOWER_TIERS}, weights 0..1")
         self.block_size = block_size
+        self.lora_name = lora_name or None
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self.use_kv_events = use_kv_events
@@ -106,6 +110,7 @@ class KvRouter:
         self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
+        self.decision_log = decision_log  # opt-in JSON lines of decisions and events (decision_log.py)
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
@@ -116,7 +121,7 @@ class KvRouter:
         prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
         prompt, so that hashing does not hold the event loop)."""
         if hashes is None:
-            local = compute_block_hashes(token_ids, self.block_size)
+            local = compute_block_hashes(token_ids, self.block_size, self.lora_name)
             seq = compute_seq_hashes(local)
         else:
             local, seq = hashes
@@ -146,7 +151,7 @@ class KvRouter:
                 costs = [*costs, choice]
         else:
             costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
-                                  self.overlap_score_weight, self.trackers, restorable)
+                                  self.overlap_score_weight, self.trackers, restorable, now=self.clock())
             choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
@@ -161,8 +166,12 @@ class KvRouter:
                           {f"{w:x}": round(v, 2) for w, v in restorable.items()})
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
+        if self.decision_log is not None:
+            self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs)
         if request_id is not None:
-            prefill = len(token_ids) - choice.overlap_blocks * self.block_size
+            tracker = self.trackers.get(choice.worker_id)
+            inflight = tracker.shared_prefix(blocks) if tracker is not None else 0
+            prefill = len(token_ids) - max(choice.overlap_blocks, inflight) * self.block_size
             self._add(request_id, choice.worker_id, blocks, prefill)
             emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
                 "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
@@ -174,7 +183,7 @@ class KvRouter:
     def add_request(self, request_id: str, token_ids: Sequence[int], worker_id: WorkerId,
                     overlap_blocks: int = 0) -> None:
         """Track a request routed without :meth:`select` (e.g. ``backend_instance_id`` was given)."""
-        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
         blocks = self._request_blocks(seq, len(token_ids))
         self._add(request_id, worker_id, blocks, len(token_ids) - overlap_blocks * self.block_size)
         emit(self.publish_active_sequence, self._seq_event(request_id, worker_id, {
@@ -184,6 +193,8 @@ class KvRouter:
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
         worker = self._owner.get(request_id)
+        if self.decision_log is not None and worker is not None:
+            self.decision_log.write({"ev": "first", "id": request_id})
         if worker is not None and self._mark(worker, request_id):
             emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
                  "active sequence event")
@@ -193,6 +204,8 @@ class KvRouter:
         worker = self._owner.pop(request_id, None)
         if worker is None:
             return
+        if self.decision_log is not None:
+            self.decision_log.write({"ev": "done", "id": request_id})
         self._free(worker, request_id)
         emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
 
@@ -201,7 +214,7 @@ class KvRouter:
         """One KV event from a worker (raw JSON or parsed).  Ignored when not using KV events."""
         if isinstance(self.indexer, ApproxKvIndexer):
             return False
-        if self._resync or self._dumped_upto:
+        if self._resync or self._dumped_upto or self.decision_log is not None:
             if not isinstance(event, KvEvent):
                 try:
                     event = parse_kv_event(event)
@@ -215,6 +228,9 @@ class KvRouter:
             pending = self._resync.get(event.worker_id)
             if pending is not None:
                 pending.append(event)
+            if self.decision_log is not None:
+                self.decision_log.write({"ev": event.kind, "worker": f"{event.worker_id:x}", "tier": event.tier,
+                                         "blocks": [b.block_hash for b in event.blocks] or list(event.block_hashes)})
         return self.indexer.apply_event(event)
 
     def begin_resync(self, worker_id: WorkerId) -> None:
@@ -327,7 +343,7 @@ class KvRouter:
     # -- queries -------------------------------------------------------------------------------
     def find_matches(self, token_ids: Sequence[int]) -> Overlaps:
         """Cached prefix length, in blocks, of ``token_ids`` per worker."""
-        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size))
+        return self.indexer.find_matches(compute_block_hashes(token_ids, self.block_size, self.lora_name))
 
     def worker_load(self, worker_id: WorkerId) -> dict[str, int]:
         t = self.trackers.get(worker_id)
@@ -339,10 +355,27 @@ class KvRouter:
     def restorable(self, token_ids: Sequence[int]) -> dict[WorkerId, float]:
         """Per worker, the weighted blocks of ``token_ids`` it could restore from a lower tier beyond its
         resident prefix (what :meth:`select` credits)."""
-        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size))
+        seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
         return self._restorable(seq, self.indexer.find_matches([], seq))
 
     # -- internals -----------------------------------------------------------------------------
+    def _log_decision(self, request_id: str | None, worker: WorkerId, isl: int, blocks: Sequence[int | str],
+                      costs: Sequence[WorkerCost]) -> None:
+        """One ``route`` line (decision_log.py): what the router saw of each candidate when it chose."""
+        assert self.decision_log is not None
+        cands: dict[str, Any] = {}
+        for c in costs:
+            t = self.trackers.get(c.worker_id)
+            cands[f"{c.worker_id:x}"] = {
+                "overlap": c.overlap_blocks, "inflight": t.shared_prefix(blocks) if t is not None else 0,
+                "prefill": c.prefill_tokens, "decode": c.decode_blocks, "logit": round(c.logit, 3),
+                "active_tokens": t.active_tokens if t is not None else 0,
+                "active_blocks": t.num_blocks if t is not None else 0,
+                "requests": len(t.requests) if t is not None else 0}
+        self.decision_log.write({"ev": "route", "id": request_id, "worker": f"{worker:x}", "isl": isl,
+                                 "blocks": list(blocks[:isl // self.block_size]),
+                                 "candidates": cands})
+
     def _restorable(self, seq: Sequence[int], overlaps: Overlaps) -> dict[WorkerId, float]:
         """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
         weight (a block reachable through host memory is priced as host, through disk as disk)."""
@@ -379,14 +412,14 @@ class KvRouter:
             tracker = self.trackers[worker] = ActiveSequences()
         if request_id in tracker.requests:
             self._free(worker, request_id)
-        tracker.add_request(request_id, blocks, prefill)
+        tracker.add_request(request_id, blocks, prefill, self.clock())
         if blocks:
             self._heads.setdefault(blocks[0], set()).add(worker)
         self._loads.update(worker, tracker)
 
     def _mark(self, worker: WorkerId, request_id: str) -> bool:
         tracker = self.trackers.get(worker)
-        if tracker is None or not tracker.mark_prefill_completed(request_id):
+        if tracker is None or not tracker.mark_prefill_completed(request_id, self.clock()):
             return False
         self._loads.update(worker, tracker)
         return True

@@ -10,6 +10,10 @@ when the first slot computes it, ``removed`` when the last one drops it (its cac
 prompt, or lost).  Runs of new consecutive blocks make one ``stored`` event whose ``parent_hash`` is the
 block before them in that slot.  Changes collect as event *data* until :meth:`take_events`, so the
 engine's compute thread can hand them to the event loop in one go.  Not thread-safe: one thread.
+
+A slot computed under a LoRA adapter names its blocks with the adapter's salted hashes (hashing.py), so
+the router matches them only for requests of that adapter; a slot that changes adapter starts from
+nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class SlotBlocks:
         self.block_size = block_size
         self._slots: dict[int, list[int]] = {}  # slot -> sequence hashes of its complete blocks
         self._refs: dict[int, int] = {}  # sequence hash -> number of slots holding it
+        self._lora: dict[int, str | None] = {}  # slot -> the LoRA adapter its blocks were computed under
         self._events: list[Any] = []
 
     @property
@@ -41,6 +46,7 @@ class SlotBlocks:
         """Forget every slot (the engine's cache is empty): one ``cleared`` event."""
         self._slots.clear()
         self._refs.clear()
+        self._lora.clear()
         self._events.append(CLEARED_DATA)
 
     def truncate(self, slot: int, n_tokens: int) -> None:
@@ -61,16 +67,19 @@ class SlotBlocks:
         if gone:
             self._events.append(removed_data(gone))
 
-    def extend(self, slot: int, tokens: Sequence[int]) -> None:
-        """The slot holds ``tokens`` (its previous tokens, plus what it computed since): name the new
-        complete blocks."""
+    def extend(self, slot: int, tokens: Sequence[int], lora_name: str | None = None) -> None:
+        """The slot holds ``tokens`` (its previous tokens, plus what it computed since), computed under
+        the LoRA adapter ``lora_name`` (None: the base model): name the new complete blocks."""
+        if self._lora.get(slot) != lora_name:
+            self.truncate(slot, 0)
+            self._lora[slot] = lora_name
         blocks = self._slots.setdefault(slot, [])
         have = len(blocks)
         bs = self.block_size
         n = len(tokens) // bs
         if n <= have:
             return
-        local = compute_block_hashes(tokens[have * bs:n * bs], bs)
+        local = compute_block_hashes(tokens[have * bs:n * bs], bs, lora_name)
         seq = compute_seq_hashes(local, blocks[-1] if blocks else None)
         parent = blocks[-1] if blocks else None
         run: list[tuple[int, int]] = []
@@ -98,6 +107,7 @@ class SlotBlocks:
         for h in shared:
             self._refs[h] += 1
         self._slots[dst] = list(shared)
+        self._lora[dst] = self._lora.get(src)
 
     def take_events(self) -> list[Any]:
         events, self._events = self._events, []

@@ -15,13 +15,18 @@ seeded per process), so the router could never match them against a prompt it ha
 engine's hash to ours, which resolves parents of later stores and the hashes in removals.  It names
 each block by our sequence hash in the events it emits, as the mocker does.
 
+A store under a LoRA adapter (vLLM's ``lora_name``, which vLLM also lists first in each block's
+``extra_keys``) is hashed with the adapter's seed (hashing.py: Dynamo's ``lora_name`` salt), as the
+router hashes that adapter's prompts: the router matches those blocks for that adapter's requests only.
+
 What is skipped, and why (each logged once):
 
 * a store whose ``block_size`` is not the router's: its blocks would be hashed over other boundaries;
 * a store under a parent it never saw stored (events were lost, or it started late): its chained hash is
   unknown; its descendants are skipped with it, so the router never holds a block without its prefix;
-* blocks with ``extra_keys`` or a LoRA (multimodal inputs, cache salts, adapters): the engine only
-  shares them with requests that match those too, which the router's token-only hash cannot tell;
+* blocks with ``extra_keys`` besides a LoRA adapter's name (multimodal inputs, cache salts), or of an
+  adapter named by its number only (``lora_id`` without ``lora_name``, older vLLM): the engine only
+  shares them with requests that match those too, which the router's hash cannot tell;
 * events for another medium than the GPU (``CPU``/``STORAGE`` offload tiers) or another KV cache group
   than the first (hybrid models): the router models one cache per worker.
 
@@ -57,7 +62,8 @@ GPU_MEDIUMS = (None, "GPU")
 
 # positional fields of the tagged-array form (older vLLM, SGLang), after the tag
 _ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -156,9 +162,11 @@ class KvEventTranslator:
             self._warn_once("partial", "%s KV event with %d tokens for %d blocks of %d ignored (partial blocks "
                             "are not routed on)", self.engine, len(tokens), len(hashes), bs)
             return None
-        if event.get("lora_id") is not None or event.get("lora_name") is not None or any(event.get("extra_keys") or ()):
-            # the engine shares these only with requests of the same adapter / media / salt; the router's
-            # token-only hash cannot tell them apart, so it is better not to know them (children follow)
+        lora_name = event.get("lora_name") or None
+        if (lora_name is None and event.get("lora_id") is not None) or _other_extra_keys(event, lora_name):
+            # the engine shares these only with requests of the same media / salt (or of an adapter it
+            # names by number only); the router's hash cannot tell them apart, so it is better not to
+            # know them (children follow)
             self.skipped += len(hashes)
             return None
         parent_hash = event.get("parent_block_hash")
@@ -170,7 +178,7 @@ class KvEventTranslator:
                 self._warn_once("parent", "%s stored KV blocks under a parent block it never reported (events "
                                 "lost?); skipped until their prefix is stored again", self.engine)
                 return None
-        local = compute_block_hashes(tokens, bs)
+        local = compute_block_hashes(tokens, bs, lora_name)  # an adapter's blocks: its salted hashes
         seq = compute_seq_hashes(local, parent_seq)
         blocks = self._blocks
         for h, lo, s in zip(hashes, local, seq, strict=False):
@@ -200,6 +208,22 @@ class KvEventTranslator:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
+
+
+def _other_extra_keys(event: Mapping[str, Any], lora_name: str | None) -> bool:
+    """Whether a store's blocks carry hash keys besides its LoRA adapter's name (vLLM lists, per block, the
+    adapter's name first, then media identifiers, the cache salt, prompt-embedding digests)."""
+    for keys in event.get("extra_keys") or ():
+        if not keys:
+            continue
+        if not isinstance(keys, (list, tuple)):
+            return True  # a producer's flag (the TRT-LLM translation below): keys we cannot read
+        rest = list(keys)
+        if lora_name is not None and rest and rest[0] == lora_name:
+            rest = rest[1:]
+        if rest:
+            return True
+    return False
 
 
 def _key(h: Any) -> Hashable:

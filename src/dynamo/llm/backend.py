@@ -1,8 +1,9 @@
 """Post-processing of a core engine's token stream: detokenize, hold back stop strings, count, finish (our decisions in docs/decisions.md).
 
 Per token: incremental detokenisation, then the stop conditions in this order: ``min_tokens`` (nothing
-stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown), stop strings (held back
-so no part of one is ever shown), ``max_tokens`` (enforced here for every engine).  Items that arrive
+stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown; the logprob entry of the one
+that ends the choice is kept only when the request asks, as completions do), stop strings (held back so
+no part of one is ever shown), ``max_tokens`` (enforced here for every engine).  Items that arrive
 already detokenised (``text`` set by a remote Backend worker that did this work) pass through.
 """
 
@@ -35,7 +36,7 @@ class PostProcessor:
     logprobs asked for, :meth:`take_logprobs` then gives the entries of the tokens that text came from."""
 
     __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_prompt", "_prompt_n", "_tokenizer",
-                 "generated", "finished")
+                 "_stop_entry", "generated", "finished", "_upstream_stop")
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest):
         sc = request.stop_conditions
@@ -49,9 +50,11 @@ class PostProcessor:
         self._released: list[Entry] = []
         self._prompt = request.token_ids  # (an engine may resume the request with more: not ours to show)
         self._prompt_n = request.output_options.prompt_logprobs or 0
+        self._stop_entry = bool(request.output_options.stop_token_logprobs)
         self._tokenizer = tokenizer
         self.generated = 0
         self.finished: str | None = None
+        self._upstream_stop: str | None = None
 
     def process(self, out: EngineOutput) -> tuple[str, str | None]:
         error = finish_error_message(out.finish_reason)
@@ -64,6 +67,8 @@ class PostProcessor:
             if reason is None and self._max is not None and self.generated >= self._max:
                 reason = "length"
             self.finished = reason
+            if out.stop_sequence is not None:
+                self._upstream_stop = out.stop_sequence
             if self._lp is not None and out.logprobs_content:
                 self._released += out.logprobs_content
             return out.text, reason
@@ -78,6 +83,8 @@ class PostProcessor:
             text = self._detok.step(token_id)
             if self.generated > self._min:
                 if token_id in self._hidden:
+                    if lp is not None and self._stop_entry:
+                        self._carry(out, 0)
                     reason = "stop"
                     break
                 if lp is not None:
@@ -115,6 +122,13 @@ class PostProcessor:
         self.finished = self.finished or "stop"
         tail, cut = self._flush()
         return self._done(tail, "stop", cut)[0]
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer (None: it ended otherwise, or has not ended)."""
+        if self._upstream_stop is not None:
+            return self._upstream_stop
+        return self._stops.matched if self._stops is not None and self.finished == "stop" else None
 
     def take_logprobs(self) -> list[Entry] | None:
         """The entries released with the text of the last ``process``/``end`` (None: not asked for)."""

@@ -153,6 +153,19 @@ class ExportsSequenceState(Protocol):
     supports_state_io: bool
 
 
+@runtime_checkable
+class ServesLoraAdapters(Protocol):
+    """Serves LoRA adapters of its model by name: a request whose ``model`` names a loaded adapter runs
+    with it (llm/lora.py).  ``load_lora`` and ``unload_lora`` raise UserError for what the user got wrong
+    (not an adapter of this model, a name taken or unknown)."""
+
+    def lora_adapters(self) -> dict[str, str]: ...
+
+    async def load_lora(self, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, name: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What an engine can do beyond ``generate``, checked once when the served model is built."""

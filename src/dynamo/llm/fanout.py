@@ -34,8 +34,13 @@ async def merge_choices(
     ctx: Context,
     children: list[Context],
     usage: Callable[[int, int, int | None], dict[str, Any]] | None,
+    per_prompt: int = 0,
 ) -> AsyncIterator[Any]:
-    """Interleave the choices' chunks as they come, each relabelled with its choice index."""
+    """Interleave the choices' chunks as they come, each relabelled with its choice index.
+
+    ``per_prompt``: the streams are several prompts' choices, that many per prompt in a row (a batched
+    completions request), and usage counts each prompt once; 0: they all share one prompt."""
+    firsts = range(0, len(children), per_prompt or len(children))
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[Any]) -> None:
@@ -57,10 +62,11 @@ async def merge_choices(
             if isinstance(item, BaseException):
                 raise item
             ctx.completion_tokens = sum(c.completion_tokens for c in children)
-            ctx.prompt_tokens = children[0].prompt_tokens
-            ctx.cached_tokens = children[0].cached_tokens
+            ctx.prompt_tokens = sum(children[f].prompt_tokens for f in firsts)
+            cached = [children[f].cached_tokens for f in firsts]
+            ctx.cached_tokens = None if all(c is None for c in cached) else sum(c or 0 for c in cached)
             if isinstance(item, Annotation):
-                if i == 0:  # the prompt's annotations are the same for every choice
+                if i in firsts:  # a prompt's annotations are the same for each of its choices
                     yield item
                 continue
             for choice in item.get("choices") or ():

@@ -45,6 +45,14 @@ class ModelCard:
     # a card without them (another engine, an older worker) makes requests asking for them 400s
     logprobs: bool = False
     prompt_logprobs: bool = False
+    # a LoRA adapter of a base model, served under its own name (llm/lora.py): Dynamo's ``lora`` field
+    # (``name``, ``max_gpu_lora_count``) plus ours, ``base_model`` (the parent's served name) and ``path``
+    lora: dict[str, Any] | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter this card serves (None: a base model)."""
+        return str(self.lora["name"]) if self.lora and self.lora.get("name") else None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -83,6 +91,7 @@ class ModelCard:
             "logit_bias": self.logit_bias,
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "lora": self.lora,
         }
 
     @classmethod

@@ -91,6 +91,9 @@ class CorePipeline:
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         from dynamo.llm.tokenizer import OFF_LOOP_CHARS
 
+        prompts = self.preprocessor.completion_prompts(req)
+        if len(prompts) > 1:
+            return self._batch(prompts, req, raw, ctx)
         text = self.preprocessor.completion_text(req)
         if text is not None and len(text) >= OFF_LOOP_CHARS:
             return self._completions_off_loop(text, req, raw, ctx)
@@ -107,15 +110,57 @@ class CorePipeline:
             await stream.aclose()  # type: ignore[attr-defined]
 
     def _completions_stream(self, pre: Preprocessed, req: CompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
-        self._check_logprobs(pre, echo=bool(req.echo))
-        echo = pre.formatted_prompt if req.echo and pre.formatted_prompt else None
-        oo = pre.request.output_options
-        if echo and oo.logprobs is not None:
-            oo.prompt_logprobs = oo.logprobs  # the echoed prompt comes with its tokens' logprobs
+        echo = self._echo(pre, req)
         if (req.n or 1) > 1:
             return self._choices(pre, req.n, lambda: CompletionChunks(req.model, ctx.id), include_usage(req), ctx,  # type: ignore[arg-type]
                                  echo)
         return self._stream(pre, CompletionChunks(req.model, ctx.id), include_usage(req), ctx, echo)
+
+    def _echo(self, pre: Preprocessed, req: CompletionRequest) -> str | None:
+        """The prompt text to echo (a token-id prompt's decoded, special tokens kept so that the text is
+        what its tokens' logprob entries spell), and the engine asked for its logprobs.  ``max_tokens``
+        0 (echo only) asks the engine for one token, which :meth:`_stream` does not pass on."""
+        self._check_logprobs(pre, echo=bool(req.echo))
+        request = pre.request
+        if request.output_options.logprobs is not None:
+            request.output_options.stop_token_logprobs = True
+        if not req.echo:
+            return None
+        echo = pre.formatted_prompt
+        if echo is None:
+            echo = self.tokenizer.decode(request.token_ids) if self.tokenizer is not None else ""
+        if request.output_options.logprobs is not None:
+            request.output_options.prompt_logprobs = request.output_options.logprobs
+        if request.stop_conditions.max_tokens == 0:
+            request.stop_conditions.max_tokens = 1
+            request.stop_conditions.min_tokens = None
+            pre.prompt_only = True
+        return echo
+
+    async def _batch(self, prompts: list[str | list[int]], req: CompletionRequest, raw: dict[str, Any],
+                     ctx: Context) -> AsyncIterator[StreamItem]:
+        """Several prompts in one request (a list of texts or of token-id lists): each is its own engine
+        request (``n`` each), its choices numbered prompt by prompt, as vLLM numbers them; usage counts
+        every prompt once.  Every prompt is checked before any engine starts."""
+        n = req.n or 1
+        pres = []
+        for prompt in prompts:
+            ids = await self.tokenizer.encode_prompt_async(prompt) if isinstance(prompt, str) else None  # type: ignore[union-attr]
+            pres.append(self.preprocessor.completion(req, raw, ids, prompt))
+        echoes = [self._echo(pre, req) for pre in pres]
+        children = child_contexts(ctx, len(pres) * n)
+        streams = []
+        for p, (pre, echo) in enumerate(zip(pres, echoes, strict=True)):
+            for i in range(n):
+                streams.append(self._stream(self._choice_request(pre, n, i), CompletionChunks(req.model, ctx.id),
+                                            False, children[p * n + i], echo))
+        usage = CompletionChunks(req.model, ctx.id).usage if include_usage(req) else None
+        merged = merge_choices(streams, ctx, children, usage, per_prompt=n)
+        try:
+            async for item in merged:
+                yield item
+        finally:
+            await merged.aclose()  # type: ignore[attr-defined]
 
     def _check_logprobs(self, pre: Preprocessed, echo: bool = False) -> None:
         """Logprobs from an engine that gives none would be ``null`` or made up: a 400 instead.  ``echo``
@@ -133,14 +178,20 @@ class CorePipeline:
                  echo: str | None = None) -> AsyncIterator[StreamItem]:
         """``n`` > 1: n single-choice streams merged (fanout.py)."""
         children = child_contexts(ctx, n)
-        streams = []
-        seed = pre.request.sampling_options.seed
-        for i, child in enumerate(children):
-            request = msgspec.structs.replace(pre.request, sampling_options=msgspec.structs.replace(
-                pre.request.sampling_options, n=None, seed=None if seed is None else seed + i))
-            streams.append(self._stream(type(pre)(request, pre.formatted_prompt), make_chunks(), False, child, echo))
+        streams = [self._stream(self._choice_request(pre, n, i), make_chunks(), False, child, echo)
+                   for i, child in enumerate(children)]
         usage = make_chunks().usage if with_usage else None
         return merge_choices(streams, ctx, children, usage)
+
+    @staticmethod
+    def _choice_request(pre: Preprocessed, n: int, i: int) -> Preprocessed:
+        """Choice ``i`` of ``n``: its own engine request; with a seed, ``seed + i`` so the choices differ."""
+        if n == 1:
+            return pre
+        seed = pre.request.sampling_options.seed
+        request = msgspec.structs.replace(pre.request, sampling_options=msgspec.structs.replace(
+            pre.request.sampling_options, n=None, seed=None if seed is None else seed + i))
+        return type(pre)(request, pre.formatted_prompt, pre.prompt_only)
 
     async def _stream(
         self,
@@ -162,6 +213,11 @@ class CorePipeline:
         if echo and request.output_options.prompt_logprobs is None:
             yield chunks.delta(echo, logprobs=carried)
             echo = None  # else sent with the prompt's logprobs, which come with the engine's first item
+            if pre.prompt_only:  # echo alone, nothing the engine could add
+                yield chunks.delta(None, "length", logprobs=carried)
+                if with_usage:
+                    yield chunks.usage(ctx.prompt_tokens, 0, None)
+                return
         from dynamo.llm.backend import PostProcessor
 
         post = PostProcessor(self.tokenizer, request)  # type: ignore[arg-type]
@@ -176,6 +232,9 @@ class CorePipeline:
                 if echo:
                     yield chunks.delta(echo, logprobs=post.prompt_logprobs(out) or [])
                     echo = None
+                if pre.prompt_only:  # the engine's token only brought the prompt's logprobs
+                    reason = "length"
+                    break
                 text, reason = post.process(out)
                 if stamps is not None:
                     stamp(stamps, "detokenized", f"{len(text)} chars")
@@ -209,7 +268,10 @@ class CorePipeline:
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         if echo:  # the engine sent nothing at all: the echo still goes out
             yield chunks.delta(echo, logprobs=[])
-        yield chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        last = chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        if post.stop_sequence is not None:  # vLLM's field: the stop string that ended the answer
+            last["choices"][0]["stop_reason"] = post.stop_sequence
+        yield last
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
 

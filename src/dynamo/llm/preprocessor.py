@@ -39,6 +39,7 @@ from dynamo.llm.tokenizer import Tokenizer
 class Preprocessed:
     request: PreprocessedRequest
     formatted_prompt: str | None
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), no generated token
 
 
 @dataclass
@@ -194,25 +195,35 @@ class Preprocessor:
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else None
 
-    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None,
-                   token_ids: list[int] | None = None) -> Preprocessed:
-        """``token_ids``: the prompt text already tokenized (off the loop, by the caller)."""
+    @staticmethod
+    def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+        """The request's prompts: one text or token-id list, or several (a batch, one choice each)."""
         prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+    def completion(self, req: CompletionRequest, raw: dict[str, Any] | None = None,
+                   token_ids: list[int] | None = None, prompt: str | list[int] | None = None) -> Preprocessed:
+        """``token_ids``: the prompt text already tokenized (off the loop, by the caller); ``prompt``: one
+        of a batch's prompts (else the request's only one)."""
+        if prompt is None:
+            prompts = self.completion_prompts(req)
+            if len(prompts) != 1:
+                raise RequestError("One prompt expected here", param="prompt")
+            prompt = prompts[0]
         if isinstance(prompt, str):
             token_ids = token_ids if token_ids is not None else self.tokenizer.encode_prompt(prompt)
             text: str | None = prompt
-        elif all(isinstance(t, int) for t in prompt):
+        else:
             token_ids = list(prompt)
             text = None
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"Token id {bad} is out of vocabulary (size {vocab})", param="prompt")
-        else:
-            raise RequestError("Batched prompts (several prompts in one request) are not supported; "
-                               "send one request per prompt", param="prompt")
         if not token_ids:
             raise RequestError("The prompt is empty", param="prompt")
         request = self._build(req, token_ids, req.max_tokens)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 
 class StopStringMatcher:
-    __slots__ = ("_stops", "_pending")
+    __slots__ = ("_stops", "_pending", "matched")
 
     def __init__(self, stops: list[str]):
         self._stops = [s for s in stops if s]
         self._pending = ""
+        self.matched: str | None = None  # the stop string that matched (Anthropic's ``stop_sequence``)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add a delta; return (text safe to emit, whether a stop string matched)."""
@@ -23,6 +24,7 @@ class StopStringMatcher:
             i = buf.find(stop)
             if i != -1 and (first == -1 or i < first):
                 first = i
+                self.matched = stop
         if first != -1:
             self._pending = ""
             return buf[:first], True

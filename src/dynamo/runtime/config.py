@@ -38,6 +38,9 @@ class EtcdSettings:
     cert_file: str | None = None
     key_file: str | None = None
     resync_grace: float = DEFAULT_RESYNC_GRACE
+    # True when the endpoints were given (in code, or ETCD_ENDPOINTS): then etcd is the discovery backend
+    # unless another is asked for; False only from_env without ETCD_ENDPOINTS (the default rule probes)
+    explicit: bool = True
 
     @classmethod
     def from_env(cls) -> "EtcdSettings":
@@ -51,6 +54,7 @@ class EtcdSettings:
             cert_file=_env("ETCD_AUTH_CLIENT_CERT"),
             key_file=_env("ETCD_AUTH_CLIENT_KEY"),
             resync_grace=_float_env("DYN_ETCD_RESYNC_GRACE", DEFAULT_RESYNC_GRACE, minimum=0.0),
+            explicit=_env("ETCD_ENDPOINTS") is not None,
         )
 
 
@@ -84,10 +88,14 @@ class NatsSettings:
     token: str | None = None
     nkey_seed: str | None = None
     credentials_file: str | None = None
+    # True when the server was given (in code, or NATS_SERVER): then the request and event planes are
+    # NATS's unless others are asked for; False only from_env without NATS_SERVER (the default rule probes)
+    explicit: bool = True
 
     @classmethod
     def from_env(cls) -> "NatsSettings":
         return cls(
+            explicit=_env("NATS_SERVER") is not None,
             server=_env("NATS_SERVER") or DEFAULT_NATS_SERVER,
             username=_env("NATS_AUTH_USERNAME"),
             password=_env("NATS_AUTH_PASSWORD"),
@@ -196,6 +204,10 @@ class RuntimeSettings:
     # accepted by workers; DYN_TCP_MUX=0 keeps a connection per stream (the original's protocol).
     tcp_mux: bool = True
     system: SystemSettings = field(default_factory=SystemSettings)
+    # Discovery: "etcd", "file", or None to choose at start-up (runtime/discovery_choice.py).
+    discovery_backend: str | None = None
+    # The file store's directory (None: DYN_FILE_KV, else $TMPDIR/dynamo_store_kv).
+    file_kv: str | None = None
     # How requests reach a worker: "nats", "tcp" (the worker listens, its address in discovery), or None:
     # chosen at connect time (runtime/distributed.py says the rule and logs the choice).
     request_plane: str | None = None
@@ -209,6 +221,8 @@ class RuntimeSettings:
     def from_env(cls) -> "RuntimeSettings":
         timeout = _env("DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT")
         return cls(
+            discovery_backend=discovery_backend_name(_env("DYN_DISCOVERY_BACKEND"), "DYN_DISCOVERY_BACKEND"),
+            file_kv=_env("DYN_FILE_KV"),
             etcd=EtcdSettings.from_env(),
             nats=NatsSettings.from_env(),
             lease_ttl=int(_float_env("DYN_LEASE_TTL", DEFAULT_LEASE_TTL, minimum=1)),
@@ -254,3 +268,18 @@ def _port_env(name: str) -> int:
         raise RuntimeConfigError(f"{name}={raw!r} must be a port (0: any free one)")
     return port
 
+
+DISCOVERY_BACKENDS = ("etcd", "file")
+# the names Dynamo 1.x accepts for the same backends
+_DISCOVERY_ALIASES = {"etcd": "etcd", "kv_store": "etcd", "file": "file"}
+
+
+def discovery_backend_name(raw: str | None, source: str = "--discovery-backend") -> str | None:
+    """``etcd`` / ``kv_store`` -> ``etcd``, ``file`` -> ``file``, None or ``auto`` -> None (choose at
+    start-up); anything else is a clear error naming where it came from."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    name = _DISCOVERY_ALIASES.get(raw.strip().lower())
+    if name is None:
+        raise RuntimeConfigError(f"{source}={raw!r}: use etcd (or kv_store) or file")
+    return name

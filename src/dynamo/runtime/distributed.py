@@ -1,13 +1,14 @@
 """DistributedRuntime: one process's connections, its primary lease (= instance id), the keys bound to
 that lease, and its shutdown signal.
 
-This is where the backends are chosen and wired: etcd behind the discovery seam
+This is where the backends are chosen and wired: etcd or the file store behind the discovery seam
 (:mod:`.discovery`), NATS or direct TCP behind the request plane (:mod:`.request_plane`), NATS or ZMQ
-behind the event plane (:mod:`.event_plane`), TCP call-home for response streams
-(:mod:`.response_streams`). The planes' rule, in one block of ``_open``: what ``DYN_REQUEST_PLANE`` /
-``DYN_EVENT_PLANE`` (``--request-plane`` / ``--event-plane``) say; where either is not given, NATS when a
-server answers at ``NATS_SERVER``, else TCP and ZMQ; one log line says what was chosen. With TCP and
-ZMQ, NATS is still used for the object store when a server answers. Everything else
+behind the event plane (:mod:`.event_plane`), NATS JetStream, files or etcd behind the object store
+(:mod:`.object_store`), TCP call-home for response streams (:mod:`.response_streams`). The default
+rule (:mod:`.discovery_choice` for discovery, :mod:`.plane_choice` for the planes): etcd when
+``ETCD_ENDPOINTS`` is set or an etcd answers, else the file store; NATS when ``NATS_SERVER`` is set or
+a NATS answers, else TCP and ZMQ; the object store follows (files with the file store, else NATS when
+connected, else etcd); one start-up line says what was chosen and why. Everything else
 gets those parts through the accessors (``discovery()``, ``request_plane()``, ``event_plane()``,
 ``response_streams()``), never a backend's module.
 
@@ -25,23 +26,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NatsClient
 
+from dynamo.aio import cancel_and_wait
+
 from .component import Namespace
-from .config import EVENT_PLANES, REQUEST_PLANES, RuntimeSettings, check_choice
+from .config import EVENT_PLANES, REQUEST_PLANES, RuntimeSettings, check_choice, discovery_backend_name
+from .discovery import Discovery
+from .discovery_choice import MismatchCheck, choose_discovery, etcd_answers, live_leases_in
 from .errors import DynamoRuntimeError, RuntimeConfigError, RuntimeConnectionError
 from .etcd import EtcdClient
 from .event_plane import EventPlane
+from .file_object_store import FileObjectStore
+from .file_store import FileStore, FileStoreError, default_file_kv_dir
+from .kv_object_store import DiscoveryObjectStore, FallbackObjectStore
 from .kv_store import KeyValueStore
 from .lease import LeaseKeeper
 from .names import lease_hex
-from .nats_conn import connect_nats
 from .nats_event_plane import NatsEventPlane
 from .nats_object_store import NatsObjectStore
 from .nats_request_plane import NatsRequestPlane
-from .object_store import MissingObjectStore, ObjectStore
+from .object_store import ObjectStore
+from .plane_choice import RECORDS as PLANE_RECORDS
+from .plane_choice import PlaneCheck, choose_planes
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
 from .tcp_request_plane import TcpRequestPlane
@@ -68,6 +78,12 @@ class DistributedRuntime:
         self.settings = settings or RuntimeSettings.from_env()
         self.is_static = static
         self.etcd_client: EtcdClient | None = None
+        self.file_store: FileStore | None = None
+        self.discovery_backend = ""  # "etcd" or "file" once connected ("" when static)
+        self._mismatch_task: asyncio.Task | None = None
+        self._plane_check: PlaneCheck | None = None
+        self._discovery_line = "no discovery (static)"  # what was chosen and why, for the start-up line
+        # the discovery store, whatever backs it (named etcd for the original's ``runtime.etcd``)
         self.etcd: KeyValueStore | None = None
         self.nats: NatsClient = None  # type: ignore[assignment]  # stays None without NATS
         self.primary_lease_id = 0
@@ -109,40 +125,20 @@ class DistributedRuntime:
     async def _open(self) -> None:
         try:
             if not self.is_static:
-                self.etcd_client = EtcdClient(self.settings.etcd)
-                await self.etcd_client.connect()
-                self.etcd = KeyValueStore(self.etcd_client, lambda: self.primary_lease_id, self._shutdown.is_set)
-            # ---- the request and event planes: which ones, and whether NATS is needed at all
+                self.etcd = KeyValueStore(await self._open_discovery(), lambda: self.primary_lease_id,
+                                          self._shutdown.is_set)
             settings = self.settings
-            requests, events = settings.request_plane, settings.event_plane
-            if self.is_static:  # no discovery to find a TCP listener or a ZMQ publisher in
-                requests, events = requests or "nats", events or "nats"
-            nc: NatsClient | None
-            if requests == "tcp" and events == "zmq":  # NATS only for the object store (model cards), if up
-                nc = await self._try_nats()
-            elif requests is None or events is None:  # NATS when it answers, else TCP and ZMQ
-                nc = await self._try_nats()
-                requests = requests or ("nats" if nc is not None else "tcp")
-                events = events or ("nats" if nc is not None else "zmq")
-                if nc is None and "nats" in (requests, events):
-                    nc = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")  # the error
-            else:
-                nc = await connect_nats(settings.nats, name=f"dynamo-{lease_hex(0)}")
-            self.nats = nc  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
-            if self.is_static and (requests, events) != ("nats", "nats"):
-                raise RuntimeConfigError("a static runtime (no discovery) needs the NATS request and event planes")
+            planes = await choose_planes(settings, self.is_static)  # the request and event planes
+            self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
             self._requests = TcpRequestPlane(settings.tcp_host, settings.tcp_rpc_port,
                                              fallback=NatsRequestPlane(self.nats) if self.nats is not None else None,
-                                             serve_on_fallback=requests == "nats")
-            log.info("request plane %s, event plane %s%s", requests, events,
-                     "" if self.nats is not None else " (no NATS server: none is needed)")
-            # ---- end of the plane choice
+                                             serve_on_fallback=planes.requests == "nats")
             self._streams = ResponseStreams(settings, self.nats)
             if self.etcd is not None:
                 self._lease = LeaseKeeper(self.etcd.client, settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
-            if events == "zmq":
+            if planes.events == "zmq":
                 from .zmq_event_plane import ZmqEventPlane  # pyzmq: imported only by processes that use it
 
                 assert self.etcd is not None
@@ -153,6 +149,12 @@ class DistributedRuntime:
             else:
                 assert self.nats is not None
                 self._events = NatsEventPlane(self.nats)
+            log.info("%s, request plane %s, event plane %s (%s), object store %s", self._discovery_line,
+                     planes.requests, planes.events, planes.why, self._object_store_kind())
+            if self.etcd is not None:
+                self._start_mismatch_check()
+                self._plane_check = PlaneCheck(self.etcd, self.primary_lease_id, planes)
+                await self._plane_check.start()
             if self.settings.system.enabled:
                 from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
 
@@ -162,13 +164,48 @@ class DistributedRuntime:
             await self._close_connections()
             raise
 
-    async def _try_nats(self) -> NatsClient | None:
-        """A NATS connection if a server answers at the configured address, else None (no error)."""
-        try:
-            return await connect_nats(self.settings.nats, name=f"dynamo-{lease_hex(0)}", timeout=NATS_PROBE_TIMEOUT)
-        except RuntimeConnectionError as exc:
-            log.debug("no NATS: %s", exc)
-            return None
+    # ------------------------------------------------------------------ discovery backend (chosen here only)
+
+    async def _open_discovery(self) -> Discovery:
+        """etcd or the file store: as asked, else by the rule of :mod:`.discovery_choice`; one log line."""
+        backend, why = await choose_discovery(self.settings)
+        self.discovery_backend = backend
+        if backend == "file":
+            root = self.settings.file_kv or default_file_kv_dir()
+            self.file_store = FileStore(root)
+            try:
+                await self.file_store.connect()
+            except FileStoreError as exc:
+                raise RuntimeConfigError(str(exc)) from None
+            self._discovery_line = f"discovery file ({self.file_store.root}; {why})"
+            return self.file_store
+        self.etcd_client = EtcdClient(self.settings.etcd)
+        await self.etcd_client.connect()
+        self._discovery_line = f"discovery etcd ({self.etcd_client.endpoint}; {why})"
+        return self.etcd_client
+
+    def _start_mismatch_check(self) -> None:
+        """Say so when this process is alone in its store while the other backend is in use."""
+        store = self.etcd
+        if store is None:
+            return
+        me = self.primary_lease_id
+
+        async def others_here() -> bool:  # every process says its planes there (runtime/plane_choice.py)
+            return any(kv.lease not in (0, me) for kv in await store.get_prefix(PLANE_RECORDS))
+
+        async def other_in_use() -> str | None:
+            if self.discovery_backend == "file":
+                endpoint = self.settings.etcd.endpoints[0]
+                return f"an etcd answers at {endpoint}" if await etcd_answers(endpoint) else None
+            root = default_file_kv_dir() if self.settings.file_kv is None else self.settings.file_kv
+            live = await asyncio.to_thread(live_leases_in, Path(root))
+            return f"{live} process(es) use the file store at {root}" if live else None
+
+        check = MismatchCheck(self.discovery_backend, others_here, other_in_use)
+        self._mismatch_task = asyncio.get_running_loop().create_task(check.run(), name="discovery-mismatch")
+
+    # ------------------------------------------------------------------ identity
 
     @property
     def instance_id(self) -> int:
@@ -202,17 +239,32 @@ class DistributedRuntime:
         return self._events
 
     def object_store(self, bucket: str) -> ObjectStore:
-        """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``."""
-        if self.nats is None:
-            if self._requests is None:
-                raise _not_connected()
-            # connected, on the TCP and ZMQ planes with no NATS server
-            return MissingObjectStore(f"no NATS server at {self.settings.nats.server}: the object store "
-                                      "(a model card's tokenizer) needs one")
+        """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``: beside
+        the file store when discovery is on files (every process that meets there shares the directory),
+        else NATS JetStream when NATS is connected (a read it cannot answer is asked of etcd), else
+        chunked into etcd (:mod:`.kv_object_store`), which reaches every machine without NATS."""
         store = self._object_stores.get(bucket)
-        if store is None:  # one handle per bucket: it opens (or creates) the bucket once, on first use
-            store = self._object_stores[bucket] = NatsObjectStore(self.nats, bucket)
+        if store is not None:
+            return store
+        # one handle per bucket: it opens (or creates) the bucket once, on first use
+        if self.file_store is not None:
+            store = FileObjectStore(self.file_store.root, bucket)
+        elif self.nats is not None and self.etcd_client is not None:
+            store = FallbackObjectStore(NatsObjectStore(self.nats, bucket),
+                                        DiscoveryObjectStore(self.etcd_client, bucket))
+        elif self.nats is not None:  # static: no etcd
+            store = NatsObjectStore(self.nats, bucket)
+        elif self.etcd_client is not None:
+            store = DiscoveryObjectStore(self.etcd_client, bucket)
+        else:
+            raise _not_connected()
+        self._object_stores[bucket] = store
         return store
+
+    def _object_store_kind(self) -> str:
+        if self.file_store is not None:
+            return "files"
+        return "NATS" if self.nats is not None else "etcd"
 
     def response_streams(self) -> ResponseStreams:
         """Where this process's response streams arrive, and how it sends streams back."""
@@ -257,6 +309,9 @@ class DistributedRuntime:
         await self._close_connections()
 
     async def _close_connections(self) -> None:
+        await cancel_and_wait(self._mismatch_task)
+        if self._plane_check is not None:
+            await self._plane_check.close()
         if self.system is not None:
             await self.system.close()
         if self._lease is not None:
@@ -274,6 +329,8 @@ class DistributedRuntime:
                 pass
         if self.etcd_client is not None:
             await self.etcd_client.close()
+        if self.file_store is not None:
+            await self.file_store.close()
 
     async def __aenter__(self) -> "DistributedRuntime":
         return self
@@ -286,14 +343,17 @@ def _not_connected() -> DynamoRuntimeError:
     return DynamoRuntimeError("runtime is not connected: await DistributedRuntime.connect() (or rt.start())")
 
 
-async def connect_runtime(*, request_plane: str | None = None, event_plane: str | None = None) -> DistributedRuntime:
+async def connect_runtime(*, discovery_backend: str | None = None, request_plane: str | None = None,
+                          event_plane: str | None = None) -> DistributedRuntime:
     """Connect with the settings in the environment, for a command-line process: a bad setting or an
-    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback. ``request_plane`` and
-    ``event_plane`` (the command line's) win over the environment's."""
+    unreachable etcd / NATS is a one-line :class:`UserError`, not a traceback. ``discovery_backend``,
+    ``request_plane`` and ``event_plane`` (the command line's) win over the environment's."""
     from dynamo.errors import UserError
 
     try:
         settings = RuntimeSettings.from_env()
+        if discovery_backend:
+            settings.discovery_backend = discovery_backend_name(discovery_backend)
         settings.request_plane = check_choice("--request-plane", request_plane, REQUEST_PLANES) or settings.request_plane
         settings.event_plane = check_choice("--event-plane", event_plane, EVENT_PLANES) or settings.event_plane
         return await DistributedRuntime.connect(settings)

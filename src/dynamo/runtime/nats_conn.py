@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 3.0
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """The URL without credentials, for messages."""
     parts = urlsplit(url)
     if parts.username or parts.password:
@@ -48,7 +48,7 @@ async def _probe(url: str, timeout: float) -> None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
-        raise RuntimeConnectionError(f"cannot reach NATS at {_redact(url)}: {_reason(exc)}") from None
+        raise RuntimeConnectionError(f"cannot reach NATS at {redact_url(url)}: {_reason(exc)}") from None
     writer.close()
     try:
         await writer.wait_closed()
@@ -76,11 +76,11 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
     async def on_disconnected() -> None:
         if client and client[0].is_reconnecting and not lost_at:
             lost_at.append(time.monotonic())
-            log.warning("NATS connection to %s lost; reconnecting", _redact(url))
+            log.warning("NATS connection to %s lost; reconnecting", redact_url(url))
 
     async def on_reconnected() -> None:
         away = time.monotonic() - lost_at.pop() if lost_at else 0.0
-        log.info("NATS at %s reconnected after %.1fs", _redact(url), away)
+        log.info("NATS at %s reconnected after %.1fs", redact_url(url), away)
 
     options: dict = dict(
         name=name,
@@ -107,6 +107,6 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
         nc = await asyncio.wait_for(nats.connect(url, **options), timeout)
     except (asyncio.TimeoutError, Exception) as exc:
         cause = last_error[-1] if last_error else exc
-        raise RuntimeConnectionError(f"cannot connect to NATS at {_redact(url)}: {_reason(cause)}") from None
+        raise RuntimeConnectionError(f"cannot connect to NATS at {redact_url(url)}: {_reason(cause)}") from None
     client.append(nc)
     return nc

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator
 
+from dynamo.errors import RequestError
 from dynamo.llm.backend import PostProcessor
-from dynamo.llm.engine import Context, Engine
+from dynamo.llm.engine import Context, Engine, ServesLoraAdapters
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import PreprocessedRequest
@@ -38,11 +39,24 @@ def link_contexts(runtime_ctx: Any, ctx: Context) -> None:
         ctx.stop_generating()
 
 
-def backend_handler(card: ModelCard, engine: Engine):
+def check_served_model(model: str | None, base: str, loras: ServesLoraAdapters) -> None:
+    """A request must never run with other weights than the model it names: on a worker that serves
+    LoRA adapters, ``model`` is its base model, one of its adapters, or absent (the base)."""
+    if model and model != base and model not in loras.lora_adapters():
+        adapters = sorted(loras.lora_adapters())
+        raise RequestError(f"model {model!r} is not served by this worker (it serves {base!r}"
+                           f"{' and the LoRA adapters ' + ', '.join(adapters) if adapters else ', no LoRA adapter'})",
+                           status=404, param="model", code="model_not_found")
+
+
+def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters | None = None):
+    """``loras``: the engine's adapters (the engine itself, unwrapped), if it serves any."""
     tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
 
     async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         req = PreprocessedRequest.from_dict(request)
+        if loras is not None:
+            check_served_model(req.model, card.display_name, loras)
         ctx = Context(context.id() if context is not None else None)
         link_contexts(context, ctx)
         log.debug("request %s: %d prompt tokens", ctx.id, len(req.token_ids))
@@ -69,6 +83,8 @@ def backend_handler(card: ModelCard, engine: Engine):
                 entries = post.take_logprobs()
                 if entries is not None:  # asked for: the entries of the tokens this text came from
                     item["logprobs_content"] = entries
+                if reason is not None and post.stop_sequence is not None:
+                    item["stop_sequence"] = post.stop_sequence
                 yield item if stage is None else stage.annotate(item)
                 if reason is not None:
                     return
@@ -77,6 +93,8 @@ def backend_handler(card: ModelCard, engine: Engine):
             entries = post.take_logprobs()
             if entries is not None:
                 item["logprobs_content"] = entries
+            if post.stop_sequence is not None:
+                item["stop_sequence"] = post.stop_sequence
             yield item if stage is None else stage.annotate(item)
         finally:
             ctx.stop_generating()

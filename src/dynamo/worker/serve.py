@@ -16,7 +16,8 @@ from dynamo.engines.served_model import build_served_model
 from dynamo.errors import UserError
 from dynamo.heap import settle_heap
 from dynamo.llm.embeddings import embedding_handler
-from dynamo.llm.engine import Engine, EngineCapabilities, capabilities_of, close_engine
+from dynamo.llm.engine import Engine, EngineCapabilities, ServesLoraAdapters, capabilities_of, close_engine
+from dynamo.llm.lora import RUNTIME_LORA_KEY, runtime_lora_allowed
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
 from dynamo.llm.model_type import ModelType
@@ -26,6 +27,7 @@ from dynamo.runtime import EndpointId
 from dynamo.runtime.distributed import connect_runtime
 from dynamo.worker.handlers import backend_handler, chat_handler
 from dynamo.worker.kv_publishing import serve_kv_state, serve_load_metrics, worker_event_publishers
+from dynamo.worker.lora_control import LoraControl
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
 
 async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
     ident = EndpointId.parse(cfg.input)
-    runtime = await connect_runtime(request_plane=cfg.request_plane, event_plane=cfg.event_plane)
+    runtime = await connect_runtime(discovery_backend=cfg.discovery_backend, request_plane=cfg.request_plane,
+                                    event_plane=cfg.event_plane)
     owned: object | None = None  # the engine to close on the way out (the disagg wrapper closes its engine)
     try:
         endpoint = runtime.namespace(ident.namespace).component(ident.component).endpoint(ident.name)
@@ -68,10 +71,12 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         if engine.kind == "embedding":
             handler, model_type = embedding_handler(engine), ModelType.Embedding  # type: ignore[arg-type]
         elif engine.kind == "core":
-            handler = backend_handler(card, engine)
+            handler = backend_handler(card, engine,
+                                      served.engine if isinstance(served.engine, ServesLoraAdapters) else None)
             model_type = ModelType.Prefill if mode == "prefill" else ModelType.Backend
         else:
             handler, model_type = chat_handler(served), ModelType.Chat
+        loras: LoraControl | None = None
         ready = asyncio.Event()
         limit = max_inflight(cfg, caps)
         serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready, max_inflight=limit))
@@ -85,7 +90,13 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         # they can follow this worker's cache through KV events
         runtime_config = dict(capabilities_of(engine).runtime_config, max_inflight_requests=limit)
         runtime_config[PUBLISHES_KV_EVENTS] = publishes_kv_events
+        if isinstance(served.engine, ServesLoraAdapters):  # one entry per adapter: frontends route by them
+            runtime_config[RUNTIME_LORA_KEY] = runtime_lora_allowed()
+            loras = LoraControl(endpoint, served.engine, card, model_type, runtime_config)
+            loras.serve()
         await publish_model(endpoint, card, model_type, runtime_config=runtime_config)
+        if loras is not None:
+            await loras.announce_all()
         log.info("worker %s serving %s as %s (instance %x)", ident, card.display_name, model_type.value,
                  endpoint.lease_id())
         settle_heap()

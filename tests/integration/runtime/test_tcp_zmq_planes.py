@@ -26,7 +26,7 @@ def closed_nats() -> NatsSettings:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return NatsSettings(f"nats://127.0.0.1:{port}")
+    return NatsSettings(f"nats://127.0.0.1:{port}", explicit=False)  # as if NATS_SERVER were not set
 
 
 @pytest.fixture
@@ -46,7 +46,8 @@ async def test_without_nats_the_runtime_chooses_tcp_and_zmq_and_serves(no_nats_r
     workers = [await no_nats_runtime(), await no_nats_runtime()]
     caller = await no_nats_runtime()
     assert caller.nats is None
-    assert "request plane tcp, event plane zmq (no NATS server: none is needed)" in caplog.text
+    assert "request plane tcp, event plane zmq (no NATS at nats://127.0.0.1:" in caplog.text
+    assert "object store etcd" in caplog.text
 
     def handler_of(rt):
         async def gen(request):

@@ -123,15 +123,16 @@ def test_what_the_router_cannot_use_is_skipped(caplog: pytest.LogCaptureFixture)
         assert h.feed(stored([vh(*B[0])], None, PROMPT[:3])) == 0
     assert sum("block size" in r.message or "blocks of 8" in r.message for r in caplog.records) == 1
     assert any("never reported" in r.message for r in caplog.records)
-    # LoRA / multimodal / salted blocks are not shared with plain prompts: not announced, nor their children
-    assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], lora_name="adapter", lora_id=3)) == 0
+    # multimodal / salted blocks, and an adapter known by number only, are not announced, nor their children
+    assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], lora_id=3)) == 0
     assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], extra_keys=[["salt"]])) == 0
+    assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], lora_name="a", extra_keys=[["a", "salt"]])) == 0
     assert h.feed(stored([vh(*B[1])], vh(*B[0]), PROMPT[4:8])) == 0
     # offload tiers and other KV cache groups are not the worker's GPU cache
     assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], medium="CPU")) == 0
     assert h.feed(stored([vh(*B[0])], None, PROMPT[:4], group_idx=1)) == 0
     assert h.cached(PROMPT) == 0 and h.sent == []
-    assert h.sink.translator.skipped == 7  # offload and other-group events are not counted: not ours to route
+    assert h.sink.translator.skipped == 8  # offload and other-group events are not counted: not ours to route
 
 
 def test_tagged_array_form_of_older_vllm_and_sglang():
@@ -204,3 +205,28 @@ async def test_scheduler_stats_become_load_metrics():
     assert later["data"]["worker_stats"]["request_active_slots"] == 0
     assert got.empty()
     m.close()
+
+
+def test_an_adapters_blocks_are_announced_under_its_salt():
+    """vLLM names the adapter of a store (``lora_name``, also first in each block's ``extra_keys``): the
+    blocks are hashed with that adapter's seed, so the router matches them for that adapter's prompts
+    only, never for the base model's or another adapter's."""
+    h = Harness()
+    blocks = [vh(*B[0]), vh(*B[1])]
+    assert h.feed(stored(blocks, None, PROMPT[:8], lora_name="sql", lora_id=1, extra_keys=[["sql"], ["sql"]])) == 1
+    local, seq = compute_hashes(PROMPT[:8], BS, lora_name="sql")
+    assert h.sent[0]["event"]["data"]["stored"]["blocks"] == [
+        {"block_hash": s, "tokens_hash": lo} for lo, s in zip(local, seq)]
+    found = h.indexer.find_matches
+    assert found(compute_block_hashes(PROMPT, BS, "sql")).get(WORKER) == 2
+    assert found(compute_block_hashes(PROMPT, BS, "other")).get(WORKER, 0) == 0
+    assert h.cached(PROMPT) == 0  # the base model's prompt
+    # a child store under the adapter's block chains on; removal by the engine's hash works as for the base
+    assert h.feed(stored([vh(*B[2])], blocks[1], PROMPT[8:12], lora_name="sql", extra_keys=[["sql"]])) == 1
+    assert found(compute_block_hashes(PROMPT, BS, "sql")).get(WORKER) == 3
+    assert h.feed(removed([blocks[1]])) == 1
+    assert found(compute_block_hashes(PROMPT, BS, "sql")).get(WORKER) == 1
+    # the tagged-array form carries lora_name after medium
+    h2 = Harness()
+    assert h2.feed(["BlockStored", [21], None, PROMPT[:4], BS, 1, None, "sql", [["sql"]]]) == 1  # type: ignore[arg-type]
+    assert h2.indexer.find_matches(compute_block_hashes(PROMPT, BS, "sql")).get(WORKER) == 1

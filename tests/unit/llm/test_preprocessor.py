@@ -74,8 +74,14 @@ def test_completions_token_id_prompt_out_of_vocabulary_is_rejected(pre):
     assert e.value.status == 400
 
 
-def test_completions_batched_prompts_are_rejected_clearly(pre):
-    with pytest.raises(RequestError, match="one request per prompt"):
+def test_completions_batch_is_one_engine_request_per_prompt(pre):
+    req = parse_completion_request({"model": "m", "prompt": [[IM_START_ID, 300], [301]]})
+    prompts = pre.completion_prompts(req)
+    assert prompts == [[IM_START_ID, 300], [301]]
+    assert [pre.completion(req, prompt=p).request.token_ids for p in prompts] == prompts
+    assert pre.completion_prompts(parse_completion_request({"model": "m", "prompt": ["a", "b"]})) == ["a", "b"]
+    assert pre.completion_prompts(parse_completion_request({"model": "m", "prompt": [1, 2]})) == [[1, 2]]
+    with pytest.raises(RequestError, match="One prompt"):  # a batch is the pipeline's to split
         completion(pre, prompt=["a", "b"])
 
 

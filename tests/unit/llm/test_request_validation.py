@@ -164,3 +164,12 @@ def test_prompt_text_as_echo_full_shows_it():
     assert prompt_text(["a", "b"]) == "a b"
     assert prompt_text([1, 2]) == "1 2"
     assert prompt_text([[1, 2], [3]]) == "1 2 | 3"
+
+
+def test_max_tokens_zero_only_with_echo_on_completions():
+    """0 tokens is the prompt alone: what scoring with echo asks for, and nothing else."""
+    assert parse_completion_request({"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}).max_tokens == 0
+    for raw in ({"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": 0, "echo": False}):
+        with pytest.raises(RequestError, match="0 only with echo") as e:
+            parse_completion_request({"model": "m", **raw})
+        assert e.value.param == "max_tokens"

@@ -11,6 +11,8 @@ events and load metrics.  The other modules each do one job:
   restoring from the host and disk tiers of host_tier.py and disk_tier.py);
 * sampling.py: sampler chains, guided decoding's grammars (grammar.py), logprobs;
 * threads.py: the thread count, tuned while serving;
+* lora.py: LoRA adapters (loaded at start or at run time, by name; a request whose ``model`` names one
+  runs with it, in its own batches: llama.cpp applies adapters per context);
 * model.py: loading and freeing the model and its context.
 
 KV events (slot_blocks.py) and load metrics.  Once :meth:`LlamaCppEngine.attach` connects publishers (a
@@ -32,6 +34,7 @@ from typing import Any, AsyncIterator
 
 from dynamo.engines.llamacpp import model
 from dynamo.engines.llamacpp.grammar import KINDS as GRAMMAR_KINDS
+from dynamo.engines.llamacpp.lora import Adapter, load_adapter
 from dynamo.engines.llamacpp.sampling import Samplers
 from dynamo.engines.llamacpp.scheduler import Scheduler
 from dynamo.engines.llamacpp.slots import Request, SlotCaches
@@ -124,6 +127,34 @@ class LlamaCppEngine:
         self._metrics_key: tuple[int, int, int] | None = None
         self._metrics_sent_at = 0.0
         self._metrics_timer: asyncio.TimerHandle | None = None
+        self.adapters: dict[str, Adapter] = {}  # LoRA adapters served, by name (changed on the loop)
+        self._unloaded: set[str] = set()  # names unloaded: a request still naming one is an error
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time
+
+    # -- LoRA adapters (lora.py) ----------------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served: name -> the file it was loaded from."""
+        return {name: str(a.path) for name, a in self.adapters.items()}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load the adapter at ``path`` as ``name`` (UserError: not an adapter of this model, or the name
+        is taken); requests naming it run with it from now on."""
+        async with self._lora_lock:
+            if name in self.adapters:
+                raise UserError(f"LoRA adapter {name!r} is already loaded")
+            adapter = await asyncio.wrap_future(
+                self.scheduler.call(lambda: load_adapter(self.scheduler.llama, name, Path(path))))
+            self.adapters[name] = adapter
+            self._unloaded.discard(name)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving ``name`` (UserError: not loaded); requests already running with it finish."""
+        async with self._lora_lock:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                raise UserError(f"LoRA adapter {name!r} is not loaded")
+            self._unloaded.add(name)
+            await asyncio.wrap_future(self.scheduler.call(lambda: self.scheduler.retire(adapter)))
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -283,10 +314,14 @@ class LlamaCppEngine:
         if sc.ignore_eos:
             eos = frozenset(sc.stop_token_ids_hidden or ())
         loop = asyncio.get_running_loop()
+        adapter = self.adapters.get(request.model) if request.model else None
+        if adapter is None and request.model in self._unloaded:
+            raise EngineError(f"LoRA adapter {request.model!r} is not loaded on this worker")
         oo = request.output_options
         req = Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
                       grammar=self._samplers.grammar(request.sampling_options.guided_decoding), state_io=state_io,
-                      logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps)
+                      logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps,
+                      adapter=adapter)
         self.scheduler.submit(req)
         stamp(req.stamps, "queued")
         self._metrics_changed()

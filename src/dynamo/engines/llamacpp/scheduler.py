@@ -11,17 +11,24 @@ follow-up turn finds the previous turn's slot free.
 After admitting and after each step the KV events of the blocks the slots gained or lost go to
 ``on_kv_changes`` (the engine publishes them on its event loop, once per step).  The thread count of each
 step comes from the thread tuner (threads.py).
+
+LoRA adapters (lora.py) apply to the whole context, so one step decodes one adapter group (the base model
+is a group too): when requests of several groups run, the steps take the groups in turn, each step
+batching every request of its group.  Loading and unloading adapters are commands the event loop hands
+to this thread (:meth:`Scheduler.call`), run between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from dynamo.engines.llamacpp.lora import Adapter, AppliedAdapters
 from dynamo.engines.llamacpp.model import Llama
 from dynamo.engines.llamacpp.sampling import Samplers, is_greedy, prompt_logprobs, token_logprobs
 from dynamo.engines.llamacpp.slots import Request, Slot, SlotCaches
@@ -61,6 +68,12 @@ class Scheduler:
         self._last_end = 0.0
         self._llama: Llama | None = None
         self._samplers: Samplers | None = None
+        # LoRA: work for this thread between steps, the adapter the context runs with, unloaded
+        # adapters still in use, and the adapter group of the last step (groups take turns)
+        self.commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self.applied = AppliedAdapters()
+        self.retired: list[Adapter] = []
+        self._last_group = -1
 
     def bind(self, llama: Llama, samplers: Samplers, tuner: BatchThreadTuner | None) -> None:
         """The loaded model, its sampler maker and the thread tuner (None: fixed thread counts)."""
@@ -89,6 +102,33 @@ class Scheduler:
             self.waiting.append(req)
             self.cv.notify()
 
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the scheduler thread between two steps (it owns the llama.cpp calls); its result
+        or exception in the future."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self.cv:
+            if self.closing or self.thread is None:
+                fut.set_exception(EngineError("llamacpp engine is not running"))
+                return fut
+            self.commands.append((fn, fut))
+            self.cv.notify()
+        return fut
+
+    def retire(self, adapter: Adapter) -> None:
+        """(Scheduler thread, a command) an unloaded adapter: freed once no request uses it."""
+        adapter.retired = True
+        with self.cv:
+            self.retired.append(adapter)
+            self._free_retired()
+
+    def _free_retired(self) -> None:
+        in_use = {id(s.req.adapter) for s in self.caches.slots if s.req is not None}
+        in_use |= {id(r.adapter) for r in self.waiting}
+        for adapter in [a for a in self.retired if id(a) not in in_use]:
+            self.retired.remove(adapter)
+            self.caches.forget_adapter(adapter.uid)
+            self.applied.free(self.llama, adapter)
+
     def stop(self) -> None:
         """Ask the thread to stop (it fails the requests it still has); join ``thread`` to wait for it."""
         with self.cv:
@@ -114,12 +154,21 @@ class Scheduler:
         try:
             while True:
                 with self.cv:
-                    while not self.closing and not self.waiting and not any(s.req for s in self.caches.slots):
+                    if self.retired:  # (under the lock: it reads the waiting requests)
+                        self._free_retired()
+                    while (not self.closing and not self.waiting and not self.commands
+                           and not any(s.req for s in self.caches.slots)):
                         self.cv.wait()
                     if self.closing:
                         break
+                    commands, self.commands = list(self.commands), deque()
                     self._reap()
                     self._admit()
+                for fn, fut in commands:
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        fut.set_exception(e)
                 self._step()
                 self._flush_kv_changes()
         except Exception as e:  # never leave requests hanging if llama.cpp fails
@@ -128,6 +177,10 @@ class Scheduler:
         finally:
             self._fail_active("llamacpp engine is shutting down")
             self._fail_waiting("llamacpp engine is shutting down")
+            with self.cv:
+                commands, self.commands = list(self.commands), deque()
+            for _, fut in commands:
+                fut.set_exception(EngineError("llamacpp engine is shutting down"))
 
     def _fail_active(self, why: str) -> None:
         items = []
@@ -253,9 +306,12 @@ class Scheduler:
         n_rows = 0
         budget = self.n_batch
         self._reap()  # drop requests whose consumer went away or asked to stop
+        group = self._next_group()
+        if group is None:
+            return
         # decode tokens first (one each), so running streams never wait behind a long prefill
         for slot in slots:
-            if slot.req is not None and not slot.pending:
+            if slot.req is not None and not slot.pending and slot.req.lora_uid == group.uid:
                 _put(batch, n, slot.last, len(slot.cached), slot.seq_id, True)
                 outputs.append((slot, n))
                 rows.append(n_rows)
@@ -264,7 +320,7 @@ class Scheduler:
                 n += 1
                 budget -= 1
         for slot in slots:
-            if slot.req is None or not slot.pending or budget <= 0:
+            if slot.req is None or not slot.pending or budget <= 0 or slot.req.lora_uid != group.uid:
                 continue
             take = slot.pending[:budget]
             last_chunk = len(take) == len(slot.pending)
@@ -289,6 +345,7 @@ class Scheduler:
         if n == 0:
             return
         batch.n_tokens = n
+        self.applied.apply(self.llama, group.adapter)
         threads = self.tuner.threads(n) if self.tuner is not None else 0
         if threads:
             self._set_threads(threads)
@@ -380,6 +437,19 @@ class Scheduler:
         self._deliver(deliveries)
         self._last_end = time.perf_counter()
 
+    def _next_group(self) -> _Group | None:
+        """The adapter group this step runs: the next one after the last step's that has work."""
+        groups: dict[int, Adapter | None] = {}
+        for slot in self.caches.slots:
+            if slot.req is not None:
+                groups.setdefault(slot.req.lora_uid, slot.req.adapter)
+        if not groups:
+            return None
+        uids = sorted(groups)
+        uid = next((u for u in uids if u > self._last_group), uids[0]) if len(uids) > 1 else uids[0]
+        self._last_group = uid
+        return _Group(uid, groups[uid])
+
     def _prompt_logprobs(self, logits: Any, prompt_rows: list[tuple[Slot, int, int, int]]) -> None:
         """Score each prompt token under the logits of the position before it (vectorised per chunk)."""
         for slot, first, pos, count in prompt_rows:
@@ -407,6 +477,13 @@ class Scheduler:
         events = self.caches.take_events()
         if self.on_kv_changes is not None:
             self.on_kv_changes(events)
+
+
+class _Group:
+    __slots__ = ("uid", "adapter")
+
+    def __init__(self, uid: int, adapter: Adapter | None):
+        self.uid, self.adapter = uid, adapter
 
 
 def _put_all(group: list[tuple[Request, Any]]) -> None:

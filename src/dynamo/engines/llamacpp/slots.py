@@ -15,6 +15,11 @@ whose LRU spills to the disk tier (disk_tier.py); a later prompt with that prefi
 into a slot instead of computing it again.  Once a worker attaches, every complete block a slot holds is
 named with the router's hashes (slot_blocks.py), and the tiers' blocks likewise, for the KV events.
 
+LoRA adapters (lora.py): a slot's cache is tagged with the adapter it was computed under, and a prompt
+reuses (or copies) only caches of its own adapter, so an adapter request never reuses the base model's
+keys and values or another adapter's, and its ``cached_tokens`` count only its own.  The host and disk
+tiers keep base-model caches only.
+
 Every method here runs on the scheduler thread (scheduler.py), which owns the llama.cpp calls.
 """
 
@@ -30,6 +35,7 @@ from typing import Any
 
 from dynamo.engines.llamacpp.disk_tier import DiskKvTier
 from dynamo.engines.llamacpp.host_tier import HostKvTier, common_prefix
+from dynamo.engines.llamacpp.lora import Adapter
 from dynamo.engines.llamacpp.model import Llama
 from dynamo.errors import EngineError
 from dynamo.kv.events import DEVICE, DISK, HOST
@@ -43,6 +49,10 @@ log = logging.getLogger(__name__)
 OFFLOAD_MIN_TOKENS = 32
 # copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
 COPY_MIN_TOKENS = 16
+# a free slot holding at least this many tokens past what a new prompt shares with it holds another
+# conversation: the prompt takes an empty or older slot instead (its own follow-up turn loses only the
+# tail that differs, the last answer's tokens at most, when the client sends back a different text)
+SPARE_MIN_TOKENS = 64
 
 
 @dataclass
@@ -61,6 +71,11 @@ class Request:
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
     stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
+    adapter: Adapter | None = None  # the LoRA adapter it runs with (None: the base model)
+
+    @property
+    def lora_uid(self) -> int:
+        return self.adapter.uid if self.adapter is not None else 0
 
 
 @dataclass
@@ -75,6 +90,13 @@ class Slot:
     greedy: bool = False  # plain argmax: no llama.cpp sampler needed
     prompt_lp: list[Any] | None = None  # the prompt's logprobs so far (requests that asked for them)
     used_at: float = 0.0
+    lora_uid: int = 0  # the LoRA adapter its cache was computed under (0: the base model)
+    lora_name: str | None = None  # that adapter's name (its blocks' hash salt)
+
+    def take_adapter(self, req: Request) -> None:
+        """The slot's cache is (about to be) computed under ``req``'s adapter."""
+        self.lora_uid = req.lora_uid
+        self.lora_name = req.adapter.name if req.adapter is not None else None
 
 
 class SlotCaches:
@@ -114,7 +136,7 @@ class SlotCaches:
         slots and the tiers hold now."""
         self.slot_blocks = SlotBlocks(self.block_size)
         for slot in self.slots:  # anything cached before now is named from scratch
-            self.slot_blocks.extend(slot.seq_id, slot.cached)
+            self.slot_blocks.extend(slot.seq_id, slot.cached, slot.lora_name)
         self.tracking = True
         events = [(DEVICE, d) for d in self.slot_blocks.take_events()]
         for tier, store in ((HOST, self.host_tier), (DISK, self.disk_tier)):
@@ -135,12 +157,19 @@ class SlotCaches:
         if self.tracking:
             for slot in self.slots:
                 if slot.req is not None:
-                    self.slot_blocks.extend(slot.seq_id, slot.cached)
+                    self.slot_blocks.extend(slot.seq_id, slot.cached, slot.lora_name)
 
     def cached_blocks(self) -> int:
         """Complete blocks the slots hold (shared prefixes counted once while tracking)."""
         return self.slot_blocks.cached_blocks if self.tracking else sum(
             len(s.cached) // self.block_size for s in self.slots)
+
+    def forget_adapter(self, uid: int) -> None:
+        """Empty the free slots whose caches an unloaded adapter computed (nothing can reuse them)."""
+        for slot in self.slots:
+            if slot.lora_uid == uid and slot.req is None:
+                self.drop(slot)
+                slot.lora_uid, slot.lora_name = 0, None
 
     def drop(self, slot: Slot) -> None:
         """Empty the slot's cache (a failed decode left it undefined)."""
@@ -156,21 +185,26 @@ class SlotCaches:
         slot's pending prompt tokens.  None: a busy slot is still computing much more of this prompt, so
         the request should wait for it (and copy it) instead of computing it a second time beside it."""
         last = len(req.prompt) - 1
-        prefix = {s.seq_id: common_prefix(s.cached, req.prompt) for s in self.slots}
+        uid = req.lora_uid  # only caches computed under the request's own adapter are reusable
+        prefix = {s.seq_id: common_prefix(s.cached, req.prompt) if s.lora_uid == uid else 0 for s in self.slots}
         best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
-        if 2 * prefix[best.seq_id] < len(best.cached):
-            # this prompt would reuse less of that slot's cache than it overwrites (a shared system
-            # prompt, then another conversation): an empty slot keeps that conversation restorable
-            empty = [s for s in free if not s.cached]
-            if empty:
-                best = min(empty, key=lambda s: s.used_at)
+        if len(best.cached) - prefix[best.seq_id] >= SPARE_MIN_TOKENS:
+            # this prompt would overwrite another conversation in that slot (a shared system prompt, then
+            # that conversation's turns): take an empty slot, or one used longer ago, and copy the shared
+            # prefix there (below), so that conversation's next turn still finds it.  Before, a slot was
+            # only spared when it held twice what the request reused, and a new conversation of a group
+            # overwrote the history of the group's conversation whose next turn was a second away.
+            others = [s for s in free if s is not best]
+            spare = min(others, key=lambda s: (bool(s.cached), s.used_at), default=None)
+            if spare is not None and (not spare.cached or spare.used_at < best.used_at):
+                best = spare
         keep = min(prefix[best.seq_id], last)
         busy = [s for s in self.slots if s.req is not None]
         # any other slot, busy or free, whose cache holds more of this prompt can lend it
         donor = max((s for s in self.slots if s is not best), key=lambda s: prefix[s.seq_id], default=None)
         now = max(keep, min(prefix[donor.seq_id], last) if donor is not None else 0)
         later = max((min(common_prefix(s.req.prompt, req.prompt), last)  # type: ignore[union-attr]
-                     for s in busy if s.pending), default=0)
+                     for s in busy if s.pending and s.lora_uid == uid), default=0)
         if later >= now + COPY_MIN_TOKENS:
             return None  # admitted (with a copy) once that slot's prefill is done
         L = self.llama.L
@@ -192,7 +226,9 @@ class SlotCaches:
             best.cached = donor.cached[:keep]
         else:
             self.offload(best, keep)
-        keep = self.restore(best, req.prompt, keep)
+        best.take_adapter(req)
+        if uid == 0:
+            keep = self.restore(best, req.prompt, keep)
         if not L.llama_memory_seq_rm(self.llama.mem, best.seq_id, keep, -1):
             L.llama_memory_seq_rm(self.llama.mem, best.seq_id, -1, -1)
             keep = 0
@@ -211,6 +247,7 @@ class SlotCaches:
         self.llama.L.llama_memory_seq_rm(self.llama.mem, best.seq_id, -1, -1)
         if self.tracking:
             self.slot_blocks.truncate(best.seq_id, 0)
+        best.take_adapter(req)
         best.cached = []
         req.cached_tokens = 0
         best.pending = list(req.prompt)
@@ -234,10 +271,11 @@ class SlotCaches:
             log.warning("request %s: llama.cpp refused the transferred KV state (%d of %d bytes read); "
                         "prefilling locally", req.ctx.id, n, len(data))
             return None
+        slot.take_adapter(req)
         slot.cached = list(req.prompt)
         slot.pending = []
         if self.tracking:
-            self.slot_blocks.extend(slot.seq_id, slot.cached)
+            self.slot_blocks.extend(slot.seq_id, slot.cached, slot.lora_name)
         log.debug("request %s: slot %d loaded the KV state of %d prompt tokens (%d bytes) in %.1f ms", req.ctx.id,
                   slot.seq_id, len(req.prompt), len(data), 1e3 * (time.perf_counter() - t0))
         return slot
@@ -273,7 +311,7 @@ class SlotCaches:
     def offload(self, slot: Slot, keep: int) -> None:
         """Save ``slot``'s cache to the host tier if more than OFFLOAD_MIN_TOKENS of it are about to go."""
         tier = self.host_tier
-        if tier is None or len(slot.cached) - keep < OFFLOAD_MIN_TOKENS:
+        if tier is None or len(slot.cached) - keep < OFFLOAD_MIN_TOKENS or slot.lora_uid != 0:
             return
         try:
             tier.put(list(slot.cached), self.export_state(slot))
@@ -325,7 +363,7 @@ class SlotCaches:
             return 0
         slot.cached = list(key)
         if self.tracking:
-            self.slot_blocks.extend(slot.seq_id, slot.cached)
+            self.slot_blocks.extend(slot.seq_id, slot.cached, slot.lora_name)
         tier.restored += 1
         log.debug("slot %d: restored %d cached tokens from the %s tier", slot.seq_id, n,
                   "disk" if tier is disk else "host")

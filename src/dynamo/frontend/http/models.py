@@ -1,4 +1,5 @@
-"""``GET /v1/models``: every served model (chat, completion and embedding models), in the OpenAI shape."""
+"""``GET /v1/models``: every served model (chat, completion and embedding models), in the OpenAI shape;
+LoRA adapters also carry vLLM's ``root`` (the adapter's file) and ``parent`` (the base model's id)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ class ModelsRoute:
         self.models = models
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": name, "object": "model", "created": self.models.created(name), "owned_by": "dynamo"}
-            for name in self.models.names()
-        ]
+        data = []
+        for name in self.models.names():
+            entry = {"id": name, "object": "model", "created": self.models.created(name), "owned_by": "dynamo"}
+            lora = self.models.get(name).card.lora
+            if lora:  # a LoRA adapter, listed as vLLM lists one: its file and its base model
+                entry.update(root=lora.get("path"), parent=lora.get("base_model"))
+            data.append(entry)
         return json_response({"object": "list", "data": data})

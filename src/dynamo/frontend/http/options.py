@@ -19,17 +19,20 @@ from dynamo.errors import UserError
 DEFAULT_BODY_LIMIT_BYTES = 32 * 1024 * 1024  # ours since the start; Dynamo's DYN_HTTP_BODY_LIMIT_MB overrides
 BODY_LIMIT_ENV = "DYN_HTTP_BODY_LIMIT_MB"
 API_KEY_ENV = "DYN_API_KEY"
+ANTHROPIC_API_ENV = "DYN_ENABLE_ANTHROPIC_API"  # Dynamo's name, as for its --enable-anthropic-api
 
 
 @dataclass
 class HttpOptions:
-    """What ``--api-key``, ``--tls-*``, ``--allowed-origins`` and ``DYN_HTTP_BODY_LIMIT_MB`` asked for."""
+    """What ``--api-key``, ``--tls-*``, ``--allowed-origins``, ``--enable-anthropic-api`` and
+    ``DYN_HTTP_BODY_LIMIT_MB`` asked for."""
 
     api_keys: list[str] = field(default_factory=list)
     allowed_origins: list[str] = field(default_factory=list)
     tls_cert_path: Path | None = None
     tls_key_path: Path | None = None
     body_limit: int = DEFAULT_BODY_LIMIT_BYTES
+    anthropic_api: bool = False  # serve /v1/messages (Anthropic's Messages API)
 
     @property
     def scheme(self) -> str:
@@ -76,10 +79,14 @@ def build_http_options(
     allowed_origins: list[str] | None = None,
     tls_cert_path: str | None = None,
     tls_key_path: str | None = None,
+    anthropic_api: bool | None = None,
     environ: dict[str, str] | None = None,
 ) -> HttpOptions:
-    """Flags plus environment into checked options.  ``--api-key`` given replaces ``DYN_API_KEY``."""
+    """Flags plus environment into checked options.  ``--api-key`` given replaces ``DYN_API_KEY``;
+    ``--[no-]enable-anthropic-api`` given (not None) replaces ``DYN_ENABLE_ANTHROPIC_API``."""
     env = os.environ if environ is None else environ
+    if anthropic_api is None:
+        anthropic_api = env_flag(env, ANTHROPIC_API_ENV)
     keys = list(api_keys or [])
     if not keys and env.get(API_KEY_ENV):
         keys = [k.strip() for k in env[API_KEY_ENV].split(",")]
@@ -98,9 +105,19 @@ def build_http_options(
                 raise UserError(f"{flag}: no such file: {path}")
     origins = parse_origins(allowed_origins or [])
     opts = HttpOptions(api_keys=keys, allowed_origins=origins, tls_cert_path=cert, tls_key_path=key_path,
-                       body_limit=body_limit_from_env(env))
+                       body_limit=body_limit_from_env(env), anthropic_api=anthropic_api)
     opts.ssl_context()  # fail now, not on the first connection
     return opts
+
+
+def env_flag(env: Any, name: str) -> bool:
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (any case), unset or empty false."""
+    raw = (env.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise UserError(f"{name}={env.get(name)!r}: expected true or false (1/0, yes/no, on/off)")
 
 
 def parse_origins(values: list[str]) -> list[str]:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP service (aiohttp): the application, its route table, start and stop.
 
 The routes live in their own modules, one per family, and know nothing of this one: chat and
-completions (chat.py), embeddings, responses, tokenize, models, health (health.py: /health, /live,
-/metrics).  Shared by them: request bodies (body.py), the SSE writer (sse.py), the frontend-wide limit
+completions (chat.py), embeddings, responses, Anthropic's messages (messages.py, with
+``--enable-anthropic-api``), tokenize, models, health (health.py: /health, /live, /metrics).  Shared by them: request bodies (body.py), the SSE writer (sse.py), the frontend-wide limit
 and the in-flight requests (admission.py), the error responses (errors.py).  API keys, TLS, CORS and
 the body limit come from options.py once, at start-up, so nothing of them is on the request path.
 """
@@ -22,12 +22,15 @@ from dynamo.frontend.http.chat import ChatRoutes
 from dynamo.frontend.http.embeddings import EmbeddingsRoute
 from dynamo.frontend.http.errors import error_middleware
 from dynamo.frontend.http.health import HealthRoutes
+from dynamo.frontend.http.lora import LoraRoutes
+from dynamo.frontend.http.messages import MessagesRoutes, messages_disabled
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.models import ModelsRoute
 from dynamo.frontend.http.options import HttpOptions
 from dynamo.frontend.http.responses import ResponsesRoute
 from dynamo.frontend.http.tokenize import TokenizeRoutes
 from dynamo.frontend.model_manager import ModelManager
+from dynamo.llm.lora import runtime_lora_allowed
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +67,19 @@ class HttpService:
         router.add_get("/v1/responses/{response_id}", responses.retrieve)
         router.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
         router.add_delete("/v1/responses/{response_id}", responses.delete)
+        if self.options.anthropic_api:
+            messages = MessagesRoutes(self.models, self.admission)
+            router.add_post("/v1/messages", admit("messages", messages.create))
+            router.add_post("/v1/messages/count_tokens", messages.count_tokens)
+        else:
+            router.add_post("/v1/messages", messages_disabled)
+            router.add_post("/v1/messages/count_tokens", messages_disabled)
         tokenize = TokenizeRoutes(self.models)
         router.add_post("/tokenize", tokenize.tokenize)
         router.add_post("/detokenize", tokenize.detokenize)
+        if runtime_lora_allowed():
+            LoraRoutes(self.models).install(router)
+        router.add_get("/tokenizer_info", tokenize.tokenizer_info)
         health = HealthRoutes(self.models, self.metrics)
         router.add_get("/health", health.health)
         router.add_get("/live", health.live)

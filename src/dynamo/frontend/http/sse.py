@@ -162,10 +162,12 @@ class ChunkSink:
 
 
 async def stream_sse(request: web.Request, stream: AsyncIterator[Any], ctx: Context, rm: RequestMetrics,
-                     fmt: SseFormat = CHUNK_EVENTS) -> tuple[web.StreamResponse, bool]:
+                     fmt: SseFormat = CHUNK_EVENTS,
+                     headers: dict[str, str] | None = None) -> tuple[web.StreamResponse, bool]:
     """Stream ``stream`` as SSE in ``fmt``; the response and whether the stream completed without error.
 
-    ``stream`` is closed in every case; ``rm`` counts its tokens as they are written.
+    ``stream`` is closed in every case; ``rm`` counts its tokens as they are written; ``headers`` are
+    the route's own, sent with the SSE ones.
     """
     # the first item before committing to 200: start-up failures get a real status code
     try:
@@ -175,7 +177,7 @@ async def stream_sse(request: web.Request, stream: AsyncIterator[Any], ctx: Cont
     else:
         rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
     first_token.stamp(ctx.stamps, "first item")
-    resp = SseResponse(status=200, headers=SSE_HEADERS)
+    resp = SseResponse(status=200, headers={**SSE_HEADERS, **headers} if headers else SSE_HEADERS)
     try:
         await resp.prepare(request)
     except (ConnectionResetError, ConnectionError):

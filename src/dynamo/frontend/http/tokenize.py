@@ -1,10 +1,15 @@
-"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shape.
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` in vLLM's shape.
 
 ``/tokenize`` takes a ``prompt`` (special tokens added by default, as the tokenizer's post-processor
 defines them) or chat ``messages`` (rendered through the model's chat template, the same text
 ``/v1/chat/completions`` would feed the engine; no special tokens added by default) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``.  ``/detokenize`` turns ``tokens`` back into
-``{"prompt": text}``.  ``model`` may be left out when one model is served.
+``{"prompt": text}``.  ``/tokenizer_info`` answers what tokenizer_config.json says (the special tokens as
+strings, ``model_max_length``, ``tokenizer_class``, ``chat_template``): lm-evaluation-harness looks for it
+to use the server's own tokenizer instead of downloading one.  ``model`` (a query parameter for
+``/tokenizer_info``) may be left out when one model is served.  vLLM serves ``/tokenizer_info`` only behind
+a flag; we always do, since it says nothing the model card does not already publish to every frontend,
+and API keys guard it like every other route.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from dynamo.errors import RequestError
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.model_card import ModelCard
 from dynamo.llm.pipeline import ServedModel
 from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
 from dynamo.llm.protocols.openai import content_text
 from dynamo.llm.tokenizer import Tokenizer
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+# the class transformers loads a bare tokenizer.json with (GGUF tokenizers too): what a client told
+# "tokenizer_class" can rebuild the same tokenizer from
+_FAST_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 def pick_model(models: ModelManager, name: str | None) -> Any:
@@ -92,6 +101,11 @@ class TokenizeRoutes:
         }
         return json_response(body)
 
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        model = pick_model(self.models, request.query.get("model"))
+        self._tokenizer(model)  # a model without a tokenizer here has no tokenizer to describe
+        return json_response(tokenizer_info(model.card))
+
     async def detokenize(self, request: web.Request) -> web.Response:
         raw = await read_json(request)
         req = parse_detokenize_request(raw)
@@ -102,6 +116,24 @@ class TokenizeRoutes:
         if bad is not None:
             raise RequestError(f"Token id {bad} is out of vocabulary (size {vocab})", param="tokens")
         return json_response({"prompt": tok.decode(req.tokens)})
+
+
+def tokenizer_info(card: ModelCard) -> dict[str, Any]:
+    """tokenizer_config.json as a Hugging Face tokenizer's ``init_kwargs`` hold it, in vLLM's shape: the
+    special tokens as plain strings (None when the model has none), the served context length as
+    ``model_max_length``, the template (the default one when the model names several)."""
+    info: dict[str, Any] = {k: v for k, v in card.tokenizer_config.items() if k != "chat_template"}
+    for name in _SPECIAL:
+        info[name] = card.special_token(name)
+    if card.context_length:
+        info["model_max_length"] = card.context_length
+    info.setdefault("model_max_length", None)
+    info["tokenizer_class"] = info.get("tokenizer_class") or _FAST_TOKENIZER_CLASS
+    template = card.chat_template
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    info["chat_template"] = template
+    return info
 
 
 def _cut_after_final(text: str, final: Any) -> str:

@@ -42,6 +42,10 @@ class OutputOptions(msgspec.Struct, omit_defaults=False):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     formatted_prompt: bool | None = None
+    # ours: the hidden stop token (EOS) that ends a choice keeps its logprob entry, as the legacy
+    # completions shape has it (OpenAI, vLLM): a scorer reading "the prompt's entries, then one per
+    # generated token" must find one for a token that was generated but not shown
+    stop_token_logprobs: bool | None = None
 
 
 class ResponseParsing(msgspec.Struct, omit_defaults=True):
@@ -118,6 +122,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     # ours: a Backend worker's OpenAI chat logprob entries of the tokens whose text this item carries
     # (hold-back and stop strings applied, so they match ``text``, not ``token_ids``)
     logprobs_content: list[dict[str, Any]] | None = None
+    # ours: the stop string that ended the answer, from a Backend worker (the frontend shows it as the
+    # choice's ``stop_reason``, vLLM's field, and as Anthropic's ``stop_sequence``)
+    stop_sequence: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

@@ -195,7 +195,10 @@ def _validate_common(req: _SamplingFields) -> None:
             param="repetition_penalty",
         )
     if req.max_tokens is not None and req.max_tokens < 1:
-        raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        # 0 with echo: the prompt alone, with its logprobs (how eval harnesses score a text)
+        if not (req.max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo):
+            raise RequestError("max_tokens must be at least 1 (0 only with echo on /v1/completions)",
+                               param="max_tokens")
     if req.min_tokens is not None and req.min_tokens < 0:
         raise RequestError("min_tokens must be at least 0", param="min_tokens")
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:

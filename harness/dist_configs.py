@@ -1,0 +1,59 @@
+"""The configurations the distributed suite runs under, as the environment and flags every
+``dynamo-run`` process of a test gets.
+
+``etcd+nats``: etcd for discovery, NATS for requests and events (the original's layout).
+``file+tcp+zmq``: nothing started: the file discovery store (a fresh ``DYN_FILE_KV`` directory per
+configuration), the TCP request plane and the ZMQ event plane; the model cards' files go in the file
+object store. What a user with neither etcd nor NATS gets by default, said explicitly here so that an
+etcd or NATS left running on the default ports by something else cannot change what is tested.
+
+Use the ``dist_config`` fixture (tests/e2e/conftest.py): a module-scoped fixture parametrized over
+:data:`DIST_CONFIGS`, so a module's fleet is started once per configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from harness.servers import EtcdServer, NatsServer
+
+DIST_CONFIGS = ("etcd+nats", "file+tcp+zmq")
+
+
+@dataclass
+class DistConfig:
+    name: str
+    env: dict[str, str]
+    flags: list[str]  # given to every dynamo-run worker and frontend
+    etcd: EtcdServer | None = None
+    nats: NatsServer | None = None
+    file_kv: Path | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def discovery(self) -> str:
+        return self.name.split("+")[0]
+
+
+@contextlib.contextmanager
+def dist_config(name: str, workdir: Path, *, lease_ttl: int = 3) -> Iterator[DistConfig]:
+    """Start what configuration ``name`` needs; the env carries a short lease TTL so that a killed
+    worker's registration goes within seconds."""
+    base = {"DYN_LEASE_TTL": str(lease_ttl)}
+    with contextlib.ExitStack() as stack:
+        if name == "etcd+nats":
+            etcd = stack.enter_context(EtcdServer())
+            nats = stack.enter_context(NatsServer())
+            yield DistConfig(name, {**base, "ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url},
+                             ["--discovery-backend", "etcd"], etcd=etcd, nats=nats)
+        elif name == "file+tcp+zmq":
+            kv = workdir / "dynamo_store_kv"
+            yield DistConfig(name, {**base, "DYN_FILE_KV": str(kv), "DYN_DISCOVERY_BACKEND": "file",
+                                    "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq"},
+                             ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"],
+                             file_kv=kv)
+        else:
+            raise ValueError(f"unknown distributed configuration {name!r}; known: {', '.join(DIST_CONFIGS)}")

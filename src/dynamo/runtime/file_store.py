@@ -1,0 +1,109 @@
+"""Discovery on a directory shared by the processes of one host: the ``file`` implementation of
+:class:`~dynamo.runtime.discovery.Discovery`, so that a frontend finds its workers with no etcd to start.
+
+The directory's format, locking and lease expiry are :mod:`.file_kv`; watches are :mod:`.file_watch`.
+This class runs the directory work in worker threads (a file lock may wait on another process; the
+event loop never does) and opens the store by deleting what crashed processes left behind.
+
+One host only: the lock is ``flock`` and expiry compares wall clocks, neither of which holds across
+machines (or on most network file systems). A fleet that spans hosts uses etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from .discovery import KeyValue
+from .file_kv import FileKv, FileStoreError, check_writable
+from .file_watch import DEFAULT_TICK, DirectoryWatcher, FileWatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FileStore", "FileStoreError", "default_file_kv_dir"]
+
+
+def default_file_kv_dir() -> Path:
+    """``$DYN_FILE_KV``, else ``dynamo_store_kv`` in the temporary directory (``$TMPDIR``, else /tmp)."""
+    return Path(os.environ.get("DYN_FILE_KV") or Path(tempfile.gettempdir()) / "dynamo_store_kv")
+
+
+class FileStore:
+    """Create, ``await connect()``, use, ``await close()``."""
+
+    def __init__(self, root: Path | str | None = None, *, tick: float = DEFAULT_TICK,
+                 poll_interval: float | None = None) -> None:
+        self.root = Path(root) if root is not None else default_file_kv_dir()
+        self._tick = tick
+        self._poll_interval = poll_interval
+        self._kv: FileKv | None = None
+        self._watcher: DirectoryWatcher | None = None
+
+    @property
+    def kv(self) -> FileKv:
+        if self._kv is None:
+            raise FileStoreError("the file store is not open: await store.connect()")
+        return self._kv
+
+    @property
+    def watcher(self) -> DirectoryWatcher:
+        if self._watcher is None:
+            self._watcher = DirectoryWatcher(self.kv, tick=self._tick, poll_interval=self._poll_interval)
+        return self._watcher
+
+    async def connect(self) -> None:
+        """Open (creating) the directory and delete what crashed processes left: expired leases and
+        their keys."""
+        def open_store() -> tuple[FileKv, int]:
+            kv = FileKv(self.root)
+            check_writable(self.root)
+            return kv, kv.clean_up()
+
+        self._kv, stale = await asyncio.to_thread(open_store)
+        if stale:
+            log.info("file store %s: removed %d key(s) of processes that stopped without deregistering",
+                     self.root, stale)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
+            self._watcher = None
+
+    # ---- keys
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        return await asyncio.to_thread(self.kv.put, key, value, lease)
+
+    async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        return await asyncio.to_thread(self.kv.create, key, value, lease)
+
+    async def put_if_changed(self, key: str, value: bytes, lease: int) -> bool:
+        return await asyncio.to_thread(self.kv.put_if_changed, key, value, lease)
+
+    async def get(self, key: str) -> KeyValue | None:
+        return await asyncio.to_thread(self.kv.get, key)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return (await asyncio.to_thread(self.kv.get_prefix_with_revision, prefix))[0]
+
+    async def delete(self, key: str) -> int:
+        return await asyncio.to_thread(self.kv.delete, key)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await asyncio.to_thread(self.kv.delete_prefix, prefix)
+
+    # ---- leases
+    async def grant_lease(self, ttl: int, lease_id: int = 0) -> int:
+        return await asyncio.to_thread(self.kv.grant_lease, ttl, lease_id)
+
+    async def keep_alive(self, lease_id: int) -> tuple[int, int]:
+        return await asyncio.to_thread(self.kv.keep_alive, lease_id)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        await asyncio.to_thread(self.kv.revoke_lease, lease_id)
+
+    # ---- watches
+    def watch_prefix(self, prefix: str) -> FileWatch:
+        return FileWatch(self.watcher, prefix)

@@ -1,0 +1,177 @@
+"""Run-time LoRA adapters on a frontend of workers (``out=dyn``), with real etcd and NATS, SmolLM2 workers
+on llama.cpp and adapters from harness/lora_gguf.py: ``/v1/load_lora_adapter`` reaches every worker of
+the base model, which loads and announces the adapter, so the frontend lists and routes it; unloading
+withdraws it; a load that fails on one worker is undone on the others and the error says which worker
+said what; the routes want the API key; and a worker asked for an adapter it does not serve says so
+instead of answering with its base model's weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from dynamo.runtime import DistributedRuntime, EngineError, EtcdSettings, NatsSettings, RuntimeSettings
+from harness.lora_gguf import write_lora_gguf
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
+from tests.integration.test_llamacpp import _smollm2
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "sk-lora-fleet"
+PROMPT = "What is 2+2?"
+ALLOW = {"DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return _smollm2()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_lora_gguf(tmp_path_factory.mktemp("lora") / "strong.gguf", seed=1, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def args_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("args") / "args.json"
+    p.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
+    return p
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[EtcdServer, NatsServer]]:
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        yield etcd, nats_srv
+
+
+def env_of(servers: tuple[EtcdServer, NatsServer], **extra: str) -> dict[str, str]:
+    etcd, nats_srv = servers
+    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url, **extra}
+
+
+def workers(servers, gguf: Path, args_file: Path, envs: list[dict[str, str]]) -> list[DynamoWorker]:
+    ws = [DynamoWorker("in=dyn://fleet.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", "smol",
+                       "--context-length", "512", "--extra-engine-args", str(args_file),
+                       env=env_of(servers, **e), startup_timeout=120).start(wait=False) for e in envs]
+    for w in ws:
+        w.wait_ready()
+    return ws
+
+
+def answer(client: openai.OpenAI, model: str) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=10, temperature=0)
+    return r.choices[0].message.content or ""
+
+
+def listed(client: openai.OpenAI) -> dict[str, dict]:
+    return {m.id: m.model_extra or {} for m in client.models.list().data}
+
+
+async def ask_worker_directly(servers, model: str) -> str:
+    """A generate request naming ``model`` sent to a worker by the runtime (no frontend in between):
+    the error it answers with."""
+    etcd, nats_srv = servers
+    rt = await DistributedRuntime.connect(RuntimeSettings(etcd=EtcdSettings(endpoints=[etcd.url]),
+                                                          nats=NatsSettings(server=nats_srv.url)))
+    try:
+        client = await rt.namespace("fleet").component("llamacpp").endpoint("generate").client()
+        await client.wait_for_instances(timeout=10)
+        request = {"token_ids": [1, 2, 3, 4], "model": model, "stop_conditions": {"max_tokens": 2}}
+        with pytest.raises(EngineError) as err:
+            async for _ in client.round_robin(request):
+                pass
+        return str(err.value)
+    finally:
+        await rt.close()
+
+
+def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf, adapter, args_file, tmp_path):
+    ws = workers(servers, gguf, args_file, [ALLOW, ALLOW])
+    try:
+        with DynamoRun("out=dyn", env=env_of(servers, **ALLOW), api_key=KEY) as fe:
+            client = openai.OpenAI(base_url=fe.api_url, api_key=KEY, max_retries=0)
+            wait_until(lambda: "smol" in listed(client), 30, "the base model")
+            base = answer(client, "smol")
+            http = httpx.Client(base_url=fe.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            body = {"lora_name": "strong", "lora_path": str(adapter)}
+            # the routes want the API key like every model route
+            for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                r = httpx.post(fe.base_url + route, json=body, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert set(listed(client)) == {"smol"}
+
+            r = http.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 200 and "added successfully" in r.text, r.text
+            # listed and routable as soon as the call returns, on both workers
+            assert listed(client)["strong"] == {"root": str(adapter), "parent": "smol"}
+            for w in ws:
+                assert "LoRA adapter strong loaded from" in w.stderr_text()
+            strong = {answer(client, "strong") for _ in range(4)}  # round-robin: both workers answer
+            assert len(strong) == 1 and strong != {base}
+            r = http.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "strong"})
+            assert r.status_code == 200 and "removed successfully" in r.text, r.text
+            assert set(listed(client)) == {"smol"}
+            with pytest.raises(openai.NotFoundError):
+                answer(client, "strong")
+            for w in ws:
+                assert "LoRA adapter strong withdrawn and unloaded" in w.stderr_text()
+            # a worker asked for the adapter it no longer serves refuses: never the base model's weights
+            error = asyncio.run(ask_worker_directly(servers, "strong"))
+            assert "'strong' is not served by this worker" in error and "'smol'" in error
+            assert "'ghost' is not served" in asyncio.run(ask_worker_directly(servers, "ghost"))
+
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "strong"})
+            assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "smol"})
+            assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
+            # a bad file: every worker says why, in the OpenAI error shape; nothing is listed
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "no.gguf")})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and "2 of 2 worker(s) of 'smol' failed" in message
+            assert message.count("no such file") == 2
+            r = http.post("/v1/load_lora_adapter", json={**body, "base_model_name": "nope"})
+            assert r.status_code == 404
+            assert set(listed(client)) == {"smol"} and answer(client, "smol") == base
+            # loaded again after all that: served as before
+            assert http.post("/v1/load_lora_adapter", json={**body, "base_model_name": "smol"}).status_code == 200
+            assert answer(client, "strong") in strong
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def test_a_load_that_fails_on_one_worker_is_undone_on_the_others(servers, gguf, adapter, args_file):
+    # the second worker's operator did not allow run-time loading
+    ws = workers(servers, gguf, args_file, [ALLOW, {}])
+    try:
+        with DynamoRun("out=dyn", env=env_of(servers, **ALLOW)) as fe:
+            client = openai.OpenAI(base_url=fe.api_url, api_key="none", max_retries=0)
+            wait_until(lambda: "smol" in listed(client), 30, "the base model")
+            r = httpx.post(fe.base_url + "/v1/load_lora_adapter",
+                           json={"lora_name": "strong", "lora_path": str(adapter)}, timeout=120)
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400, message
+            assert "1 of 2 worker(s) of 'smol' failed" in message
+            assert f"worker {ws[1].instance_hex}" in message and "off on this worker" in message
+            assert "unloaded again from the 1 worker(s) that had loaded it" in message
+            # no half state: not listed, not routable, and the worker that had it no longer has it
+            assert set(listed(client)) == {"smol"}
+            with pytest.raises(openai.NotFoundError):
+                answer(client, "strong")
+            assert "LoRA adapter strong withdrawn and unloaded" in ws[0].stderr_text()
+            assert answer(client, "smol")
+    finally:
+        for w in ws:
+            w.stop()
