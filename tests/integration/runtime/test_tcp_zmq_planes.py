@@ -158,8 +158,10 @@ async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_
         server.close()
 
 
-async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve):
-    """Each instance record names its plane: a process on NATS sends to a TCP worker directly."""
+async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve, caplog):
+    """Each instance record names its plane: a process on NATS sends to a TCP worker directly; their
+    event planes never meet, and each says so in one line."""
+    caplog.set_level("WARNING", logger="dynamo.runtime.plane_choice")
     worker = await no_nats_runtime()
     caller = await make_runtime(request_plane="nats", event_plane="nats")
 
@@ -170,6 +172,13 @@ async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_ru
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     await client.wait_for_instances(5)
     assert await collect(client.round_robin({})) == [{"ok": True}]
+    for me, other in ((caller, worker), (worker, caller)):
+        mine, theirs = ("nats", "zmq") if me is caller else ("zmq", "nats")
+        line = f"event plane: this process uses {mine} and instance {other.instance_hex} uses {theirs}"
+        async with asyncio.timeout(5):
+            while line not in caplog.text:
+                await asyncio.sleep(0.05)
+    assert f"request plane: instance {caller.instance_hex} and this process cannot reach each other" in caplog.text
 
 
 async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime, ns, serve):
