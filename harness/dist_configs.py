@@ -13,12 +13,20 @@ Use the ``dist_config`` fixture (tests/e2e/conftest.py): a module-scoped fixture
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
+from dynamo.runtime.config import EtcdSettings
+from dynamo.runtime.discovery import Discovery
+from dynamo.runtime.etcd import EtcdClient
+from dynamo.runtime.file_store import FileStore
 from harness.servers import EtcdServer, NatsServer
+
+T = TypeVar("T")
 
 DIST_CONFIGS = ("etcd+nats", "file+tcp+zmq")
 
@@ -36,6 +44,42 @@ class DistConfig:
     @property
     def discovery(self) -> str:
         return self.name.split("+")[0]
+
+    # -- the discovery store as the processes see it, through the runtime's own clients (a test looks at
+    #    or plants registrations the same way under either backend)
+
+    def _with_store(self, op: Callable[[Discovery], Awaitable[T]]) -> T:
+        async def run() -> T:
+            store: FileStore | EtcdClient
+            if self.file_kv is not None:
+                store = FileStore(self.file_kv)
+            else:
+                assert self.etcd is not None
+                store = EtcdClient(EtcdSettings([self.etcd.url]))
+            await store.connect()
+            try:
+                return await op(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(run())
+
+    def keys(self, prefix: str) -> dict[str, tuple[Any, int]]:
+        """``{key: (json value, lease id)}`` of every live key under ``prefix``."""
+        async def op(store: Discovery) -> dict[str, tuple[Any, int]]:
+            return {kv.key: (json.loads(kv.value) if kv.value else None, kv.lease)
+                    for kv in await store.get_prefix(prefix)}
+        return self._with_store(op)
+
+    def put(self, key: str, value: str) -> None:
+        async def op(store: Discovery) -> None:
+            await store.put(key, value.encode())
+        self._with_store(op)
+
+    def delete(self, key: str) -> None:
+        async def op(store: Discovery) -> None:
+            await store.delete(key)
+        self._with_store(op)
 
 
 @contextlib.contextmanager

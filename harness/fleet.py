@@ -4,7 +4,7 @@ request id, which worker served a request (from the workers' debug logs)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -62,3 +62,10 @@ def chat(client: openai.OpenAI, model: str, content: str, *, stream: bool, rid: 
             parts.append(choice.delta.content or "")
             reason = choice.finish_reason or reason
     return "".join(parts), reason
+
+
+def sse_events(response: httpx.Response) -> Iterator[str]:
+    """The ``data:`` payloads of an SSE response, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line[6:]

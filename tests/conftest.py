@@ -1,4 +1,5 @@
-"""Shared fixtures: the repo root on sys.path (``tests`` is not a package) and a tiny model folder."""
+"""Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, and the
+distributed configurations (harness/dist_configs.py) as a module-scoped, parametrized fixture."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from typing import Iterator  # noqa: E402
+
+from harness.dist_configs import DIST_CONFIGS, DistConfig  # noqa: E402
+from harness.dist_configs import dist_config as start_dist_config  # noqa: E402
 from harness.tiny_model import build_tiny_hf_model  # noqa: E402
 
 
@@ -18,3 +23,10 @@ from harness.tiny_model import build_tiny_hf_model  # noqa: E402
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF-style folder ``tiny-chat`` (byte-level BPE, ChatML template, eos <|im_end|>), no weights."""
     return build_tiny_hf_model(tmp_path_factory.mktemp("models"), with_weights=False)
+
+
+@pytest.fixture(scope="module", params=DIST_CONFIGS)
+def dist_config(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistConfig]:
+    """Each module that uses it runs once per configuration, its fleet started once for each."""
+    with start_dist_config(request.param, tmp_path_factory.mktemp("dist")) as config:
+        yield config

@@ -1,22 +1,25 @@
 """Distributed serving end to end: a frontend (``in=http out=dyn``) and workers (``in=dyn://...``) as real
-``dynamo-run`` processes, finding each other through a real etcd and talking over a real nats-server.
+``dynamo-run`` processes, under each configuration of harness/dist_configs.py: etcd and nats-server
+(the original's layout), and nothing started at all (the file discovery store, the TCP request plane,
+the ZMQ event plane). The processes get the configuration through the environment only, so their
+command lines are the documented ones.
 
-The servers, the frontend and most workers are started once for the module (the workers in parallel);
-each test uses its own namespace and model name, so tests do not see each other's workers.  Which worker
-served a request is read from the workers' logs: at debug level a worker logs ``request <id>`` for each
-request, and the tests set the id with an ``x-request-id`` header.
+The frontend and most workers are started once per configuration (the workers in parallel); each test
+uses its own namespace and model name, so tests do not see each other's workers.  Which worker served a
+request is read from the workers' logs: at debug level a worker logs ``request <id>`` for each request,
+and the tests set the id with an ``x-request-id`` header.  Registrations are read and planted through
+the runtime's own discovery clients (``DistConfig.keys`` / ``put`` / ``delete``).
 
-Lease expiry takes 10 s (the TTL): the kill -9 test crashes its worker early in the module and the check
-that the crashed worker's keys and instance are gone runs last, so the wait overlaps the other tests.
+The kill -9 test crashes its worker early in the module and the check that the crashed worker's keys
+and instance are gone within the lease (``DYN_LEASE_TTL``) runs last, so the wait overlaps the other
+tests.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +27,18 @@ import httpx
 import openai
 import pytest
 
+from harness.dist_configs import DistConfig
+from harness.fleet import (
+    WORKER_LOG,
+    chat,
+    client_for,
+    health_instances,
+    model_ids,
+    request_id,
+    served_by,
+    sse_events,
+    wait_for_model,
+)
 from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -31,119 +46,15 @@ from harness.wait import wait_until
 pytestmark = pytest.mark.timeout(120)
 
 DATA = Path(__file__).parent / "data"
-LEASE_TTL_S = 10.0
-WORKER_LOG = {"DYN_LOG": "info,dynamo.worker.handlers=debug"}
 LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
-
-
-# -- small helpers -------------------------------------------------------------------------------------
-
-
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _prefix_end(prefix: str) -> str:
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return base64.b64encode(bytes(raw)).decode()
-
-
-def etcd_get_prefix(etcd: EtcdServer, prefix: str) -> dict[str, tuple[dict, int]]:
-    """``{key: (json value, lease id)}`` for every key under ``prefix`` (etcd's JSON gateway)."""
-    resp = httpx.post(f"{etcd.url}/v3/kv/range", json={"key": _b64(prefix), "range_end": _prefix_end(prefix)},
-                      timeout=5)
-    resp.raise_for_status()
-    out = {}
-    for kv in resp.json().get("kvs", []):
-        value = base64.b64decode(kv.get("value", "")).decode()
-        out[base64.b64decode(kv["key"]).decode()] = (json.loads(value) if value else None, int(kv.get("lease", 0)))
-    return out
-
-
-def etcd_put(etcd: EtcdServer, key: str, value: str) -> None:
-    httpx.post(f"{etcd.url}/v3/kv/put", json={"key": _b64(key), "value": _b64(value)}, timeout=5).raise_for_status()
-
-
-def etcd_delete(etcd: EtcdServer, key: str) -> None:
-    httpx.post(f"{etcd.url}/v3/kv/deleterange", json={"key": _b64(key)}, timeout=5).raise_for_status()
-
-
-def model_ids(frontend: DynamoRun) -> set[str]:
-    resp = httpx.get(frontend.api_url + "/models", timeout=5)
-    assert resp.status_code == 200, resp.text
-    return {m["id"] for m in resp.json()["data"]}
-
-
-def health_instances(frontend: DynamoRun, endpoint: str) -> set[int]:
-    """Instance ids /health lists for ``endpoint`` (``dyn://ns.comp.ep``)."""
-    resp = httpx.get(frontend.base_url + "/health", timeout=5)
-    return {i["instance_id"] for i in resp.json().get("instances", []) if i["endpoint"] == endpoint}
-
-
-def wait_for_model(frontend: DynamoRun, name: str, endpoint: str, instances: int, timeout: float = 15.0) -> None:
-    wait_until(lambda: name in model_ids(frontend) and len(health_instances(frontend, endpoint)) >= instances,
-               timeout, f"model {name} with {instances} instance(s) of {endpoint} on the frontend")
-
-
-def client_for(frontend: DynamoRun, timeout: float = 30.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=frontend.api_url, api_key="unused", max_retries=0, timeout=timeout)
-
-
-def request_id(tag: str) -> str:
-    return f"{tag}-{uuid.uuid4().hex[:12]}"
-
-
-def served_by(workers: list[DynamoWorker], rid: str) -> list[DynamoWorker]:
-    """The workers whose debug log shows request ``rid``."""
-    needle = f"request {rid}"
-    return [w for w in workers if needle in w.stderr_text()]
-
-
-def chat(client: openai.OpenAI, model: str, content: str, *, stream: bool, rid: str | None = None,
-         **kwargs: Any) -> tuple[str, str | None]:
-    """(text, finish_reason) of one chat completion."""
-    headers = {"x-request-id": rid} if rid else None
-    messages = [{"role": "user", "content": content}]
-    if not stream:
-        resp = client.chat.completions.create(model=model, messages=messages, extra_headers=headers, **kwargs)
-        return resp.choices[0].message.content or "", resp.choices[0].finish_reason
-    parts, reason = [], None
-    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True,
-                                                extra_headers=headers, **kwargs):
-        for choice in chunk.choices:
-            parts.append(choice.delta.content or "")
-            reason = choice.finish_reason or reason
-    return "".join(parts), reason
-
-
-def sse_events(response: httpx.Response) -> Iterator[str]:
-    """The ``data:`` payloads of an SSE response, as they arrive."""
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            yield line[6:]
-
-
-def closed_port() -> int:
-    """A loopback port with nothing listening on it."""
-    return free_port()
 
 
 # -- fixtures ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[EtcdServer, NatsServer]]:
-    with EtcdServer() as etcd, NatsServer() as nats:
-        yield etcd, nats
-
-
-@pytest.fixture(scope="module")
-def rt_env(servers) -> dict[str, str]:
-    etcd, nats = servers
-    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+def rt_env(dist_config: DistConfig) -> dict[str, str]:
+    return dist_config.env
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +103,13 @@ def fleet(rt_env, tiny_model: Path) -> Iterator[Fleet]:
     finally:
         for w in workers.values():
             w.kill()
+
+
+@pytest.fixture(scope="module")
+def etcd_nats() -> Iterator[dict[str, str]]:
+    """etcd and nats-server of their own, for the tests of what happens when one is missing or lacking."""
+    with EtcdServer() as etcd, NatsServer() as nats:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
 
 
 # -- discovery, health, round-robin --------------------------------------------------------------------
@@ -278,7 +196,7 @@ def test_router_mode_random_uses_both_workers(rt_env, fleet):
 
 
 @pytest.fixture(scope="module")
-def crashed(frontend, fleet, servers) -> dict[str, Any]:
+def crashed(frontend, fleet) -> dict[str, Any]:
     """crash1 killed -9 while crash2 keeps serving; records when (the lease check runs at the end)."""
     wait_for_model(frontend, "crash", "dyn://crash.backend.generate", 2)
     victim = fleet["crash1"]
@@ -310,14 +228,13 @@ def test_kill9_service_carries_on(frontend, crashed):
 
 
 @pytest.mark.slow
-def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, servers):
-    etcd, _ = servers
+def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dist_config):
     worker = fleet["term"]
     wait_for_model(frontend, "term", "dyn://term.backend.generate", 1)
     lease = worker.instance_id
-    keys = etcd_get_prefix(etcd, "models/term/")
+    keys = dist_config.keys("models/term/")
     assert keys and all(lease_id == lease for _, lease_id in keys.values())
-    assert etcd_get_prefix(etcd, "instances/term/")
+    assert dist_config.keys("instances/term/")
 
     client = client_for(frontend)
     stream = client.chat.completions.create(
@@ -332,7 +249,7 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, ser
     worker.terminate()
     signalled = time.monotonic()
     # deregistered at once: the model entry and the instance key are gone, the frontend drops the model
-    wait_until(lambda: not etcd_get_prefix(etcd, "models/term/") and not etcd_get_prefix(etcd, "instances/term/"),
+    wait_until(lambda: not dist_config.keys("models/term/") and not dist_config.keys("instances/term/"),
                1.5, "the worker's keys to be deleted")
     wait_until(lambda: "term" not in model_ids(frontend), 1.5, "the model to leave /v1/models")
     # ... but the stream in flight finishes normally
@@ -353,14 +270,13 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, ser
 
 
 @pytest.mark.slow
-def test_model_entry_without_instances_gives_503(frontend, fleet, servers):
+def test_model_entry_without_instances_gives_503(frontend, fleet, dist_config):
     """A model whose entry exists but with no live instance behind it: 503 quickly, not a hang."""
-    etcd, _ = servers
     wait_for_model(frontend, "a", "dyn://alpha.backend.generate", 1)
-    (key, (entry, _)), = etcd_get_prefix(etcd, "models/alpha/").items()
+    (key, (entry, _)), = dist_config.keys("models/alpha/").items()
     ghost = dict(entry, name="ghost", endpoint={"namespace": "ghost", "component": "backend", "name": "generate"})
     ghost_key = "models/ghost/backend/generate/1/ghost"
-    etcd_put(etcd, ghost_key, json.dumps(ghost))
+    dist_config.put(ghost_key, json.dumps(ghost))
     try:
         wait_until(lambda: "ghost" in model_ids(frontend), 5, "the ghost model to be listed")
         start = time.monotonic()
@@ -371,7 +287,7 @@ def test_model_entry_without_instances_gives_503(frontend, fleet, servers):
         assert resp.json()["error"]["message"]
         assert elapsed < 7, f"503 took {elapsed:.1f}s"
     finally:
-        etcd_delete(etcd, ghost_key)
+        dist_config.delete(ghost_key)
     wait_until(lambda: "ghost" not in model_ids(frontend), 5, "the ghost model to be removed")
 
 
@@ -394,10 +310,9 @@ def test_two_models_on_one_frontend(frontend, fleet):
 
 
 @pytest.mark.slow
-def test_full_engine_worker_registers_as_chat(frontend, fleet, servers):
-    etcd, _ = servers
+def test_full_engine_worker_registers_as_chat(frontend, fleet, dist_config):
     wait_for_model(frontend, "e", "dyn://full.frontend.generate", 1)
-    (entry, lease), = etcd_get_prefix(etcd, "models/full/").values()
+    (entry, lease), = dist_config.keys("models/full/").values()
     assert entry["model_type"] == "Chat" and entry["name"] == "e" and lease == fleet["e"].instance_id
     client = client_for(frontend)
     text, reason = chat(client, "e", "echo me fully", stream=True)
@@ -412,13 +327,13 @@ def test_full_engine_worker_registers_as_chat(frontend, fleet, servers):
 
 
 @pytest.mark.slow
-def test_seed_python_worker_served_by_frontend(frontend, rt_env, tiny_model, servers):
-    etcd, _ = servers
+def test_seed_python_worker_served_by_frontend(frontend, rt_env, tiny_model, dist_config):
+    """The seeds' Python worker (the runtime API, ``@dynamo_worker``), configured by the environment alone."""
     worker = DynamoWorker(str(tiny_model), command=[sys.executable, str(DATA / "seed_dyn_worker.py")],
                           env=rt_env, ready=None).start()
     try:
         wait_for_model(frontend, "tiny-chat", "dyn://namespace.component.endpoint", 1)
-        (entry, _), = etcd_get_prefix(etcd, "models/namespace/component/endpoint/").values()
+        (entry, _), = dist_config.keys("models/namespace/component/endpoint/").values()
         assert entry["model_type"] == "Backend"
         client = client_for(frontend)
         text, reason = chat(client, "tiny-chat", "seeds say hello", stream=True, extra_body={"ignore_eos": True})
@@ -529,9 +444,9 @@ def test_batch_input_against_worker(solo, tmp_path):
 
 @pytest.mark.parametrize("role", ["frontend", "worker"])
 @pytest.mark.parametrize("down", ["etcd", "nats"])
-def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
-    port = closed_port()
-    env = dict(rt_env)
+def test_unreachable_server_is_one_clear_line(etcd_nats, tiny_model, role, down):
+    port = free_port()
+    env = dict(etcd_nats)
     if down == "etcd":
         env["ETCD_ENDPOINTS"] = f"http://127.0.0.1:{port}"
     else:  # asked for NATS (without a request plane named, no NATS means TCP and ZMQ instead)
@@ -551,11 +466,11 @@ def test_unreachable_server_is_one_clear_line(rt_env, tiny_model, role, down):
     assert len(lines) <= 2, result.stderr  # the error, at most one log line before it
 
 
-def test_nats_without_jetstream_is_one_clear_line(rt_env, tiny_model):
+def test_nats_without_jetstream_is_one_clear_line(etcd_nats, tiny_model):
     """The model card's tokenizer goes to the runtime's object store (JetStream on NATS): a worker on a
     nats-server started without ``-js`` stops with one line saying so, not a traceback."""
     with NatsServer(jetstream=False) as plain:
-        env = dict(rt_env, NATS_SERVER=plain.url)
+        env = dict(etcd_nats, NATS_SERVER=plain.url)
         result = run_cli(["in=dyn://nojs.backend.generate", "out=echo_core", str(tiny_model)], env=env, timeout=30)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
@@ -567,18 +482,17 @@ def test_nats_without_jetstream_is_one_clear_line(rt_env, tiny_model):
 
 
 @pytest.mark.slow
-def test_kill9_keys_and_instance_vanish_after_lease(frontend, crashed, servers):
-    etcd, _ = servers
+def test_kill9_keys_and_instance_vanish_after_lease(frontend, crashed, dist_config):
     victim, survivor = crashed["victim"], crashed["survivor"]
     dead = victim.instance_hex
-    remaining = LEASE_TTL_S + 3 - (time.monotonic() - crashed["killed_at"])
+    remaining = float(dist_config.env["DYN_LEASE_TTL"]) + 3 - (time.monotonic() - crashed["killed_at"])
 
     def gone() -> bool:
-        keys = list(etcd_get_prefix(etcd, "instances/crash/")) + list(etcd_get_prefix(etcd, "models/crash/"))
+        keys = list(dist_config.keys("instances/crash/")) + list(dist_config.keys("models/crash/"))
         return not any(dead in k for k in keys)
 
     wait_until(gone, max(remaining, 0.5), "the crashed worker's keys to expire with its lease", interval=0.2)
     assert health_instances(frontend, "dyn://crash.backend.generate") == {survivor.instance_id}
-    keys = etcd_get_prefix(etcd, "models/crash/")
+    keys = dist_config.keys("models/crash/")
     assert keys and all(lease == survivor.instance_id for _, lease in keys.values())
     assert "crash" in model_ids(frontend)

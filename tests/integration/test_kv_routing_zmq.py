@@ -1,6 +1,6 @@
 """KV-aware routing on the TCP request plane and the ZMQ event plane: mocker workers and frontends started
-with ``--request-plane tcp --event-plane zmq``, found through a real etcd. nats-server runs only for the
-object store (the model cards' tokenizers); nothing here reads or writes KV events or requests over it.
+with ``--request-plane tcp --event-plane zmq``, found through a real etcd, and no NATS server at all
+(``NATS_SERVER`` names a closed port): the model cards' tokenizers go in etcd's object store.
 
 The test watches the router's decisions (``namespace.<ns>.kv-hit-rate``) and the workers' KV events the
 way the frontend does: a runtime of its own on the ZMQ event plane, subscribed through discovery.
@@ -24,7 +24,7 @@ from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer, free_port
+from harness.servers import EtcdServer, free_port
 from harness.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,8 +37,8 @@ PLANES = ("--request-plane", "tcp", "--event-plane", "zmq")
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url,
+    with EtcdServer() as etcd:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": f"nats://127.0.0.1:{free_port()}",
                "DYN_LOG": "info,dynamo.worker.handlers=debug"}
 
 
