@@ -1,15 +1,16 @@
-"""The distributed essentials under every configuration (harness/dist_configs.py: etcd+nats, file+tcp+zmq):
-workers found and served (mocker and echo engines), round-robin, a stream migrated after kill -9, a
-killed worker's registration gone within the lease; and, for the file store, what it tells the user."""
+"""What the configurations (harness/dist_configs.py: etcd+nats, file+tcp+zmq) add to the distributed suite
+(test_distributed.py runs the rest under both): KV routing on the mocker's KV events, heard by two
+frontends (the second one started after the events were published, so it catches up from the workers'
+``kv_state``), a killed worker's registration gone within the lease and its files cleaned up, and what
+the processes say about their choices."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-import httpx
 import pytest
 
 from harness.dist_configs import DistConfig
@@ -19,21 +20,22 @@ from harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
+MOCKER_ARGS = {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 20.0}
 
 
 @pytest.fixture(scope="module")
-def fleet(dist_config: DistConfig, tiny_model: Path) -> Iterator[dict[str, DynamoWorker]]:
+def fleet(dist_config: DistConfig, tiny_model: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DynamoWorker]]:
     model, flags = str(tiny_model), dist_config.flags
+    mocker_args = tmp_path_factory.mktemp("mocker") / "mocker.json"
+    mocker_args.write_text(json.dumps(MOCKER_ARGS))
     env = {**dist_config.env, **WORKER_LOG}
     specs = {
         "mock": (["in=dyn://mockns.backend.generate", "out=mocker", model, "--model-name", "mock"], 0),
-        "rr1": (["in=dyn://rrns.backend.generate", "out=echo_core", model, "--model-name", "rr"], 1),
-        "rr2": (["in=dyn://rrns.backend.generate", "out=echo_core", model, "--model-name", "rr"], 1),
-        "mig1": (["in=dyn://migns.backend.generate", "out=echo_core", model, "--model-name", "mig",
-                  "--migration-limit", "3"], 50),
-        "mig2": (["in=dyn://migns.backend.generate", "out=echo_core", model, "--model-name", "mig",
-                  "--migration-limit", "3"], 50),
+        "kv1": (["in=dyn://kvns.mocker.generate", "out=mocker", model, "--model-name", "kv",
+                 "--extra-engine-args", str(mocker_args)], 0),
+        "kv2": (["in=dyn://kvns.mocker.generate", "out=mocker", model, "--model-name", "kv",
+                 "--extra-engine-args", str(mocker_args)], 0),
         "crash": (["in=dyn://crashns.backend.generate", "out=echo_core", model, "--model-name", "crash"], 1),
     }
     workers: dict[str, DynamoWorker] = {}
@@ -56,7 +58,6 @@ def frontend(dist_config: DistConfig, fleet) -> Iterator[DynamoRun]:
 
 def test_workers_found_and_mocker_answers(frontend, fleet, dist_config):
     wait_for_model(frontend, "mock", "dyn://mockns.backend.generate", 1)
-    wait_for_model(frontend, "rr", "dyn://rrns.backend.generate", 2)
     text, reason = chat(client_for(frontend), "mock", "Hello there", stream=True, max_tokens=8)
     assert text and reason in ("length", "stop")
     text, reason = chat(client_for(frontend), "mock", "Hello again", stream=False, max_tokens=8)
@@ -66,48 +67,61 @@ def test_workers_found_and_mocker_answers(frontend, fleet, dist_config):
     assert len(lines) == 1 and f"discovery {dist_config.discovery} (" in lines[0] and "as asked" in lines[0], lines
 
 
-def test_requests_spread_round_robin(frontend, fleet):
-    rr = [fleet["rr1"], fleet["rr2"]]
-    wait_for_model(frontend, "rr", "dyn://rrns.backend.generate", 2)
-    client = client_for(frontend)
-    order = []
-    for i in range(6):
-        rid = request_id(f"rr{i}")
-        text, reason = chat(client, "rr", "Hello distributed world", stream=bool(i % 2), rid=rid)
-        assert reason == "stop" and text
-        who = wait_until(lambda: served_by(rr, rid), 5, f"a worker logging request {rid}")
-        order.append(rr.index(who[0]))
-    assert sorted(order) == [0, 0, 0, 1, 1, 1] and all(order[i] != order[i + 1] for i in range(5)), order
+def logged(log: Path, ev: str) -> list[dict[str, Any]]:
+    """The lines of kind ``ev`` in a decision log (DYN_ROUTER_LOG) so far."""
+    try:
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return []
+    return [x for x in lines if x["ev"] == ev]
 
 
-def test_migration_after_kill9(frontend, fleet):
-    workers = [fleet["mig1"], fleet["mig2"]]
-    wait_for_model(frontend, "mig", "dyn://migns.backend.generate", 2)
-    rid = request_id("mig")
-    body = {"model": "mig", "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True,
-            "max_tokens": 40, "ignore_eos": True}
-    events: list[dict] = []
-    victim, done = None, False
-    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
-                      headers={"x-request-id": rid}) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            events.append(json.loads(line[6:]))
-            content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
-            if victim is None and len(content) >= 8:
-                victim = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")[0]
-                victim.kill()
-    assert victim is not None and done
-    assert not [e for e in events if "error" in e], events
-    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
-    assert finishes == ["length"]
-    other = workers[1 - workers.index(victim)]
-    assert f"request {rid}" in other.stderr_text(), "the stream did not move to the other worker"
+def routes(log: Path, n: int) -> list[dict[str, Any]] | None:
+    """The first ``n`` routing decisions, once there are ``n``."""
+    found = logged(log, "route")
+    return found[:n] if len(found) >= n else None
+
+
+def stored(log: Path) -> bool:
+    return bool(logged(log, "stored"))
+
+
+def test_kv_routing_on_the_workers_events_from_two_frontends(dist_config, fleet, tmp_path):
+    """A repeated prefix goes to the worker that holds it: the router knew (overlap), from KV events on
+    this configuration's event plane; a frontend started afterwards knows it too."""
+    kv = [fleet["kv1"], fleet["kv2"]]
+    prefix = " ".join(f"block{i}" for i in range(200))
+    logs = [tmp_path / "fe1.jsonl", tmp_path / "fe2.jsonl"]
+
+    def kv_frontend(log: Path) -> DynamoRun:
+        fe = DynamoRun("out=dyn", "--router-mode", "kv", *dist_config.flags,
+                       env={**dist_config.env, "DYN_ROUTER_LOG": str(log)}).start()
+        wait_for_model(fe, "kv", "dyn://kvns.mocker.generate", 2)
+        return fe
+
+    fe1 = kv_frontend(logs[0])
+    try:
+        rid = request_id("kv-first")
+        chat(client_for(fe1), "kv", prefix + " first", stream=False, rid=rid, max_tokens=4)
+        holder = wait_until(lambda: served_by(kv, rid), 5, "the worker of the first request")[0]
+        rid = request_id("kv-again")
+        wait_until(lambda: stored(logs[0]), 10, "the first request's KV events on frontend 1")
+        chat(client_for(fe1), "kv", prefix + " again", stream=False, rid=rid, max_tokens=4)
+        assert served_by(kv, rid) == [holder]
+        first, again = wait_until(lambda: routes(logs[0], 2), 5, "two decisions on frontend 1")
+        assert again["worker"] == f"{holder.instance_id:x}"
+        assert first["candidates"][again["worker"]]["overlap"] == 0 < again["candidates"][again["worker"]]["overlap"]
+        fe2 = kv_frontend(logs[1])  # joins after the events: catches up from the workers' kv_state
+        try:
+            rid = request_id("kv-late")
+            chat(client_for(fe2), "kv", prefix + " late", stream=False, rid=rid, max_tokens=4)
+            assert served_by(kv, rid) == [holder]
+            (late,) = wait_until(lambda: routes(logs[1], 1), 5, "the decision on frontend 2")
+            assert late["worker"] == again["worker"] and late["candidates"][late["worker"]]["overlap"] > 0
+        finally:
+            fe2.stop()
+    finally:
+        fe1.stop()
 
 
 def test_kill9_registration_gone_within_the_lease(frontend, fleet, dist_config):
