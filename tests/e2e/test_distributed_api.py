@@ -1,5 +1,6 @@
-"""Embedding workers and ``--chat-template`` across the distributed runtime, real processes:
-etcd, nats-server, a frontend (``in=http out=dyn``) and workers (``in=dyn://...``).
+"""Embedding workers and ``--chat-template`` across the distributed runtime, real processes under each
+distributed configuration (harness/dist_configs.py): a frontend (``in=http out=dyn``) and workers
+(``in=dyn://...``), one of them a Python worker on the runtime API.
 
 An ``--embedding`` worker registers as ``ModelType.Embedding``; the frontend lists it and routes
 ``/v1/embeddings`` to it (a 400 from the worker stays a 400).  A worker's ``--chat-template`` travels in
@@ -17,8 +18,8 @@ import httpx
 import openai
 import pytest
 
+from harness.dist_configs import DistConfig
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,9 +38,8 @@ def wait_for_models(frontend: DynamoRun, names: set[str], timeout: float = 20.0)
 
 
 @pytest.fixture(scope="module")
-def rt_env() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+def rt_env(dist_config: DistConfig) -> dict[str, str]:
+    return dist_config.env
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 In process: a prefill engine exports each prompt's KV state, the real TCP transfer moves it, a decode
 engine loads it and continues: greedy outputs equal aggregated serving's.  A damaged transfer, or a
-state llama.cpp refuses, ends in a local prefill with the same output.  Distributed: a prefill worker,
-a decode worker and a frontend on real etcd and NATS give the same answers as an aggregated worker, and
-keep answering when the prefill worker is killed -9.
+state llama.cpp refuses, ends in a local prefill with the same output.  Distributed, under each
+configuration of harness/dist_configs.py (etcd and NATS, or nothing started): a prefill worker, a decode
+worker and a frontend give the same answers as an aggregated worker, and keep answering when the
+prefill worker is killed -9.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import pytest_asyncio
 from dynamo.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.dist_configs import DistConfig
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
 from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(240)
@@ -118,35 +119,34 @@ async def test_bad_transfer_or_state_falls_back_to_local_prefill(engines, tok, d
 # -- distributed --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(gguf: Path) -> Iterator[dict[str, Any]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url, "DYN_KV_TRANSFER_TIMEOUT": "5"}
-        common = ["out=llamacpp", str(gguf), "--context-length", "512"]
-        ws = {"prefill": DynamoWorker("in=dyn://dis.prefill.generate", *common, "--model-name", "dis",
-                                      "--disaggregation-mode", "prefill", env=env).start(wait=False),
-              "decode": DynamoWorker("in=dyn://dis.backend.generate", *common, "--model-name", "dis",
-                                     "--disaggregation-mode", "decode", env=env).start(wait=False),
-              "agg": DynamoWorker("in=dyn://agg.backend.generate", *common, "--model-name", "agg",
-                                  env=env).start(wait=False)}
-        fe = None
-        try:
-            for w in ws.values():
-                w.wait_ready(timeout=120)
-            fe = DynamoRun("out=dyn", "--max-local-prefill-length", "8", env=env).start()
-            want = {w.instance_id for w in ws.values()}
-            deadline = time.monotonic() + 30
-            while True:
-                health = httpx.get(fe.base_url + "/health").json()
-                if want <= {i["instance_id"] for i in health.get("instances", [])} and len(health["models"]) >= 2:
-                    break
-                assert time.monotonic() < deadline, health
-                time.sleep(0.05)
-            yield {"workers": ws, "frontend": fe}
-        finally:
-            if fe is not None:
-                fe.stop()
-            for w in ws.values():
-                w.kill()
+def cluster(gguf: Path, dist_config: DistConfig) -> Iterator[dict[str, Any]]:
+    env = {**dist_config.env, "DYN_KV_TRANSFER_TIMEOUT": "5"}
+    common = ["out=llamacpp", str(gguf), "--context-length", "512"]
+    ws = {"prefill": DynamoWorker("in=dyn://dis.prefill.generate", *common, "--model-name", "dis",
+                                  "--disaggregation-mode", "prefill", env=env).start(wait=False),
+          "decode": DynamoWorker("in=dyn://dis.backend.generate", *common, "--model-name", "dis",
+                                 "--disaggregation-mode", "decode", env=env).start(wait=False),
+          "agg": DynamoWorker("in=dyn://agg.backend.generate", *common, "--model-name", "agg",
+                              env=env).start(wait=False)}
+    fe = None
+    try:
+        for w in ws.values():
+            w.wait_ready(timeout=120)
+        fe = DynamoRun("out=dyn", "--max-local-prefill-length", "8", env=env).start()
+        want = {w.instance_id for w in ws.values()}
+        deadline = time.monotonic() + 30
+        while True:
+            health = httpx.get(fe.base_url + "/health").json()
+            if want <= {i["instance_id"] for i in health.get("instances", [])} and len(health["models"]) >= 2:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+        yield {"workers": ws, "frontend": fe}
+    finally:
+        if fe is not None:
+            fe.stop()
+        for w in ws.values():
+            w.kill()
 
 
 def ask(fe: DynamoRun, model: str, q: str) -> str:

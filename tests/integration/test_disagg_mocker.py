@@ -1,4 +1,5 @@
-"""Disaggregated serving with mocker workers on real etcd and NATS: a prefill worker
+"""Disaggregated serving with mocker workers, under each distributed configuration (etcd and NATS, or
+nothing started: harness/dist_configs.py): a prefill worker
 (``--disaggregation-mode prefill``), a decode worker and a frontend (``out=dyn --router-mode kv``).
 
 Where each prompt was prefilled is read from the frontend's ``/metrics``
@@ -18,8 +19,8 @@ from typing import Iterator
 import httpx
 import pytest
 
+from harness.dist_configs import DistConfig
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,9 +29,8 @@ MODEL = "dis"
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+def servers(dist_config: DistConfig) -> dict[str, str]:
+    return dist_config.env
 
 
 @pytest.fixture(scope="module")
