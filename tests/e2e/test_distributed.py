@@ -136,7 +136,7 @@ def test_requests_spread_round_robin(frontend, fleet):
         text, reason = chat(client, "rr", "Hello distributed world", stream=bool(i % 2), rid=rid)
         # echo_core echoes the templated prompt and stops at its first end-of-turn token
         assert text.startswith("<|im_start|>system") and reason == "stop", (text, reason)
-        who = wait_until(lambda: served_by(rr, rid), 5, f"a worker logging request {rid}")
+        who = wait_until(lambda rid=rid: served_by(rr, rid), 5, f"a worker logging request {rid}")
         assert len(who) == 1
         order.append(rr.index(who[0]))
     assert sorted(order) == [0, 0, 0, 0, 1, 1, 1, 1], order
@@ -186,7 +186,7 @@ def test_router_mode_random_uses_both_workers(rt_env, fleet):
             chat(client, "rr", "hi", stream=True, rid=rid)
         counts = [0, 0]
         for rid in rids:
-            who = wait_until(lambda: served_by(rr, rid), 5, f"a worker logging request {rid}")
+            who = wait_until(lambda rid=rid: served_by(rr, rid), 5, f"a worker logging request {rid}")
             counts[rr.index(who[0])] += 1
     # all 16 on one worker has probability 2**-15
     assert counts[0] > 0 and counts[1] > 0, counts

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import socket
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 
 import pytest
 
@@ -18,6 +17,7 @@ from dynamo.runtime.instance import Instance
 from dynamo.runtime.mux import EnvelopeDecoder, envelope
 from dynamo.runtime.names import EndpointId
 from harness.servers import free_port
+from harness.wait import until
 
 LIVENESS = 0.4
 
@@ -175,9 +175,7 @@ async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_ru
     for me, other in ((caller, worker), (worker, caller)):
         mine, theirs = ("nats", "zmq") if me is caller else ("zmq", "nats")
         line = f"event plane: this process uses {mine} and instance {other.instance_hex} uses {theirs}"
-        async with asyncio.timeout(5):
-            while line not in caplog.text:
-                await asyncio.sleep(0.05)
+        await until(lambda: line in caplog.text, 5, line)  # noqa: B023 - awaited within the iteration
     assert f"request plane: instance {caller.instance_hex} and this process cannot reach each other" in caplog.text
 
 
