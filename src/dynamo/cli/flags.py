@@ -205,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "/v1/messages/count_tokens (default: DYN_ENABLE_ANTHROPIC_API, else off)")
     p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), help="in=dyn://... and out=dyn: where processes find each other: etcd (kv_store is the same), or file (a directory shared by the processes of one host, DYN_FILE_KV); default DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers on localhost:2379, else file")
     p.add_argument("--request-plane", choices=REQUEST_PLANES, help="how requests reach workers: tcp (each worker listens; "
-                   "no NATS) or nats (default: DYN_REQUEST_PLANE, else nats when a NATS server answers, else tcp)")
+                   "no NATS) or nats (default: DYN_REQUEST_PLANE, else nats when NATS_SERVER is set or a NATS answers on "
+                   "localhost:4222, else tcp)")
     p.add_argument("--event-plane", choices=EVENT_PLANES, help="how KV events and load metrics travel: zmq (no NATS) "
-                   "or nats (default: DYN_EVENT_PLANE, else nats when a NATS server answers, else zmq)")
+                   "or nats (default: DYN_EVENT_PLANE, else nats when NATS_SERVER is set or a NATS answers on localhost:4222, "
+                   "else zmq)")
     p.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity", help="-v debug logs, -vv trace logs (default info)")
     p.add_argument("--version", action=_VersionAction)
     return p
