@@ -381,8 +381,10 @@ def validate(cfg: RunConfig) -> None:
         if cfg.engine not in DISAGG_ENGINES:
             raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode}: out={cfg.output} cannot hand KV state "
                             f"between workers; engines that can: {', '.join(DISAGG_ENGINES)}")
-    if cfg.discovery_backend is not None and cfg.input_kind != "endpoint" and cfg.engine != "dyn":
-        raise UserError("--discovery-backend is for the distributed runtime: use it with in=dyn://... or out=dyn")
+    for flag, value in (("--discovery-backend", cfg.discovery_backend), ("--request-plane", cfg.request_plane),
+                        ("--event-plane", cfg.event_plane)):
+        if value is not None and cfg.input_kind != "endpoint" and cfg.engine != "dyn":
+            raise UserError(f"{flag} is for the distributed runtime: use it with in=dyn://... or out=dyn")
     if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
         raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
     for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, tool_call_parser_names()),

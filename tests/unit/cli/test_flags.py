@@ -232,3 +232,18 @@ def test_disaggregation_flags():
 def test_disaggregation_flag_errors(argv, message):
     with pytest.raises(UserError, match=message):
         parse(*argv)
+
+
+def test_distributed_runtime_flags():
+    cfg = parse("in=dyn://ns.comp.ep", "out=echo_full", "--discovery-backend", "kv_store", "--request-plane", "tcp",
+                "--event-plane", "zmq")
+    assert (cfg.discovery_backend, cfg.request_plane, cfg.event_plane) == ("etcd", "tcp", "zmq")
+    cfg = parse("in=http", "out=dyn")
+    assert (cfg.discovery_backend, cfg.request_plane, cfg.event_plane) == (None, None, None)  # the rule decides
+
+
+@pytest.mark.parametrize("flag,value", [("--discovery-backend", "file"), ("--request-plane", "tcp"),
+                                        ("--event-plane", "zmq")])
+def test_distributed_runtime_flags_need_the_distributed_runtime(flag, value):
+    with pytest.raises(UserError, match=f"{flag} is for the distributed runtime"):
+        parse("in=http", "out=echo_full", flag, value)
