@@ -56,8 +56,9 @@ class DiscoveryObjectStore:
 
 
 class FallbackObjectStore:
-    """Writes go to the first store; a read the first cannot answer is asked of the others (a frontend
-    with NATS reads a card that a worker without NATS left in etcd)."""
+    """Writes go to the first store; a read the first cannot answer (no such object, or its server is
+    down) is asked of the next (a frontend with NATS reads a card that a worker without NATS left in
+    etcd); the last one's error is the one reported."""
 
     def __init__(self, *stores: ObjectStore) -> None:
         self.stores = stores
@@ -66,11 +67,10 @@ class FallbackObjectStore:
         return await self.stores[0].put_if_absent(name, data)
 
     async def get(self, name: str) -> bytes:
-        first: ObjectStoreError | None = None
-        for store in self.stores:
+        *others, last = self.stores
+        for store in others:
             try:
                 return await store.get(name)
-            except ObjectStoreError as exc:
-                first = first or exc
-        assert first is not None
-        raise first
+            except Exception:  # noqa: BLE001 - not there, or that server is down: ask the next one
+                continue
+        return await last.get(name)
