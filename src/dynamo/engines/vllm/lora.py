@@ -94,9 +94,8 @@ _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.
 
 def vllm_load_error(e: BaseException) -> str:
     """vLLM's one-line reason for a failed ``add_lora`` (its engine core wraps the worker's error)."""
-    text = str(e)
-    found = _WORKER_ERROR.search(text)
-    return one_line(found.group(1) if found else text)
+    found = _WORKER_ERROR.search(str(e))
+    return one_line(Exception(found.group(1))) if found else one_line(e)
 
 
 @dataclass(frozen=True)
