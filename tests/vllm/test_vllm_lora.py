@@ -141,6 +141,26 @@ def test_base_and_adapters_concurrently_each_equal_to_its_own(client: openai.Ope
         http.post("/v1/unload_lora_adapter", json={"lora_name": "other2"})
 
 
+def test_unloading_while_a_request_runs_lets_it_finish_with_the_adapter(client: openai.OpenAI, http: httpx.Client,
+                                                                        adapters: dict[str, Path]) -> None:
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "running", "lora_path": str(adapters["other"])})
+    assert r.status_code == 200, r.text
+    alone = greedy(client, "running", 400)
+    stream = client.completions.create(model="running", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "running"})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):  # new requests: the name is gone
+        greedy(client, "running")
+    rest = list(chunks)
+    text += "".join(c.choices[0].text for c in rest if c.choices)
+    print(f"\n{len(rest)} chunks after the unload")
+    assert text == alone  # the running request finished with the adapter's weights, to the end
+    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 @pytest.mark.parametrize("which, says", [
     ("missing", "no such folder"),
     ("noweights", "no adapter_model.safetensors"),

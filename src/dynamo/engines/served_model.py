@@ -46,6 +46,8 @@ def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
 
 async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
     """Build, start and wrap the engine: an embedding model, a core (token) pipeline or a full one."""
+    if cfg.loras and cfg.embedding:
+        raise UserError("--lora: an embedding model (--embedding) serves no LoRA adapters")
     created = create_engine(engine_name, cfg, card)
     if cfg.embedding:
         from dynamo.llm.embeddings import EmbeddingEngine, EmbeddingModel

@@ -109,3 +109,11 @@ def test_vllm_takes_the_lora_arguments(model: Path, tmp_path: Path) -> None:
     cfg = RunConfig(output="vllm", loras=[("a", str(write_peft_lora(tmp_path / "a", model, rank=32)))])
     args = vllm.AsyncEngineArgs(**vl.engine_args(cfg, ModelCard(display_name="tiny", path=model)))
     assert args.enable_lora and args.max_lora_rank == 32 and args.max_loras == 4
+
+
+async def test_lora_with_an_embedding_model_is_an_error(tmp_path: Path) -> None:
+    from dynamo.engines.served_model import build_served_model
+
+    cfg = RunConfig(output="vllm", embedding=True, loras=[("a", str(tmp_path))])
+    with pytest.raises(UserError, match="embedding model"):
+        await build_served_model(cfg, ModelCard(display_name="tiny", path=tmp_path), "vllm")
