@@ -13,6 +13,7 @@ One server for the module (vLLM takes 20-60 s to start here).
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,19 +147,30 @@ def test_unloading_while_a_request_runs_lets_it_finish_with_the_adapter(client: 
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "running", "lora_path": str(adapters["other"])})
     assert r.status_code == 200, r.text
     alone = greedy(client, "running", 400)
-    stream = client.completions.create(model="running", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    text = next(chunks).choices[0].text
+    arrived: list[tuple[float, str, str | None]] = []  # (when, text, finish_reason), read as they come
+    first = threading.Event()
+
+    def consume() -> None:
+        for c in client.completions.create(model="running", prompt=PROMPT, max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            if c.choices:
+                arrived.append((time.monotonic(), c.choices[0].text, c.choices[0].finish_reason))
+                first.set()
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    assert first.wait(60)
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "running"})
+    unloaded = time.monotonic()
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):  # new requests: the name is gone
         greedy(client, "running")
-    rest = list(chunks)
-    text += "".join(c.choices[0].text for c in rest if c.choices)
-    print(f"\n{len(rest)} chunks after the unload")
-    assert text == alone  # the running request finished with the adapter's weights, to the end
-    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
+    reader.join(120)
+    after = [t for t, _, _ in arrived if t > unloaded]
+    print(f"\n{len(after)} of {len(arrived)} chunks generated after the unload")
+    assert after, "the request finished before the unload: nothing was tested"
+    assert "".join(text for _, text, _ in arrived) == alone  # it finished with the adapter's weights
+    assert [f for _, _, f in arrived if f] == ["length"]
 
 
 @pytest.mark.parametrize("which, says", [
