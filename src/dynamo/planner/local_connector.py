@@ -129,6 +129,13 @@ class LocalWorker:
                 "log": str(self.log_path)}
 
 
+def _wait_all_gone(workers: list[LocalWorker], deadline: float) -> None:
+    """Until every worker exited or the deadline passed (adopted workers are not our children: no
+    ``waitpid`` for them, so their ``/proc`` entries are polled)."""
+    while any(w.alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 class LocalConnector:
     """Keeps ``targets[pool]`` worker processes running on this machine."""
 
@@ -187,9 +194,7 @@ class LocalConnector:
         if self.stop_workers_on_exit:
             for w in self.workers:
                 w.signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.drain_timeout_s
-            while any(w.alive() for w in self.workers) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            await asyncio.to_thread(_wait_all_gone, self.workers, time.monotonic() + self.drain_timeout_s)
             for w in self.workers:
                 if w.alive():
                     w.signal(signal.SIGKILL)

@@ -7,7 +7,7 @@ a scrape never waits on the planner's loop.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -32,7 +32,7 @@ class PlannerMetrics:
         self.decisions = Counter(f"{PREFIX}_decisions", "Decisions that changed a pool's size",
                                  ["pool", "direction"], registry=r)
         self.frontends = Gauge(f"{PREFIX}_frontends", "Frontends that answered the last scrape", registry=r)
-        self._server = None
+        self._server: Any = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)

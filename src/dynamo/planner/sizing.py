@@ -135,7 +135,7 @@ def load_at_target(pairs: "deque[tuple[float, float]] | list[tuple[float, float]
     if n >= 3 and (max(xs) - min(xs)) >= 0.1 * mean_x:
         mean_y = sum(ys) / n
         sxx = sum((x - mean_x) ** 2 for x in xs)
-        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
         slope = sxy / sxx
         if slope > 0:
             intercept = mean_y - slope * mean_x
