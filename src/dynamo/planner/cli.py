@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a `dynamo-planner profile` output; without it the capacity is learned online")
     p.add_argument("--no-operation", action="store_true", help="log and export decisions, change nothing")
     p.add_argument("--frontend-url", action="append", default=[], metavar="URL",
-                   help="a frontend to read the load from (repeatable), e.g. http://127.0.0.1:8000")
+                   help="a frontend to read the load from (repeatable), e.g. http://127.0.0.1:8000; the frontends "
+                        "registered in discovery are read as well")
     p.add_argument("--model", default=None, help="only this model's load (default: every model the frontends serve)")
     p.add_argument("--decode-cmd", default=None, metavar="CMD",
                    help='local: the command of one (decode or aggregated) worker, e.g. "dynamo-run in=dyn://'
@@ -78,8 +79,9 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
         raise UserError("--environment local needs --decode-cmd (the command that starts one worker)")
     if args.environment == "virtual" and (args.decode_cmd or args.prefill_cmd):
         raise UserError("--decode-cmd and --prefill-cmd are for --environment local")
-    if not args.frontend_url:
-        raise UserError("give the frontends to read the load from with --frontend-url URL")
+    for url in args.frontend_url:
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--frontend-url {url}: not an http:// or https:// URL")
     if args.profile_results_dir is not None and not args.profile_results_dir.is_dir():
         raise UserError(f"--profile-results-dir {args.profile_results_dir}: no such directory")
     return PlannerConfig(
@@ -121,47 +123,63 @@ def main(argv: list[str] | None = None) -> int:
 
 async def run(cfg: PlannerConfig) -> int:
     """Run the planner until SIGINT or SIGTERM."""
+    from dynamo.planner.frontends import FrontendDirectory, namespace_models
     from dynamo.planner.metrics import PlannerMetrics
     from dynamo.planner.observe import FrontendScraper
     from dynamo.planner.planner import Planner
+    from dynamo.runtime.distributed import connect_runtime
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runtime = None
+    capacity = None
+    if cfg.profile_results_dir is not None:
+        from dynamo.planner.profile_capacity import ProfileCapacity
+
+        capacity = ProfileCapacity.load(cfg.profile_results_dir)
     metrics = PlannerMetrics()
+    if cfg.metrics_port is not None:
+        try:
+            metrics.serve(cfg.metrics_port)
+        except OSError as e:
+            raise UserError(f"--metrics-port {cfg.metrics_port}: {e.strerror or e}") from None
+    # discovery: the frontends registered there, the namespace's models, and the virtual connector's keys
+    try:
+        runtime = await connect_runtime()
+    except BaseException:
+        metrics.close()
+        raise
+    store = runtime.discovery()
     connector: Any
     if cfg.environment == "virtual":
         from dynamo.planner.virtual_connector import VirtualConnector
-        from dynamo.runtime.distributed import connect_runtime
 
-        runtime = await connect_runtime()
-        connector = VirtualConnector(runtime.discovery(), cfg.namespace, cfg.prefill_component, cfg.decode_component)
+        connector = VirtualConnector(store, cfg.namespace, cfg.prefill_component, cfg.decode_component)
     else:
         from dynamo.planner.local_connector import LocalConnector
 
         assert cfg.decode_cmd is not None
         connector = LocalConnector(cfg.namespace, cfg.decode_cmd, cfg.prefill_cmd, cfg.state_dir, cfg.log_dir,
                                    cfg.drain_timeout, cfg.stop_workers_on_exit)
-    capacity = None
-    if cfg.profile_results_dir is not None:
-        from dynamo.planner.profile_capacity import ProfileCapacity
+    frontends = FrontendDirectory(store, cfg.frontend_urls)
 
-        capacity = ProfileCapacity.load(cfg.profile_results_dir)
-    scraper = FrontendScraper(lambda: cfg.frontend_urls, model=cfg.model)
-    if cfg.metrics_port is not None:
-        try:
-            metrics.serve(cfg.metrics_port)
-        except OSError as e:
-            raise UserError(f"--metrics-port {cfg.metrics_port}: {e.strerror or e}") from None
-    planner = Planner(cfg, connector, scraper, capacity, metrics)
+    seen_models: set[str] = set()  # once the namespace's, always: requests still come when its workers are gone
+
+    async def models() -> set[str]:
+        if cfg.model:
+            return {cfg.model.lower()}
+        seen_models.update(await namespace_models(store, cfg.namespace))
+        return seen_models
+
+    scraper = FrontendScraper(frontends.urls, models=models)
     try:
-        await planner.run(stop)
+        await frontends.start()
+        await Planner(cfg, connector, scraper, capacity, metrics).run(stop)
     finally:
         await connector.close()
         await scraper.close()
+        await frontends.close()
         metrics.close()
-        if runtime is not None:
-            await runtime.close()
+        await runtime.close()
     return 0

@@ -32,6 +32,7 @@ from dynamo.planner.sizing import (
     decode_demand,
     prefill_demand,
     reactive_workers,
+    worker_load_floor,
     workers_for,
 )
 
@@ -81,13 +82,17 @@ def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: Worker
                additive: bool) -> Decision:
     """How many workers each pool needs for the predicted load (before hysteresis).
 
-    ``additive``: the capacity's two curves were measured apart (a profile), so an aggregated worker's
-    prefill and decode shares add up; learned online from an aggregated fleet they already include each
-    other, so the larger one counts."""
+    Latency is the interval's p90 (what the targets are scored on), its mean when the frontends gave no
+    buckets.  ``additive``: the capacity's two curves were measured apart (a profile), so an aggregated
+    worker's prefill and decode shares add up; learned online from an aggregated fleet they already include
+    each other, so the larger one counts.  The workers' own load then corrects the decode (or aggregated)
+    pool (:func:`~.sizing.worker_load_floor`)."""
     if pred.request_rate <= 0 and obs.inflight <= 0:
         p, d = clamp_pools(0, 0, cfg.min_endpoint, cfg.max_workers, cfg.disaggregated)
         return Decision(p, d, "no load")
     reasons: list[str] = []
+    ttft_seen = obs.ttft_p90_ms if obs.ttft_p90_ms is not None else obs.ttft_ms
+    itl_seen = obs.itl_p90_ms if obs.itl_p90_ms is not None else obs.itl_ms
 
     def pool(current: int, demand: float | None, observed: float | None, target: float, what: str) -> int:
         n = workers_for(demand) if demand is not None else current
@@ -104,17 +109,23 @@ def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: Worker
     ttft_cap = capacity.prefill_tok_s(cfg.ttft_ms, pred.isl)
     p_demand = prefill_demand(pred, ttft_cap) if ttft_cap else None
     d_demand = decode_demand(pred, cfg.itl_ms, itl_cap) if itl_cap else None
+    current = fleet.decode.coming
     if cfg.disaggregated:
-        p = pool(fleet.prefill.coming, p_demand, obs.ttft_ms, cfg.ttft_ms, "prefill (TTFT)")
-        d = pool(fleet.decode.coming, d_demand, obs.itl_ms, cfg.itl_ms, "decode (ITL)")
+        p = pool(fleet.prefill.coming, p_demand, ttft_seen, cfg.ttft_ms, "prefill (TTFT)")
+        d = pool(current, d_demand, itl_seen, cfg.itl_ms, "decode (ITL)")
     else:
         demand = None
         if p_demand is not None and d_demand is not None:
             demand = p_demand + d_demand if additive else max(p_demand, d_demand)
-        current = fleet.decode.coming
-        d = max(pool(current, demand, obs.ttft_ms, cfg.ttft_ms, "TTFT"),
-                pool(current, demand, obs.itl_ms, cfg.itl_ms, "ITL"))
+        elif p_demand is not None or d_demand is not None:
+            demand = p_demand if p_demand is not None else d_demand
+        d = max(pool(current, demand, ttft_seen, cfg.ttft_ms, "TTFT"),
+                pool(current, demand, itl_seen, cfg.itl_ms, "ITL"))
         p = 0
+    floor, why = worker_load_floor(current, obs.inflight, obs.waiting, obs.kv_usage)
+    if floor > d:
+        reasons.append(why)
+        d = floor
     p, d = clamp_pools(p, d, cfg.min_endpoint, cfg.max_workers, cfg.disaggregated)
     return Decision(p, d, "; ".join(reasons) or "within targets")
 
@@ -180,7 +191,8 @@ class Planner:
         summary = (f"prefill {current[PREFILL]}->{decided[PREFILL]} decode {current[DECODE]}->{decided[DECODE]} "
                    f"(ready {fleet.prefill.ready}+{fleet.decode.ready}, starting {fleet.prefill.starting}+"
                    f"{fleet.decode.starting}); load {obs.request_rate:.2f} req/s -> predicted {pred.request_rate:.2f}, "
-                   f"isl {pred.isl:.0f} osl {pred.osl:.0f}, ttft {_ms(obs.ttft_ms)} itl {_ms(obs.itl_ms)}: {sized.reason}"
+                   f"isl {pred.isl:.0f} osl {pred.osl:.0f}, p90 ttft {_ms(obs.ttft_p90_ms)} itl {_ms(obs.itl_p90_ms)}"
+                   f"{_worker_load(obs)}: {sized.reason}"
                    + (f"; scale-down of {', '.join(sorted(held))} held (hysteresis)" if held else ""))
         if changed and decided != current:
             for pool in decided:
@@ -200,10 +212,18 @@ class Planner:
         if obs.seconds <= 0 or obs.completed <= 0:
             return
         prefill_workers = fleet.prefill.ready if self.cfg.disaggregated else fleet.decode.ready
-        if prefill_workers and obs.isl is not None and obs.ttft_ms is not None:
-            self.online.observe_prefill(obs.request_rate * obs.isl / prefill_workers, obs.ttft_ms)
-        if fleet.decode.ready and obs.itl_ms is not None:
-            self.online.observe_decode(obs.inflight / fleet.decode.ready, obs.itl_ms)
+        ttft = obs.ttft_p90_ms if obs.ttft_p90_ms is not None else obs.ttft_ms
+        itl = obs.itl_p90_ms if obs.itl_p90_ms is not None else obs.itl_ms
+        if prefill_workers and obs.isl is not None and ttft is not None:
+            self.online.observe_prefill(obs.request_rate * obs.isl / prefill_workers, ttft)
+        if fleet.decode.ready and itl is not None:
+            self.online.observe_decode(obs.inflight / fleet.decode.ready, itl)
+
+
+def _worker_load(obs: Observation) -> str:
+    if obs.kv_usage is None:
+        return ""
+    return f", workers' KV {obs.kv_usage:.0%} queued {obs.waiting:.0f}"
 
 
 def _ms(value: float | None) -> str:

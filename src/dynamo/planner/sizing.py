@@ -17,6 +17,15 @@ length ``osl``:
 * aggregated (one pool doing both): a worker's time is shared, so the fractions add up:
   ``ceil(r * isl / prefill_tok_s + r * osl * itl / decode_concurrency)``
 
+**Latency** is the p90 over the interval (the frontends' histograms), both for the check against the
+targets and for the (load, latency) pairs the online capacity learns from: sizing for the mean would leave
+one request in ten over the target.
+
+**The workers' own load** (:func:`worker_load_floor`) is a floor under the decode (or aggregated) pool:
+requests queued inside the workers mean every one of them is at its slot or KV limit, which the latency
+shows only once the queue has grown; a KV cache nearly full means pre-emptions are next.  Either gives
+more workers at once; a fleet that queues or is over 70% KV is never shrunk.
+
 then clamped: each pool at least ``--min-endpoint``, the pools together at most ``--max-workers`` (shared
 in proportion to what each asked for).
 """
@@ -91,14 +100,14 @@ class OnlineCapacity:
     Each interval with traffic gives one pair per pool: prompt tokens per second per prefill worker against
     mean TTFT, and streams per decode worker against mean ITL.  From the recent pairs (``window``):
 
-    * with at least three pairs whose loads differ by 10% or more, a least-squares line
+    * with at least two pairs whose loads differ by 10% or more, a least-squares line
       ``latency = a + b * load`` with ``b > 0`` gives the load at the target: ``(target - a) / b``;
     * otherwise (latency flat in the loads seen, or too few points) the highest load that met the target
       is a capacity proven in practice;
     * with neither, the capacity is unknown and the planner reacts to the latency instead
       (:func:`reactive_workers`).
 
-    How fast: three intervals at different loads are enough for a line, so after the first change in load
+    How fast: two intervals at different loads are enough for a line, so after the first change in load
     (a ramp, or the planner's own scale-up halving each worker's load) the capacity is known; it then
     follows the last ``window`` intervals, so a change in the workload (longer prompts) shows within that
     window.  A line fitted where latency is still flat overestimates capacity; the proven-load rule and the
@@ -132,7 +141,7 @@ def load_at_target(pairs: "deque[tuple[float, float]] | list[tuple[float, float]
     ys = [y for _, y in pairs]
     n = len(xs)
     mean_x = sum(xs) / n
-    if n >= 3 and (max(xs) - min(xs)) >= 0.1 * mean_x:
+    if n >= 2 and (max(xs) - min(xs)) >= 0.1 * mean_x:
         mean_y = sum(ys) / n
         sxx = sum((x - mean_x) ** 2 for x in xs)
         sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
@@ -152,6 +161,32 @@ def reactive_workers(current: int, observed_ms: float | None, target_ms: float) 
     if observed_ms is None or observed_ms <= target_ms:
         return current
     return max(current + 1, math.ceil(max(current, 1) * observed_ms / target_ms))
+
+
+KV_FULL = 0.9  # the workers' mean KV usage at which pre-emption is near: one more worker
+KV_BUSY = 0.7  # over this, or with requests queued, the pool is not shrunk
+QUEUED_SHARE = 0.25  # queued requests, as a share of those in flight, that call for more workers
+
+
+def worker_load_floor(current: int, inflight: float, waiting: float, kv_usage: float | None) -> tuple[int, str]:
+    """The fewest decode (or aggregated) workers the workers' own load allows, and why.
+
+    * requests queued in the workers (at least 2, and a quarter of those in flight): enough workers that
+      what is in flight would all be running at today's running count per worker,
+      ``ceil(current * inflight / (inflight - waiting))``;
+    * mean KV usage of at least ``KV_FULL``: one more worker;
+    * any request queued, or KV usage over ``KV_BUSY``: no fewer than now.
+    """
+    if current <= 0:
+        return 0, ""
+    if waiting >= 2 and waiting >= QUEUED_SHARE * inflight:
+        running = max(1.0, inflight - waiting)
+        return max(current + 1, math.ceil(current * inflight / running)), f"{waiting:.0f} requests queued in the workers"
+    if kv_usage is not None and kv_usage >= KV_FULL:
+        return current + 1, f"workers' KV cache {kv_usage:.0%} full"
+    if waiting > 0 or (kv_usage is not None and kv_usage > KV_BUSY):
+        return current, "the workers are busy (queue or KV usage): not shrinking"
+    return 0, ""
 
 
 class Hysteresis:

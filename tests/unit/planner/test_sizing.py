@@ -16,6 +16,7 @@ from dynamo.planner.sizing import (
     load_at_target,
     prefill_demand,
     reactive_workers,
+    worker_load_floor,
     workers_for,
 )
 
@@ -107,3 +108,42 @@ def test_size_pools_without_capacity_reacts_to_latency():
     assert d.decode == 2  # capacity unknown and within the targets: hold
     d = size_pools(Load(0.0, 100.0, 50.0), obs(inflight=0.0), fleet(0, 3), OnlineCapacity(), cfg, additive=False)
     assert d.decode == 1 and d.reason == "no load"
+
+
+def test_size_pools_reacts_to_the_p90_not_the_mean():
+    cfg = PlannerConfig(namespace="n", ttft_ms=500.0, itl_ms=50.0, max_workers=10)
+    # the mean is within the target, one token in ten is not: the pool grows
+    d = size_pools(Load(5.0, 100.0, 50.0), obs(itl_ms=30.0, itl_p90_ms=100.0), fleet(0, 2), OnlineCapacity(), cfg,
+                   additive=False)
+    assert d.decode == 4 and "ITL 100 ms over 50 ms" in d.reason
+    d = size_pools(Load(5.0, 100.0, 50.0), obs(ttft_ms=100.0, ttft_p90_ms=1500.0), fleet(0, 1), OnlineCapacity(),
+                   cfg, additive=False)
+    assert d.decode == 3 and "TTFT 1500 ms over 500 ms" in d.reason
+
+
+def test_online_capacity_fits_two_points():
+    # ITL = 20 + 2.5 * streams, seen at 8 and 4 streams: 5.2 streams meet 33 ms
+    assert load_at_target([(8.0, 40.0), (4.0, 30.0)], 33.0) == pytest.approx(5.2)
+
+
+def test_worker_load_floor():
+    assert worker_load_floor(2, inflight=10.0, waiting=0.0, kv_usage=0.2) == (0, "")
+    n, why = worker_load_floor(2, inflight=10.0, waiting=5.0, kv_usage=0.5)
+    assert n == 4 and "5 requests queued" in why  # 10 in flight at 2.5 running per worker
+    assert worker_load_floor(2, inflight=40.0, waiting=1.0, kv_usage=0.2)[0] == 2  # one queued: no shrinking
+    assert worker_load_floor(3, inflight=10.0, waiting=0.0, kv_usage=0.95)[0] == 4
+    assert worker_load_floor(3, inflight=10.0, waiting=0.0, kv_usage=0.8)[0] == 3
+    assert worker_load_floor(0, inflight=10.0, waiting=9.0, kv_usage=1.0)[0] == 0
+
+
+def test_size_pools_worker_load_is_a_floor():
+    cfg = PlannerConfig(namespace="n", ttft_ms=500.0, itl_ms=50.0, max_workers=10)
+    # the capacity says one worker is plenty, but the workers queue: more
+    d = size_pools(Load(1.0, 500.0, 100.0), obs(inflight=12.0, waiting=6.0), fleet(0, 2), Known(), cfg,
+                   additive=False)
+    assert d.decode == 4 and "queued in the workers" in d.reason
+    # a nearly full KV cache: one more; busy: no scale-down
+    d = size_pools(Load(1.0, 500.0, 100.0), obs(kv_usage=0.93), fleet(0, 2), Known(), cfg, additive=False)
+    assert d.decode == 3 and "KV cache 93% full" in d.reason
+    d = size_pools(Load(1.0, 500.0, 100.0), obs(kv_usage=0.75), fleet(0, 3), Known(), cfg, additive=False)
+    assert d.decode == 3
