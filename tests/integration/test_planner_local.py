@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +19,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from harness.chat_load import ChatLoad
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -75,39 +75,6 @@ def serving_instances(fe: DynamoRun) -> int:
     return len(health.get("instances", []))
 
 
-class Load:
-    """Streaming chat requests from ``n`` threads until stopped; counts failures."""
-
-    def __init__(self, fe: DynamoRun, n: int = 4) -> None:
-        self.fe, self.stop, self.ok, self.failed = fe, threading.Event(), 0, []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self.stop.is_set():
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "count to ten please"}],
-                        "max_tokens": 30, "stream": True}
-                try:
-                    with client.stream("POST", self.fe.api_url + "/chat/completions", json=body) as r:
-                        text = "".join(r.iter_text())
-                    if r.status_code == 200 and "[DONE]" in text:
-                        self.ok += 1
-                    else:
-                        self.failed.append(f"{r.status_code} {text[:200]}")
-                except httpx.HTTPError as e:
-                    self.failed.append(repr(e))
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
-
-
 def test_scale_up_down_replace_and_adopt(servers, frontend, tiny_model, tmp_path):
     args_file = tmp_path / "mocker.json"
     args_file.write_text(json.dumps({"num_gpu_blocks": 256, "block_size": 16, "speedup_ratio": 1.0}))
@@ -121,7 +88,7 @@ def test_scale_up_down_replace_and_adopt(servers, frontend, tiny_model, tmp_path
         first = fleet_pids(state)[0]
 
         # a load step up: the second worker is started within two intervals of the load being seen
-        with Load(frontend) as load:
+        with ChatLoad(frontend.api_url, MODEL) as load:
             wait_until(lambda: load.ok >= 1, 30, "requests are served")
             seen = time.monotonic()
             wait_until(lambda: len(fleet_pids(state)) == 2, 10, "a scale-up")
@@ -158,7 +125,7 @@ def test_scale_up_down_replace_and_adopt(servers, frontend, tiny_model, tmp_path
     # --no-operation: load over the target gives decisions that change nothing
     p3 = planner(servers, frontend, cmd, state, "--no-operation").start()
     try:
-        with Load(frontend, n=2) as load:
+        with ChatLoad(frontend.api_url, MODEL, n=2) as load:
             wait_until(lambda: "[no-operation]" in p3.stderr_text(), 20, "a no-operation decision")
         assert fleet_pids(state) == [replacement] and "started decode worker" not in p3.stderr_text()
         assert load.failed == []

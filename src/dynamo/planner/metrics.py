@@ -31,6 +31,7 @@ class PlannerMetrics:
                              ["pool", "state"], registry=r)
         self.decisions = Counter(f"{PREFIX}_decisions", "Decisions that changed a pool's size",
                                  ["pool", "direction"], registry=r)
+        self.intervals = Counter(f"{PREFIX}_intervals", "Adjustment intervals the planner went through", registry=r)
         self.frontends = Gauge(f"{PREFIX}_frontends", "Frontends that answered the last scrape", registry=r)
         self._server: Any = None
 
@@ -50,6 +51,7 @@ class PlannerMetrics:
         for name, value in (("request_rate", pred.request_rate), ("isl", pred.isl), ("osl", pred.osl)):
             self.predicted.labels(name).set(value)
         self.frontends.set(obs.frontends)
+        self.intervals.inc()
         for pool, n in desired.items():
             self.desired.labels(pool).set(n)
             state = fleet.pool(pool)
