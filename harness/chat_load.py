@@ -12,14 +12,18 @@ class ChatLoad:
     """``with ChatLoad(api_url, model, n=4) as load: ...``; ``load.ok`` and ``load.failed`` meanwhile."""
 
     def __init__(self, api_url: str, model: str, n: int = 4, max_tokens: int = 30,
-                 prompt: str = "count to ten please") -> None:
+                 prompt: str = "count to ten please", stagger: float = 0.0) -> None:
+        """``stagger``: thread ``i`` starts ``i * stagger`` seconds late, so that the requests of a closed
+        loop do not all start and end together (arrivals then come in bursts a request long)."""
         self.api_url, self.model, self.max_tokens, self.prompt = api_url, model, max_tokens, prompt
         self.stop = threading.Event()
         self.ok = 0
         self.failed: list[str] = []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        self.threads = [threading.Thread(target=self._run, args=(i * stagger,), daemon=True) for i in range(n)]
 
-    def _run(self) -> None:
+    def _run(self, delay: float) -> None:
+        if self.stop.wait(delay):
+            return
         with httpx.Client(timeout=60) as client:
             while not self.stop.is_set():
                 body = {"model": self.model, "messages": [{"role": "user", "content": self.prompt}],

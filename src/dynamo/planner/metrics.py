@@ -26,7 +26,7 @@ class PlannerMetrics:
                               "(request_rate req/s, isl and osl tokens, ttft_ms, itl_ms)", ["quantity"], registry=r)
         self.predicted = Gauge(f"{PREFIX}_predicted_load", "Load predicted for the next interval", ["quantity"],
                                registry=r)
-        self.desired = Gauge(f"{PREFIX}_desired_workers", "Workers the planner wants, per pool", ["pool"], registry=r)
+        self.desired = Gauge(f"{PREFIX}_desired_workers", "Workers the planner decided on, per pool (after hysteresis)", ["pool"], registry=r)
         self.workers = Gauge(f"{PREFIX}_workers", "Workers per pool and state (ready, starting, draining)",
                              ["pool", "state"], registry=r)
         self.decisions = Counter(f"{PREFIX}_decisions", "Decisions that changed a pool's size",

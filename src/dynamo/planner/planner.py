@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo.planner.connector import DECODE, PREFILL, Connector, FleetState
+from dynamo.planner.connector import DECODE, PREFILL, Connector, FleetState, PoolState
 from dynamo.planner.metrics import PlannerMetrics
 from dynamo.planner.observe import FrontendScraper, Observation
 from dynamo.planner.predictors import make_predictor
@@ -79,14 +80,16 @@ class Decision:
 
 
 def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: WorkerCapacity, cfg: PlannerConfig,
-               additive: bool) -> Decision:
+               additive: bool, stable: bool = True) -> Decision:
     """How many workers each pool needs for the predicted load (before hysteresis).
 
     Latency is the interval's p90 (what the targets are scored on), its mean when the frontends gave no
     buckets.  ``additive``: the capacity's two curves were measured apart (a profile), so an aggregated
     worker's prefill and decode shares add up; learned online from an aggregated fleet they already include
     each other, so the larger one counts.  The workers' own load then corrects the decode (or aggregated)
-    pool (:func:`~.sizing.worker_load_floor`)."""
+    pool (:func:`~.sizing.worker_load_floor`).  ``stable`` (:meth:`Planner._stable`): the interval's
+    latency belongs to the fleet as it is; one of an interval in which workers came or went, or right
+    after (the old workers still run what they had), belongs to no fleet size, so it is not reacted to."""
     if pred.request_rate <= 0 and obs.inflight <= 0:
         p, d = clamp_pools(0, 0, cfg.min_endpoint, cfg.max_workers, cfg.disaggregated)
         return Decision(p, d, "no load")
@@ -94,33 +97,40 @@ def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: Worker
     ttft_seen = obs.ttft_p90_ms if obs.ttft_p90_ms is not None else obs.ttft_ms
     itl_seen = obs.itl_p90_ms if obs.itl_p90_ms is not None else obs.itl_ms
 
-    def pool(current: int, demand: float | None, observed: float | None, target: float, what: str) -> int:
-        n = workers_for(demand) if demand is not None else current
-        if demand is not None:
-            reasons.append(f"{what} {demand:.2f} workers' worth")
-        if observed is not None and observed > target:
-            bumped = reactive_workers(current, observed, target)
-            if bumped > n:
-                reasons.append(f"{what} {observed:.0f} ms over {target:.0f} ms")
-                n = bumped
-        return n
+    def sized(state: PoolState, demand: float | None, what: str) -> int:
+        if demand is None:
+            return state.coming
+        reasons.append(f"{what} {demand:.2f} workers' worth")
+        return workers_for(demand)
+
+    def react(state: PoolState, n: int, observed: float | None, target: float, what: str) -> int:
+        """A latency over the target grows the pool from the workers that made that latency (the ready
+        ones; one already starting counts towards the growth)."""
+        if not stable or observed is None or observed <= target:
+            return n
+        bumped = max(reactive_workers(max(state.ready, 1), observed, target), state.coming)
+        if bumped > n:
+            reasons.append(f"{what} {observed:.0f} ms over {target:.0f} ms")
+        return max(n, bumped)
 
     itl_cap = capacity.decode_concurrency(cfg.itl_ms)
     ttft_cap = capacity.prefill_tok_s(cfg.ttft_ms, pred.isl)
     p_demand = prefill_demand(pred, ttft_cap) if ttft_cap else None
     d_demand = decode_demand(pred, cfg.itl_ms, itl_cap) if itl_cap else None
+    if ttft_cap or itl_cap:
+        reasons.append("a worker takes " + ", ".join(
+            ([f"{ttft_cap:.0f} prompt tok/s at the TTFT target"] if ttft_cap else [])
+            + ([f"{itl_cap:.1f} streams at the ITL target"] if itl_cap else [])))
     current = fleet.decode.coming
     if cfg.disaggregated:
-        p = pool(fleet.prefill.coming, p_demand, ttft_seen, cfg.ttft_ms, "prefill (TTFT)")
-        d = pool(current, d_demand, itl_seen, cfg.itl_ms, "decode (ITL)")
+        p = react(fleet.prefill, sized(fleet.prefill, p_demand, "prefill (TTFT)"), ttft_seen, cfg.ttft_ms, "TTFT")
+        d = react(fleet.decode, sized(fleet.decode, d_demand, "decode (ITL)"), itl_seen, cfg.itl_ms, "ITL")
     else:
-        demand = None
+        demand = None  # one worker does both: sized only once both shares are known
         if p_demand is not None and d_demand is not None:
             demand = p_demand + d_demand if additive else max(p_demand, d_demand)
-        elif p_demand is not None or d_demand is not None:
-            demand = p_demand if p_demand is not None else d_demand
-        d = max(pool(current, demand, ttft_seen, cfg.ttft_ms, "TTFT"),
-                pool(current, demand, itl_seen, cfg.itl_ms, "ITL"))
+        d = sized(fleet.decode, demand, "aggregated")
+        d = react(fleet.decode, react(fleet.decode, d, ttft_seen, cfg.ttft_ms, "TTFT"), itl_seen, cfg.itl_ms, "ITL")
         p = 0
     floor, why = worker_load_floor(current, obs.inflight, obs.waiting, obs.kv_usage)
     if floor > d:
@@ -143,6 +153,8 @@ class Planner:
         self.predict = {name: make_predictor(cfg.load_predictor) for name in ("request_rate", "isl", "osl")}
         self.hysteresis = {PREFILL: Hysteresis(cfg.scale_down_after), DECODE: Hysteresis(cfg.scale_down_after)}
         self.targets: dict[str, int] | None = None
+        self.last_fleet: FleetState | None = None
+        self.fleet_since = time.monotonic()  # when the fleet last changed (as seen at an interval's end)
         self.decisions = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -168,7 +180,9 @@ class Planner:
     async def step(self, first: bool = False) -> Decision:
         obs = await self.scraper.observe()
         fleet = await self.connector.fleet()
-        self._learn(obs, fleet)
+        stable = self._stable(fleet, obs)
+        if stable:
+            self._learn(obs, fleet)
         if obs.seconds > 0 and obs.frontends:
             self.predict["request_rate"].add(obs.request_rate)
             if obs.isl is not None:
@@ -181,11 +195,11 @@ class Planner:
             sized = Decision(*clamp_pools(fleet.prefill.coming, fleet.decode.coming, self.cfg.min_endpoint,
                                           self.cfg.max_workers, self.cfg.disaggregated), "start")
         else:
-            sized = size_pools(pred, obs, fleet, self.capacity, self.cfg, self.additive)
+            sized = size_pools(pred, obs, fleet, self.capacity, self.cfg, self.additive, stable)
         current = self.targets or {PREFILL: fleet.prefill.coming, DECODE: fleet.decode.coming}
         wanted = {PREFILL: sized.prefill, DECODE: sized.decode}
         decided = {pool: self.hysteresis[pool].step(current[pool], wanted[pool]) for pool in wanted}
-        self.metrics.record(obs, pred, wanted, fleet)
+        self.metrics.record(obs, pred, decided, fleet)
         changed = decided != current or self.targets is None
         held = {pool for pool in wanted if wanted[pool] < current[pool] == decided[pool]}
         summary = (f"prefill {current[PREFILL]}->{decided[PREFILL]} decode {current[DECODE]}->{decided[DECODE]} "
@@ -207,17 +221,27 @@ class Planner:
             self.targets = decided
         return Decision(decided[PREFILL], decided[DECODE], sized.reason)
 
+    def _stable(self, fleet: FleetState, obs: Observation) -> bool:
+        """Whether the interval's latency belongs to the fleet as it is: none starting or draining, and the
+        fleet unchanged since one request's duration before the interval began.  Requests do not move: for
+        a request's length after a new worker serves, the old ones still run what they had."""
+        now = time.monotonic()
+        if fleet != self.last_fleet:
+            self.last_fleet, self.fleet_since = fleet, now
+        if any(p.starting or p.draining for p in (fleet.prefill, fleet.decode)):
+            return False
+        request_s = ((obs.osl or 0.0) * (obs.itl_ms or 0.0) + (obs.ttft_ms or 0.0)) / 1000.0
+        return now - self.fleet_since >= obs.seconds + request_s
+
     def _learn(self, obs: Observation, fleet: FleetState) -> None:
-        """Feed the online capacity with this interval's per-worker load and latency."""
-        if obs.seconds <= 0 or obs.completed <= 0:
+        """Feed the online capacity with a stable interval's per-worker load and latency."""
+        if obs.seconds <= 0:
             return
         prefill_workers = fleet.prefill.ready if self.cfg.disaggregated else fleet.decode.ready
-        ttft = obs.ttft_p90_ms if obs.ttft_p90_ms is not None else obs.ttft_ms
-        itl = obs.itl_p90_ms if obs.itl_p90_ms is not None else obs.itl_ms
-        if prefill_workers and obs.isl is not None and ttft is not None:
-            self.online.observe_prefill(obs.request_rate * obs.isl / prefill_workers, ttft)
-        if fleet.decode.ready and itl is not None:
-            self.online.observe_decode(obs.inflight / fleet.decode.ready, itl)
+        if prefill_workers and obs.isl is not None and obs.ttft_ms is not None:
+            self.online.observe_prefill(obs.request_rate * obs.isl / prefill_workers, obs.ttft_ms, obs.ttft_p90_ms)
+        if fleet.decode.ready and obs.itl_ms is not None:
+            self.online.observe_decode(obs.inflight / fleet.decode.ready, obs.itl_ms, obs.itl_p90_ms)
 
 
 def _worker_load(obs: Observation) -> str:

@@ -94,37 +94,48 @@ def clamp_pools(prefill: int, decode: int, min_endpoint: int, max_workers: int |
     return new_prefill, budget - new_prefill
 
 
+Sample = tuple[float, float, float]  # (load per worker, mean latency ms, p90 latency ms)
+
+
 class OnlineCapacity:
-    """A worker's capacity learned from live (load, latency) pairs, for a fleet without a profile.
+    """A worker's capacity learned from live (load, latency) samples, for a fleet without a profile.
 
-    Each interval with traffic gives one pair per pool: prompt tokens per second per prefill worker against
-    mean TTFT, and streams per decode worker against mean ITL.  From the recent pairs (``window``):
+    Each interval with traffic gives one sample per pool: prompt tokens per second per prefill worker against
+    TTFT, and streams per decode worker against ITL, each latency as its mean and its p90.  Why both: the
+    mean is exact (the histograms' sums) but the target is on the p90, and the p90 comes from the
+    frontend's buckets (Dynamo's: ITL 25 ms, 50 ms, 100 ms...), where a tight distribution anywhere inside
+    a bucket reads as 90% of the way up it, so a curve fitted to p90s is a staircase.  So, over the recent
+    samples (``window``):
 
-    * with at least two pairs whose loads differ by 10% or more, a least-squares line
-      ``latency = a + b * load`` with ``b > 0`` gives the load at the target: ``(target - a) / b``;
-    * otherwise (latency flat in the loads seen, or too few points) the highest load that met the target
-      is a capacity proven in practice;
-    * with neither, the capacity is unknown and the planner reacts to the latency instead
-      (:func:`reactive_workers`).
+    * the curve's shape from the means: with two samples or more whose loads differ by 10% or more, a
+      least-squares line ``mean = a + b * load`` with ``b > 0`` gives the load where the mean reaches the
+      target;
+    * bounded by what the p90s proved: no lower than the highest load whose p90 met the target (nor than
+      that load scaled by how far under the target its p90 was: latency grows at most in proportion to
+      load where the curve is still flat), never over twice the highest load seen (latency curves bend up:
+      TTFT explodes once prefill saturates), and under the lowest load whose p90 missed the target (95%);
+    * with neither a line nor a load that met the target, unknown: the planner reacts to the latency
+      instead (:func:`reactive_workers`).
 
     How fast: two intervals at different loads are enough for a line, so after the first change in load
     (a ramp, or the planner's own scale-up halving each worker's load) the capacity is known; it then
     follows the last ``window`` intervals, so a change in the workload (longer prompts) shows within that
-    window.  A line fitted where latency is still flat overestimates capacity; the proven-load rule and the
-    latency check in :func:`reactive_workers` catch the misses.
+    window.  Where the latency stays far under the target the capacity doubles at most per step down of
+    the fleet: the planner probes (one scale-down after ``--scale-down-after`` intervals), and a p90 over
+    the target there sets the bound, so it does not probe there again within the window.
     """
 
     def __init__(self, window: int = 30) -> None:
-        self.prefill: deque[tuple[float, float]] = deque(maxlen=window)
-        self.decode: deque[tuple[float, float]] = deque(maxlen=window)
+        self.prefill: deque[Sample] = deque(maxlen=window)
+        self.decode: deque[Sample] = deque(maxlen=window)
 
-    def observe_prefill(self, tok_s_per_worker: float, ttft_ms: float) -> None:
+    def observe_prefill(self, tok_s_per_worker: float, ttft_ms: float, ttft_p90_ms: float | None = None) -> None:
         if tok_s_per_worker > 0 and ttft_ms > 0:
-            self.prefill.append((tok_s_per_worker, ttft_ms))
+            self.prefill.append((tok_s_per_worker, ttft_ms, ttft_p90_ms if ttft_p90_ms is not None else ttft_ms))
 
-    def observe_decode(self, streams_per_worker: float, itl_ms: float) -> None:
+    def observe_decode(self, streams_per_worker: float, itl_ms: float, itl_p90_ms: float | None = None) -> None:
         if streams_per_worker > 0 and itl_ms > 0:
-            self.decode.append((streams_per_worker, itl_ms))
+            self.decode.append((streams_per_worker, itl_ms, itl_p90_ms if itl_p90_ms is not None else itl_ms))
 
     def prefill_tok_s(self, ttft_ms: float, isl: float) -> float | None:
         return load_at_target(self.prefill, ttft_ms)
@@ -133,26 +144,41 @@ class OnlineCapacity:
         return load_at_target(self.decode, itl_ms)
 
 
-def load_at_target(pairs: "deque[tuple[float, float]] | list[tuple[float, float]]", target: float) -> float | None:
-    """The load at which latency reaches ``target``, from (load, latency) pairs (see :class:`OnlineCapacity`)."""
-    if not pairs:
+MISSED_MARGIN = 0.95  # the capacity stays this far under a load per worker whose p90 missed the target
+EXTRAPOLATE = 2.0  # the capacity is never more than this times the highest load per worker seen
+
+
+def load_at_target(samples: "deque[Sample] | list[Sample] | list[tuple[float, float]]", target: float) -> float | None:
+    """The load per worker at the latency ``target``, from (load, mean[, p90]) samples (see
+    :class:`OnlineCapacity`; without a p90 the mean stands for it)."""
+    if not samples:
         return None
-    xs = [x for x, _ in pairs]
-    ys = [y for _, y in pairs]
+    xs = [s[0] for s in samples]
+    ys = [s[1] for s in samples]
+    p90s = [s[2] if len(s) > 2 else s[1] for s in samples]  # type: ignore[misc]
     n = len(xs)
     mean_x = sum(xs) / n
+    fitted = None
     if n >= 2 and (max(xs) - min(xs)) >= 0.1 * mean_x:
         mean_y = sum(ys) / n
         sxx = sum((x - mean_x) ** 2 for x in xs)
         sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
         slope = sxy / sxx
         if slope > 0:
-            intercept = mean_y - slope * mean_x
-            at_target = (target - intercept) / slope
-            if at_target > 0:
-                return at_target
-    proven = [x for x, y in pairs if y <= target]
-    return max(proven) if proven else None
+            at_target = (target - (mean_y - slope * mean_x)) / slope
+            fitted = at_target if at_target > 0 else None
+    met = [(x, p) for x, p in zip(xs, p90s, strict=True) if p <= target]
+    missed = [x for x, p in zip(xs, p90s, strict=True) if p > target]
+    candidates = [fitted] if fitted is not None else []
+    if met:
+        x_met, p_met = max(met)
+        candidates += [x_met, x_met * min(EXTRAPOLATE, target / p_met)]  # latency at most proportional to load
+    if not candidates:
+        return None
+    capacity = min(max(candidates), EXTRAPOLATE * max(xs))
+    if missed:
+        capacity = min(capacity, MISSED_MARGIN * min(missed))
+    return capacity
 
 
 def reactive_workers(current: int, observed_ms: float | None, target_ms: float) -> int:

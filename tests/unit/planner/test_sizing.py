@@ -46,7 +46,9 @@ def test_online_capacity_fits_a_line():
 
 
 def test_online_capacity_flat_latency_uses_proven_load():
-    assert load_at_target([(3.0, 10.0), (3.1, 10.0), (5.0, 10.0)], 50.0) == 5.0
+    # flat and far under the target: proportional, at most twice the highest load seen
+    assert load_at_target([(3.0, 10.0), (3.1, 10.0), (5.0, 10.0)], 50.0) == 10.0
+    assert load_at_target([(3.0, 40.0), (3.1, 40.0), (5.0, 40.0)], 50.0) == pytest.approx(6.25)
     assert load_at_target([(3.0, 90.0)], 50.0) is None
 
 
@@ -147,3 +149,19 @@ def test_size_pools_worker_load_is_a_floor():
     assert d.decode == 3 and "KV cache 93% full" in d.reason
     d = size_pools(Load(1.0, 500.0, 100.0), obs(kv_usage=0.75), fleet(0, 3), Known(), cfg, additive=False)
     assert d.decode == 3
+
+
+def test_online_capacity_curve_from_means_bounded_by_p90s():
+    # means 20 + 2.5 * streams; the p90s (bucketed) read 95 ms at 8 streams and 47.5 ms at 4
+    samples = [(8.0, 40.0, 95.0), (4.0, 30.0, 47.5)]
+    assert load_at_target(samples, 50.0) == pytest.approx(7.6)  # the means say 12; 8 streams missed the p90
+    assert load_at_target([(8.0, 40.0, 45.0), (4.0, 30.0, 35.0)], 50.0) == pytest.approx(12.0)
+    # a flat line: from the highest load whose p90 met the target, at most twice it
+    assert load_at_target([(3.0, 10.0, 20.0), (5.0, 10.0, 20.0)], 50.0) == 10.0
+    assert load_at_target([(3.0, 10.0, 45.0), (5.0, 10.0, 45.0)], 50.0) == pytest.approx(5.0 * 50 / 45)
+    # only misses: unknown
+    assert load_at_target([(3.0, 40.0, 90.0)], 50.0) is None
+    cap = OnlineCapacity()
+    cap.observe_decode(8.0, 40.0, 95.0)
+    cap.observe_decode(4.0, 30.0, 47.5)
+    assert cap.decode_concurrency(50.0) == pytest.approx(7.6)
