@@ -135,8 +135,8 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
         from dynamo.frontend.http.listen import worker_index
         from dynamo.frontend.registration import advertised_url, register_frontend
 
-        entry = await register_frontend(runtime, advertised_url(options.scheme, cfg.http_host, service.port),
-                                        worker_index())
+        url = await asyncio.to_thread(advertised_url, options.scheme, cfg.http_host, service.port)  # may resolve
+        entry = await register_frontend(runtime, url, worker_index())
     settle_heap()
     await stop.wait()
     if entry is not None:

@@ -80,7 +80,7 @@ class Decision:
 
 
 def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: WorkerCapacity, cfg: PlannerConfig,
-               additive: bool, stable: bool = True) -> Decision:
+               additive: bool, stable: bool = True, previous: Observation | None = None) -> Decision:
     """How many workers each pool needs for the predicted load (before hysteresis).
 
     Latency is the interval's p90 (what the targets are scored on), its mean when the frontends gave no
@@ -132,7 +132,15 @@ def size_pools(pred: Load, obs: Observation, fleet: FleetState, capacity: Worker
         d = sized(fleet.decode, demand, "aggregated")
         d = react(fleet.decode, react(fleet.decode, d, ttft_seen, cfg.ttft_ms, "TTFT"), itl_seen, cfg.itl_ms, "ITL")
         p = 0
-    floor, why = worker_load_floor(current, obs.inflight, obs.waiting, obs.kv_usage)
+    # the workers' queue and KV usage are gauges read at one instant: a burst of arrivals waits a step in
+    # every engine, so only what the last two scrapes both saw counts
+    waiting, kv = obs.waiting, obs.kv_usage
+    if previous is not None:
+        waiting = min(waiting, previous.waiting)
+        kv = None if kv is None or previous.kv_usage is None else min(kv, previous.kv_usage)
+    else:
+        waiting, kv = 0.0, None
+    floor, why = worker_load_floor(current, obs.inflight, waiting, kv)
     if floor > d:
         reasons.append(why)
         d = floor
@@ -154,6 +162,7 @@ class Planner:
         self.hysteresis = {PREFILL: Hysteresis(cfg.scale_down_after), DECODE: Hysteresis(cfg.scale_down_after)}
         self.targets: dict[str, int] | None = None
         self.last_fleet: FleetState | None = None
+        self.previous: Observation | None = None  # the last interval's observation
         self.fleet_since = time.monotonic()  # when the fleet last changed (as seen at an interval's end)
         self.decisions = 0
 
@@ -195,7 +204,8 @@ class Planner:
             sized = Decision(*clamp_pools(fleet.prefill.coming, fleet.decode.coming, self.cfg.min_endpoint,
                                           self.cfg.max_workers, self.cfg.disaggregated), "start")
         else:
-            sized = size_pools(pred, obs, fleet, self.capacity, self.cfg, self.additive, stable)
+            sized = size_pools(pred, obs, fleet, self.capacity, self.cfg, self.additive, stable, self.previous)
+        self.previous = obs
         current = self.targets or {PREFILL: fleet.prefill.coming, DECODE: fleet.decode.coming}
         wanted = {PREFILL: sized.prefill, DECODE: sized.decode}
         decided = {pool: self.hysteresis[pool].step(current[pool], wanted[pool]) for pool in wanted}

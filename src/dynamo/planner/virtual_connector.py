@@ -73,6 +73,12 @@ async def _read_ack(store: KeyValueStore, namespace: str) -> int:
         return 0
 
 
+async def registered_workers(store: KeyValueStore, namespace: str, component: str) -> int:
+    """Workers of ``namespace.component`` registered in discovery (distinct instances over its endpoints)."""
+    keys = await store.get_prefix(f"{INSTANCE_ROOT}/{namespace}/{component}/")
+    return len({kv.key.rsplit(":", 1)[-1] for kv in keys})
+
+
 class VirtualConnector:
     """The planner's side: write a decision, count the registered workers."""
 
@@ -93,8 +99,7 @@ class VirtualConnector:
     async def _registered(self, component: str | None) -> int:
         if component is None:  # an aggregated fleet has no prefill pool
             return 0
-        keys = await self.store.get_prefix(f"{INSTANCE_ROOT}/{self.namespace}/{component}/")
-        return len({kv.key.rsplit(":", 1)[-1] for kv in keys})
+        return await registered_workers(self.store, self.namespace, component)
 
     async def fleet(self) -> FleetState:
         ready_prefill = await self._registered(self.components["prefill"])

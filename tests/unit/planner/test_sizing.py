@@ -140,14 +140,19 @@ def test_worker_load_floor():
 
 def test_size_pools_worker_load_is_a_floor():
     cfg = PlannerConfig(namespace="n", ttft_ms=500.0, itl_ms=50.0, max_workers=10)
-    # the capacity says one worker is plenty, but the workers queue: more
-    d = size_pools(Load(1.0, 500.0, 100.0), obs(inflight=12.0, waiting=6.0), fleet(0, 2), Known(), cfg,
-                   additive=False)
+    queued = obs(inflight=12.0, waiting=6.0)
+    # the capacity says one worker is plenty, but the workers queue in two scrapes running: more
+    d = size_pools(Load(1.0, 500.0, 100.0), queued, fleet(0, 2), Known(), cfg, additive=False, previous=queued)
     assert d.decode == 4 and "queued in the workers" in d.reason
+    # a queue seen once is a burst of arrivals waiting a step, not a fleet at its limit
+    d = size_pools(Load(1.0, 500.0, 100.0), queued, fleet(0, 2), Known(), cfg, additive=False, previous=obs())
+    assert d.decode == 1
     # a nearly full KV cache: one more; busy: no scale-down
-    d = size_pools(Load(1.0, 500.0, 100.0), obs(kv_usage=0.93), fleet(0, 2), Known(), cfg, additive=False)
+    full = obs(kv_usage=0.93)
+    d = size_pools(Load(1.0, 500.0, 100.0), full, fleet(0, 2), Known(), cfg, additive=False, previous=full)
     assert d.decode == 3 and "KV cache 93% full" in d.reason
-    d = size_pools(Load(1.0, 500.0, 100.0), obs(kv_usage=0.75), fleet(0, 3), Known(), cfg, additive=False)
+    busy = obs(kv_usage=0.75)
+    d = size_pools(Load(1.0, 500.0, 100.0), busy, fleet(0, 3), Known(), cfg, additive=False, previous=busy)
     assert d.decode == 3
 
 
