@@ -139,7 +139,7 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
         entry = await register_frontend(runtime, url, worker_index())
     settle_heap()
     await stop.wait()
-    if entry is not None:
+    if entry is not None and runtime is not None:
         from dynamo.frontend.registration import deregister_frontend
 
         await deregister_frontend(runtime, entry)

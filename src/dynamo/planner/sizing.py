@@ -155,7 +155,7 @@ def load_at_target(samples: "deque[Sample] | list[Sample] | list[tuple[float, fl
         return None
     xs = [s[0] for s in samples]
     ys = [s[1] for s in samples]
-    p90s = [s[2] if len(s) > 2 else s[1] for s in samples]  # type: ignore[misc]
+    p90s = [s[2] if len(s) > 2 else s[1] for s in samples]
     n = len(xs)
     mean_x = sum(xs) / n
     fitted = None
