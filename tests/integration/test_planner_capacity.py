@@ -81,8 +81,8 @@ def test_learned_capacity_converges_to_the_right_fleet(servers, tiny_model, tmp_
                 desired: list[float] = []
                 seen = planner_gauges(port).get(("dynamo_planner_intervals_total", ""), 0.0)
                 while len(desired) < 12:
-                    wait_until(lambda: planner_gauges(port).get(("dynamo_planner_intervals_total", ""), 0.0) > seen,
-                               10, "the next interval")
+                    wait_until(lambda before=seen: planner_gauges(port).get(("dynamo_planner_intervals_total", ""),
+                                                                         0.0) > before, 10, "the next interval")
                     g = planner_gauges(port)
                     seen = g[("dynamo_planner_intervals_total", "")]
                     desired.append(g[("dynamo_planner_desired_workers", "decode")])
