@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a `dynamo-planner profile` output; without it the capacity is learned online")
     p.add_argument("--no-operation", action="store_true", help="log and export decisions, change nothing")
     p.add_argument("--frontend-url", action="append", default=[], metavar="URL",
-                   help="a frontend to read the load from (repeatable), e.g. http://127.0.0.1:8000; the frontends "
-                        "registered in discovery are read as well")
+                   help="a frontend to read the load from (repeatable), e.g. http://127.0.0.1:8000; without it, "
+                        "the frontends registered in discovery")
     p.add_argument("--model", default=None, help="only this model's load (default: every model the frontends serve)")
     p.add_argument("--decode-cmd", default=None, metavar="CMD",
                    help='local: the command of one (decode or aggregated) worker, e.g. "dynamo-run in=dyn://'

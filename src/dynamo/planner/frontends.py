@@ -5,7 +5,8 @@
 starts is read from the next interval; one that stops cleanly deletes its key; one killed with SIGKILL
 stays listed until its lease expires (``DYN_LEASE_TTL``, 10 s), and meanwhile the scraper leaves it out
 as unreachable; one that comes back registers again under a new lease and its first scrape is a new
-baseline.  ``--frontend-url`` URLs are read as well, whatever discovery says.
+baseline.  ``--frontend-url`` replaces discovery: only those URLs are read (a registered frontend named
+under another address, ``localhost`` for ``10.0.0.5``, would otherwise count twice).
 
 **Models.**  Our frontends serve every namespace's models, so a frontend's metrics may carry other
 fleets' load.  :func:`namespace_models` lists the model names registered in the planner's namespace
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class FrontendDirectory:
-    """The frontends registered in discovery plus the ``--frontend-url`` ones, kept current by a watch."""
+    """The ``--frontend-url`` frontends if any were named, else those registered in discovery (kept current
+    by a watch)."""
 
     def __init__(self, store: KeyValueStore | None, static_urls: list[str]) -> None:
         self.store = store
@@ -37,7 +39,7 @@ class FrontendDirectory:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self.store is None:
+        if self.store is None or self.static:
             return
         self._watch = await self.store.watch_prefix(FRONTENDS_PREFIX).start()
         for kv in self._watch.initial:
