@@ -4,6 +4,7 @@ lease expires; started again, it is found and read again.  Another namespace's l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -13,6 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
+from dynamo.runtime.distributed import DistributedRuntime
 from harness.chat_load import ChatLoad
 from harness.proc import DynamoRun, DynamoWorker, free_port
 from harness.servers import EtcdServer, NatsServer
@@ -103,3 +106,30 @@ def test_frontends_found_lost_and_found_again(servers, tiny_model, tmp_path):
             wait_until(lambda: frontends_seen(port) == 1 and rate_seen(port) > 0.5, 20,
                        "the load through the restarted frontend")
         assert planner.running
+
+
+def registered_frontends(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> list[FrontendEntry]:
+    async def read() -> list[FrontendEntry]:
+        runtime = await DistributedRuntime.connect()
+        try:
+            return [FrontendEntry.from_json(kv.value) for kv in await runtime.discovery().get_prefix(FRONTENDS_PREFIX)]
+        finally:
+            await runtime.close()
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return asyncio.run(read())
+
+
+def test_each_http_worker_process_registers_and_a_clean_stop_deregisters(servers, monkeypatch):
+    env = {**servers, "DYN_LEASE_TTL": "30"}  # a clean stop must not rely on the lease expiring
+    before = {e.instance_id for e in registered_frontends(servers, monkeypatch)}
+    with DynamoRun("out=dyn", "--http-workers", "2", env=env) as fe:
+        def mine() -> list[FrontendEntry]:
+            return [e for e in registered_frontends(servers, monkeypatch) if e.instance_id not in before]
+
+        entries = wait_until(lambda: len(mine()) == 2 and mine(), 20, "both processes registered")
+        assert {e.url for e in entries} == {fe.base_url} and {e.http_worker for e in entries} == {0, 1}
+        assert {e.metrics_url for e in entries} == {fe.base_url + "/metrics"}
+        assert fe.stop(timeout=15) == 0
+    assert mine() == []
