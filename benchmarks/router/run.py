@@ -339,7 +339,22 @@ def summarize(records: list[Record], start: float, end: float, warmup: float) ->
         "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
         "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
                            if any(r.cached_tokens is not None for r in ok) else None),
+        **hits_and_misses(measured),
     }
+
+
+def hits_and_misses(measured: list[Record]) -> dict[str, Any]:
+    """Where the engine says how much it reused: the share of measured requests that took at least half of
+    their prompt from the cache, and the TTFT p50 of those and of the rest (a mode's p50 is one or the
+    other, whichever is the majority)."""
+    known = [r for r in measured if r.cached_tokens is not None and r.ttft is not None and r.prompt_tokens]
+    if not known:
+        return {}
+    hits = [r for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_tokens]
+    misses = [r for r in known if r not in hits]
+    return {"hit_share": round(len(hits) / len(known), 2),
+            "ttft_p50_hits_ms": _ms(pct([r.ttft for r in hits if r.ttft is not None], 50)),
+            "ttft_p50_misses_ms": _ms(pct([r.ttft for r in misses if r.ttft is not None], 50))}
 
 
 def _ms(v: float | None) -> float | None:
@@ -408,6 +423,9 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
         fe_env = {**servers}
         if args.logs:
             fe_env["DYN_LOG"] = "info,dynamo.kv.router=debug"  # one "kv route:" line per decision
+            if base.startswith("kv"):  # the router's decision log (src/dynamo/kv/decision_log.py)
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                fe_env["DYN_ROUTER_LOG"] = str(Path(args.logs) / f"{run_index:02d}-{mode}-{ratio:g}-decisions.jsonl")
         frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
         frontend.start()
         wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)
@@ -621,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", default="", help="also write the table as Markdown to this file")
     p.add_argument("--json", default="", help="results file (default benchmarks/results/router-<time>.json)")
     p.add_argument("--logs", default="", help="write every process's log and the per-request records to this folder "
-                   "(the frontend then logs each KV routing decision)")
+                   "(the frontend then logs each KV routing decision, and kv modes write the router's decision "
+                   "log, DYN_ROUTER_LOG: read it with python -m benchmarks.router.decisions)")
     p.add_argument("--dynamo16", default="", metavar="VENV",
                    help="a virtualenv with ai-dynamo 1.6.1 (see dynamo16.py): enables modes d16:round-robin, "
                         "d16:random, d16:kv (options as for ours: d16:kv+w=2)")

@@ -62,8 +62,8 @@ def workers(servers, tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, l
                 w.kill()
 
 
-def _frontend(servers: dict[str, str], workers, *flags: str) -> DynamoRun:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env=servers).start()
+def _frontend(servers: dict[str, str], workers, *flags: str, env: dict[str, str] | None = None) -> DynamoRun:
+    fe = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env={**servers, **(env or {})}).start()
     want = {w.instance_id for ws in workers.values() for w in ws}
 
     def sees_all() -> bool:
@@ -223,6 +223,39 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(servers, workers, front
     assert gauge(metrics, "worker_active_decode_blocks", "kvev", first["worker_id"]) == 0
     assert gauge(metrics, "worker_last_input_sequence_tokens", "kvev", first["worker_id"]) > 100
     assert gauge(metrics, "worker_last_time_to_first_token_seconds", "kvev", first["worker_id"]) > 0
+
+
+def test_the_decision_log_records_what_the_router_saw(servers, workers, tmp_path):
+    """``DYN_ROUTER_LOG``: the frontend writes each decision with what each candidate held, the KV events as
+    they arrived, and each request's first token and end, while it serves (flushed within half a second)."""
+    path = tmp_path / "decisions.jsonl"
+    fe = _frontend(servers, workers, env={"DYN_ROUTER_LOG": str(path)})
+    try:
+        prefix = text(120)
+        (first,) = routed(servers, fe, "kvev", prefix + " " + text(10), sync=True)
+        (second,) = routed(servers, fe, "kvev", prefix + " " + text(10))
+
+        def logged() -> list[dict[str, Any]] | None:
+            try:
+                lines = [json.loads(x) for x in path.read_text().splitlines()]
+            except (OSError, ValueError):  # not there yet, or a line being written
+                return None
+            done = sum(x["ev"] == "done" for x in lines)
+            return lines if done == 2 and sum(x["ev"] == "route" for x in lines) == 2 else None
+
+        lines = wait_until(logged, 10, "two decisions and their ends in the decision log")
+        assert "logging every decision to" in fe.stderr_text()
+    finally:
+        fe.stop()
+    routes = [x for x in lines if x["ev"] == "route"]
+    w = f"{first['worker_id']:x}"
+    assert [r["worker"] for r in routes] == [w, w] and second["worker_id"] == first["worker_id"]
+    assert routes[0]["candidates"][w]["overlap"] == 0
+    assert routes[1]["candidates"][w]["overlap"] == second["overlap_blocks"] > 0
+    assert len(routes[1]["candidates"]) == 2  # both workers, each with its cost terms and load
+    # the first request's blocks were announced before the second decision, and it got a first token
+    assert any(x["ev"] == "stored" and x["worker"] == w and x["t"] < routes[1]["t"] for x in lines)
+    assert [x["id"] for x in lines if x["ev"] == "first"] == [r["id"] for r in routes]
 
 
 def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, frontend):

@@ -400,3 +400,40 @@ def test_every_class_starts_with_every_core_other_processes_leave() -> None:
     assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 2.0).threads(1) == 2
     assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0, free=lambda: 1.0).threads(1) == 1
     assert BatchThreadTuner([1, 2], clock=clock, idle=lambda: 1.0).threads(1) == 1  # (free unknown)
+
+
+def test_decode_probes_of_fewer_threads_end_at_their_first_step_while_the_cores_are_ours() -> None:
+    # eight streams on a quiet machine: one thread is 1.6x slower a step.  Before, each probe of it ran four
+    # steps (under the 2x abort): three probes in a ten-second level cost about 3 % of its tokens
+    clock = _Clock()
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 0.0, free=lambda: 2.0)
+    cost = {1: 0.0066, 2: 0.0041}  # per token, 8 tokens a step: 53 against 33 ms
+    used = []
+    while clock.t < 30.0:
+        n = tuner.threads(8)
+        used.append(n)
+        dt = cost[n] * 8
+        clock.t += dt
+        tuner.record(n, 8, dt)
+    probes = tuner.tuner(8).probes
+    assert used[0] == 2 and tuner.tuner(8).current == 2
+    assert 3 <= probes <= 6  # (1, 3, 7, 15, 30 s: the gap doubles after each failed probe)
+    assert used.count(1) == probes  # one step each
+
+
+def test_decode_probes_of_fewer_threads_run_in_full_when_other_processes_take_cores() -> None:
+    # beside another job fewer threads can win (two stall at every barrier): a probe is not cut short by
+    # the quiet machine's tighter abort, and one thread that wins on its median is kept
+    clock = _Clock()
+    free = [2.0]
+    tuner = BatchThreadTuner([1, 2], clock=clock, idle=lambda: 0.0, free=lambda: free[0])
+    assert tuner.threads(8) == 2
+    free[0] = 0.8
+    run = 0  # one-thread steps in a row: the first of a probe is 1.4x slower (caches), the rest faster
+    for _ in range(300):
+        n = tuner.threads(8)
+        run = run + 1 if n == 1 else 0
+        dt = 8 * (0.0100 if n == 2 else 0.0140 if run == 1 else 0.0060)
+        clock.t += dt
+        tuner.record(n, 8, dt)
+    assert tuner.tuner(8).current == 1

@@ -197,6 +197,27 @@ async def test_a_new_conversation_does_not_overwrite_another_conversations_cache
         await engine.close()
 
 
+async def test_a_new_conversation_of_a_group_keeps_the_groups_live_conversation(gguf, tok):
+    """All slots hold something; one holds a conversation of the group (its system prompt, then a turn),
+    the other an older, unrelated one.  A new conversation of the group reuses the system prompt through
+    a copy into the older slot, and the group's conversation keeps its history for its next turn (before,
+    the new one took that slot, because it reused more than half of it, and the next turn recomputed)."""
+    engine = await _engine(gguf, slots=2)
+    try:
+        await ask(engine, chat(tok, "Be brief.", "Name three colors."))  # the older, unrelated one
+        live = chat(tok, SYSTEM, "Tell me about the history of the city of Rome and its roads. " * 5)
+        await ask(engine, live)
+        newcomer = chat(tok, SYSTEM, "What is 2+2?")
+        shared = next(i for i, (a, b) in enumerate(zip(live, newcomer, strict=False)) if a != b)
+        assert 2 * shared >= len(live)  # the premise: the newcomer reuses more than half of that slot
+        _, cached = await ask(engine, newcomer)
+        assert cached >= shared - 1 and engine.caches.copies == 1  # the system prompt, copied
+        _, cached = await ask(engine, live)  # the live conversation comes back
+        assert cached == len(live) - 1  # all of it (the last prompt token is always computed)
+    finally:
+        await engine.close()
+
+
 # -- distributed ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

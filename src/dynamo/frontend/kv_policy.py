@@ -27,6 +27,7 @@ import orjson
 
 from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
+from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import KV_STATE_ENDPOINT
 from dynamo.kv.hashing import compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S
@@ -185,6 +186,8 @@ class KvRouterPolicy:
                 next_beat = now + interval
                 self.router.heartbeat()
                 self.router.expire_peers()
+            if self.router.decision_log is not None:
+                self.router.decision_log.flush()
             seen = _reconnects(self._events)
             if seen != reconnects:
                 reconnects = seen
@@ -214,6 +217,8 @@ class KvRouterPolicy:
             except Exception:
                 pass
         self._kv_state_clients.clear()
+        if self.router.decision_log is not None:
+            self.router.decision_log.close()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -241,8 +246,11 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         publish_active_sequence=publisher(
             component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
         peer_ttl=peer_ttl(),
+        decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
     )
+    if router.decision_log is not None:
+        log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
     policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
+from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import (
     DISK,
     HOST,
@@ -73,7 +74,8 @@ class KvRouter:
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
-                 tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None):
+                 tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
+                 decision_log: DecisionLog | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -108,6 +110,7 @@ class KvRouter:
         self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
+        self.decision_log = decision_log  # opt-in JSON lines of decisions and events (decision_log.py)
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
@@ -148,7 +151,7 @@ class KvRouter:
                 costs = [*costs, choice]
         else:
             costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
-                                  self.overlap_score_weight, self.trackers, restorable)
+                                  self.overlap_score_weight, self.trackers, restorable, now=self.clock())
             choice = select_worker(costs, self.temperature, self.rng)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
@@ -163,8 +166,12 @@ class KvRouter:
                           {f"{w:x}": round(v, 2) for w, v in restorable.items()})
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
+        if self.decision_log is not None:
+            self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs)
         if request_id is not None:
-            prefill = len(token_ids) - choice.overlap_blocks * self.block_size
+            tracker = self.trackers.get(choice.worker_id)
+            inflight = tracker.shared_prefix(blocks) if tracker is not None else 0
+            prefill = len(token_ids) - max(choice.overlap_blocks, inflight) * self.block_size
             self._add(request_id, choice.worker_id, blocks, prefill)
             emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
                 "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
@@ -186,6 +193,8 @@ class KvRouter:
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
         worker = self._owner.get(request_id)
+        if self.decision_log is not None and worker is not None:
+            self.decision_log.write({"ev": "first", "id": request_id})
         if worker is not None and self._mark(worker, request_id):
             emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
                  "active sequence event")
@@ -195,6 +204,8 @@ class KvRouter:
         worker = self._owner.pop(request_id, None)
         if worker is None:
             return
+        if self.decision_log is not None:
+            self.decision_log.write({"ev": "done", "id": request_id})
         self._free(worker, request_id)
         emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
 
@@ -203,7 +214,7 @@ class KvRouter:
         """One KV event from a worker (raw JSON or parsed).  Ignored when not using KV events."""
         if isinstance(self.indexer, ApproxKvIndexer):
             return False
-        if self._resync or self._dumped_upto:
+        if self._resync or self._dumped_upto or self.decision_log is not None:
             if not isinstance(event, KvEvent):
                 try:
                     event = parse_kv_event(event)
@@ -217,6 +228,9 @@ class KvRouter:
             pending = self._resync.get(event.worker_id)
             if pending is not None:
                 pending.append(event)
+            if self.decision_log is not None:
+                self.decision_log.write({"ev": event.kind, "worker": f"{event.worker_id:x}", "tier": event.tier,
+                                         "blocks": [b.block_hash for b in event.blocks] or list(event.block_hashes)})
         return self.indexer.apply_event(event)
 
     def begin_resync(self, worker_id: WorkerId) -> None:
@@ -345,6 +359,23 @@ class KvRouter:
         return self._restorable(seq, self.indexer.find_matches([], seq))
 
     # -- internals -----------------------------------------------------------------------------
+    def _log_decision(self, request_id: str | None, worker: WorkerId, isl: int, blocks: Sequence[int | str],
+                      costs: Sequence[WorkerCost]) -> None:
+        """One ``route`` line (decision_log.py): what the router saw of each candidate when it chose."""
+        assert self.decision_log is not None
+        cands: dict[str, Any] = {}
+        for c in costs:
+            t = self.trackers.get(c.worker_id)
+            cands[f"{c.worker_id:x}"] = {
+                "overlap": c.overlap_blocks, "inflight": t.shared_prefix(blocks) if t is not None else 0,
+                "prefill": c.prefill_tokens, "decode": c.decode_blocks, "logit": round(c.logit, 3),
+                "active_tokens": t.active_tokens if t is not None else 0,
+                "active_blocks": t.num_blocks if t is not None else 0,
+                "requests": len(t.requests) if t is not None else 0}
+        self.decision_log.write({"ev": "route", "id": request_id, "worker": f"{worker:x}", "isl": isl,
+                                 "blocks": list(blocks[:isl // self.block_size]),
+                                 "candidates": cands})
+
     def _restorable(self, seq: Sequence[int], overlaps: Overlaps) -> dict[WorkerId, float]:
         """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
         weight (a block reachable through host memory is priced as host, through disk as disk)."""
@@ -381,14 +412,14 @@ class KvRouter:
             tracker = self.trackers[worker] = ActiveSequences()
         if request_id in tracker.requests:
             self._free(worker, request_id)
-        tracker.add_request(request_id, blocks, prefill)
+        tracker.add_request(request_id, blocks, prefill, self.clock())
         if blocks:
             self._heads.setdefault(blocks[0], set()).add(worker)
         self._loads.update(worker, tracker)
 
     def _mark(self, worker: WorkerId, request_id: str) -> bool:
         tracker = self.trackers.get(worker)
-        if tracker is None or not tracker.mark_prefill_completed(request_id):
+        if tracker is None or not tracker.mark_prefill_completed(request_id, self.clock()):
             return False
         self._loads.update(worker, tracker)
         return True

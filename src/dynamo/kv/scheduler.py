@@ -6,15 +6,34 @@ Per worker, :class:`ActiveSequences` tracks the requests this router sent there 
 * ``active_tokens``: the prompt tokens still to prefill, summed over requests that have not produced
   their first token yet.
 
-For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on worker ``w``::
+For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on worker ``w``, and whose first
+``f_w`` blocks are blocks of requests in flight there::
 
-    prefill_tokens_w = (isl - o_w * block_size) + active_tokens_w
+    prefill_tokens_w = (isl - max(o_w, f_w) * block_size) + active_tokens_w
     decode_blocks_w  = |request blocks not already active on w| + active_blocks_w
     logit_w          = overlap_score_weight * prefill_tokens_w / block_size + decode_blocks_w
 
 Offloaded blocks (docs/routing.md): ``r_w``, the blocks past ``o_w`` that worker ``w`` can restore from
 host memory or disk, each weighted by its tier (``KvRouter.tier_weights``), also come off the prefill:
 ``prefill_tokens_w = (isl - (o_w + r_w) * block_size) + active_tokens_w``.
+
+``f_w`` counts as cached because it will be by the time this request is prefilled: an engine reports a
+block only after computing it (llama.cpp after the prefill step that completes it, so the event reaches
+the router about when the first token does), while the request that computes it is already booked here
+from the moment it was routed.  Without it, the second request of a prefix routed in that window saw a
+full miss everywhere and went to whichever worker was idle, computing the prefix a second time; with it,
+it follows the first one unless that worker's pending prefill (``active_tokens_w``, the first request's
+included) makes it dearer.  A worker that computes a prefix another slot is still computing waits for it
+and copies it (llama.cpp; the mocker shares active blocks), so the credit is real.
+
+``active_tokens_w`` counts only what is left of the prefill in progress (:meth:`ActiveSequences.
+prefill_progress`): the router measures each worker's prefill rate from its own bookings (prompt tokens
+booked / time from routing to the first token, on the oldest prefill only, as the others wait for it; an
+exponential average) and takes off the oldest pending prefill what that rate says is done.  Counted whole
+until its first token, a long prefill that was almost done made the worker holding a prefix look busy for
+its whole length, and the router sent the prefix's requests to compute it again on an idle worker.  The
+fast pick over 64 workers or more (below) counts pending prefills whole for the workers the prompt does not
+touch (its index is static), so it leans a little towards the touched ones.
 
 Lower is better.  Temperature 0 picks the minimum, breaking ties uniformly at random; a temperature
 T > 0 samples from a softmax of the negated, range-normalised logits divided by T.
@@ -48,6 +67,10 @@ class _Req:
     blocks: tuple[int | str, ...]
     prefill_tokens: int
     prefilling: bool = True
+    routed_at: float = 0.0
+
+
+PREFILL_RATE_ALPHA = 0.3  # weight of the newest sample in a worker's prefill rate (an exponential average)
 
 
 @dataclass(slots=True)
@@ -64,6 +87,10 @@ class ActiveSequences:
     active_tokens: int = 0
     num_blocks: int = 0
     heads: dict[int | str, int] = field(default_factory=dict)
+    # the requests still prefilling, oldest first, and what the worker's past prefills say of its speed
+    prefilling: dict[str, _Req] = field(default_factory=dict)
+    prefill_rate: float = 0.0  # prompt tokens per second (0: not measured yet)
+    prefill_done_at: float = 0.0  # when its last prefill ended (the next one in line started then)
 
     @property
     def active_blocks(self) -> int:
@@ -96,11 +123,13 @@ class ActiveSequences:
                 hi = mid
         return lo
 
-    def add_request(self, request_id: str, blocks: Sequence[int | str], prefill_tokens: int) -> None:
+    def add_request(self, request_id: str, blocks: Sequence[int | str], prefill_tokens: int,
+                    now: float = 0.0) -> None:
         if request_id in self.requests:
             self.free(request_id)
-        req = _Req(tuple(blocks), max(0, prefill_tokens))
+        req = _Req(tuple(blocks), max(0, prefill_tokens), routed_at=now)
         self.requests[request_id] = req
+        self.prefilling[request_id] = req
         refs = self.block_refs
         for b in req.blocks:
             refs[b] = refs.get(b, 0) + 1
@@ -110,13 +139,38 @@ class ActiveSequences:
             self.heads[head] = self.heads.get(head, 0) + 1
         self.active_tokens += req.prefill_tokens
 
-    def mark_prefill_completed(self, request_id: str) -> bool:
+    def mark_prefill_completed(self, request_id: str, now: float | None = None) -> bool:
+        """The request's first token came (at ``now``, on the router's clock: then, if it was the oldest
+        prefill here, it also measures the worker's prefill rate)."""
         req = self.requests.get(request_id)
         if req is None or not req.prefilling:
             return False
         req.prefilling = False
         self.active_tokens -= req.prefill_tokens
+        oldest = next(iter(self.prefilling), None) == request_id
+        del self.prefilling[request_id]
+        if now is not None and oldest:
+            took = now - max(req.routed_at, self.prefill_done_at)
+            if took > 0 and req.prefill_tokens > 0:
+                rate = req.prefill_tokens / took
+                self.prefill_rate = rate if not self.prefill_rate else (
+                    PREFILL_RATE_ALPHA * rate + (1 - PREFILL_RATE_ALPHA) * self.prefill_rate)
+            self.prefill_done_at = now
         return True
+
+    def prefill_progress(self, now: float) -> int:
+        """Prompt tokens of the oldest pending prefill that the worker has computed by ``now``, as far as
+        its measured rate says (0 before it has one): that request is the one in progress, the others wait
+        for it."""
+        if not self.prefill_rate or not self.prefilling:
+            return 0
+        req = next(iter(self.prefilling.values()))
+        elapsed = now - max(req.routed_at, self.prefill_done_at)
+        return min(req.prefill_tokens, int(self.prefill_rate * elapsed)) if elapsed > 0 else 0
+
+    def pending_tokens(self, now: float | None) -> int:
+        """``active_tokens`` less what the oldest prefill has done by ``now`` (None: all of it pending)."""
+        return self.active_tokens if now is None else self.active_tokens - self.prefill_progress(now)
 
     def free(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -124,6 +178,7 @@ class ActiveSequences:
             return False
         if req.prefilling:
             self.active_tokens -= req.prefill_tokens
+            del self.prefilling[request_id]
         refs = self.block_refs
         for b in req.blocks:
             n = refs[b] - 1
@@ -180,9 +235,11 @@ class CostTable(Sequence[WorkerCost]):
 def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int], request_blocks: Sequence[int | str],
                   isl: int, block_size: int, overlap_score_weight: float,
                   trackers: Mapping[WorkerId, ActiveSequences],
-                  restorable: Mapping[WorkerId, float] | None = None) -> CostTable:
+                  restorable: Mapping[WorkerId, float] | None = None, now: float | None = None) -> CostTable:
     """The cost of each worker; ``request_blocks`` must be prefix-closed (a request's blocks are).
     ``restorable``: weighted offloaded blocks per worker, beyond its resident prefix (None: no worker has any).
+    ``now``: the router's clock, to count only what is left of each worker's prefill in progress
+    (:meth:`ActiveSequences.prefill_progress`); None counts all of it.
 
     One plain loop that reads two numbers and a tiny dict per worker, and builds no object per worker:
     with 1,000 workers it is most of a decision."""
@@ -207,11 +264,13 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
         if seqs is None:
             decode = n
         else:
-            prefill += seqs.active_tokens
             decode = n + seqs.num_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
+                # blocks routed here and not yet reported are computed by then: no prefill for them
+                prefill = min(prefill, max(0, isl - hint * block_size))
+            prefill += seqs.pending_tokens(now)
         add_p(prefill)
         add_d(decode)
         add_l(scale * prefill + decode)
@@ -352,11 +411,12 @@ def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], 
         decode = n
         seqs = trackers.get(w)
         if seqs is not None:
-            prefill += seqs.active_tokens
             decode += seqs.num_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
+                prefill = min(prefill, max(0, isl - hint * block_size))  # in flight: as in compute_costs
+            prefill += seqs.active_tokens
         evaluated.append(WorkerCost(w, o, prefill, decode, scale * prefill + decode))
     touched_set = {c.worker_id for c in evaluated}
     best = min((c.logit for c in evaluated), default=math.inf)

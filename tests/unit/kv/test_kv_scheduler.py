@@ -314,7 +314,8 @@ def test_cost_table_reads_like_a_list_of_worker_costs():
     t.add_request("x", [7, 8], prefill_tokens=4)
     costs = compute_costs([1, 2, 3], {2: 2}, [7, 8, 9], 12, BS, 2.0, {1: t})
     assert len(costs) == 3 and [c.worker_id for c in costs] == [1, 2, 3]
-    assert costs[0] == WorkerCost(1, 0, 16, 1 + 2, 2.0 * 16 / 4 + 3)
+    # worker 1: blocks 7 and 8 are in flight there (computed by the time this one runs), 4 tokens pending
+    assert costs[0] == WorkerCost(1, 0, 4 + 4, 1 + 2, 2.0 * 8 / 4 + 3)
     assert costs[1] == WorkerCost(2, 2, 4, 3, 2.0 * 4 / 4 + 3)
     assert costs[-1].worker_id == 3 and costs[1:] == [costs[1], costs[2]]
     assert select_worker(costs, 0.0, random.Random(0)).worker_id == 2
@@ -390,3 +391,96 @@ def test_router_with_many_workers_spreads_idle_ties_and_keeps_the_index_true():
     assert set(r._loads.buckets) == {0.0} and r._heads == {}
     r.remove_worker(5)
     assert 5 not in r._loads.base
+
+
+# -- requests in flight: a prefix routed but not yet reported ------------------------------------------
+
+def test_a_prefix_routed_but_not_yet_reported_brings_the_next_request_to_the_same_worker():
+    """The first request of a prefix is still prefilling on one worker, so no KV event has said it is
+    cached anywhere, and the other worker is decoding something else; the second request with that
+    prefix follows the first (it waits for that prefill and reuses it), where before it saw a miss
+    everywhere and went to the other worker to compute the prefix a second time."""
+    system = list(range(1000, 1064))  # 16 blocks of 4
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0)
+    first = r.select(system + [1, 2, 3, 4], [1, 2], request_id="a")
+    other = 3 - first.worker_id
+    r.add_request("decoding", [7000 + i for i in range(40)], other)  # 10 blocks, prefilled already
+    r.on_first_token("decoding")
+    second = r.select(system + [5, 6, 7, 8], [1, 2], request_id="b")
+    assert second.worker_id == first.worker_id
+    assert second.overlap_blocks == 0  # nothing reported yet: the hit-rate event says so
+    costs = {c.worker_id: c for c in r.last_costs}
+    # there: its own 4 tokens to prefill after the 68 the first request has pending
+    assert costs[first.worker_id].prefill_tokens == 4 + 68
+    assert costs[other].prefill_tokens == 68
+    # booked with only its own tail pending, so a third request sees 68 + 4 there, not 68 + 68
+    assert r.worker_load(first.worker_id)["active_tokens"] == 68 + 4
+
+
+def test_a_worker_busy_with_the_prefix_still_loses_to_an_idle_one_when_overloaded():
+    """The credit is for the blocks, not the queue: with enough pending prefill on the worker computing
+    the prefix (here three long unrelated prompts), the idle worker is cheaper."""
+    system = list(range(1000, 1064))
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0)
+    first = r.select(system + [1, 2, 3, 4], [1, 2], request_id="a")
+    other = 3 - first.worker_id
+    for i in range(3):
+        r.add_request(f"long{i}", [50_000 + 1000 * i + j for j in range(200)], first.worker_id)
+    second = r.select(system + [5, 6, 7, 8], [1, 2], request_id="b")
+    assert second.worker_id == other
+
+
+def test_the_credit_ends_with_the_request_and_the_reported_blocks_take_over():
+    system = list(range(1000, 1064))
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0)
+    first = r.select(system + [1, 2, 3, 4], [1, 2], request_id="a")
+    r.on_first_token("a")
+    r.on_finished("a")  # gone, and (say) evicted before it was ever reported: no credit left
+    picks = {r.select(system + [9, 9, 9, i], [1, 2]).worker_id for i in range(40)}
+    assert picks == {1, 2}  # a plain miss everywhere again: ties spread
+    publish_prefix(r, first.worker_id, system)  # reported now
+    assert r.select(system + [5, 6, 7, 8], [1, 2]).worker_id == first.worker_id
+
+
+# -- a prefill in progress: what is left of it -----------------------------------------------------------
+
+def test_a_prefill_nearly_done_on_the_worker_holding_the_prefix_is_waited_for():
+    """Worker 1 holds a group's system prompt and is prefilling a long unrelated prompt; worker 2 is idle.
+    Just after that prompt was routed, a request of the group goes to worker 2 (computing the system prompt
+    there is cheaper than waiting behind a whole prefill).  Once worker 1 has measured its prefill rate
+    and most of that prefill is behind it, the request goes to worker 1, where only its own tail is left;
+    before, the router counted the whole prompt as pending until its first token came and sent such
+    requests to compute the prefix again elsewhere (the decision log's ``elsewhere`` class, 5-11 s each
+    on a loaded CPU against about 1 s for a hit)."""
+    now = [0.0]
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, clock=lambda: now[0])
+    system = list(range(1000, 1128))  # 32 blocks of 4
+    publish_prefix(r, 1, system)
+    # worker 1's speed: a 400-token prompt's first token 1 s after it was routed there
+    r.add_request("warm", [5000 + i for i in range(400)], 1)
+    now[0] = 1.0
+    r.on_first_token("warm")
+    r.on_finished("warm")
+    assert r.trackers[1].prefill_rate == 400.0
+    now[0] = 10.0
+    r.add_request("cold", [9000 + i for i in range(100)], 1)  # prefilling on worker 1 from t = 10
+    group = system + [1, 2, 3, 4, 5, 6, 7, 8]
+    assert r.select(group, [1, 2]).worker_id == 2  # just routed: all 100 tokens ahead of it
+    now[0] = 10.125  # 50 of its 100 tokens done, by worker 1's rate
+    assert r.select(group, [1, 2]).worker_id == 1
+    costs = {c.worker_id: c for c in r.last_costs}
+    assert costs[1].prefill_tokens == 8 + 50 and costs[2].prefill_tokens == 136
+    now[0] = 30.0  # overdue: nothing more is counted than the whole prompt, and never less than 0
+    assert r.trackers[1].prefill_progress(now[0]) == 100
+
+
+def test_the_rate_is_measured_on_the_oldest_prefill_only():
+    s = ActiveSequences()
+    s.add_request("a", [1], prefill_tokens=100, now=0.0)
+    s.add_request("b", [2], prefill_tokens=100, now=0.5)  # waits behind a
+    assert s.mark_prefill_completed("a", now=1.0)  # 100 tokens in 1 s
+    assert s.prefill_rate == 100.0
+    assert s.prefill_progress(1.5) == 50  # b started when a ended
+    assert s.mark_prefill_completed("b", now=2.0)  # 100 tokens in 1 s (from 1.0), not 1.5 s
+    assert s.prefill_rate == 100.0
+    assert s.prefill_progress(5.0) == 0  # nothing pending

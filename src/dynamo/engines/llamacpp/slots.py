@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 OFFLOAD_MIN_TOKENS = 32
 # copy a busy slot's cache into a free slot when that saves at least this many prompt tokens of prefill
 COPY_MIN_TOKENS = 16
+# a free slot holding at least this many tokens past what a new prompt shares with it holds another
+# conversation: the prompt takes an empty or older slot instead (its own follow-up turn loses only the
+# tail that differs, the last answer's tokens at most, when the client sends back a different text)
+SPARE_MIN_TOKENS = 64
 
 
 @dataclass
@@ -184,12 +188,16 @@ class SlotCaches:
         uid = req.lora_uid  # only caches computed under the request's own adapter are reusable
         prefix = {s.seq_id: common_prefix(s.cached, req.prompt) if s.lora_uid == uid else 0 for s in self.slots}
         best = max(free, key=lambda s: (prefix[s.seq_id], -s.used_at))
-        if 2 * prefix[best.seq_id] < len(best.cached):
-            # this prompt would reuse less of that slot's cache than it overwrites (a shared system
-            # prompt, then another conversation): an empty slot keeps that conversation restorable
-            empty = [s for s in free if not s.cached]
-            if empty:
-                best = min(empty, key=lambda s: s.used_at)
+        if len(best.cached) - prefix[best.seq_id] >= SPARE_MIN_TOKENS:
+            # this prompt would overwrite another conversation in that slot (a shared system prompt, then
+            # that conversation's turns): take an empty slot, or one used longer ago, and copy the shared
+            # prefix there (below), so that conversation's next turn still finds it.  Before, a slot was
+            # only spared when it held twice what the request reused, and a new conversation of a group
+            # overwrote the history of the group's conversation whose next turn was a second away.
+            others = [s for s in free if s is not best]
+            spare = min(others, key=lambda s: (bool(s.cached), s.used_at), default=None)
+            if spare is not None and (not spare.cached or spare.used_at < best.used_at):
+                best = spare
         keep = min(prefix[best.seq_id], last)
         busy = [s for s in self.slots if s.req is not None]
         # any other slot, busy or free, whose cache holds more of this prompt can lend it

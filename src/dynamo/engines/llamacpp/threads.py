@@ -31,6 +31,9 @@ PREFILL_TOKENS = 16
 # current count (one thread takes 1.6 to 1.8x as long for a 30-token prompt on 2 idle cores; such a probe
 # cannot win, and each of its steps is a request's time to first token)
 PREFILL_ABORT = 1.25
+# a probe of fewer threads for decode steps while the cores are ours ends at its first step this much
+# slower (one thread short: 1.5 to 1.6x slower here; a probe that comes close runs its full length)
+QUIET_DECODE_ABORT = 1.25
 
 
 class ThreadTuner:
@@ -55,22 +58,29 @@ class ThreadTuner:
     slower than one.  Only a measurement tells which case this is.  Per-token costs are compared only between
     steps of similar size (see :class:`BatchThreadTuner`).
 
-    ``free()`` (optional; prompt-sized steps) returns how many cores other processes left us recently (idle
-    ones plus those this process used); a probe with *fewer* threads is skipped while that is at least the
-    current count less half a core: with a core for each thread a prompt step is faster with more threads,
-    and every step of such a probe is a prompt computed more slowly, i.e. a request's time to first token.
+    ``free()`` (optional) returns how many cores other processes left us recently (idle ones plus those
+    this process used).  While that is at least the current count less half a core, a probe with *fewer*
+    threads has a core for each of the current ones to beat, and rarely does: with ``quiet_abort`` None
+    (prompt-sized steps) it is skipped, since every step of such a probe is a prompt computed more slowly,
+    i.e. a request's time to first token; otherwise it runs with ``quiet_abort`` in place of ``abort``, so
+    a probe one thread short ends at its first step (1.5 to 1.6x slower here at one and eight tokens a
+    step) instead of after ``probe_steps`` of them: with ``abort`` 2 each such probe cost eight streams
+    about 2.4 steps' worth of tokens, three probes in a ten-second benchmark level, about 3 %.  Where
+    other processes take cores, fewer-thread probes run as before: that is where fewer threads win.
     """
 
     def __init__(self, candidates: list[int], *, start: int | None = None, window: int = 8, probe_steps: int = 4,
                  margin: float = 0.9, abort: float = 2.0, degrade: float = 1.6, min_gap: float = 1.0,
                  max_gap: float = 30.0, idle: Any = None, idle_per_thread: float = 0.25, force_after: int = 4,
-                 free: Any = None, clock: Any = time.monotonic):
+                 free: Any = None, quiet_abort: float | None = None, clock: Any = time.monotonic):
         self.candidates = sorted(set(candidates))
         self.current = start if start is not None else self.candidates[0]
         self.window, self.probe_steps, self.margin, self.abort = window, probe_steps, margin, abort
         self.degrade, self.min_gap, self.max_gap = degrade, min_gap, max_gap
         self.idle, self.idle_per_thread, self.force_after = idle, idle_per_thread, force_after
-        self.free = free
+        self.free, self.quiet_abort = free, quiet_abort
+        self.probes = 0  # probes run (not skipped)
+        self._probe_abort = abort  # the abort factor of the probe in progress
         self.skipped = 0
         self._skips_in_row = 0
         self.clock = clock
@@ -105,14 +115,19 @@ class ThreadTuner:
                     self.next_probe = max(self.next_probe, now + self.min_gap)
                     self.last_change = now
                     return self.current
+            probe_abort = self.abort
             if alt < self.current and self.free is not None:
                 free = self.free()
                 if free is not None and free >= self.current - 0.5:
-                    self.skipped += 1
-                    self.next_probe = max(self.next_probe, now + self.min_gap)
-                    self.last_change = now
-                    return self.current
+                    if self.quiet_abort is None:
+                        self.skipped += 1
+                        self.next_probe = max(self.next_probe, now + self.min_gap)
+                        self.last_change = now
+                        return self.current
+                    probe_abort = min(self.abort, self.quiet_abort)
             self._skips_in_row = 0
+            self._probe_abort = probe_abort
+            self.probes += 1
             self.probing = alt
             self.probe = []
             return self.probing
@@ -125,7 +140,7 @@ class ThreadTuner:
         if self.probing is not None and threads == self.probing:
             self.probe.append(cost)
             ref = statistics.median(self.recent)
-            if cost > self.abort * ref:
+            if cost > self._probe_abort * ref:
                 self._decide(ref, None)
             elif len(self.probe) >= self.probe_steps:
                 self._decide(ref, statistics.median(self.probe))
@@ -168,7 +183,8 @@ class BatchThreadTuner:
     does speed up a prompt (1.6 to 1.8x for 30 tokens on 2 idle cores); prompts are rare steps, so their
     class would take minutes to tune itself from one thread, and every time-to-first-token would pay for
     it meanwhile.  For the same reason a prompt-sized class probes fewer threads only when other
-    processes take cores (``free``, see :class:`ThreadTuner`), and such a probe ends at its first step
+    processes take cores (``free``, see :class:`ThreadTuner`; a decode class probes them then too, ended
+    at its first step ``QUIET_DECODE_ABORT`` times slower), and such a probe ends at its first step
     ``PREFILL_ABORT`` times slower: before, a prompt class re-probed one thread for four steps soon after
     it started, which at one stream is four requests in a row with a 1.6 to 1.8x slower prefill
     (docs/performance.md).
@@ -198,6 +214,8 @@ class BatchThreadTuner:
             kw = self._kw
             if b >= PREFILL_TOKENS:
                 kw = {**kw, "free": self._free, "abort": min(kw.get("abort", PREFILL_ABORT), PREFILL_ABORT)}
+            else:
+                kw = {**kw, "free": self._free, "quiet_abort": QUIET_DECODE_ABORT}
             t = self.tuners[b] = ThreadTuner(self.candidates, **kw)
         return t
 
@@ -241,8 +259,12 @@ class BatchThreadTuner:
     def skipped(self) -> int:
         return sum(t.skipped for t in self.tuners.values())
 
+    @property
+    def probes(self) -> int:
+        return sum(t.probes for t in self.tuners.values())
+
     def summary(self) -> str:
-        return ", ".join(f"{b}+ tokens: {t.current}" for b, t in sorted(self.tuners.items()))
+        return ", ".join(f"{b}+ tokens: {t.current} ({t.probes} probes)" for b, t in sorted(self.tuners.items()))
 
 
 class IdleCores:
