@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-vllm-venv.sh
-exec .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm tests/unit/engines/test_engine_args.py "$@"
+exec .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm tests/unit/engines/test_engine_args.py \
+  tests/unit/engines/test_vllm_lora_args.py "$@"

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(reasoning_parser_names()) + " (default auto: from the chat template; worker side)")
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file replacing the model's (local engine or worker; travels in the model card)")
-    p.add_argument("--lora", action="append", dest="loras", metavar="NAME=PATH", help="serve the LoRA adapter in the GGUF file PATH as the model NAME (out=llamacpp; repeatable)")
+    p.add_argument("--lora", action="append", dest="loras", metavar="NAME=PATH", help="serve the LoRA adapter at PATH as the model NAME: a GGUF file (out=llamacpp) or a PEFT folder (out=vllm); repeatable")
     p.add_argument("--embedding", action="store_true", help="serve the model for /v1/embeddings (out=llamacpp, out=vllm, out=echo_core) instead of generation")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY", help="in=http: require 'Authorization: Bearer KEY' on every route but /health, /live, /metrics (repeat for several keys; default: DYN_API_KEY)")
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
@@ -245,7 +245,7 @@ def parse_lora_flags(values: list[str]) -> list[tuple[str, str]]:
     for value in values:
         name, sep, path = value.partition("=")
         if not sep or not name or not path:
-            raise UserError(f"--lora {value!r}: expected NAME=PATH (the adapter's model name and its GGUF file)")
+            raise UserError(f"--lora {value!r}: expected NAME=PATH (the adapter's model name and its file or folder)")
         if name in {n for n, _ in out}:
             raise UserError(f"--lora: adapter name {name!r} is given twice")
         out.append((name, path))

@@ -22,6 +22,7 @@ from dynamo.run_config import RunConfig
 
 if TYPE_CHECKING:
     from dynamo.frontend.http.metrics import FrontendMetrics
+    from dynamo.runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop:
 
 
 async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event,
-                      metrics: "FrontendMetrics | None" = None) -> int:
+                      metrics: "FrontendMetrics | None" = None, runtime: "DistributedRuntime | None" = None) -> int:
+    """Serve until ``stop``; with ``runtime`` (``out=dyn``) the frontend is registered in discovery while it
+    listens (frontend/registration.py), so the planner finds it."""
     from dynamo.frontend.http.options import build_http_options
     from dynamo.frontend.http.service import DEFAULT_MAX_INFLIGHT, HttpService
     from dynamo.heap import settle_heap
@@ -132,8 +135,19 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
     service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT,
                           options=options)
     await service.start(cfg.http_host, cfg.http_port)
+    entry = None
+    if runtime is not None and service.port is not None:
+        from dynamo.frontend.http.listen import worker_index
+        from dynamo.frontend.registration import advertised_url, register_frontend
+
+        url = await asyncio.to_thread(advertised_url, options.scheme, cfg.http_host, service.port)  # may resolve
+        entry = await register_frontend(runtime, url, worker_index())
     settle_heap()
     await stop.wait()
+    if entry is not None and runtime is not None:
+        from dynamo.frontend.registration import deregister_frontend
+
+        await deregister_frontend(runtime, entry)
     await service.stop(grace=shutdown_grace())
     return 0
 
@@ -168,7 +182,7 @@ async def _run_frontend(cfg: RunConfig, stop: asyncio.Event) -> int:
     runtime, manager, watcher = await start_frontend(cfg, metrics)
     try:
         if cfg.input_kind == "http":
-            return await _serve_http(cfg, manager, stop, metrics)
+            return await _serve_http(cfg, manager, stop, metrics, runtime)
         if cfg.input_kind == "none":
             await stop.wait()
             return 0

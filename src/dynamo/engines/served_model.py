@@ -46,6 +46,8 @@ def choose_engine(cfg: RunConfig, card: ModelCard) -> str:
 
 async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) -> ServedModel:
     """Build, start and wrap the engine: an embedding model, a core (token) pipeline or a full one."""
+    if cfg.loras and cfg.embedding:
+        raise UserError("--lora: an embedding model (--embedding) serves no LoRA adapters")
     created = create_engine(engine_name, cfg, card)
     if cfg.embedding:
         from dynamo.llm.embeddings import EmbeddingEngine, EmbeddingModel
@@ -57,7 +59,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         raise UserError(f"--chat-template: out={engine_name} applies its own template; the flag works with "
                         "engines that take tokens (llamacpp, vllm, sglang, trtllm, echo_core, pytok:, mocker)")
     if cfg.loras and not isinstance(engine, ServesLoraAdapters):
-        raise UserError(f"--lora: out={engine_name} does not serve LoRA adapters (out=llamacpp does)")
+        raise UserError(f"--lora: out={engine_name} does not serve LoRA adapters (out=llamacpp and out=vllm do)")
     await start_engine(engine)
     name = card.display_name
     for lora_name, path in cfg.loras:  # a bad adapter stops the start with its one-line error

@@ -82,12 +82,12 @@ class LoraFleet:
                 if base not in self.manager.names():
                     raise RequestError(f"The model '{base}' does not exist.", status=404, param="base_model_name",
                                        code="model_not_found")
-                raise RequestError(f"no worker of '{base}' serves LoRA adapters (out=llamacpp workers do)",
+                raise RequestError(f"no worker of '{base}' serves LoRA adapters (out=llamacpp and out=vllm workers do)",
                                    param="base_model_name")
         elif len(by_base) == 1:
             base = next(iter(by_base))
         elif not by_base:
-            raise RequestError("no worker of this frontend serves LoRA adapters (out=llamacpp workers do)")
+            raise RequestError("no worker of this frontend serves LoRA adapters (out=llamacpp and out=vllm workers do)")
         else:
             raise RequestError(f"several base models serve LoRA adapters ({', '.join(sorted(by_base))}): name "
                                "one as 'base_model_name'", param="base_model_name")

@@ -1,6 +1,6 @@
 """LoRA adapters served as models of their own: one base model, many fine-tunes, each a model name.
 
-An engine that serves adapters (``ServesLoraAdapters`` in llm/engine.py: llama.cpp) runs a request with
+An engine that serves adapters (``ServesLoraAdapters`` in llm/engine.py: llama.cpp, vLLM) runs a request with
 the adapter its ``model`` names; everything else about the request (template, tokenizer, stop tokens) is
 the base model's.  So an adapter is served by a pipeline over the *same* engine whose card is the base
 card under the adapter's name, with ``lora`` saying what it is (Dynamo's card field: ``name``; ours:

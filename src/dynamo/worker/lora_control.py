@@ -1,6 +1,6 @@
 """A worker's LoRA adapters: announced in discovery, and loaded or unloaded at run time on request.
 
-Each adapter the engine serves (``ServesLoraAdapters``: llama.cpp) is announced as a model entry of its
+Each adapter the engine serves (``ServesLoraAdapters``: llama.cpp, vLLM) is announced as a model entry of its
 own under the worker's lease (llm/lora.py's card: the base card under the adapter's name, with its
 parent), so frontends list it and route its requests only to the workers that announce it.
 

@@ -131,7 +131,8 @@ class _FakeVllm(_Fake):
             self.aborted.append(rid)
 
         engine = vl.VllmEngine(RunConfig(output="vllm"), _card())
-        engine._llm = SimpleNamespace(generate=lambda prompt, params, rid: self.stream, abort=abort)
+        engine._llm = SimpleNamespace(generate=lambda prompt, params, rid, lora_request=None: self.stream,
+                                      abort=abort)
         engine._types = (lambda **kw: kw, lambda ids: ids, SimpleNamespace(DELTA="delta"), dict)
         return engine
 

@@ -21,6 +21,8 @@ Engine arguments, in increasing precedence (see docs/engines.md):
   ``master_addr``/``master_port`` from ``--leader-addr``, ``distributed_executor_backend="mp"``; a node
   with rank > 0 runs vLLM's headless workers and serves nothing itself (use ``in=none``).  For Ray, start
   the Ray cluster yourself and put ``"distributed_executor_backend": "ray"`` in ``--extra-engine-args``;
+* LoRA (lora.py): ``enable_lora``, ``max_loras`` and ``max_lora_rank`` when adapters are given with
+  ``--lora NAME=PATH`` (PEFT folders) or run-time loading is allowed;
 * ``--extra-engine-args`` JSON: any ``AsyncEngineArgs`` field; it wins over the flags.  A key vLLM does
   not know is reported by vLLM's own validation, as one line.
 
@@ -72,8 +74,10 @@ from dynamo.engines.token_engine_common import (
     one_line,
     relay_outputs,
 )
+from dynamo.engines.vllm.lora import VllmAdapters, lora_engine_args
 from dynamo.errors import EngineError, ModelError, UserError
 from dynamo.llm.engine import Context
+from dynamo.llm.lora import runtime_lora_allowed
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import (
     FINISH_CANCELLED,
@@ -162,6 +166,8 @@ def engine_args(cfg: RunConfig, card: ModelCard, extra: Mapping[str, Any] | None
     if cpu:
         args["enforce_eager"] = True  # CUDA graphs / torch.compile buy nothing here and cost ~25 s
     args["disable_log_stats"] = True  # the periodic throughput lines; our /metrics has the numbers
+    if not pooling:
+        args.update(lora_engine_args([path for _, path in cfg.loras], runtime=runtime_lora_allowed(), extra=extra))
     if extra:
         args.update(extra)
     return args
@@ -324,6 +330,26 @@ class VllmEngine:
         # KV events and load metrics for a KV router (a dyn:// worker with prefix caching; vllm_kv.py)
         self._kv_sub: Any = None  # ZmqKvEventSubscriber
         self._metrics: Any = None  # SchedulerStatsMetrics
+        self._loras = VllmAdapters()  # LoRA adapters served (lora.py)
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time
+
+    # -- LoRA adapters (lora.py) ----------------------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served: name -> the PEFT folder it was loaded from."""
+        return {name: a.path for name, a in self._loras.adapters.items()}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder ``path`` as ``name`` (UserError: not an adapter vLLM can serve
+        here, or the name is taken); requests naming it run with it from now on."""
+        if self._llm is None:
+            raise EngineError("vllm engine is not started")
+        async with self._lora_lock:
+            await self._loras.load(self._llm, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving ``name`` (UserError: not loaded); requests already running with it finish."""
+        async with self._lora_lock:
+            await self._loras.unload(self._llm, name)
 
     # -- life cycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -339,6 +365,7 @@ class VllmEngine:
             raise
         if self._llm is not None:
             self._adopt_engine_config()
+            self._loras.adopt(self._llm.vllm_config)
             self._start_kv_events()
 
     # -- KV events and load metrics --------------------------------------------------------------------
@@ -535,11 +562,12 @@ class VllmEngine:
         eos = tuple(request.eos_token_ids or self._eos)
         want_logprobs = request.output_options.logprobs is not None
         want_prompt = request.output_options.prompt_logprobs is not None
+        lora = self._loras.request(request.model)  # None: the base model
         rid = f"{context.id}-{next(self._ids)}"
         llm = self._llm
         if context.is_stopped:  # stopped before it started: vLLM never sees it
             return
-        stream = llm.generate(make_prompt(list(request.token_ids)), params, rid)
+        stream = llm.generate(make_prompt(list(request.token_ids)), params, rid, lora_request=lora)
         # errors: EngineDeadError, EngineGenerateError, a rejected request; abort: the coroutine AsyncLLM.abort
         first = [True]
         prefill = self.mode is DisaggregationMode.PREFILL

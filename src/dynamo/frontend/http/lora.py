@@ -8,7 +8,7 @@ Off unless the operator sets ``DYN_ALLOW_RUNTIME_LORA_UPDATING=true`` (or vLLM's
 operator's decision, and the routes are behind the API key like every route but the operational ones
 (auth.py).  Without it the routes are absent (404), as in vLLM.
 
-A local engine (``out=llamacpp``): the adapter is loaded into the engine of the served base model that
+A local engine (``out=llamacpp``, ``out=vllm``): the adapter is loaded into the engine of the served base model that
 takes adapters (``ServesLoraAdapters``) and served as a model of its own (llm/lora.py).  A frontend of
 workers (``out=dyn``): the load or unload is sent on to the workers of the base model
 (frontend/lora_fleet.py: all or nothing), each of which must allow it too; with several base models
@@ -74,7 +74,7 @@ class LoraRoutes:
         bases = [m for m in (self.models.get(n) for n in self.models.names())
                  if isinstance(m.engine, ServesLoraAdapters) and m.card.lora is None]
         if not bases:
-            raise RequestError("no served model takes LoRA adapters at run time here (out=llamacpp does)")
+            raise RequestError("no served model takes LoRA adapters at run time here (out=llamacpp and out=vllm do)")
         if len(bases) > 1:
             raise RequestError("several base models serve LoRA adapters; load adapters at start with --lora")
         return bases[0]

@@ -1,0 +1,91 @@
+"""Which frontends to read, and which of their models are the namespace's: both from discovery.
+
+**Frontends.**  Every HTTP frontend registers ``frontends/<id>`` with its URL under its lease
+(:mod:`dynamo.frontend.registration`).  :class:`FrontendDirectory` watches that prefix: a frontend that
+starts is read from the next interval; one that stops cleanly deletes its key; one killed with SIGKILL
+stays listed until its lease expires (``DYN_LEASE_TTL``, 10 s), and meanwhile the scraper leaves it out
+as unreachable; one that comes back registers again under a new lease and its first scrape is a new
+baseline.  ``--frontend-url`` replaces discovery: only those URLs are read (a registered frontend named
+under another address, ``localhost`` for ``10.0.0.5``, would otherwise count twice).
+
+**Models.**  Our frontends serve every namespace's models, so a frontend's metrics may carry other
+fleets' load.  :func:`namespace_models` lists the model names registered in the planner's namespace
+(``models/<namespace>/...``), and only their series count (``--model`` narrows it to one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dynamo.aio import cancel_and_wait
+from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
+from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.runtime.discovery import DiscoveryWatch
+from dynamo.runtime.kv_store import KeyValueStore
+
+log = logging.getLogger(__name__)
+
+
+class FrontendDirectory:
+    """The ``--frontend-url`` frontends if any were named, else those registered in discovery (kept current
+    by a watch)."""
+
+    def __init__(self, store: KeyValueStore | None, static_urls: list[str]) -> None:
+        self.store = store
+        self.static = [u.rstrip("/") for u in static_urls]
+        self.registered: dict[str, str] = {}  # key -> URL
+        self._watch: DiscoveryWatch | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.store is None or self.static:
+            return
+        self._watch = await self.store.watch_prefix(FRONTENDS_PREFIX).start()
+        for kv in self._watch.initial:
+            self._put(kv.key, kv.value, initial=True)
+        self._task = asyncio.create_task(self._run(), name="planner-frontends")
+
+    async def _run(self) -> None:
+        assert self._watch is not None
+        async for ev in self._watch:
+            if ev.kind == "put":
+                self._put(ev.key, ev.value, initial=ev.initial)
+            else:
+                url = self.registered.pop(ev.key, None)
+                if url is not None:
+                    log.info("frontend %s left discovery", url)
+
+    def _put(self, key: str, value: bytes, initial: bool = False) -> None:
+        if key in self.registered and initial:
+            return  # the listing, seen again as the watch's first events
+        try:
+            entry = FrontendEntry.from_json(value)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring a malformed frontend entry %s: %s", key, e)
+            return
+        url = entry.url.rstrip("/")
+        if self.registered.get(key) != url:
+            log.info("frontend %s found in discovery", url)
+        self.registered[key] = url
+
+    def urls(self) -> list[str]:
+        return sorted({*self.static, *self.registered.values()})
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        if self._watch is not None:
+            await self._watch.close()
+            self._watch = None
+
+
+async def namespace_models(store: KeyValueStore, namespace: str) -> set[str]:
+    """The names (lowercased, as the frontend labels its series) of the models registered in ``namespace``."""
+    names: set[str] = set()
+    for kv in await store.get_prefix(f"{MODELS_PREFIX}{namespace}/"):
+        try:
+            names.add(ModelEntry.from_json(kv.value).name.lower())
+        except Exception:  # noqa: BLE001 - a malformed entry is the frontend's to report
+            continue
+    return names
