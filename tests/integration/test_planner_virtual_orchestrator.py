@@ -1,6 +1,7 @@
 """The virtual connector end to end: ``dynamo-planner --environment virtual`` decides, the example
 orchestrator (examples/planner_virtual_orchestrator.py) starts and stops real mocker workers with
-``VirtualConnectorClient``, on real etcd and NATS behind a real frontend (found through discovery).
+``VirtualConnectorClient``, behind a real frontend (found through discovery), under each distributed
+configuration (harness/dist_configs.py: etcd and NATS, or nothing started).
 
 The ITL target (1 ms) is below anything a mocker gives, so load makes the planner ask for its budget (2);
 without load it asks for ``--min-endpoint`` (1) after two quiet intervals.
@@ -12,14 +13,13 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 from harness.chat_load import ChatLoad
+from harness.dist_configs import DistConfig
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -30,9 +30,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "planner_virtual_or
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+def servers(dist_config: DistConfig) -> dict[str, str]:
+    return dist_config.env
 
 
 def instances(fe: DynamoRun) -> int:

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: the workers' log files (default <state-dir>/logs)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve the dynamo_planner_* metrics on this port")
+    p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), default=None,
+                   help="where the fleet registers: etcd (kv_store is the same) or file (one host); default "
+                        "DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers, else file")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v debug, -vv trace")
     return p
 
@@ -93,7 +96,8 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
         scale_down_after=args.scale_down_after, prefill_component=args.prefill_component,
         decode_component=args.decode_component, state_dir=args.state_dir,
         log_dir=args.log_dir or args.state_dir / "logs", drain_timeout=args.drain_timeout,
-        stop_workers_on_exit=args.stop_workers_on_exit)
+        stop_workers_on_exit=args.stop_workers_on_exit,
+        discovery_backend={"kv_store": "etcd"}.get(args.discovery_backend, args.discovery_backend))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +150,7 @@ async def run(cfg: PlannerConfig) -> int:
             raise UserError(f"--metrics-port {cfg.metrics_port}: {e.strerror or e}") from None
     # discovery: the frontends registered there, the namespace's models, and the virtual connector's keys
     try:
-        runtime = await connect_runtime()
+        runtime = await connect_runtime(discovery_backend=cfg.discovery_backend)
     except BaseException:
         metrics.close()
         raise

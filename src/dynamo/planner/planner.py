@@ -64,6 +64,7 @@ class PlannerConfig:
     log_dir: Path = Path(".")
     drain_timeout: float = 60.0
     stop_workers_on_exit: bool = False
+    discovery_backend: str | None = None  # "etcd", "file", or None: the runtime's rule (docs/runtime.md)
 
     @property
     def disaggregated(self) -> bool:
