@@ -1,1 +1,3 @@
-"""The SLA planner: adds and removes workers to hold TTFT and ITL targets as load changes."""
+"""The planner: adds and removes workers so a fleet holds its TTFT and ITL targets as load changes
+(docs/planner.md).  ``dynamo-planner`` / ``python -m dynamo.planner``; the orchestrator's side of the
+virtual connector is :class:`dynamo.planner.virtual_connector.VirtualConnectorClient`."""
