@@ -48,7 +48,8 @@ def worker_command(namespace: str, model_dir: Path, args_file: Path) -> list[str
 
 
 def count_workers(namespace: str) -> int:
-    """Worker processes of this namespace alive now (their command line names ``in=dyn://<ns>.``)."""
+    """Worker processes of this namespace alive now: an argument of theirs is ``in=dyn://<ns>.…`` (the
+    planner's own ``--decode-cmd`` argument only contains it)."""
     needle = f"in=dyn://{namespace}.".encode()
     n = 0
     for pid in os.listdir("/proc"):
@@ -56,7 +57,7 @@ def count_workers(namespace: str) -> int:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle in f.read():
+                if any(arg.startswith(needle) for arg in f.read().split(b"\0")):
                     n += 1
         except OSError:
             continue
@@ -101,20 +102,22 @@ async def replay(fe: DynamoRun, trace: list[TraceRequest], namespace: str) -> tu
 
 def run_fleet(kind: str, a: argparse.Namespace, trace: list[TraceRequest], env: dict[str, str], model_dir: Path,
               args_file: Path, work: Path) -> Score:
-    namespace = f"plan{kind}{os.getpid()}"
+    namespace = f"plan{kind.replace('+', '')}{os.getpid()}"
     cmd = worker_command(namespace, model_dir, args_file)
     workers: list[DynamoWorker] = []
     planner: DynamoWorker | None = None
     with DynamoRun("out=dyn", env=env) as fe:
         try:
-            if kind == "planner":
+            if kind in ("planner", "planner+profile"):
                 argv = [sys.executable, "-m", "dynamo.planner", "--namespace", namespace, "--environment", "local",
                         "--adjustment-interval", str(a.interval), "--ttft", str(a.ttft), "--itl", str(a.itl),
                         "--min-endpoint", str(a.min_workers), "--max-workers", str(a.max_workers),
                         "--frontend-url", fe.base_url, "--decode-cmd", shlex.join(cmd),
                         "--load-predictor", a.predictor, "--state-dir", str(work / "state"),
                         "--log-dir", str(work / "logs"), "--stop-workers-on-exit"]
-                if a.profile:
+                if kind == "planner+profile":
+                    if a.profile is None:
+                        raise SystemExit("the planner+profile fleet needs --profile DIR (dynamo-planner profile)")
                     argv += ["--profile-results-dir", str(a.profile)]
                 planner = DynamoWorker(command=argv, env=env, ready=None).start()
                 wait_instances(fe, a.min_workers)
@@ -185,14 +188,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--high-rps", type=float, default=6.0)
     p.add_argument("--isl", type=int, default=1024)
     p.add_argument("--osl", type=int, default=96)
-    p.add_argument("--fleets", default="min,max,planner", help="which fleets, in order (default min,max,planner)")
+    p.add_argument("--fleets", default="min,max,planner", help="which fleets, in order: min, max, planner (it learns "
+                   "the worker's capacity online), planner+profile (from --profile) (default min,max,planner)")
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=4)
     p.add_argument("--ttft", type=float, default=400.0, help="TTFT p90 target, ms (default 400)")
     p.add_argument("--itl", type=float, default=30.0, help="ITL p90 target, ms (default 30)")
     p.add_argument("--interval", type=float, default=10.0, help="the planner's --adjustment-interval (default 10)")
     p.add_argument("--predictor", default="constant", help="the planner's --load-predictor (default constant)")
-    p.add_argument("--profile", type=Path, help="a worker profile directory for the planner (default: it learns)")
+    p.add_argument("--profile", type=Path, help="a `dynamo-planner profile` directory for the planner+profile fleet")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -200,9 +204,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     fleets = [f.strip() for f in a.fleets.split(",") if f.strip()]
-    if "planner" in fleets and importlib.util.find_spec("dynamo.planner.__main__") is None:
-        print("dynamo.planner has no command here yet: the planner fleet is skipped")
-        fleets.remove("planner")
+    if importlib.util.find_spec("dynamo.planner.__main__") is None:
+        print("dynamo.planner has no command here: the planner fleets are skipped")
+        fleets = [f for f in fleets if not f.startswith("planner")]
     if a.trace in ("step", "day"):
         trace = synthesize(a.trace, duration_s=a.duration, low_rps=a.low_rps, high_rps=a.high_rps, isl=a.isl,
                            osl=a.osl)
@@ -221,15 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LOG": "info"}
         for kind in fleets:
             scores.append(run_fleet(kind, a, trace, env, model_dir, args_file, work))
-            if kind == "planner" and (work / "planner-planner.log").exists():
-                (a.out / f"{name}-planner.log").write_text((work / "planner-planner.log").read_text())
+            if (work / f"planner-{kind}.log").exists():
+                (a.out / f"{name}-{kind}.log").write_text((work / f"planner-{kind}.log").read_text())
     by = {s.fleet: s for s in scores}
     report: dict = {"trace": a.trace, "duration_s": a.duration, "requests": len(trace), "ttft_ms": a.ttft,
                     "itl_ms": a.itl, "mocker": MOCKER_ARGS, "load_average": os.getloadavg()[0],
                     "fleets": [s.to_json() for s in scores]}
-    if "planner" in by and "max" in by:
-        report["goal"] = relative_goal(by["planner"], by["max"])
-        print("goal:", json.dumps(report["goal"]))
+    for kind in ("planner", "planner+profile"):
+        if kind in by and "max" in by:
+            report[f"goal {kind}"] = relative_goal(by[kind], by["max"])
+            print(f"goal ({kind} against max):", json.dumps(report[f"goal {kind}"]))
     (a.out / f"{name}.json").write_text(json.dumps(report, indent=1))
     if plot(scores, trace, a, a.out / f"{name}.png"):
         print(f"plot: {a.out / f'{name}.png'}")
