@@ -33,12 +33,6 @@ from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
-    Context as RtContext,
-)
-from dynamo.runtime import (
-    EngineError as RtEngineError,
-)
-from dynamo.runtime import (
     STREAM_INCOMPLETE_MESSAGE,
     InstanceNotFoundError,
     NoInstancesError,
@@ -47,6 +41,12 @@ from dynamo.runtime import (
     StreamIncompleteError,
     WorkerBusyError,
     WorkerDrainedError,
+)
+from dynamo.runtime import (
+    Context as RtContext,
+)
+from dynamo.runtime import (
+    EngineError as RtEngineError,
 )
 
 log = logging.getLogger(__name__)

@@ -112,7 +112,7 @@ class WorkerProfile:
         if points[0].itl_ms > itl_target_ms:
             return 0.0
         best = float(points[0].concurrency)
-        for lo, hi in zip(points, points[1:]):
+        for lo, hi in zip(points, points[1:], strict=False):
             if hi.itl_ms <= itl_target_ms:
                 best = float(hi.concurrency)
                 continue

@@ -185,6 +185,18 @@ async def _kv_usage(session: aiohttp.ClientSession, base: str) -> float:
     return max(values, default=-1.0)
 
 
+async def _peak_kv_usage(session: aiohttp.ClientSession, base: str, done: asyncio.Event) -> float:
+    """The highest KV usage seen on the frontend's /metrics every 0.2 s until ``done``."""
+    peak = -1.0
+    while not done.is_set():
+        peak = max(peak, await _kv_usage(session, base))
+        try:
+            await asyncio.wait_for(done.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+    return peak
+
+
 def _check(results: list[RequestResult], what: str) -> None:
     failed = [r for r in results if not r.ok]
     if failed:
@@ -205,29 +217,19 @@ async def _sweep(a: argparse.Namespace, base: str, model: str) -> tuple[list[Pre
         decode: list[DecodePoint] = []
         async with aiohttp.ClientSession() as probe:
             for c in a.concurrency:
-                peak = [-1.0]
                 done = asyncio.Event()
-
-                async def watch_kv() -> None:
-                    while not done.is_set():
-                        peak[0] = max(peak[0], await _kv_usage(probe, base))
-                        try:
-                            await asyncio.wait_for(done.wait(), 0.2)
-                        except asyncio.TimeoutError:
-                            pass
-
-                watcher = asyncio.create_task(watch_kv())
+                watcher = asyncio.create_task(_peak_kv_usage(probe, base, done))
                 prompts = (prompt_tokens(a.decode_isl, vocab_size=PROMPT_VOCAB, salt=next(salt)) for _ in iter(int, 1))
                 start = time.monotonic()
                 results = await gen.closed_loop(prompts, a.osl, c, c * a.decode_rounds)
                 wall = time.monotonic() - start
                 done.set()
-                await watcher
+                peak = await watcher
                 _check(results, f"decode sweep, {c} streams")
                 itl = median(r.itl_s for r in results if r.itl_s is not None)
                 rate = sum(r.output_tokens for r in results) / wall
-                decode.append(DecodePoint(c, itl * 1000, peak[0], rate))
-                print(f"decode concurrency={c}: ITL {itl * 1000:.1f} ms, {rate:.0f} tok/s, KV usage {peak[0]:.2f}",
+                decode.append(DecodePoint(c, itl * 1000, peak, rate))
+                print(f"decode concurrency={c}: ITL {itl * 1000:.1f} ms, {rate:.0f} tok/s, KV usage {peak:.2f}",
                       flush=True)
     return prefill, decode
 

@@ -38,8 +38,8 @@ from .errors import (
     ServiceAlreadyExistsError,
     StreamIncompleteError,
     StreamStalledError,
-    WorkerDrainedError,
     WorkerBusyError,
+    WorkerDrainedError,
 )
 from .etcd import EtcdClient
 from .etcd_watch import PrefixWatch
