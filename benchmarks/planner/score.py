@@ -57,7 +57,7 @@ def windows(results: Sequence[RequestResult], duration_s: float, ttft_ms: float,
     groups: list[list[RequestResult]] = [[] for _ in range(n)]
     for r in results:
         groups[min(n - 1, int(r.sent_at // window_s))].append(r)
-    for w, group in zip(out, groups):
+    for w, group in zip(out, groups, strict=True):
         w.requests = len(group)
         w.failed = sum(not r.ok for r in group)
         ttfts = [r.ttft_s * 1000 for r in group if r.ok and r.ttft_s is not None]
@@ -71,7 +71,7 @@ def windows(results: Sequence[RequestResult], duration_s: float, ttft_ms: float,
 def worker_seconds(samples: Sequence[tuple[float, int]], duration_s: float) -> float:
     """The area under the sampled worker count over ``[0, duration_s]`` (each sample holds until the next)."""
     total = 0.0
-    for (t, n), nxt in zip(samples, list(samples[1:]) + [(duration_s, 0)]):
+    for (t, n), nxt in zip(samples, list(samples[1:]) + [(duration_s, 0)], strict=True):
         t0, t1 = max(0.0, t), min(duration_s, nxt[0])
         if t1 > t0:
             total += n * (t1 - t0)

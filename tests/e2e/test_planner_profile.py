@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from dynamo.planner.profile_data import WorkerProfile
 from harness.proc import run_cli
 from harness.servers import EtcdServer, NatsServer
-
-from dynamo.planner.profile_data import WorkerProfile
 
 pytestmark = pytest.mark.timeout(180)
 
