@@ -88,9 +88,15 @@ class WorkerProfile:
         xs = [p.isl for p in self.prefill]
         return max(0.0, _interpolate(xs, [p.ttft_ms for p in self.prefill], isl))
 
-    def max_prefill_tok_s(self) -> float:
-        """The most input tokens per second the worker prefilled in the sweep."""
-        return max(p.prefill_tok_s for p in self.prefill)
+    def max_prefill_tok_s(self, isl: float | None = None) -> float:
+        """Input tokens per second one worker prefills: for prompts of ``isl`` tokens (interpolated; past
+        the sweep, the nearest end's rate: a rate does not grow without bound), or the most it reached in
+        the sweep when ``isl`` is not given."""
+        if isl is None:
+            return max(p.prefill_tok_s for p in self.prefill)
+        xs = [p.isl for p in self.prefill]
+        clamped = min(max(float(isl), xs[0]), xs[-1])
+        return max(0.0, _interpolate(xs, [p.prefill_tok_s for p in self.prefill], clamped))
 
     def itl_ms(self, concurrency: float) -> float:
         """Inter-token latency with ``concurrency`` streams decoding at once (never below zero)."""

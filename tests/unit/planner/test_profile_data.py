@@ -31,6 +31,9 @@ def test_ttft_interpolates_and_extrapolates_upwards():
     assert p.ttft_ms(7000) == pytest.approx(710.0)  # beyond the sweep: along the last segment, larger
     assert p.ttft_ms(0) == pytest.approx(10.0)
     assert p.max_prefill_tok_s() == pytest.approx(9756.0)
+    assert p.max_prefill_tok_s(550) == pytest.approx((5000.0 + 9090.0) / 2)
+    assert p.max_prefill_tok_s(50) == pytest.approx(5000.0)  # outside the sweep: the nearest end's rate
+    assert p.max_prefill_tok_s(9000) == pytest.approx(9756.0)
 
 
 def test_itl_and_the_most_streams_under_a_target():
