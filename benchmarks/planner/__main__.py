@@ -9,6 +9,7 @@ windows the static maximum meets, at most 70% of its worker-seconds, no failed r
 load, workers and latency over time (with matplotlib; without it, a note and no plot).
 
     python -m benchmarks.planner [--trace step|day|FILE.jsonl] [--duration 240] [--fleets min,max,planner]
+    python -m benchmarks.planner --replot run1/step.json run2/step.json     # fleets of several runs together
 
 Results: ``benchmarks/results/planner/<trace>.json`` and ``.png``.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.planner.score import Score, relative_goal, windows, worker_seconds
+from benchmarks.planner.score import Score, Window, relative_goal, windows, worker_seconds
 from benchmarks.planner.trace import TraceRequest, read_jsonl, synthesize
 from dynamo.planner.loadgen import LoadGenerator, RequestResult, prompt_tokens
 from harness.proc import DynamoRun, DynamoWorker, cli_command
@@ -198,21 +199,57 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--predictor", default="constant", help="the planner's --load-predictor (default constant)")
     p.add_argument("--profile", type=Path, help="a `dynamo-planner profile` directory for the planner+profile fleet")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--replot", nargs="+", type=Path, metavar="JSON",
+                   help="run nothing: plot and score the fleets of earlier results together (a later file's fleet "
+                        "replaces an earlier one of the same name; the trace and targets are the first file's)")
     return p.parse_args(argv)
+
+
+def replot(a: argparse.Namespace) -> int:
+    reports = [json.loads(path.read_text()) for path in a.replot]
+    first = reports[0]
+    a.trace, a.duration, a.ttft, a.itl = first["trace"], first["duration_s"], first["ttft_ms"], first["itl_ms"]
+    for key, value in first.get("trace_args", {}).items():
+        setattr(a, key, value)
+    fleets: dict[str, Score] = {}
+    for report in reports:
+        for f in report["fleets"]:
+            wins = [Window(**w) for w in f["windows"]]
+            fleets[f["fleet"]] = Score(f["fleet"], wins, f["worker_seconds"], f["failed"], f["requests"],
+                                       [tuple(x) for x in f["workers_over_time"]])
+    trace = load_trace(a)
+    scores = list(fleets.values())
+    for s in scores:
+        print(f"[{s.fleet}] attainment {s.attainment:.0%}  worker-seconds {s.worker_seconds:.0f}  "
+              f"failed {s.failed}/{s.requests}")
+    for kind in ("planner", "planner+profile"):
+        if kind in fleets and "max" in fleets:
+            print(f"goal ({kind} against max):", json.dumps(relative_goal(fleets[kind], fleets["max"])))
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"{Path(a.trace).stem}.png"
+    if plot(scores, trace, a, path):
+        print(f"plot: {path}")
+    return 0
+
+
+def load_trace(a: argparse.Namespace) -> list[TraceRequest]:
+    if a.trace in ("step", "day"):
+        return synthesize(a.trace, duration_s=a.duration, low_rps=a.low_rps, high_rps=a.high_rps, isl=a.isl,
+                          osl=a.osl)
+    trace = read_jsonl(a.trace)
+    a.duration = trace[-1].timestamp_ms / 1000.0 + 1.0 if trace else 0.0
+    return trace
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.replot:
+        return replot(a)
     fleets = [f.strip() for f in a.fleets.split(",") if f.strip()]
     if importlib.util.find_spec("dynamo.planner.__main__") is None:
         print("dynamo.planner has no command here: the planner fleets are skipped")
         fleets = [f for f in fleets if not f.startswith("planner")]
-    if a.trace in ("step", "day"):
-        trace = synthesize(a.trace, duration_s=a.duration, low_rps=a.low_rps, high_rps=a.high_rps, isl=a.isl,
-                           osl=a.osl)
-    else:
-        trace = read_jsonl(a.trace)
-        a.duration = trace[-1].timestamp_ms / 1000.0 + 1.0 if trace else 0.0
+    trace = load_trace(a)
     a.out.mkdir(parents=True, exist_ok=True)
     name = Path(a.trace).stem
     print(f"trace {a.trace}: {len(trace)} requests over {a.duration:g} s; load average {os.getloadavg()[0]:.1f}")
@@ -229,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 (a.out / f"{name}-{kind}.log").write_text((work / f"planner-{kind}.log").read_text())
     by = {s.fleet: s for s in scores}
     report: dict = {"trace": a.trace, "duration_s": a.duration, "requests": len(trace), "ttft_ms": a.ttft,
+                    "trace_args": {"low_rps": a.low_rps, "high_rps": a.high_rps, "isl": a.isl, "osl": a.osl},
                     "itl_ms": a.itl, "mocker": MOCKER_ARGS, "load_average": os.getloadavg()[0],
                     "fleets": [s.to_json() for s in scores]}
     for kind in ("planner", "planner+profile"):
