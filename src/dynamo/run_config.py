@@ -34,6 +34,9 @@ class RunConfig:
     use_kv_events: bool = True
     migration_limit: int = 0
     max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
+    # worker: seconds a shutdown waits for requests in flight before handing them to other workers;
+    # None: DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT (30 s)
+    drain_timeout: float | None = None
     queue_size: int = 256
     queue_timeout: float = 30.0
     disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)

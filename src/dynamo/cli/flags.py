@@ -40,7 +40,7 @@ USAGE = (
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
-    "[--migration-limit 0] [--max-inflight N] [--queue-size 256] [--queue-timeout 30] "
+    "[--migration-limit 0] [--max-inflight N] [--drain-timeout 30] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
     p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies or freezes (on a worker or the frontend; the larger applies; default 0)")
     p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 512); in=http: requests in progress in all, more get 503 (default 1024)")
+    p.add_argument("--drain-timeout", type=_float("--drain-timeout", 0.0), metavar="SECONDS", help="worker: on SIGTERM it deregisters, stops taking requests and lets those in flight finish for this long, then hands the rest to other workers (default: DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, 30)")
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--disaggregation-mode", choices=DISAGG_MODES, default="agg", help="worker side: agg prefills and decodes (default), prefill only prefills and hands the KV state to a decode worker, decode decodes (and prefills when no prefill worker did)")
@@ -311,6 +312,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         use_kv_events=ns.use_kv_events,
         migration_limit=ns.migration_limit,
         max_inflight=ns.max_inflight,
+        drain_timeout=ns.drain_timeout,
         queue_size=ns.queue_size if ns.queue_size is not None else 256,
         queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
         disaggregation_mode=ns.disaggregation_mode,
@@ -374,6 +376,8 @@ def validate(cfg: RunConfig) -> None:
                 raise UserError(f"'{flag}' flag should only be used on the worker node, not on the ingress")
     if cfg.max_inflight is not None and cfg.input_kind not in ("endpoint", "http"):
         raise UserError("--max-inflight applies to a worker (in=dyn://...) or to in=http")
+    if cfg.drain_timeout is not None and cfg.input_kind != "endpoint":
+        raise UserError("--drain-timeout applies to a worker (in=dyn://...)")
     if cfg.disaggregation_mode != "agg":
         if cfg.input_kind != "endpoint":
             raise UserError(f"--disaggregation-mode {cfg.disaggregation_mode} is for workers: use it with "

@@ -9,7 +9,9 @@ OpenAI requests to Chat workers unchanged.
 Both send a request that found *no responder* (the instance died and its lease has not expired yet) to
 another instance whatever the migration limit (the original does so only while migration attempts
 remain): nothing reached a worker, so it is always safe, and requests keep succeeding right after a crash.
-A request a worker did not acknowledge in time (frozen) or refused as busy goes to another one too.
+A request a worker did not acknowledge in time (frozen) or refused as busy goes to another one too, and
+so does, mid-stream, a request that a shutting-down worker handed back when its drain timed out (the
+worker says so with a ``drained`` item): a scale-down never fails a request, whatever the migration limit.
 
 Overload: when every worker is at its announced limit of requests in flight, a request waits in the
 client's queue (at most ``QueuePolicy.size`` waiting, each at most ``QueuePolicy.timeout`` seconds), then
@@ -31,18 +33,20 @@ from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime import (
-    Context as RtContext,
-)
-from dynamo.runtime import (
-    EngineError as RtEngineError,
-)
-from dynamo.runtime import (
+    STREAM_INCOMPLETE_MESSAGE,
     InstanceNotFoundError,
     NoInstancesError,
     NoRespondersError,
     RuntimeConnectionError,
     StreamIncompleteError,
     WorkerBusyError,
+    WorkerDrainedError,
+)
+from dynamo.runtime import (
+    Context as RtContext,
+)
+from dynamo.runtime import (
+    EngineError as RtEngineError,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,9 @@ INSTANCE_WAIT_S = 5.0  # how long a request waits for a worker to appear before 
 # A request that found no responder on an instance's subject never reached a worker (the instance died
 # and its lease has not expired yet): it is sent to another instance, without using a migration attempt.
 MAX_NO_RESPONDER_RETRIES = 8
+# A request a draining worker handed back (it shut down before the request ended) is resumed on another
+# worker whatever the migration limit, at most this many times (each drain is a deliberate scale-down).
+MAX_DRAIN_RESUMES = 8
 NO_WORKER_MESSAGE = "No worker is serving this model right now; try again shortly"
 BUSY_MESSAGE = "Every worker serving this model is busy; try again shortly"
 UNREACHABLE_MESSAGE = "The workers cannot be reached right now (NATS is not connected); try again shortly"
@@ -229,6 +236,7 @@ class RemoteCoreEngine:
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
         attempts_left = self.migration_limit
+        drains_left = MAX_DRAIN_RESUMES
         rt_ctx = RtContext(context.id)
         _link(context, rt_ctx)
         first = True
@@ -242,11 +250,11 @@ class RemoteCoreEngine:
                                             None if prepare is None else lambda: prepare(request))
                 # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
                 timing = observer.request(stream.instance_id, len(request.token_ids)) if observer is not None else None
-                ntokens = 0
+                generated: list[int] = []  # this attempt's tokens: a resumed request carries them
                 try:
                     async for item in stream:
                         out = EngineOutput.from_dict(item)
-                        ntokens += len(out.token_ids)
+                        generated += out.token_ids
                         if timing is not None and timing.first_at is None:
                             timing.first()
                         if first:
@@ -255,21 +263,22 @@ class RemoteCoreEngine:
                         if out.prompt_logprobs is not None:  # received: another worker need not compute them
                             request.output_options = msgspec.structs.replace(request.output_options,
                                                                              prompt_logprobs=None)
-                        if attempts_left > 0 and out.token_ids:
-                            # keep the request resumable: prompt + what was generated, fewer tokens to go
-                            request.token_ids = request.token_ids + out.token_ids
-                            # replaced, not mutated: the n choices of one request share these structs
-                            if request.parsing is not None:  # the next worker's parser catches up on them
-                                request.parsing = msgspec.structs.replace(
-                                    request.parsing, resumed_tokens=(request.parsing.resumed_tokens or 0) + len(out.token_ids))
-                            sc = request.stop_conditions
-                            if sc.max_tokens is not None:
-                                request.stop_conditions = msgspec.structs.replace(
-                                    sc, max_tokens=max(0, sc.max_tokens - len(out.token_ids)))
                         yield out
                         if out.finish_reason is not None:
                             return
                     return
+                except WorkerDrainedError:
+                    # the worker is shutting down and handed the request back: resumed elsewhere whatever
+                    # the migration limit (nothing went wrong with the request itself)
+                    if drains_left > 0 and not context.is_stopped:
+                        drains_left -= 1
+                        log.info("request %s: worker %s is draining; resuming it on another worker",
+                                 context.id, stream.instance_id)
+                        if observer is not None:
+                            observer.migrated("ongoing_request")
+                        _resume_after(request, generated)
+                        continue
+                    raise LlmEngineError(STREAM_INCOMPLETE_MESSAGE) from None
                 except StreamIncompleteError as e:
                     if attempts_left > 0 and not context.is_stopped:
                         attempts_left -= 1
@@ -277,6 +286,7 @@ class RemoteCoreEngine:
                                     context.id, stream.instance_id, attempts_left)
                         if observer is not None:
                             observer.migrated("ongoing_request")
+                        _resume_after(request, generated)
                         continue
                     if self.migration_limit > 0:
                         raise LlmEngineError("Migration limit exhausted: " + str(e)) from None
@@ -285,10 +295,25 @@ class RemoteCoreEngine:
                     raise LlmEngineError(str(e)) from None
                 finally:
                     if timing is not None:
-                        timing.done(ntokens)
+                        timing.done(len(generated))
                     await stream.aclose()
         finally:
             self.router.finished(context.id)
+
+
+def _resume_after(request: PreprocessedRequest, generated: list[int]) -> None:
+    """Make ``request`` the rest of itself once ``generated`` is delivered: prompt plus those tokens, that
+    many fewer to go, and the next worker's parser told how many it resumes after."""
+    if not generated:
+        return
+    request.token_ids = request.token_ids + generated
+    # replaced, not mutated: the n choices of one request share these structs
+    if request.parsing is not None:  # the next worker's parser catches up on them
+        request.parsing = msgspec.structs.replace(
+            request.parsing, resumed_tokens=(request.parsing.resumed_tokens or 0) + len(generated))
+    sc = request.stop_conditions
+    if sc.max_tokens is not None:
+        request.stop_conditions = msgspec.structs.replace(sc, max_tokens=max(0, sc.max_tokens - len(generated)))
 
 
 class RemoteChatEngine:

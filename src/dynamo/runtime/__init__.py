@@ -39,6 +39,7 @@ from .errors import (
     StreamIncompleteError,
     StreamStalledError,
     WorkerBusyError,
+    WorkerDrainedError,
 )
 from .etcd import EtcdClient
 from .etcd_watch import PrefixWatch
@@ -50,7 +51,7 @@ from .request_plane import RequestPlane
 from .worker import dynamo_worker, run_worker
 
 __all__ = [
-    "AckTimeoutError", "StreamStalledError", "WorkerBusyError",
+    "AckTimeoutError", "StreamStalledError", "WorkerBusyError", "WorkerDrainedError",
     "Annotated", "Client", "Component", "Context", "Discovery", "DiscoveryWatch", "DistributedRuntime",
     "DynamoRuntimeError", "EndpointId", "Endpoint", "EngineError", "EtcdClient", "EventPlane", "EtcdSettings", "Instance", "InstanceNotFoundError",
     "KeyValue", "KeyValueStore", "LeaseLostError", "Namespace", "NatsSettings", "NoInstancesError",

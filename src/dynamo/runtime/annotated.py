@@ -2,7 +2,9 @@
 
 Handlers yield plain dicts (wrapped as ``{"data": item}``) or Annotated objects when they need events or
 comments (e.g. LLM in-stream annotations). An item whose event is ``"error"`` is an error; its comments
-hold the message.
+hold the message.  An item whose event is ``"drained"`` (our addition) ends a stream that a draining worker
+stopped before it was done: everything before it was delivered, the rest must come from another worker
+(a frontend without this addition ignores the data-less annotation and sees an incomplete stream).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import orjson
 
 ERROR_EVENT = "error"
+DRAINED_EVENT = "drained"
 
 
 class Annotated:

@@ -33,7 +33,7 @@ import orjson
 from dynamo.aio import cancel_and_wait
 from dynamo.lazyjson import LazyJson
 
-from .annotated import Annotated
+from .annotated import DRAINED_EVENT, ERROR_EVENT, Annotated
 from .config import RuntimeSettings
 from .context import Context
 from .discovery import Discovery, DiscoveryWatch
@@ -47,6 +47,7 @@ from .errors import (
     StreamIncompleteError,
     StreamStalledError,
     WorkerBusyError,
+    WorkerDrainedError,
 )
 from .instance import Instance
 from .names import EndpointId, parse_lease_hex
@@ -394,7 +395,8 @@ class ResponseStream:
     """One request's response stream: an async iterator of items (or Annotated with ``annotated=True``).
 
     Iteration raises :class:`EngineError` for an error item (the handler failed) and
-    :class:`StreamIncompleteError` when the worker went away before the completion marker. Leaving the
+    :class:`StreamIncompleteError` when the worker went away before the completion marker
+    (:class:`WorkerDrainedError` when it stopped the stream because it is shutting down). Leaving the
     stream early (``break``, ``aclose()``, cancellation, garbage collection) sends ``kill`` so the worker
     stops the handler.
     """
@@ -540,8 +542,14 @@ class ResponseStream:
                     if self._annotated:
                         return Annotated(data=orjson.loads(ann))
                     return orjson.loads(ann)
-                if "event" in ann and ann["event"] == "error":
-                    raise EngineError(Annotated.from_dict(ann).error_message())
+                if "event" in ann:
+                    event = ann["event"]
+                    if event == ERROR_EVENT:
+                        raise EngineError(Annotated.from_dict(ann).error_message())
+                    if event == DRAINED_EVENT:  # the worker ends the stream here; what follows is noise
+                        drained = WorkerDrainedError()
+                        state.fail(drained)
+                        raise drained
                 if self._annotated:
                     return Annotated.from_dict(ann)
                 if "data" in ann:

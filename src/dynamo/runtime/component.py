@@ -124,12 +124,14 @@ class Endpoint:
         return self.id.instance_key(self.lease_id())
 
     async def serve_endpoint(self, handler: Handler, graceful_shutdown: bool = True,
-                             *, ready: asyncio.Event | None = None, max_inflight: int | None = None) -> None:
+                             *, ready: asyncio.Event | None = None, max_inflight: int | None = None,
+                             drain_timeout: float | None = None) -> None:
         """Serve ``handler`` on this endpoint until the runtime shuts down.
 
         Order on shutdown: stop taking requests and remove the instance key (deregister), then let
-        in-flight requests finish (up to DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, or cancel them at once
-        when ``graceful_shutdown`` is false). ``ready`` is set once requests can arrive. With
+        in-flight requests finish (up to ``drain_timeout`` seconds, by default
+        DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT; at once when ``graceful_shutdown`` is false); the ones still
+        running then end with a ``drained`` item, so their clients resume them on other instances. ``ready`` is set once requests can arrive. With
         ``max_inflight``, a request beyond that many in flight is refused as busy (the client then tries
         another instance or queues it).
         """
@@ -169,7 +171,9 @@ class Endpoint:
                     await store.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway
                     log.debug("deleting %s failed: %s", key, exc)
-            timeout = runtime.settings.graceful_shutdown_timeout if graceful_shutdown else 0
+            if drain_timeout is None:
+                drain_timeout = runtime.settings.graceful_shutdown_timeout
+            timeout = drain_timeout if graceful_shutdown else 0
             await ingress.drain(timeout)
 
     async def client(self, *, static: bool | None = None) -> Client:

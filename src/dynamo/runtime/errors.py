@@ -91,6 +91,14 @@ class StreamIncompleteError(EngineError):
         super().__init__(message)
 
 
+class WorkerDrainedError(StreamIncompleteError):
+    """The worker was shutting down and stopped this stream before it ended (its drain timed out).
+
+    Everything it sent before is valid; the request is to be resumed on another worker, whatever the
+    migration limit: the worker went away on purpose, not because the request made it fail.
+    """
+
+
 class StreamStalledError(StreamIncompleteError):
     """The worker sent nothing, not even a heartbeat, for longer than the liveness bound (frozen worker).
 

@@ -9,6 +9,10 @@ becomes an error item, and the worker keeps serving. ``kill`` from the client (o
 cancels the handler's task, so the generator sees CancelledError/GeneratorExit and its work stops.
 ``stop`` does the same for one-parameter handlers; two-parameter handlers see ``context.is_stopped()``
 and end the stream themselves.
+
+Draining (the worker shuts down): new requests are refused (the client sends them elsewhere), the ones in
+flight get up to the drain timeout to finish; a stream still running then is stopped with a ``drained``
+item, which tells the client to resume the request on another worker rather than fail it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from .component_metrics import (
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
 from .tcp_callhome import open_tcp_sink
-from .transport import ACK_BUSY, ACK_REFUSED, encode_error_item, encode_item, parse_request_control
+from .transport import (
+    ACK_BUSY,
+    ACK_REFUSED,
+    FRAME_DRAINED,
+    encode_error_item,
+    encode_item,
+    parse_request_control,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +100,7 @@ class Ingress:
         self.takes_context = handler_takes_context(handler)
         self.inflight: set[asyncio.Task] = set()
         self.accepting = True
+        self.drained: set[asyncio.Task] = set()  # stopped by a drain that timed out: told to resume elsewhere
         self._openers: dict[str, SinkOpener] = {TCP_TRANSPORT: open_tcp_sink}
         if sink_openers:
             self._openers.update(sink_openers)
@@ -186,7 +198,10 @@ class Ingress:
             sink.finish()
         except asyncio.CancelledError:
             # kill/stop from the client, or shutdown past its grace period
-            if context.is_killed() or not context.is_stopped():
+            if task in self.drained and not context.is_stopped():
+                sink.write(FRAME_DRAINED)  # the client resumes the request on another worker
+                sink.abort()
+            elif context.is_killed() or not context.is_stopped():
                 sink.abort()
             else:
                 sink.finish()
@@ -272,12 +287,17 @@ class Ingress:
                 sent[0] += nbytes
 
     async def drain(self, timeout: float | None) -> None:
-        """Stop accepting, wait up to ``timeout`` for in-flight requests, cancel the rest."""
+        """Stop accepting, wait up to ``timeout`` for in-flight requests, then stop the rest, each with a
+        ``drained`` item so that its client resumes it on another worker."""
         self.accepting = False
         if self.inflight and (timeout is None or timeout > 0):
             await asyncio.wait(set(self.inflight), timeout=timeout)
         rest = [t for t in self.inflight if not t.done()]
+        if rest:
+            log.info("%s: %d request(s) still running after the drain timeout; handing them to other workers",
+                     self.name, len(rest))
         for t in rest:
+            self.drained.add(t)
             t.cancel()
         if rest:
             await asyncio.gather(*rest, return_exceptions=True)

@@ -10,6 +10,8 @@ Response stream (worker -> client), each a frame:
   header-only ``{"subject", "stream_type": "response"}``   handshake (TCP only: says which stream)
   header-only ``{"error": null | "<msg>"}``                  prologue: did the handler start?
   data-only   ``{"data": <Annotated>, "complete_final": false}``  one per item
+  data-only   ``{"data": {"event": "drained"}, ...}``        (ours) a draining worker stopped the stream:
+                                                             no completion marker follows
   data-only   ``{"complete_final": true}``                  the completion marker
   header-only ``"sentinel"``                                 end of stream
   header-only ``"heartbeat"``                                while the stream is idle, when the client
@@ -26,7 +28,7 @@ from typing import Any, Callable
 
 import orjson
 
-from .annotated import Annotated
+from .annotated import DRAINED_EVENT, Annotated
 from .codec import encode_frame
 from .errors import EngineError, StreamIncompleteError
 
@@ -61,6 +63,9 @@ def encode_item(item: Any) -> bytes:
 
 def encode_error_item(message: str) -> bytes:
     return encode_item(Annotated.from_error(message))
+
+
+FRAME_DRAINED = encode_item(Annotated(event=DRAINED_EVENT))
 
 
 def encode_prologue_error(message: str) -> bytes:

@@ -3,7 +3,9 @@
 Order matters for a clean life cycle: the endpoint starts serving (its instance key appears) before the
 model entry is published, so a frontend never routes to a model with no instance; on SIGINT/SIGTERM the
 lease is revoked first (the entry and instance key vanish at once, frontends stop routing here), then
-in-flight requests finish, then the process exits.
+in-flight requests finish (up to ``--drain-timeout``; those still running then are handed back to the
+frontends, which resume them on other workers), then the process exits 0.  This is how a planner (or
+any orchestrator) scales a fleet down without failing a request: it sends SIGTERM.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         loras: LoraControl | None = None
         ready = asyncio.Event()
         limit = max_inflight(cfg, caps)
-        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready, max_inflight=limit))
+        serving = asyncio.create_task(endpoint.serve_endpoint(handler, ready=ready, max_inflight=limit,
+                                                              drain_timeout=cfg.drain_timeout))
         waiter = asyncio.create_task(ready.wait())
         await asyncio.wait([serving, waiter], return_when=asyncio.FIRST_COMPLETED)
         if serving.done():

@@ -15,6 +15,7 @@ from dynamo.runtime import (
     NoInstancesError,
     NoRespondersError,
     RuntimeConnectionError,
+    WorkerDrainedError,
 )
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
@@ -283,6 +284,29 @@ async def test_graceful_shutdown_deregisters_then_finishes_inflight(make_runtime
     release.set()
     rest = [item async for item in stream]
     assert [first] + rest == [{"i": i} for i in range(10)]
+    await asyncio.wait_for(serving, 5)
+
+
+@pytest.mark.parametrize("mux", [True, False], ids=["multiplexed", "connection-per-stream"])
+async def test_a_drain_that_times_out_hands_the_stream_back(make_runtime, ns, serve, mux):
+    async def endless(request):
+        for i in range(100_000):
+            await asyncio.sleep(0.01)
+            yield {"i": i}
+
+    worker = await make_runtime(graceful_shutdown_timeout=0.3, tcp_mux=mux)
+    caller = await make_runtime(tcp_mux=mux)
+    serving = await serve(worker.namespace(ns).component("b").endpoint("g"), endless)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    stream = client.generate({})
+    got = [await stream.__anext__()]
+    worker.shutdown()
+    with pytest.raises(WorkerDrainedError):  # not a plain StreamIncompleteError: the worker said why
+        async for item in stream:
+            got.append(item)
+    # it kept streaming through the drain timeout, in order, then handed the stream back
+    assert got == [{"i": i} for i in range(len(got))] and len(got) > 5
     await asyncio.wait_for(serving, 5)
 
 

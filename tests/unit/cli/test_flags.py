@@ -153,6 +153,15 @@ def test_overload_flags_where_they_apply(argv, message):
         parse(*argv)
 
 
+def test_drain_timeout_is_a_worker_flag():
+    assert parse("in=dyn://ns.backend.generate", "out=echo_core", "--drain-timeout", "2.5").drain_timeout == 2.5
+    assert parse("in=dyn://ns.backend.generate", "out=echo_core").drain_timeout is None  # the env's default
+    with pytest.raises(UserError, match="--drain-timeout applies to a worker"):
+        parse("in=http", "out=dyn", "--drain-timeout", "5")
+    with pytest.raises(UserError, match="--drain-timeout must be at least 0"):
+        parse("in=dyn://ns.backend.generate", "out=echo_core", "--drain-timeout", "-1")
+
+
 def test_out_auto_is_dyn():
     assert parse("in=http", "out=auto").output == "dyn"
 

@@ -78,7 +78,7 @@ class FrontendMetrics:
                                   "(queue full or wait over) or the frontend was at --max-inflight",
                                   ["model", "endpoint"], registry=r)
         self.migrations = Counter(f"{p}_model_migration", "Requests sent to another worker: ongoing_request "
-                                  "(a worker died or froze mid-stream), new_request (an instance had no responder)",
+                                  "(a worker died, froze or drained mid-stream), new_request (an instance had no responder)",
                                   ["model", "migration_type"], registry=r)
 
     def rejected(self, model: str, endpoint: str) -> None:
