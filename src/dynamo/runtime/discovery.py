@@ -18,8 +18,9 @@ lease-aware :class:`~dynamo.runtime.kv_store.KeyValueStore`), never a backend's 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Generator, Literal, Protocol, runtime_checkable
 
 import orjson
 
@@ -82,6 +83,83 @@ class DiscoveryWatch(Protocol):
 
     async def close(self) -> None:
         """Stop watching; the iterator ends."""
+
+
+class ListedWatch:
+    """What every backend's :class:`DiscoveryWatch` shares: the queue of events, the keys as last emitted,
+    the iterator, and the re-listing that emits only the difference (a backend whose history breaks, or
+    that has none, catches up that way). A backend adds ``start`` (list, :meth:`_emit_listing`, watch) and
+    ``close`` (stop, :meth:`_end`); it may queue an exception, which the iterator raises."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.initial: list[KeyValue] = []
+        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue()
+        self._known: dict[str, tuple[bytes, int]] = {}  # key -> (value, lease) as last emitted
+        self._started = False
+        self._closed = False
+
+    async def start(self) -> "ListedWatch":
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def __await__(self) -> Generator[Any, None, "ListedWatch"]:
+        return self.start().__await__()
+
+    def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        return self
+
+    async def __anext__(self) -> WatchEvent:
+        if not self._started:
+            await self.start()
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def __aenter__(self) -> "ListedWatch":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _emit_listing(self, kvs: list[KeyValue]) -> None:
+        """The first listing: ``initial``, and a put event marked ``initial`` for each key."""
+        self.initial = kvs
+        for kv in kvs:
+            self._known[kv.key] = (kv.value, kv.lease)
+            self._queue.put_nowait(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease, initial=True))
+
+    def _emit_put(self, key: str, value: bytes, revision: int, lease: int) -> None:
+        self._known[key] = (value, lease)
+        self._queue.put_nowait(WatchEvent("put", key, value, revision, lease))
+
+    def _emit_delete(self, key: str, revision: int) -> None:
+        self._known.pop(key, None)
+        self._queue.put_nowait(WatchEvent("delete", key, b"", revision))
+
+    def _emit_difference(self, current: dict[str, KeyValue], revision: int,
+                         gone: Callable[[str, int], None] | None = None) -> None:
+        """Emit what changed between the keys last emitted and ``current`` (a fresh listing): a put for
+        each new or changed key, and ``gone(key, revision)`` (by default a delete event) for each key that
+        is no longer there."""
+        on_gone = gone or self._emit_delete
+        for key in [k for k in self._known if k not in current]:
+            on_gone(key, revision)
+        for key, kv in current.items():
+            if self._known.get(key) != (kv.value, kv.lease):
+                self._emit_put(key, kv.value, kv.mod_revision, kv.lease)
+
+    def _end(self) -> None:
+        """The iterator ends once it has yielded what is queued."""
+        self._closed = True
+        self._queue.put_nowait(None)
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import aiohttp
 import orjson
@@ -20,7 +20,7 @@ import orjson
 from dynamo.aio import cancel_and_wait
 
 from .backoff import backoff_delays
-from .discovery import KeyValue, WatchEvent
+from .discovery import KeyValue, ListedWatch
 from .errors import RuntimeConnectionError
 from .etcd_wire import AuthExpired, EtcdError, is_auth_error, unb64
 
@@ -49,7 +49,7 @@ class WatchCompacted(Exception):
     """etcd compacted away the revision the watch asked for: re-list."""
 
 
-class PrefixWatch:
+class PrefixWatch(ListedWatch):
     """A running get-then-watch on a prefix (a :class:`~dynamo.runtime.discovery.DiscoveryWatch`).
 
     It never ends by itself: when the stream breaks (etcd restarting, unreachable, compacted, token
@@ -67,19 +67,13 @@ class PrefixWatch:
 
     def __init__(self, client: WatchSource, prefix: str, *, resync_grace: float = 0.0,
                  on_close: Callable[["PrefixWatch"], None] | None = None) -> None:
+        super().__init__(prefix)
         self._client = client
         self._on_close = on_close
-        self.prefix = prefix
         self.resync_grace = resync_grace
-        self.initial: list[KeyValue] = []
-        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue()
-        # key -> (value, lease) as last emitted, to emit only the difference after a re-list
-        self._known: dict[str, tuple[bytes, int]] = {}
         self._pending_deletes: dict[str, asyncio.TimerHandle] = {}
         self._revision = 0
         self._task: asyncio.Task | None = None
-        self._started = False
-        self._closed = False
         self.resyncs = 0  # how many re-lists ran (tests and diagnostics)
         self._failing = False  # a warning was logged for the current run of failures
         self._auth_retried = False
@@ -91,31 +85,10 @@ class PrefixWatch:
             return self
         self._started = True
         kvs, revision = await self._client.get_prefix_with_revision(self.prefix)
-        self.initial = kvs
         self._revision = revision
-        for kv in kvs:
-            self._known[kv.key] = (kv.value, kv.lease)
-            self._queue.put_nowait(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease, initial=True))
+        self._emit_listing(kvs)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"etcd-watch:{self.prefix}")
         return self
-
-    def __await__(self):
-        return self.start().__await__()
-
-    def __aiter__(self) -> AsyncIterator[WatchEvent]:
-        return self
-
-    async def __anext__(self) -> WatchEvent:
-        if not self._started:
-            await self.start()
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
     async def close(self) -> None:
         self._closed = True
@@ -126,13 +99,7 @@ class PrefixWatch:
         for handle in self._pending_deletes.values():
             handle.cancel()
         self._pending_deletes.clear()
-        self._queue.put_nowait(None)
-
-    async def __aenter__(self) -> "PrefixWatch":
-        return await self.start()
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+        self._end()
 
     async def _run(self) -> None:
         """Keep a watch stream open from ``_revision + 1``; after any break, re-list then re-watch."""
@@ -229,12 +196,9 @@ class PrefixWatch:
             rev = int(kv.get("mod_revision", 0))
             self._cancel_pending_delete(key)
             if ev.get("type") == "DELETE":
-                self._known.pop(key, None)
-                self._queue.put_nowait(WatchEvent("delete", key, b"", rev))
+                self._emit_delete(key, rev)
             else:
-                value, lease = unb64(kv.get("value")), int(kv.get("lease", 0))
-                self._known[key] = (value, lease)
-                self._queue.put_nowait(WatchEvent("put", key, value, rev, lease))
+                self._emit_put(key, unb64(kv.get("value")), rev, int(kv.get("lease", 0)))
             self._revision = max(self._revision, rev)
 
     def _cancel_pending_delete(self, key: str) -> None:
@@ -250,25 +214,21 @@ class PrefixWatch:
             log.warning("etcd revision went backwards (%d -> %d; etcd was wiped or restored from a snapshot): "
                         "re-listed %s", self._revision, revision, self.prefix)
         current = {kv.key: kv for kv in kvs}
-        gone = [key for key in self._known if key not in current and key not in self._pending_deletes]
-        for key in gone:
-            if self.resync_grace > 0:
-                loop = asyncio.get_running_loop()
-                self._pending_deletes[key] = loop.call_later(self.resync_grace, self._expire, key, revision)
-            else:
-                self._emit_delete(key, revision)
-        for key, kv in current.items():
+        for key in current:  # back within the grace: no delete
             self._cancel_pending_delete(key)
-            if self._known.get(key) != (kv.value, kv.lease):
-                self._known[key] = (kv.value, kv.lease)
-                self._queue.put_nowait(WatchEvent("put", key, kv.value, kv.mod_revision, kv.lease))
+        self._emit_difference(current, revision, self._delete_after_grace)
         self._revision = revision
+
+    def _delete_after_grace(self, key: str, revision: int) -> None:
+        if key in self._pending_deletes:
+            return
+        if self.resync_grace > 0:
+            loop = asyncio.get_running_loop()
+            self._pending_deletes[key] = loop.call_later(self.resync_grace, self._expire, key, revision)
+        else:
+            self._emit_delete(key, revision)
 
     def _expire(self, key: str, revision: int) -> None:
         self._pending_deletes.pop(key, None)
         if not self._closed and key in self._known:
             self._emit_delete(key, revision)
-
-    def _emit_delete(self, key: str, revision: int) -> None:
-        self._known.pop(key, None)
-        self._queue.put_nowait(WatchEvent("delete", key, b"", revision))

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
 
 from dynamo.aio import cancel_and_wait
 
-from .discovery import KeyValue, WatchEvent
+from .discovery import KeyValue, ListedWatch
 from .file_kv import FileKv
 
 log = logging.getLogger(__name__)
@@ -29,17 +28,12 @@ DEFAULT_TICK = 0.5  # seconds between lease-expiry checks (a dead owner's keys g
 DEBOUNCE_MS = 20
 
 
-class FileWatch:
+class FileWatch(ListedWatch):
     """A list-then-watch of a prefix in the file store (a :class:`~dynamo.runtime.discovery.DiscoveryWatch`)."""
 
     def __init__(self, watcher: "DirectoryWatcher", prefix: str) -> None:
+        super().__init__(prefix)
         self._watcher = watcher
-        self.prefix = prefix
-        self.initial: list[KeyValue] = []
-        self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
-        self._known: dict[str, tuple[bytes, int]] = {}  # key -> (value, lease) as last emitted
-        self._started = False
-        self._closed = False
 
     async def start(self) -> "FileWatch":
         if self._started:
@@ -47,53 +41,20 @@ class FileWatch:
         self._started = True
         self._watcher.add(self)  # before listing: a change during the listing is caught by the next scan
         kvs, _ = await self._watcher.list_prefix(self.prefix)
-        self.initial = kvs
-        for kv in kvs:
-            self._known[kv.key] = (kv.value, kv.lease)
-            self._queue.put_nowait(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease, initial=True))
+        self._emit_listing(kvs)
         return self
-
-    def __await__(self):
-        return self.start().__await__()
-
-    def __aiter__(self) -> AsyncIterator[WatchEvent]:
-        return self
-
-    async def __anext__(self) -> WatchEvent:
-        if not self._started:
-            await self.start()
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        return item
 
     async def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
         self._watcher.discard(self)
-        self._queue.put_nowait(None)
-
-    async def __aenter__(self) -> "FileWatch":
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        self._end()
 
     def update(self, snapshot: list[KeyValue], revision: int) -> None:
         """Emit the difference between ``snapshot`` (every live key) and what was emitted."""
         if not self._started or self._closed:
             return
-        current = {kv.key: kv for kv in snapshot if kv.key.startswith(self.prefix)}
-        for key in [k for k in self._known if k not in current]:
-            del self._known[key]
-            self._queue.put_nowait(WatchEvent("delete", key, b"", revision))
-        for key, kv in current.items():
-            if self._known.get(key) != (kv.value, kv.lease):
-                self._known[key] = (kv.value, kv.lease)
-                self._queue.put_nowait(WatchEvent("put", key, kv.value, kv.mod_revision, kv.lease))
+        self._emit_difference({kv.key: kv for kv in snapshot if kv.key.startswith(self.prefix)}, revision)
 
 
 class DirectoryWatcher:
