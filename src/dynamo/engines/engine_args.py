@@ -19,17 +19,23 @@ from dynamo.run_config import RunConfig
 NON_JSON_ENGINES = ("trtllm",)
 
 
-def read_json_args(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``, whatever the file's name; anything else is a :class:`UserError`."""
+def read_json_object(path: Path, label: str, *, missing: str) -> dict[str, Any]:
+    """The JSON object in ``path``, whatever the file's name. A missing file is the :class:`UserError`
+    ``missing``; bad JSON or another JSON value is one that starts with ``label`` (what the file is for)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"--extra-engine-args: no such file: {path}") from None
+        raise UserError(missing) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--extra-engine-args {path}: not valid JSON: {e}") from None
+        raise UserError(f"{label} {path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise UserError(f"--extra-engine-args {path}: expected a JSON object")
+        raise UserError(f"{label} {path}: expected a JSON object")
     return data
+
+
+def read_json_args(path: Path) -> dict[str, Any]:
+    """The ``--extra-engine-args`` JSON object in ``path``."""
+    return read_json_object(path, "--extra-engine-args", missing=f"--extra-engine-args: no such file: {path}")
 
 
 def engine_args(cfg: RunConfig) -> dict[str, Any]:

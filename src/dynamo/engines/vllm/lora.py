@@ -27,12 +27,12 @@ running with it goes on (vLLM reloads an adapter a running request names from it
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from dynamo.engines.engine_args import read_json_object
 from dynamo.engines.token_engine_common import one_line
 from dynamo.errors import EngineError, UserError
 
@@ -51,14 +51,8 @@ def adapter_rank(path: Path) -> int:
     if not path.is_dir():
         raise UserError(f"LoRA adapter {path}: no such folder")
     config_file = path / "adapter_config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"LoRA adapter {path}: no adapter_config.json (not a PEFT adapter folder)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"LoRA adapter {config_file}: not valid JSON ({one_line(e)})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"LoRA adapter {config_file}: expected a JSON object")
+    config = read_json_object(config_file, "LoRA adapter",
+                              missing=f"LoRA adapter {path}: no adapter_config.json (not a PEFT adapter folder)")
     kind = config.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise UserError(f"LoRA adapter {path}: peft_type is {kind!r}, not 'LORA'")
