@@ -18,6 +18,10 @@ non-zero adapter changes greedy output").
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import openai
 
 SMOLLM2_LAYERS = 30
 SMOLLM2_HIDDEN = 576
@@ -52,3 +56,14 @@ def write_lora_gguf(path: Path, *, seed: int = 0, scale: float = 1.0, rank: int 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+LORA_PROMPT = "What is 2+2?"
+
+
+def lora_answer(client: "openai.OpenAI", model: str) -> str:
+    """The greedy answer of ``model`` (a base model or an adapter) to :data:`LORA_PROMPT`: adapters from
+    :func:`write_lora_gguf` with ``scale=4`` change it, so it tells which weights answered."""
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": LORA_PROMPT}],
+                                       max_tokens=10, temperature=0)
+    return r.choices[0].message.content or ""

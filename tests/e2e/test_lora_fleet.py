@@ -8,7 +8,6 @@ instead of answering with its base model's weights."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -17,33 +16,14 @@ import openai
 import pytest
 
 from dynamo.runtime import DistributedRuntime, EngineError, EtcdSettings, NatsSettings, RuntimeSettings
-from harness.lora_gguf import write_lora_gguf
+from harness.lora_gguf import lora_answer
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
-from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "sk-lora-fleet"
-PROMPT = "What is 2+2?"
 ALLOW = {"DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lora_gguf(tmp_path_factory.mktemp("lora") / "strong.gguf", seed=1, scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def args_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    p = tmp_path_factory.mktemp("args") / "args.json"
-    p.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
-    return p
 
 
 @pytest.fixture
@@ -64,12 +44,6 @@ def workers(servers, gguf: Path, args_file: Path, envs: list[dict[str, str]]) ->
     for w in ws:
         w.wait_ready()
     return ws
-
-
-def answer(client: openai.OpenAI, model: str) -> str:
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
-                                       max_tokens=10, temperature=0)
-    return r.choices[0].message.content or ""
 
 
 def listed(client: openai.OpenAI) -> dict[str, dict]:
@@ -100,7 +74,7 @@ def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf
         with DynamoRun("out=dyn", env=env_of(servers, **ALLOW), api_key=KEY) as fe:
             client = openai.OpenAI(base_url=fe.api_url, api_key=KEY, max_retries=0)
             wait_until(lambda: "smol" in listed(client), 30, "the base model")
-            base = answer(client, "smol")
+            base = lora_answer(client, "smol")
             http = httpx.Client(base_url=fe.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
             body = {"lora_name": "strong", "lora_path": str(adapter)}
             # the routes want the API key like every model route
@@ -115,7 +89,7 @@ def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf
             assert listed(client)["strong"] == {"root": str(adapter), "parent": "smol"}
             for w in ws:
                 assert "LoRA adapter strong loaded from" in w.stderr_text()
-            strong = {answer(client, "strong") for _ in range(4)}  # round-robin: both workers answer
+            strong = {lora_answer(client, "strong") for _ in range(4)}  # round-robin: both workers answer
             assert len(strong) == 1 and strong != {base}
             r = http.post("/v1/load_lora_adapter", json=body)
             assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
@@ -124,7 +98,7 @@ def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf
             assert r.status_code == 200 and "removed successfully" in r.text, r.text
             assert set(listed(client)) == {"smol"}
             with pytest.raises(openai.NotFoundError):
-                answer(client, "strong")
+                lora_answer(client, "strong")
             for w in ws:
                 assert "LoRA adapter strong withdrawn and unloaded" in w.stderr_text()
             # a worker asked for the adapter it no longer serves refuses: never the base model's weights
@@ -143,10 +117,10 @@ def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf
             assert message.count("no such file") == 2
             r = http.post("/v1/load_lora_adapter", json={**body, "base_model_name": "nope"})
             assert r.status_code == 404
-            assert set(listed(client)) == {"smol"} and answer(client, "smol") == base
+            assert set(listed(client)) == {"smol"} and lora_answer(client, "smol") == base
             # loaded again after all that: served as before
             assert http.post("/v1/load_lora_adapter", json={**body, "base_model_name": "smol"}).status_code == 200
-            assert answer(client, "strong") in strong
+            assert lora_answer(client, "strong") in strong
     finally:
         for w in ws:
             w.stop()
@@ -169,9 +143,9 @@ def test_a_load_that_fails_on_one_worker_is_undone_on_the_others(servers, gguf, 
             # no half state: not listed, not routable, and the worker that had it no longer has it
             assert set(listed(client)) == {"smol"}
             with pytest.raises(openai.NotFoundError):
-                answer(client, "strong")
+                lora_answer(client, "strong")
             assert "LoRA adapter strong withdrawn and unloaded" in ws[0].stderr_text()
-            assert answer(client, "smol")
+            assert lora_answer(client, "smol")
     finally:
         for w in ws:
             w.stop()

@@ -7,47 +7,20 @@ requests going only to the worker that announced it."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from harness.lora_gguf import write_lora_gguf
+from harness.lora_gguf import lora_answer, write_lora_gguf
 from harness.proc import DynamoRun, DynamoWorker, run_cli
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
-from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(240)
 KEY = "sk-lora-test"
-PROMPT = "What is 2+2?"
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lora_gguf(tmp_path_factory.mktemp("lora") / "strong.gguf", seed=1, scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def args_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    p = tmp_path_factory.mktemp("args") / "args.json"
-    p.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
-    return p
-
-
-def answer(client: openai.OpenAI, model: str) -> str:
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
-                                       max_tokens=10, temperature=0)
-    return r.choices[0].message.content or ""
 
 
 def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_path):
@@ -60,7 +33,7 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
         listed = {m.id: m for m in client.models.list().data}
         assert set(listed) == {"smol", "strong"}
         assert listed["strong"].model_extra == {"root": str(adapter), "parent": "smol"}
-        base, strong = answer(client, "smol"), answer(client, "strong")
+        base, strong = lora_answer(client, "smol"), lora_answer(client, "strong")
         assert base and strong and base != strong
         post = httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         # the routes want the API key; without it nothing is loaded or unloaded
@@ -73,11 +46,11 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
         r = post.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(other)})
         assert r.status_code == 200 and "added successfully" in r.text
         assert "other" in {m.id for m in client.models.list().data}
-        assert answer(client, "other") not in (base, strong)
+        assert lora_answer(client, "other") not in (base, strong)
         r = post.post("/v1/unload_lora_adapter", json={"lora_name": "other"})
         assert r.status_code == 200 and "removed successfully" in r.text
         with pytest.raises(openai.NotFoundError):
-            answer(client, "other")
+            lora_answer(client, "other")
         # errors in the OpenAI shape; the server keeps serving
         r = post.post("/v1/unload_lora_adapter", json={"lora_name": "other"})
         assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
@@ -89,7 +62,7 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
         assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
         r = post.post("/v1/load_lora_adapter", json={"lora_name": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-        assert answer(client, "strong") == strong and answer(client, "smol") == base
+        assert lora_answer(client, "strong") == strong and lora_answer(client, "smol") == base
 
 
 def test_run_time_loading_is_off_unless_the_operator_allows_it(gguf, args_file, adapter):
@@ -133,10 +106,10 @@ def test_an_adapters_requests_go_only_to_the_worker_that_has_it(servers, gguf, a
             client = openai.OpenAI(base_url=fe.api_url, api_key="none")
             models = {m.id: m for m in client.models.list().data}
             assert models["strong"].model_extra == {"root": str(adapter), "parent": "smol"}
-            base = answer(client, "smol")
-            strong = [answer(client, "strong") for _ in range(4)]  # round-robin would alternate workers
+            base = lora_answer(client, "smol")
+            strong = [lora_answer(client, "strong") for _ in range(4)]  # round-robin would alternate workers
             assert len(set(strong)) == 1 and strong[0] != base
-            assert [answer(client, "smol") for _ in range(2)] == [base, base]
+            assert [lora_answer(client, "smol") for _ in range(2)] == [base, base]
     finally:
         for w in ws:
             w.kill()

@@ -11,26 +11,18 @@ name remote blocks) is not run here: it needs GPUs and NIXL (docs/disaggregation
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import random
 from pathlib import Path
 
 import httpx
-import pytest
 
 from harness.proc import DynamoRun, DynamoWorker
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, vllm_cache_env, vllm_tier, words
 from harness.wait import wait_until
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(900),
-]
+pytestmark = vllm_tier(900)
 
-STARTUP_TIMEOUT = 420.0
 NS = "vdis"
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
@@ -44,8 +36,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_t
     args.write_text(json.dumps({"kv_transfer_config": {
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(shared)}}}))
-    env = {**servers, "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "DYN_LOG": "info,dynamo.disagg=debug"}
+    env = {**servers, **vllm_cache_env(cache), "DYN_LOG": "info,dynamo.disagg=debug"}
 
     def worker(component: str, mode: str) -> DynamoWorker:
         return DynamoWorker(f"in=dyn://{NS}.{component}.generate", "out=vllm", str(model), "--model-name", NS,
@@ -68,8 +59,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_its_kv_loaded_by_t
             i["endpoint"] == prefill_endpoint and i["instance_id"] == prefill.instance_id
             for i in httpx.get(fe.base_url + "/health").json().get("instances", [])), 30,
             "the prefill worker on the frontend")
-        rng = random.Random(3)
-        prompt = " ".join("".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(120))
+        prompt = words(120, 3)
         resp = httpx.post(fe.api_url + "/completions", timeout=300, json={
             "model": NS, "prompt": prompt, "max_tokens": 6, "temperature": 0, "nvext": {"ignore_eos": True}})
         assert resp.status_code == 200, resp.text

@@ -7,7 +7,6 @@ local server of test_vllm_embeddings.py is gone before this vLLM starts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,15 +17,11 @@ import pytest
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, vllm_tier
 from harness.wait import wait_until
-from tests.vllm.test_vllm_embeddings import EXTRA_ARGS, STARTUP_TIMEOUT, TEXTS, reference
+from tests.vllm.test_vllm_embeddings import EXTRA_ARGS, TEXTS, reference
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
 MODEL = "tiny-embed-worker"
 

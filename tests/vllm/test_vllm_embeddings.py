@@ -9,11 +9,9 @@ is configured to do (``pooler_config`` in ``--extra-engine-args``).  The vLLM ti
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import math
 import struct
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,15 +21,10 @@ import pytest
 
 from harness.proc import DynamoRun
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, serving, vllm_cache_env, vllm_tier
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
-STARTUP_TIMEOUT = 420.0
 MODEL = "tiny-embed"
 EXTRA_ARGS = {"dtype": "float32", "pooler_config": {"pooling_type": "MEAN"}}
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello", "def add(a, b): return a + b"]
@@ -47,14 +40,10 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dy
     cache = tmp_path_factory.mktemp("vllm-cache")
     extra = cache / "vllm_extra.json"
     extra.write_text(json.dumps(EXTRA_ARGS))
-    env = {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-    started = time.monotonic()
-    srv = DynamoRun("out=vllm", str(model), "--embedding", "--model-name", MODEL, "--context-length", "256",
-                    "--extra-engine-args", str(extra), env=env, startup_timeout=STARTUP_TIMEOUT)
-    with srv:
-        print(f"\nvLLM embedding server up in {time.monotonic() - started:.1f} s")
+    with serving(DynamoRun("out=vllm", str(model), "--embedding", "--model-name", MODEL, "--context-length", "256",
+                           "--extra-engine-args", str(extra), env=vllm_cache_env(cache),
+                           startup_timeout=STARTUP_TIMEOUT), "vLLM embedding server") as srv:
         yield srv
-    assert srv.returncode == 0, srv.stderr_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

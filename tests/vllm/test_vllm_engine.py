@@ -9,7 +9,6 @@ through ``--extra-engine-args`` so vLLM itself logs the requests it aborts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
@@ -21,15 +20,10 @@ import pytest
 
 from harness.proc import DynamoRun, run_cli
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, serving, vllm_cache_env, vllm_tier
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
-STARTUP_TIMEOUT = 420.0  # a cold CI machine: imports, the engine process, the weights
 PROMPT = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
@@ -37,8 +31,7 @@ PROMPT = [{"role": "user", "content": "Tell me a story about the sea."}]
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("vllm-cache")
     return {
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        **vllm_cache_env(cache),
         "DYN_LOG": "info,dynamo.engines.vllm.engine=debug",
     }
 
@@ -53,13 +46,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model: Path, vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoRun]:
     extra = tmp_path_factory.mktemp("vllm-args") / "vllm_extra.json"
     extra.write_text(json.dumps({"enable_log_requests": True}))
-    started = time.monotonic()
-    srv = DynamoRun("out=vllm", str(model), "--context-length", "1024", "--extra-engine-args", str(extra),
-                    env=vllm_env, startup_timeout=STARTUP_TIMEOUT)
-    with srv:
-        print(f"\nvLLM server up in {time.monotonic() - started:.1f} s")
+    with serving(DynamoRun("out=vllm", str(model), "--context-length", "1024", "--extra-engine-args", str(extra),
+                           env=vllm_env, startup_timeout=STARTUP_TIMEOUT), "vLLM server") as srv:
         yield srv
-    assert srv.returncode == 0, srv.stderr_text()[-4000:]
     assert "output_handler failed" not in srv.stderr_text()  # a clean shutdown of vLLM's client
 
 

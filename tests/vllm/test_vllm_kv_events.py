@@ -12,10 +12,7 @@ over ``out=dyn``; the two should agree.  Load metrics come from vLLM's scheduler
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -32,15 +29,10 @@ from dynamo.llm.model_card import ModelCard
 from dynamo.run_config import RunConfig
 from harness.proc import DynamoRun, DynamoWorker
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, kv_frontend, running, vllm_cache_env, vllm_tier, words
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
-STARTUP_TIMEOUT = 420.0
 NS = "vkv"
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
@@ -49,38 +41,22 @@ BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 def worker(servers: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoWorker]:
     model = build_tiny_hf_model(tmp_path_factory.mktemp("vllm-kv-models"))
     cache = tmp_path_factory.mktemp("vllm-kv-cache")
-    env = {**servers, "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+    env = {**servers, **vllm_cache_env(cache),
            "DYN_LOG": "info,dynamo.engines.vllm.engine=debug,dynamo.kv.zmq_events=debug"}
-    w = DynamoWorker(f"in=dyn://{NS}.vllm.generate", "out=vllm", str(model), "--model-name", NS,
-                     "--context-length", "1024", "--kv-cache-block-size", str(BLOCK), env=env,
-                     startup_timeout=STARTUP_TIMEOUT)
-    try:
-        w.start()
+    with running(DynamoWorker(f"in=dyn://{NS}.vllm.generate", "out=vllm", str(model), "--model-name", NS,
+                              "--context-length", "1024", "--kv-cache-block-size", str(BLOCK), env=env,
+                              startup_timeout=STARTUP_TIMEOUT)) as w:
         yield w
-    finally:
-        w.stop(timeout=60)  # vLLM alone takes 5-10 s to shut down on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
 def frontend(servers: dict[str, str], worker: DynamoWorker) -> Iterator[DynamoRun]:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers).start()
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            health = httpx.get(fe.base_url + "/health").json()
-            if worker.instance_id in {i["instance_id"] for i in health.get("instances", [])}:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"the frontend did not see the vLLM worker: {health}")
+    def sees_worker(fe: DynamoRun) -> bool:
+        health = httpx.get(fe.base_url + "/health").json()
+        return worker.instance_id in {i["instance_id"] for i in health.get("instances", [])}
+
+    with kv_frontend(servers, sees_worker, "the frontend to see the vLLM worker") as fe:
         yield fe
-    finally:
-        fe.stop()
-
-
-def words(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join("".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(n))
 
 
 async def _run(servers: dict[str, str], fe: DynamoRun, worker: DynamoWorker) -> dict[str, Any]:

@@ -12,7 +12,6 @@ One server for the module (vLLM takes 20-60 s to start here).
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,23 +25,17 @@ import pytest
 from harness.lora_peft import write_peft_lora
 from harness.proc import DynamoRun, run_cli
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, serving, vllm_cache_env, vllm_tier
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
-STARTUP_TIMEOUT = 420.0
 PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("vllm-lora-cache")
-    return {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    return {**vllm_cache_env(cache), "DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +56,10 @@ def adapters(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 @pytest.fixture(scope="module")
 def server(model: Path, adapters: dict[str, Path], vllm_env: dict[str, str]) -> Iterator[DynamoRun]:
-    started = time.monotonic()
-    srv = DynamoRun("out=vllm", str(model), "--context-length", "512",
-                    "--lora", f"strong={adapters['strong']}", "--lora", f"zero={adapters['zero']}",
-                    env=vllm_env, startup_timeout=STARTUP_TIMEOUT)
-    with srv:
-        print(f"\nvLLM server with LoRA up in {time.monotonic() - started:.1f} s")
+    with serving(DynamoRun("out=vllm", str(model), "--context-length", "512",
+                           "--lora", f"strong={adapters['strong']}", "--lora", f"zero={adapters['zero']}",
+                           env=vllm_env, startup_timeout=STARTUP_TIMEOUT), "vLLM server with LoRA") as srv:
         yield srv
-    assert srv.returncode == 0, srv.stderr_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,7 @@ tokens; vLLM's own ``cached_tokens`` agrees (it keys its prefix cache by the ada
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import random
-import time
 from typing import Any, Iterator
 
 import httpx
@@ -23,15 +20,10 @@ import pytest
 from harness.lora_peft import write_peft_lora
 from harness.proc import DynamoRun, DynamoWorker
 from harness.tiny_model import build_tiny_hf_model
+from harness.vllm_tier import STARTUP_TIMEOUT, kv_frontend, running, vllm_cache_env, vllm_tier, words
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed here (the tier runs in .venv-vllm: scripts/test-vllm.sh)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = vllm_tier()
 
-STARTUP_TIMEOUT = 420.0
 NS = "vlora"
 BLOCK = 32
 
@@ -41,37 +33,20 @@ def worker(servers: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     model = build_tiny_hf_model(tmp_path_factory.mktemp("vllm-lora-worker-models"))
     adapter = write_peft_lora(tmp_path_factory.mktemp("vllm-lora-worker-adapters") / "strong", model, seed=1)
     cache = tmp_path_factory.mktemp("vllm-lora-worker-cache")
-    env = {**servers, "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-    w = DynamoWorker(f"in=dyn://{NS}.vllm.generate", "out=vllm", str(model), "--model-name", "base",
-                     "--context-length", "1024", "--kv-cache-block-size", str(BLOCK), "--lora", f"strong={adapter}",
-                     env=env, startup_timeout=STARTUP_TIMEOUT)
-    try:
-        w.start()
+    with running(DynamoWorker(f"in=dyn://{NS}.vllm.generate", "out=vllm", str(model), "--model-name", "base",
+                              "--context-length", "1024", "--kv-cache-block-size", str(BLOCK),
+                              "--lora", f"strong={adapter}", env={**servers, **vllm_cache_env(cache)},
+                              startup_timeout=STARTUP_TIMEOUT)) as w:
         yield w
-    finally:
-        w.stop(timeout=60)
 
 
 @pytest.fixture(scope="module")
 def frontend(servers: dict[str, str], worker: DynamoWorker) -> Iterator[DynamoRun]:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers).start()
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            models = {m["id"]: m for m in httpx.get(fe.api_url + "/models").json()["data"]}
-            if "strong" in models:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"the frontend did not list the worker's adapter: {models}")
+    def lists_adapter(fe: DynamoRun) -> bool:
+        return "strong" in {m["id"] for m in httpx.get(fe.api_url + "/models").json()["data"]}
+
+    with kv_frontend(servers, lists_adapter, "the frontend to list the worker's adapter") as fe:
         yield fe
-    finally:
-        fe.stop()
-
-
-def words(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join("".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(n))
 
 
 async def _run(servers: dict[str, str], fe: DynamoRun) -> dict[str, Any]:
