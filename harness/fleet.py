@@ -1,13 +1,19 @@
-"""Talking to a frontend of workers in a test: which models and instances it sees, chat requests with a
-request id, which worker served a request (from the workers' debug logs)."""
+"""Talking to a frontend of workers in a test: which models and instances it sees, its metrics, chat
+requests with a request id, which worker served a request (from the workers' debug logs); and the command
+line of a mocker worker that a planner or profiler starts."""
 
 from __future__ import annotations
 
+import json
+import sys
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
@@ -26,6 +32,34 @@ def health_instances(frontend: DynamoRun, endpoint: str) -> set[int]:
     """Instance ids /health lists for ``endpoint`` (``dyn://ns.comp.ep``)."""
     resp = httpx.get(frontend.base_url + "/health", timeout=5)
     return {i["instance_id"] for i in resp.json().get("instances", []) if i["endpoint"] == endpoint}
+
+
+def scrape(url: str, *, down_ok: bool = False) -> list[Sample]:
+    """The samples a Prometheus endpoint serves; with ``down_ok``, none while it does not answer."""
+    try:
+        text = httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        if down_ok:
+            return []
+        raise
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric(frontend: DynamoRun, name: str, **labels: str) -> float:
+    """One sample of the frontend's /metrics (0 when absent)."""
+    for s in scrape(frontend.base_url + "/metrics"):
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return 0.0
+
+
+def mocker_worker_cmd(folder: Path, model_dir: Path, endpoint: str, model: str, engine_args: dict[str, Any]) -> str:
+    """A mocker worker's command line serving ``model`` at ``endpoint`` (``ns.comp.ep``), its engine
+    arguments written to ``folder/mocker.json``: what a planner or the profiler is told to start."""
+    args_file = folder / "mocker.json"
+    args_file.write_text(json.dumps(engine_args))
+    return (f"{sys.executable} -m dynamo.cli in=dyn://{endpoint} out=mocker {model_dir} "
+            f"--model-name {model} --extra-engine-args {args_file}")
 
 
 def wait_for_model(frontend: DynamoRun, name: str, endpoint: str, instances: int, timeout: float = 15.0) -> None:

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.det_engine import MID_GENERATION, next_token, word_tokens
+from harness.fleet import metric
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -103,16 +103,6 @@ def stream_chat(base: str, model: str, max_tokens: int, rid: str,
                     out.finish.append(choice["finish_reason"])
     out.ended_at = time.monotonic()
     return out
-
-
-def metric(fe: DynamoRun, name: str, **labels: str) -> float:
-    """One sample of the frontend's /metrics (0 when absent)."""
-    text = httpx.get(fe.base_url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
 
 
 def max_gap(times: list[float]) -> float:

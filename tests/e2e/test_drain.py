@@ -19,9 +19,9 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.det_engine import next_token, word_tokens
+from harness.fleet import health_instances, metric
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -98,20 +98,6 @@ class SteadyLoad:
         await asyncio.gather(*self._tasks)
         await self.client.aclose()
         return self.done
-
-
-def metric(fe: DynamoRun, name: str, **labels: str) -> float:
-    text = httpx.get(fe.base_url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
-
-
-def health_instances(fe: DynamoRun, endpoint: str) -> set[int]:
-    resp = httpx.get(fe.base_url + "/health", timeout=5)
-    return {i["instance_id"] for i in resp.json().get("instances", []) if i["endpoint"] == endpoint}
 
 
 def requests_logged(worker: DynamoWorker, tag: str) -> int:

@@ -3,13 +3,13 @@ sweep through a real frontend on real etcd and NATS writes curves the planner ca
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Iterator
 
 import pytest
 
 from dynamo.planner.profile_data import WorkerProfile
+from harness.fleet import mocker_worker_cmd
 from harness.proc import run_cli
 from harness.servers import EtcdServer, NatsServer
 
@@ -36,10 +36,8 @@ def _python_program(monkeypatch):
 
 
 def test_a_short_sweep_writes_curves_the_planner_reads(env, tiny_model, tmp_path):
-    args_file = tmp_path / "mocker.json"
-    args_file.write_text(json.dumps({"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 2.0}))
-    worker = (f"{sys.executable} -m dynamo.cli in=dyn://prof.backend.generate out=mocker {tiny_model} "
-              f"--model-name profiled --extra-engine-args {args_file}")
+    worker = mocker_worker_cmd(tmp_path, tiny_model, "prof.backend.generate", "profiled",
+                               {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 2.0})
     out = tmp_path / "prof"
     r = profile(["--worker-cmd", worker, "--out", str(out), "--isl", "64,1024", "--concurrency", "1,8",
                  "--decode-isl", "256", "--osl", "16", "--prefill-requests", "2", "--decode-rounds", "1"], env)

@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.chat_load import ChatLoad
+from harness.fleet import mocker_worker_cmd, scrape
 from harness.proc import DynamoRun, DynamoWorker, free_port
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -43,12 +42,8 @@ def servers() -> Iterator[dict[str, str]]:
 
 
 def planner_gauges(port: int) -> dict[tuple[str, str], float]:
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-    except httpx.HTTPError:
-        return {}
     return {(s.name, s.labels.get("pool", "") + s.labels.get("state", "")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+            for s in scrape(f"http://127.0.0.1:{port}/metrics", down_ok=True)}
 
 
 def fleet_size(state: Path) -> int:
@@ -59,10 +54,8 @@ def fleet_size(state: Path) -> int:
 
 
 def test_learned_capacity_converges_to_the_right_fleet(servers, tiny_model, tmp_path):
-    args = tmp_path / "mocker.json"
-    args.write_text(json.dumps({"num_gpu_blocks": 64, "block_size": 16, "speedup_ratio": 0.9}))
-    cmd = (f"{sys.executable} -m dynamo.cli in=dyn://{NS}.backend.generate out=mocker {tiny_model} "
-           f"--model-name {MODEL} --extra-engine-args {args}")
+    cmd = mocker_worker_cmd(tmp_path, tiny_model, f"{NS}.backend.generate", MODEL,
+                            {"num_gpu_blocks": 64, "block_size": 16, "speedup_ratio": 0.9})
     state = tmp_path / "state"
     port = free_port()
     planner = DynamoWorker(

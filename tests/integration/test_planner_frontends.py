@@ -10,13 +10,12 @@ import re
 import sys
 from typing import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
 from dynamo.runtime.distributed import DistributedRuntime
 from harness.chat_load import ChatLoad
+from harness.fleet import scrape
 from harness.proc import DynamoRun, DynamoWorker, free_port
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -36,15 +35,8 @@ def servers() -> Iterator[dict[str, str]]:
 
 
 def planner_metrics(port: int) -> dict[tuple[str, str], float]:
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-    except httpx.HTTPError:
-        return {}
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, s.labels.get("quantity", ""))] = s.value
-    return out
+    return {(s.name, s.labels.get("quantity", "")): s.value
+            for s in scrape(f"http://127.0.0.1:{port}/metrics", down_ok=True)}
 
 
 def frontends_seen(port: int) -> float | None:

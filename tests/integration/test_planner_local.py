@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from harness.chat_load import ChatLoad
+from harness.fleet import mocker_worker_cmd
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
@@ -40,11 +41,6 @@ def servers() -> Iterator[dict[str, str]]:
 def frontend(servers) -> Iterator[DynamoRun]:
     with DynamoRun("out=dyn", env=servers) as fe:
         yield fe
-
-
-def worker_cmd(tiny_model: Path, args_file: Path) -> str:
-    return (f"{sys.executable} -m dynamo.cli in=dyn://{NS}.backend.generate out=mocker {tiny_model} "
-            f"--model-name {MODEL} --extra-engine-args {args_file}")
 
 
 def planner(servers, fe: DynamoRun, cmd: str, state: Path, *extra: str) -> DynamoWorker:
@@ -76,10 +72,9 @@ def serving_instances(fe: DynamoRun) -> int:
 
 
 def test_scale_up_down_replace_and_adopt(servers, frontend, tiny_model, tmp_path):
-    args_file = tmp_path / "mocker.json"
-    args_file.write_text(json.dumps({"num_gpu_blocks": 256, "block_size": 16, "speedup_ratio": 1.0}))
     state = tmp_path / "state"
-    cmd = worker_cmd(tiny_model, args_file)
+    cmd = mocker_worker_cmd(tmp_path, tiny_model, f"{NS}.backend.generate", MODEL,
+                            {"num_gpu_blocks": 256, "block_size": 16, "speedup_ratio": 1.0})
     p = planner(servers, frontend, cmd, state).start()
     try:
         # --min-endpoint: one worker, started and serving

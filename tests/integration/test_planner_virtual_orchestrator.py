@@ -9,7 +9,6 @@ without load it asks for ``--min-endpoint`` (1) after two quiet intervals.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from harness.chat_load import ChatLoad
 from harness.dist_configs import DistConfig
+from harness.fleet import mocker_worker_cmd
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
@@ -43,10 +43,8 @@ def carried_out(orchestrator: DynamoWorker) -> list[int]:
 
 
 def test_orchestrator_follows_the_planners_decisions(servers, tiny_model, tmp_path):
-    args = tmp_path / "mocker.json"
-    args.write_text(json.dumps({"num_gpu_blocks": 256, "block_size": 16}))
-    worker = (f"{sys.executable} -m dynamo.cli in=dyn://{NS}.backend.generate out=mocker {tiny_model} "
-              f"--model-name {MODEL} --extra-engine-args {args}")
+    worker = mocker_worker_cmd(tmp_path, tiny_model, f"{NS}.backend.generate", MODEL,
+                               {"num_gpu_blocks": 256, "block_size": 16})
     orchestrator = DynamoWorker(
         str(EXAMPLE), "--namespace", NS, "--decode-cmd", worker, "--log-dir", str(tmp_path / "logs"),
         command=[sys.executable], ready=r"orchestrating namespace", env=servers)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -16,7 +17,7 @@ for _p in (str(_ROOT), str(_ROOT / "src")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from dynamo.runtime import DistributedRuntime, Endpoint  # noqa: E402
+from dynamo.runtime import DistributedRuntime, Endpoint, WorkerBusyError  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from harness.servers import (  # noqa: E402,F401  (fixtures re-exported for pytest)
     RuntimeServers,
@@ -73,3 +74,45 @@ async def start_serving(endpoint: Endpoint, handler, **kwargs) -> asyncio.Task:
 def serve() -> Callable[..., Awaitable[asyncio.Task]]:
     """``task = await serve(endpoint, handler)``: serve_endpoint in a task, returning once registered."""
     return start_serving
+
+
+@dataclass
+class AtItsLimit:
+    """A worker serving ``endpoint`` with one request at a time, holding ``first`` (a caller's request) until
+    :meth:`finish`; a second request was refused as busy, and the caller's ``client`` still lists it."""
+
+    endpoint: Endpoint
+    client: Any
+    first: Any
+    release: asyncio.Event
+
+    async def finish(self) -> list:
+        """Let the held request end; what it yielded after its first item."""
+        self.release.set()
+        return [x async for x in self.first]
+
+
+async def worker_at_its_limit(worker: DistributedRuntime, caller: DistributedRuntime, ns: str) -> AtItsLimit:
+    release = asyncio.Event()
+
+    async def held(request):
+        yield {"started": True}
+        await release.wait()
+        yield {"done": True}
+
+    endpoint = worker.namespace(ns).component("b").endpoint("g")
+    await start_serving(endpoint, held, max_inflight=1)
+    client = await caller.namespace(ns).component("b").endpoint("g").client()
+    await client.wait_for_instances(5)
+    first = client.round_robin({})
+    assert await first.__anext__() == {"started": True}
+    with pytest.raises(WorkerBusyError):
+        await client.direct({}, worker.instance_id).start()
+    assert client.instance_ids() == [worker.instance_id]  # busy is not down
+    return AtItsLimit(endpoint, client, first, release)
+
+
+@pytest.fixture
+def at_its_limit() -> Callable[[DistributedRuntime, DistributedRuntime, str], Awaitable[AtItsLimit]]:
+    """``busy = await at_its_limit(worker_runtime, caller_runtime, ns)``: see :class:`AtItsLimit`."""
+    return worker_at_its_limit

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from dynamo.runtime import AckTimeoutError, NoRespondersError, WorkerBusyError
+from dynamo.runtime import AckTimeoutError, NoRespondersError
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 
@@ -97,27 +97,10 @@ async def test_an_instance_with_no_responder_gets_requests_again_once_it_answers
             await sub.unsubscribe()
 
 
-async def test_a_worker_at_its_limit_refuses_as_busy_and_answers_pings(make_runtime, ns, serve):
-    worker = await make_runtime()
+async def test_a_worker_at_its_limit_refuses_as_busy_and_answers_pings(make_runtime, ns, at_its_limit):
     caller = await make_runtime()
-    release = asyncio.Event()
-
-    async def held(request):
-        yield {"started": True}
-        await release.wait()
-        yield {"done": True}
-
-    endpoint = worker.namespace(ns).component("b").endpoint("g")
-    await serve(endpoint, held, max_inflight=1)
-    client = await caller.namespace(ns).component("b").endpoint("g").client()
-    await client.wait_for_instances(5)
-    first = client.round_robin({})
-    assert await first.__anext__() == {"started": True}
-    with pytest.raises(WorkerBusyError):
-        await client.direct({}, worker.instance_id).start()
-    assert client.instance_ids() == [worker.instance_id]  # busy is not down
-    assert client.free_instance_ids() == []  # ... but skipped for a moment
-    ack = await caller.nats.request(endpoint.subject, b"", timeout=2)  # a ping is not a request
+    busy = await at_its_limit(await make_runtime(), caller, ns)
+    assert busy.client.free_instance_ids() == []  # busy is not down, but skipped for a moment
+    ack = await caller.nats.request(busy.endpoint.subject, b"", timeout=2)  # a ping is not a request
     assert ack.data == b""
-    release.set()
-    assert [x async for x in first] == [{"done": True}]
+    assert await busy.finish() == [{"done": True}]

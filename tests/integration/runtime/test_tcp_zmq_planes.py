@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from dynamo.runtime import AckTimeoutError, NoRespondersError, WorkerBusyError
+from dynamo.runtime import AckTimeoutError, NoRespondersError
 from dynamo.runtime.codec import decode_frame, encode_frame
 from dynamo.runtime.config import NatsSettings
 from dynamo.runtime.instance import Instance
@@ -103,27 +103,11 @@ async def test_a_stopped_endpoint_and_a_gone_worker_are_no_responders(no_nats_ru
     task.cancel()
 
 
-async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, ns, serve):
-    worker = await no_nats_runtime()
+async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, ns, at_its_limit):
     caller = await no_nats_runtime()
-    release = asyncio.Event()
-
-    async def held(request):
-        yield {"started": True}
-        await release.wait()
-        yield {"done": True}
-
-    await serve(worker.namespace(ns).component("b").endpoint("g"), held, max_inflight=1)
-    client = await caller.namespace(ns).component("b").endpoint("g").client()
-    await client.wait_for_instances(5)
-    first = client.round_robin({})
-    assert await first.__anext__() == {"started": True}
-    with pytest.raises(WorkerBusyError):
-        await client.direct({}, worker.instance_id).start()
-    assert client.instance_ids() == [worker.instance_id]  # busy is not down
-    assert await caller.request_plane().send(client.instances()[0].subject, b"", 2) == b""  # a ping
-    release.set()
-    assert await collect(first) == [{"done": True}]
+    busy = await at_its_limit(await no_nats_runtime(), caller, ns)
+    assert await caller.request_plane().send(busy.client.instances()[0].subject, b"", 2) == b""  # a ping
+    assert await busy.finish() == [{"done": True}]
 
 
 async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_runtime, ns):
