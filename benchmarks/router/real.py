@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--osl", type=int, default=8)
     p.add_argument("--think-time", type=float, default=1.0)
+    p.add_argument("--sticky-clients", action="store_true",
+                   help="each client runs one conversation from its first turn to its last (the first version of "
+                        "this benchmark) instead of the conversations interleaving over the clients")
     p.add_argument("--seed", type=int, default=0, help="workload seed of run 1 (run k uses seed + k - 1)")
     p.add_argument("--sequential", action="store_true",
                    help="run the two modes one after the other (order alternating by run) instead of at once: "
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             cfg = WorkloadConfig(prefix_ratio=0.8, isl=args.isl, groups=args.groups, turns=args.turns,
                                  turn_tokens=args.turn_tokens, osl=args.osl, duration=args.duration,
-                                 think_time=args.think_time, seed=args.seed + i, clients=args.clients)
+                                 think_time=args.think_time, seed=args.seed + i, clients=args.clients,
+                                 interleave=not args.sticky_clients)
             convs = build(cfg, tokenizer)
             t = time.monotonic()
             print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} {'one after the other' if args.sequential else 'at once'}, "

@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -191,38 +192,73 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
     records: list[Record] = []
     start = time.perf_counter()
 
+    async def send(c: Conversation, turn: int) -> bool:
+        """Send turn ``turn`` of ``c`` and record it; False if it failed."""
+        body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        try:
+            req, status, err = await client.chat(body)
+        except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+            records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
+            return False
+        rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
+        rec.ttft = None if req.first is None else req.first - req.t0
+        rec.gaps = req.gaps
+        rec.duration = time.perf_counter() - sent
+        if req.usage:
+            rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
+            rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
+            details = req.usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = int(details["cached_tokens"])
+        if status == 200 and not req.done:
+            rec.error = "stream ended without [DONE]"
+        records.append(rec)
+        return status == 200 and not rec.error
+
     async def one(c: Conversation) -> bool:
         """Run one conversation; False if a request failed (the conversation stops there)."""
         await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
         for turn in range(cfg.turns):
             if turn:
                 await asyncio.sleep(c.thinks[turn - 1])
-            body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            sent = time.perf_counter()
-            try:
-                req, status, err = await client.chat(body)
-            except (OSError, ConnectionError, asyncio.TimeoutError) as e:
-                records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
-                return False
-            rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
-            rec.ttft = None if req.first is None else req.first - req.t0
-            rec.gaps = req.gaps
-            rec.duration = time.perf_counter() - sent
-            if req.usage:
-                rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
-                rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
-                details = req.usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    rec.cached_tokens = int(details["cached_tokens"])
-            if status == 200 and not req.done:
-                rec.error = "stream ended without [DONE]"
-            records.append(rec)
-            if status != 200 or rec.error:
+            if not await send(c, turn):
                 return False
         return True
 
-    if cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
+    if cfg.clients > 0 and cfg.interleave:
+        # closed loop over conversations that interleave: a free client sends one of the follow-up turns
+        # whose user has finished thinking, picked at random, else it opens the next conversation of the
+        # pool; so which client (and, under round-robin, which worker) carries a turn does not depend on
+        # which carried the turn before.  (Oldest first would keep two conversations in lockstep with two
+        # clients, the same accident as one conversation per client.)
+        pool = iter(convs)
+        waiting: list[tuple[float, int]] = []  # (ready at, conversation index) of each follow-up turn
+        next_turn: dict[int, int] = {}
+        by_cid = {c.cid: c for c in convs}
+        pick = random.Random(cfg.seed + 2)
+
+        async def interleaved_client() -> None:
+            while time.perf_counter() - start < cfg.duration:
+                now = time.perf_counter()
+                ready = [i for i, (at, _) in enumerate(waiting) if at <= now]
+                if ready:
+                    c = by_cid[waiting.pop(pick.choice(ready))[1]]
+                    turn = next_turn[c.cid]
+                else:
+                    nxt = next(pool, None)
+                    if nxt is None:
+                        return
+                    c, turn = nxt, 0
+                if not await send(c, turn):
+                    return
+                if turn + 1 < cfg.turns:
+                    next_turn[c.cid] = turn + 1
+                    waiting.append((time.perf_counter() + c.thinks[turn], c.cid))
+
+        await asyncio.gather(*(interleaved_client() for _ in range(cfg.clients)))
+    elif cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
         pool = iter(convs)
 
         async def client_loop() -> None:
