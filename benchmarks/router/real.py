@@ -99,7 +99,8 @@ def one_run(index: int, args: argparse.Namespace, cfg: WorkloadConfig, convs: li
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("| run | kv/rr p50 | kv/rr mean | rr p50 / mean / p99 | kv p50 / mean / p99 | requests rr, kv | "
-            "per worker rr; kv | engine reuse rr, kv | hits rr, kv (p50 hit / miss) | router hit | load (min-max) |")
+            "per worker rr; kv | engine reuse rr, kv | hits = history + prefix rr; kv (p50 history / prefix / miss) | "
+            "router hit | load (min-max) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in runs:
         rr, kv = r["rows"]["round-robin"], r["rows"]["kv"]
@@ -114,12 +115,14 @@ def table(runs: list[dict[str, Any]]) -> str:
         def hits(x: dict[str, Any]) -> str:
             if x.get("hit_share") is None:
                 return "-"
-            return f"{x['hit_share']:.2f} ({x['ttft_p50_hits_ms'] or 0:.0f} / {x['ttft_p50_misses_ms'] or 0:.0f})"
+            return (f"{x['hit_share']:.2f} = {x.get('history_hit_share', 0):.2f} + "
+                    f"{x['hit_share'] - x.get('history_hit_share', 0):.2f} ({x.get('ttft_p50_history_hits_ms') or 0:.0f} / "
+                    f"{x.get('ttft_p50_prefix_hits_ms') or 0:.0f} / {x['ttft_p50_misses_ms'] or 0:.0f})")
 
         lines.append(f"| {r['run']} | **{fmt(r['p50_ratio'])}** | **{fmt(r['mean_ratio'])}** | {times(rr)} | "
                      f"{times(kv)} | {rr['measured']}, {kv['measured']} | "
                      f"{'/'.join(map(str, rr['worker_requests']))}; {'/'.join(map(str, kv['worker_requests']))} | "
-                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {hits(rr)}, {hits(kv)} | "
+                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {hits(rr)}; {hits(kv)} | "
                      f"{fmt(kv['router_hit_rate'])} | "
                      f"{r['load_min']:.1f}-{r['load_max']:.1f} |")
     return "\n".join(lines)

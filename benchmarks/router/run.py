@@ -375,21 +375,30 @@ def summarize(records: list[Record], start: float, end: float, warmup: float) ->
         "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
         "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
                            if any(r.cached_tokens is not None for r in ok) else None),
-        **hits_and_misses(measured),
+        **hits_and_misses(measured, ok),
     }
 
 
-def hits_and_misses(measured: list[Record]) -> dict[str, Any]:
+def hits_and_misses(measured: list[Record], everything: list[Record] | None = None) -> dict[str, Any]:
     """Where the engine says how much it reused: the share of measured requests that took at least half of
     their prompt from the cache, and the TTFT p50 of those and of the rest (a mode's p50 is one or the
-    other, whichever is the majority)."""
+    other, whichever is the majority).  The hits are split in two: ``history`` hits reused the whole
+    prompt of the conversation's previous turn (``everything``, measured or not, gives the previous
+    turns), ``prefix`` hits reused less (the group's system prompt, as a worker that has served another
+    conversation of the group holds it); a first turn's hit is always a prefix hit."""
     known = [r for r in measured if r.cached_tokens is not None and r.ttft is not None and r.prompt_tokens]
     if not known:
         return {}
     hits = [r for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_tokens]
     misses = [r for r in known if r not in hits]
+    previous = {(r.cid, r.turn): r.prompt_tokens for r in (everything or measured)}
+    history = [r for r in hits if r.turn and (r.cached_tokens or 0) >= previous.get((r.cid, r.turn - 1), 1 << 30) - 8]
+    prefix = [r for r in hits if r not in history]
     return {"hit_share": round(len(hits) / len(known), 2),
+            "history_hit_share": round(len(history) / len(known), 2),
             "ttft_p50_hits_ms": _ms(pct([r.ttft for r in hits if r.ttft is not None], 50)),
+            "ttft_p50_history_hits_ms": _ms(pct([r.ttft for r in history if r.ttft is not None], 50)),
+            "ttft_p50_prefix_hits_ms": _ms(pct([r.ttft for r in prefix if r.ttft is not None], 50)),
             "ttft_p50_misses_ms": _ms(pct([r.ttft for r in misses if r.ttft is not None], 50))}
 
 
