@@ -23,6 +23,13 @@ routed to the chosen worker before, how long after the decision the stored event
 (negative: before).  With ``--worker-logs`` (llamacpp workers run with ``dynamo.engines.llamacpp=debug``,
 as ``benchmarks.router.real --logs`` does), each decision's predicted overlap is set against the blocks
 llama.cpp really reused for it (the request ids are the same on both sides).
+
+``what if``: for each ``elsewhere`` decision, from the cost terms the log holds, the smallest
+``--kv-overlap-score-weight`` with which the worker holding the prefix would have won (none when its
+pending prefill alone outweighs the whole prompt on the chosen worker), and whether it would have won at
+the logged weight had the decode term left out the blocks of requests still prefilling (whose tokens the
+prefill term already counts).  The second replays which requests were in flight where from the log's own
+route / first / done lines, so it holds for logs of a router that counts those blocks (this one).
 """
 
 from __future__ import annotations

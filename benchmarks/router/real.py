@@ -14,13 +14,20 @@ round-robin`` or ``kv``) and ``--workers`` (2) fresh ``out=llamacpp`` workers on
 thread each.  The workload (workload.py, the same prompts for both modes) is the one where KV routing
 must pay off: 6 groups of users sharing a 256-token system prompt (a worker's 4 slots hold at most 4 of
 them, the two workers together 8), conversations of 3 turns resending their history, 8 output tokens,
-and ``--clients`` (2) clients in a closed loop, each running one conversation after another with a 1 s
-think time, for ``--duration`` (75) s; requests sent in the first ``--warmup`` (10) s are not measured.
+1 s mean think time, and ``--clients`` (2) clients in a closed loop for ``--duration`` (75) s; requests
+sent in the first ``--warmup`` (10) s are not measured.  The conversations interleave over the clients,
+as many users' do behind a few connections: a free client sends one of the follow-up turns whose user
+has finished thinking, picked at random, else it opens the next conversation (its group drawn at
+random).  ``--sticky-clients`` has each client carry one conversation from first turn to last instead,
+the first version of this benchmark: with two clients round-robin's alternation then kept each
+conversation on one worker, a cache affinity real traffic does not give it.
 
 Per run it reports kv / round-robin TTFT p50 and mean (the goal: p50 <= 0.5 and mean <= 0.8 in every
-run), both modes' p50, mean and p99, requests per worker, what the engines reused from their caches, and
-the machine's 1-minute load average sampled every 2 s during the run (min-max); then the spread of the
-ratios over the runs.  ``--logs DIR`` keeps every process's log, the per-request records and the kv
+run), both modes' p50, mean and p99, requests per worker, what the engines reused from their caches, the
+share of requests that were cache hits (half of the prompt reused or more), split into history hits (the
+previous turn's whole prompt reused) and prefix hits (the system prompt only), with the TTFT p50 of each
+and of the misses, and the machine's 1-minute load average sampled every 2 s during the run (min-max);
+then the spread of the ratios over the runs.  ``--logs DIR`` keeps every process's log, the per-request records and the kv
 router's decision log (``DYN_ROUTER_LOG``; read it with ``python -m benchmarks.router.decisions``).
 Results: ``benchmarks/results/router-real-<time>.json``; ``--markdown FILE`` writes the table.
 """
