@@ -23,6 +23,13 @@ routed to the chosen worker before, how long after the decision the stored event
 (negative: before).  With ``--worker-logs`` (llamacpp workers run with ``dynamo.engines.llamacpp=debug``,
 as ``benchmarks.router.real --logs`` does), each decision's predicted overlap is set against the blocks
 llama.cpp really reused for it (the request ids are the same on both sides).
+
+``what if``: for each ``elsewhere`` decision, from the cost terms the log holds, the smallest
+``--kv-overlap-score-weight`` with which the worker holding the prefix would have won (none when its
+pending prefill alone outweighs the whole prompt on the chosen worker), and whether it would have won at
+the logged weight had the decode term left out the blocks of requests still prefilling (whose tokens the
+prefill term already counts).  The second replays which requests were in flight where from the log's own
+route / first / done lines, so it holds for logs of a router that counts those blocks (this one).
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
         if ln["ev"] == "first" and ln["id"] not in first:
             first[ln["id"]] = ln["t"]
     decisions: list[dict[str, Any]] = []
+    # worker -> request id -> [its complete blocks, still prefilling?]: what the router had in flight
+    inflight: dict[str, dict[str, list[Any]]] = {}
+    where: dict[str, str] = {}
     pending_lag: list[tuple[dict[str, Any], str, int]] = []  # (decision, worker, boundary block)
     for ln in lines:
         ev, t = ln["ev"], ln["t"]
@@ -85,6 +95,13 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
                 have.discard(b)
                 sent.pop(b, None)  # evicted: no longer on its way either
                 stored_at.pop((ln["worker"], b), None)
+        elif ev in ("first", "done") and ln["id"] in where:
+            w = where[ln["id"]]
+            if ev == "first":
+                inflight[w][ln["id"]][1] = False
+            else:
+                inflight[w].pop(ln["id"], None)
+                del where[ln["id"]]
         elif ev == "cleared":
             cached[ln["worker"]] = set()
             routed.pop(ln["worker"], None)
@@ -112,6 +129,9 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
                  "best_known": best_known, "best_routed": best_routed, "inflight": mine.get("inflight", 0),
                  "others_in_flight": mine.get("requests", 0),
                  "ttft": (first[ln["id"]] - t) if ln["id"] in first else None}
+            if klass == "elsewhere":
+                holder = max(cands, key=lambda w: cands[w]["overlap"])
+                d["what_if"] = what_if(cands[holder], mine, inflight.get(holder, {}), inflight.get(chosen, {}))
             decisions.append(d)
             sent = routed.get(chosen, {})
             shared = prefix_in(blocks, set(sent)) if sent else 0
@@ -120,12 +140,42 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
             dest = routed.setdefault(chosen, {})
             for b in blocks:
                 dest[b] = t
+            if ln["id"]:
+                inflight.setdefault(chosen, {})[ln["id"]] = [blocks, True]
+                where[ln["id"]] = chosen
     lags = []
     for d, w, b in pending_lag:
         at = stored_at.get((w, b))
         if at is not None:
             lags.append(at - d["t"])
     return {"decisions": decisions, "event_lags": lags}
+
+
+def prefilling_only_blocks(reqs: dict[str, list[Any]]) -> int:
+    """Blocks held only by requests still prefilling (each with its private partial tail), which the
+    decode term counts although their tokens are already in the prefill term."""
+    decoding = {b for blocks, pre in reqs.values() if not pre for b in blocks}
+    only = {b for blocks, pre in reqs.values() if pre for b in blocks} - decoding
+    return len(only) + sum(1 for _, pre in reqs.values() if pre)
+
+
+def what_if(holder: dict[str, Any], chosen: dict[str, Any], holder_reqs: dict[str, list[Any]],
+            chosen_reqs: dict[str, list[Any]], block_size: int = 16) -> dict[str, Any]:
+    """For an ``elsewhere`` decision, from its logged cost terms: the smallest overlap weight with which the
+    worker holding the prefix would have won (None: none would, its pending prefill outweighs the
+    prefix), and whether it would have won at the logged weight if the decode term left out the blocks
+    of requests still prefilling."""
+    dp = chosen["prefill"] - holder["prefill"]
+    dd = holder["decode"] - chosen["decode"]
+    weight = None if dp <= 0 else round(max(0.0, dd * block_size / dp), 2)
+    # the logged weight, recovered from the chosen worker's own terms
+    w = (chosen["logit"] - chosen["decode"]) * block_size / chosen["prefill"] if chosen["prefill"] else 0.0
+    h_dec = holder["decode"] - prefilling_only_blocks(holder_reqs)
+    c_dec = chosen["decode"] - prefilling_only_blocks(chosen_reqs)
+    keeps = w * holder["prefill"] / block_size + h_dec < w * chosen["prefill"] / block_size + c_dec
+    return {"weight_needed": weight, "kept_without_prefilling_blocks": keeps,
+            "holder": {k: holder[k] for k in ("prefill", "decode", "logit", "active_tokens", "requests")},
+            "chosen": {k: chosen[k] for k in ("prefill", "decode", "logit", "active_tokens", "requests")}}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -163,6 +213,14 @@ def report(result: dict[str, Any], listing: bool = False, reuse: dict[str, tuple
         tt = [d["ttft"] * 1000 for d in sel if d["ttft"] is not None]
         out.append(f"  to a {name}: {len(sel)}, router TTFT p50 {_f(pct(tt, 50))} mean "
                    f"{_f(statistics.fmean(tt) if tt else None)} ms")
+    elsewhere = [d["what_if"] for d in ds if d.get("what_if")]
+    if elsewhere:
+        needed = sorted(x["weight_needed"] for x in elsewhere if x["weight_needed"] is not None)
+        out.append(f"  what if (elsewhere): the holder would have won with an overlap weight of at least "
+                   f"{', '.join(f'{x:g}' for x in needed) or '-'}"
+                   f"{f' (never, for {len(elsewhere) - len(needed)})' if len(needed) < len(elsewhere) else ''}; "
+                   f"with no decode blocks for requests still prefilling, in "
+                   f"{sum(x['kept_without_prefilling_blocks'] for x in elsewhere)} of {len(elsewhere)}")
     lags = result["event_lags"]
     if lags:
         late = sum(1 for x in lags if x > 0)
@@ -173,6 +231,8 @@ def report(result: dict[str, Any], listing: bool = False, reuse: dict[str, tuple
             out.append(f"    {d['t']:.3f} {d['id']} -> {d['worker']} {d['class']:10s} blocks {d['blocks']} overlap "
                        f"{d['overlap']} known {d['best_known']} routed {d['best_routed']} inflight {d['inflight']} "
                        f"others {d['others_in_flight']} reused {d.get('reused_blocks', '-')} ttft {_f(d['ttft'] * 1000 if d['ttft'] else None)}")
+            if d.get("what_if"):
+                out.append(f"      {d['what_if']}")
     return "\n".join(out)
 
 

@@ -14,13 +14,20 @@ round-robin`` or ``kv``) and ``--workers`` (2) fresh ``out=llamacpp`` workers on
 thread each.  The workload (workload.py, the same prompts for both modes) is the one where KV routing
 must pay off: 6 groups of users sharing a 256-token system prompt (a worker's 4 slots hold at most 4 of
 them, the two workers together 8), conversations of 3 turns resending their history, 8 output tokens,
-and ``--clients`` (2) clients in a closed loop, each running one conversation after another with a 1 s
-think time, for ``--duration`` (75) s; requests sent in the first ``--warmup`` (10) s are not measured.
+1 s mean think time, and ``--clients`` (2) clients in a closed loop for ``--duration`` (75) s; requests
+sent in the first ``--warmup`` (10) s are not measured.  The conversations interleave over the clients,
+as many users' do behind a few connections: a free client sends one of the follow-up turns whose user
+has finished thinking, picked at random, else it opens the next conversation (its group drawn at
+random).  ``--sticky-clients`` has each client carry one conversation from first turn to last instead,
+the first version of this benchmark: with two clients round-robin's alternation then kept each
+conversation on one worker, a cache affinity real traffic does not give it.
 
 Per run it reports kv / round-robin TTFT p50 and mean (the goal: p50 <= 0.5 and mean <= 0.8 in every
-run), both modes' p50, mean and p99, requests per worker, what the engines reused from their caches, and
-the machine's 1-minute load average sampled every 2 s during the run (min-max); then the spread of the
-ratios over the runs.  ``--logs DIR`` keeps every process's log, the per-request records and the kv
+run), both modes' p50, mean and p99, requests per worker, what the engines reused from their caches, the
+share of requests that were cache hits (half of the prompt reused or more), split into history hits (the
+previous turn's whole prompt reused) and prefix hits (the system prompt only), with the TTFT p50 of each
+and of the misses, and the machine's 1-minute load average sampled every 2 s during the run (min-max);
+then the spread of the ratios over the runs.  ``--logs DIR`` keeps every process's log, the per-request records and the kv
 router's decision log (``DYN_ROUTER_LOG``; read it with ``python -m benchmarks.router.decisions``).
 Results: ``benchmarks/results/router-real-<time>.json``; ``--markdown FILE`` writes the table.
 """
@@ -99,7 +106,8 @@ def one_run(index: int, args: argparse.Namespace, cfg: WorkloadConfig, convs: li
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("| run | kv/rr p50 | kv/rr mean | rr p50 / mean / p99 | kv p50 / mean / p99 | requests rr, kv | "
-            "per worker rr; kv | engine reuse rr, kv | hits rr, kv (p50 hit / miss) | router hit | load (min-max) |")
+            "per worker rr; kv | engine reuse rr, kv | hits = history + prefix rr; kv (p50 history / prefix / miss) | "
+            "router hit | load (min-max) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in runs:
         rr, kv = r["rows"]["round-robin"], r["rows"]["kv"]
@@ -114,12 +122,14 @@ def table(runs: list[dict[str, Any]]) -> str:
         def hits(x: dict[str, Any]) -> str:
             if x.get("hit_share") is None:
                 return "-"
-            return f"{x['hit_share']:.2f} ({x['ttft_p50_hits_ms'] or 0:.0f} / {x['ttft_p50_misses_ms'] or 0:.0f})"
+            return (f"{x['hit_share']:.2f} = {x.get('history_hit_share', 0):.2f} + "
+                    f"{x['hit_share'] - x.get('history_hit_share', 0):.2f} ({x.get('ttft_p50_history_hits_ms') or 0:.0f} / "
+                    f"{x.get('ttft_p50_prefix_hits_ms') or 0:.0f} / {x['ttft_p50_misses_ms'] or 0:.0f})")
 
         lines.append(f"| {r['run']} | **{fmt(r['p50_ratio'])}** | **{fmt(r['mean_ratio'])}** | {times(rr)} | "
                      f"{times(kv)} | {rr['measured']}, {kv['measured']} | "
                      f"{'/'.join(map(str, rr['worker_requests']))}; {'/'.join(map(str, kv['worker_requests']))} | "
-                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {hits(rr)}, {hits(kv)} | "
+                     f"{fmt(rr['engine_reuse'])}, {fmt(kv['engine_reuse'])} | {hits(rr)}; {hits(kv)} | "
                      f"{fmt(kv['router_hit_rate'])} | "
                      f"{r['load_min']:.1f}-{r['load_max']:.1f} |")
     return "\n".join(lines)
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--osl", type=int, default=8)
     p.add_argument("--think-time", type=float, default=1.0)
+    p.add_argument("--sticky-clients", action="store_true",
+                   help="each client runs one conversation from its first turn to its last (the first version of "
+                        "this benchmark) instead of the conversations interleaving over the clients")
     p.add_argument("--seed", type=int, default=0, help="workload seed of run 1 (run k uses seed + k - 1)")
     p.add_argument("--sequential", action="store_true",
                    help="run the two modes one after the other (order alternating by run) instead of at once: "
@@ -183,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             cfg = WorkloadConfig(prefix_ratio=0.8, isl=args.isl, groups=args.groups, turns=args.turns,
                                  turn_tokens=args.turn_tokens, osl=args.osl, duration=args.duration,
-                                 think_time=args.think_time, seed=args.seed + i, clients=args.clients)
+                                 think_time=args.think_time, seed=args.seed + i, clients=args.clients,
+                                 interleave=not args.sticky_clients)
             convs = build(cfg, tokenizer)
             t = time.monotonic()
             print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} {'one after the other' if args.sequential else 'at once'}, "

@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -191,38 +192,73 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
     records: list[Record] = []
     start = time.perf_counter()
 
+    async def send(c: Conversation, turn: int) -> bool:
+        """Send turn ``turn`` of ``c`` and record it; False if it failed."""
+        body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        try:
+            req, status, err = await client.chat(body)
+        except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+            records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
+            return False
+        rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
+        rec.ttft = None if req.first is None else req.first - req.t0
+        rec.gaps = req.gaps
+        rec.duration = time.perf_counter() - sent
+        if req.usage:
+            rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
+            rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
+            details = req.usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = int(details["cached_tokens"])
+        if status == 200 and not req.done:
+            rec.error = "stream ended without [DONE]"
+        records.append(rec)
+        return status == 200 and not rec.error
+
     async def one(c: Conversation) -> bool:
         """Run one conversation; False if a request failed (the conversation stops there)."""
         await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
         for turn in range(cfg.turns):
             if turn:
                 await asyncio.sleep(c.thinks[turn - 1])
-            body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            sent = time.perf_counter()
-            try:
-                req, status, err = await client.chat(body)
-            except (OSError, ConnectionError, asyncio.TimeoutError) as e:
-                records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
-                return False
-            rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
-            rec.ttft = None if req.first is None else req.first - req.t0
-            rec.gaps = req.gaps
-            rec.duration = time.perf_counter() - sent
-            if req.usage:
-                rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
-                rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
-                details = req.usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    rec.cached_tokens = int(details["cached_tokens"])
-            if status == 200 and not req.done:
-                rec.error = "stream ended without [DONE]"
-            records.append(rec)
-            if status != 200 or rec.error:
+            if not await send(c, turn):
                 return False
         return True
 
-    if cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
+    if cfg.clients > 0 and cfg.interleave:
+        # closed loop over conversations that interleave: a free client sends one of the follow-up turns
+        # whose user has finished thinking, picked at random, else it opens the next conversation of the
+        # pool; so which client (and, under round-robin, which worker) carries a turn does not depend on
+        # which carried the turn before.  (Oldest first would keep two conversations in lockstep with two
+        # clients, the same accident as one conversation per client.)
+        pool = iter(convs)
+        waiting: list[tuple[float, int]] = []  # (ready at, conversation index) of each follow-up turn
+        next_turn: dict[int, int] = {}
+        by_cid = {c.cid: c for c in convs}
+        pick = random.Random(cfg.seed + 2)
+
+        async def interleaved_client() -> None:
+            while time.perf_counter() - start < cfg.duration:
+                now = time.perf_counter()
+                ready = [i for i, (at, _) in enumerate(waiting) if at <= now]
+                if ready:
+                    c = by_cid[waiting.pop(pick.choice(ready))[1]]
+                    turn = next_turn[c.cid]
+                else:
+                    nxt = next(pool, None)
+                    if nxt is None:
+                        return
+                    c, turn = nxt, 0
+                if not await send(c, turn):
+                    return
+                if turn + 1 < cfg.turns:
+                    next_turn[c.cid] = turn + 1
+                    waiting.append((time.perf_counter() + c.thinks[turn], c.cid))
+
+        await asyncio.gather(*(interleaved_client() for _ in range(cfg.clients)))
+    elif cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
         pool = iter(convs)
 
         async def client_loop() -> None:
@@ -339,21 +375,30 @@ def summarize(records: list[Record], start: float, end: float, warmup: float) ->
         "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
         "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
                            if any(r.cached_tokens is not None for r in ok) else None),
-        **hits_and_misses(measured),
+        **hits_and_misses(measured, ok),
     }
 
 
-def hits_and_misses(measured: list[Record]) -> dict[str, Any]:
+def hits_and_misses(measured: list[Record], everything: list[Record] | None = None) -> dict[str, Any]:
     """Where the engine says how much it reused: the share of measured requests that took at least half of
     their prompt from the cache, and the TTFT p50 of those and of the rest (a mode's p50 is one or the
-    other, whichever is the majority)."""
+    other, whichever is the majority).  The hits are split in two: ``history`` hits reused the whole
+    prompt of the conversation's previous turn (``everything``, measured or not, gives the previous
+    turns), ``prefix`` hits reused less (the group's system prompt, as a worker that has served another
+    conversation of the group holds it); a first turn's hit is always a prefix hit."""
     known = [r for r in measured if r.cached_tokens is not None and r.ttft is not None and r.prompt_tokens]
     if not known:
         return {}
     hits = [r for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_tokens]
     misses = [r for r in known if r not in hits]
+    previous = {(r.cid, r.turn): r.prompt_tokens for r in (everything or measured)}
+    history = [r for r in hits if r.turn and (r.cached_tokens or 0) >= previous.get((r.cid, r.turn - 1), 1 << 30) - 8]
+    prefix = [r for r in hits if r not in history]
     return {"hit_share": round(len(hits) / len(known), 2),
+            "history_hit_share": round(len(history) / len(known), 2),
             "ttft_p50_hits_ms": _ms(pct([r.ttft for r in hits if r.ttft is not None], 50)),
+            "ttft_p50_history_hits_ms": _ms(pct([r.ttft for r in history if r.ttft is not None], 50)),
+            "ttft_p50_prefix_hits_ms": _ms(pct([r.ttft for r in prefix if r.ttft is not None], 50)),
             "ttft_p50_misses_ms": _ms(pct([r.ttft for r in misses if r.ttft is not None], 50))}
 
 

@@ -11,6 +11,11 @@ same order at the same offsets (only the follow-up turns depend on when the prev
   ``system_words``, the system prompt is that many random words and the user message ``turn_tokens``);
 * with ``clients`` > 0 the load is a closed loop instead: that many clients each run one conversation
   after another (taken in order from a pool drawn up front) until ``duration`` has passed;
+* with ``clients`` and ``interleave``, conversations interleave instead, as many users' do behind a
+  fixed number of connections: a free client sends one of the follow-up turns whose think time is
+  over, picked at random, else the pool's next conversation.  Without it, each client carries
+  one conversation at a time, and two clients alternating under round-robin keep each conversation on
+  one worker by accident (a cache hit no real router could count on);
 * turn k > 1 resends the whole history: the previous messages, the assistant's answer to turn k-1 and a
   new user message of ``turn_tokens`` tokens.  The answer in the history is a fixed synthetic text of
   ``osl`` tokens, not the mocker's output (random token ids, which would make the prompts differ between
@@ -43,6 +48,7 @@ class WorkloadConfig:
     seed: int = 0
     system_words: int = 0  # > 0: system prompts of this many words (not prefix_ratio x isl tokens)
     clients: int = 0  # > 0: closed loop, this many clients each running conversations back to back
+    interleave: bool = False  # with clients: any free client sends any conversation's next ready turn
 
 
 @dataclass
