@@ -183,3 +183,17 @@ def test_invalid_echo_delay_falls_back_with_a_warning():
         r = httpx.post(srv.api_url + "/completions", json={"model": "echo", "prompt": "still works"})
         assert r.json()["choices"][0]["text"] == "still works"
         assert "DYN_TOKEN_ECHO_DELAY_MS" in srv.stderr_text()
+
+
+def test_the_matched_stop_string_is_named_streamed_and_unary(core_server: DynamoRun):
+    """vLLM's ``stop_reason``: the stop string that ended the choice, on the last chunk and on the unary
+    choice alike (the echo engine returns the prompt, so the stop string is met)."""
+    body = {"model": "tiny-chat", "prompt": "hello world again", "stop": ["world"], "max_tokens": 20}
+    unary = httpx.post(core_server.api_url + "/completions", json=body).json()["choices"][0]
+    assert unary["finish_reason"] == "stop" and unary["stop_reason"] == "world"
+    assert "world" not in unary["text"]
+    with httpx.stream("POST", core_server.api_url + "/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(e["data"][0]) for e in sse_events(r) if e["data"] and e["data"][0] != "[DONE]"]
+    assert chunks[-1]["choices"][0]["stop_reason"] == "world"
+    no_stop = httpx.post(core_server.api_url + "/completions", json={**body, "stop": None}).json()["choices"][0]
+    assert "stop_reason" not in no_stop

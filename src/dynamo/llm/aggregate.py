@@ -10,11 +10,12 @@ from dynamo.llm.parsers.fold import ParsedFold
 
 
 class _Choice:
-    __slots__ = ("parts", "finish", "parsed", "logprobs")
+    __slots__ = ("parts", "finish", "stop_reason", "parsed", "logprobs")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.finish: str | None = None
+        self.stop_reason: str | None = None  # vLLM's field: the stop string that ended the answer
         self.parsed = ParsedFold()  # what a response parser added (reasoning, tool calls)
         self.logprobs: dict[str, list[Any]] | None = None  # the chunks' logprobs lists, concatenated
 
@@ -48,6 +49,8 @@ async def _fold(stream: AsyncIterator[Any]) -> tuple[dict[str, Any], dict[int, _
                 acc.parts.append(text)
             if choice.get("finish_reason"):
                 acc.finish = choice["finish_reason"]
+            if choice.get("stop_reason") is not None:
+                acc.stop_reason = choice["stop_reason"]
             if delta:
                 acc.parsed.add(delta)
             lp = choice.get("logprobs")
@@ -64,12 +67,12 @@ async def fold_chat(stream: AsyncIterator[Any], ctx: Context, model: str) -> dic
         "created": head.get("created", 0),
         "model": head.get("model", model),
         "choices": [
-            {
+            _with_stop_reason({
                 "index": i,
                 "message": c.parsed.message("".join(c.parts)),
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish or "stop",
-            }
+            }, c)
             for i, c in sorted(choices.items())
         ],
         "usage": usage or _usage(ctx),
@@ -83,10 +86,18 @@ async def fold_completion(stream: AsyncIterator[Any], ctx: Context, model: str) 
         "object": "text_completion",
         "created": head.get("created", 0),
         "model": head.get("model", model),
-        "choices": [{"index": i, "text": "".join(c.parts), "logprobs": c.logprobs, "finish_reason": c.finish or "stop"}
+        "choices": [_with_stop_reason({"index": i, "text": "".join(c.parts), "logprobs": c.logprobs,
+                                       "finish_reason": c.finish or "stop"}, c)
                     for i, c in sorted(choices.items())],
         "usage": usage or _usage(ctx),
     }
+
+
+def _with_stop_reason(choice: dict[str, Any], acc: _Choice) -> dict[str, Any]:
+    """The unary choice carries the matched stop string as its streamed last chunk does."""
+    if acc.stop_reason is not None:
+        choice["stop_reason"] = acc.stop_reason
+    return choice
 
 
 def _usage(ctx: Context) -> dict[str, Any]:
