@@ -103,3 +103,16 @@ def test_the_stop_string_that_matched_is_known():
     m = StopStringMatcher(["a", "bb"])
     assert m.feed("xxb") == ("xx", False) and m.matched is None
     assert m.feed("ba") == ("", True) and m.matched == "bb"  # the earliest in the text, not the first listed
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1.5), ("top_p", -0.1), ("temperature", float("nan"))])
+def test_sampling_fields_out_of_anthropics_ranges_are_refused(field, value):
+    """Anthropic's temperature stops at 1 (OpenAI's at 2): 1.5 is valid on the chat route, not here."""
+    with pytest.raises(RequestError) as e:
+        parse_messages_request({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                field: value})
+    assert e.value.param == field
+
+
+def test_sampling_fields_inside_the_ranges_pass_through():
+    assert chat(messages=[{"role": "user", "content": "x"}], temperature=1.0, top_p=0.5)["temperature"] == 1.0

@@ -28,13 +28,12 @@ request's own) are accepted and need nothing: the engines reuse cached prefixes 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Literal
 
 import msgspec
 
 from dynamo.errors import RequestError
-from dynamo.llm.protocols.openai import MAX_STOP_SEQUENCES, convert_request
+from dynamo.llm.protocols.openai import MAX_STOP_SEQUENCES, check_ranges, convert_request
 
 MIN_THINKING_BUDGET = 1024  # the API's own lower bound on thinking.budget_tokens
 
@@ -67,14 +66,14 @@ class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=Tr
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: either is served as asked
 
 
+_RANGES: dict[str, tuple[float, float]] = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0)}  # Anthropic's
+
+
 def parse_messages_request(raw: Any) -> MessagesRequest:
     req: MessagesRequest = convert_request(raw, MessagesRequest)
     if req.max_tokens < 1:
         raise RequestError("max_tokens: must be at least 1", param="max_tokens")
-    for name, hi in (("temperature", 1.0), ("top_p", 1.0)):
-        value = getattr(req, name)
-        if value is not None and (math.isnan(value) or not 0.0 <= value <= hi):
-            raise RequestError(f"{name}: must be between 0 and {hi:g} (got {value})", param=name)
+    check_ranges(req, _RANGES)
     if req.top_k is not None and req.top_k < 1:
         raise RequestError("top_k: must be at least 1", param="top_k")
     if req.stop_sequences is not None:

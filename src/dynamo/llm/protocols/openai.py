@@ -8,7 +8,7 @@ Unknown top-level fields are ignored, as vLLM and the original do.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import msgspec
 
@@ -179,13 +179,18 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 
 
-def _validate_common(req: _SamplingFields) -> None:
-    for field, (lo, hi) in _RANGES.items():
+def check_ranges(req: Any, ranges: Mapping[str, tuple[float, float]]) -> None:
+    """Each named float field of ``req`` that is set lies in its closed range (NaN never does)."""
+    for field, (lo, hi) in ranges.items():
         value = getattr(req, field)
         if value is not None and (math.isnan(value) or not lo <= value <= hi):
             raise RequestError(
                 f"Error validating {field}: Value {value} is out of range [{lo}, {hi}]", param=field
             )
+
+
+def _validate_common(req: _SamplingFields) -> None:
+    check_ranges(req, _RANGES)
     rep = req.repetition_penalty if req.repetition_penalty is not None else (
         req.nvext.repetition_penalty if req.nvext else None
     )
