@@ -100,7 +100,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in counts:
         tps = [r["tokens_per_s"] for r in runs[n]]
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[n], runs[base]) if b["tokens_per_s"]]
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[n], runs[base], strict=True)
+                  if b["tokens_per_s"]]
         med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
         print(f"| {n} | {med(tps):,.0f} ({', '.join(f'{t:,.0f}' for t in tps)}) | {med(ratios):.2f} "
               f"({min(ratios):.2f} to {max(ratios):.2f}) | {med([r['ttft_ms']['p99'] or 0 for r in runs[n]]):.0f} "
