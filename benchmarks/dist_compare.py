@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -56,7 +55,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-from benchmarks import echo_compare, fetch_original, loadgen
+from benchmarks import echo_compare, fetch_original, loadgen, machine
 from harness.servers import EtcdServer, NatsServer
 
 MODEL = echo_compare.MODEL  # "bench-echo"
@@ -248,8 +247,7 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
             if profile is not None and impl == "ours":
                 spies = start_profilers({"frontend": frontend.pid, "worker": worker.pid}, duration, profile,
                                         f"{stamp}-{key}", raw_profile)
-            with open("/proc/loadavg") as f:
-                out["loadavg_before"] = f.read().split()[:3]
+            out["loadavg_before"] = machine.load_average()
             cpu0 = {"frontend": cpu_of(frontend.pid), "worker": cpu_of(worker.pid), "nats": cpu_of(nats.proc.pid),
                     "etcd": cpu_of(etcd.proc.pid)}
             with loadgen.batch_policy(echo_compare.CLIENT_BATCH):
@@ -360,17 +358,14 @@ def main() -> None:
             ap.error(f"unknown scenario {s!r}")
     impls = implementations(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    with open("/proc/loadavg") as f:
-        loadavg = f.read().split()[:3]
     meta = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(),
-        "cpu_model": echo_compare._cpu_model(), "python": platform.python_version(), "uvloop": uv,
-        "client_batch": args.client_batch,
-        "loadavg_at_start": loadavg, "duration_s": args.duration, "repeats": args.repeats,
-        "scenarios": {k: SCENARIOS[k]["title"] for k in order}, "git_rev": echo_compare._git_rev(),
+        **machine.describe(), "uvloop": uv, "client_batch": args.client_batch,
+        "duration_s": args.duration, "repeats": args.repeats,
+        "scenarios": {k: SCENARIOS[k]["title"] for k in order},
         "commands": {name: shlex.join(cmd) for name, cmd in impls.items()},
     }
-    print(f"dist_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
+    print(f"dist_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), "
+          f"load average {machine.format_load(meta['loadavg_at_start'])}, "
           f"uvloop={uv}", flush=True)
     for name, cmd in impls.items():
         planes = " ".join(PLANE_ARGS.get(name, []))

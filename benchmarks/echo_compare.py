@@ -37,7 +37,6 @@ import hashlib
 import http.client
 import json
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -51,7 +50,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-from benchmarks import fetch_original, loadgen
+from benchmarks import fetch_original, loadgen, machine
 
 MODEL = "bench-echo"
 CLIENT_BATCH = False  # --client-batch: the load runs as SCHED_BATCH (loadgen.batch_policy)
@@ -328,8 +327,7 @@ def run_scenario(key: str, sc: dict[str, Any], name: str, build, extra_env: dict
         try:
             ready = srv.wait_ready()
             warmup(srv.url)
-            with open("/proc/loadavg") as f:
-                load_before = f.read().split()[:3]
+            load_before = machine.load_average()
             with loadgen.batch_policy(CLIENT_BATCH):
                 r = asyncio.run(loadgen.run_load(srv.url, MODEL, server_pid=srv.proc.pid, **params))
             r["startup"] = ready
@@ -434,22 +432,16 @@ def main() -> None:
         servers.append(("ours", build, env))
         info["ours_cmd"] = shlex.join(build(0, MODEL))
 
-    with open("/proc/loadavg") as f:
-        loadavg = f.read().split()[:3]
     meta = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "python": platform.python_version(),
+        **machine.describe(),
         "uvloop": uv,
         "client_batch": args.client_batch,
-        "loadavg_at_start": loadavg,
         "duration_s": args.duration,
         "scenarios": {k: scs[k]["title"] for k in order},
-        "git_rev": _git_rev(),
         **info,
     }
-    print(f"echo_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
+    print(f"echo_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), "
+          f"load average {machine.format_load(meta['loadavg_at_start'])}, "
           f"uvloop={uv}", flush=True)
     for name, build, _ in servers:
         print(f"  {name}: {shlex.join(build(0, MODEL))}")
@@ -474,25 +466,6 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     print(f"\nresults: {out}")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _git_rev() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

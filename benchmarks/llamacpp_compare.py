@@ -83,7 +83,6 @@ import http.client
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import statistics
 import time
@@ -96,8 +95,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from benchmarks import (
-    echo_compare,  # server process handling, machine info
+    echo_compare,  # server process handling
     loadgen,  # CPU accounting
+    machine,  # git revision, CPU model, load average
 )
 from benchmarks.llamacpp_inprocess import eog_tokens, raw_decode
 from benchmarks.llamacpp_report import format_value, summarize, table
@@ -405,8 +405,7 @@ def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int,
         res["levels"] = {}
         for c in levels:
             n = max(len(PROMPTS), rounds * c)
-            with open("/proc/loadavg") as f:
-                load = f.read().split()[:3]
+            load = machine.load_average()
             r = asyncio.run(run_level(srv, c, n, max_tokens, no_eos, timeout))
             r["loadavg_before"] = load
             res["levels"][c] = r
@@ -503,16 +502,9 @@ def main() -> None:
             print("llama_cpp.server skipped: its extras are not installed (see the docstring)", flush=True)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    with open("/proc/loadavg") as f:
-        loadavg = f.read().split()[:3]
     meta = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "git_rev": echo_compare._git_rev(),
-        "cpus": os.cpu_count(),
-        "cpu_model": echo_compare._cpu_model(),
-        "python": platform.python_version(),
+        **machine.describe(),
         "uvloop": uv,
-        "loadavg_at_start": loadavg,
         "gguf": str(gguf),
         "gguf_bytes": gguf.stat().st_size,
         "eog_tokens": eog,
@@ -523,7 +515,8 @@ def main() -> None:
         "prompts": PROMPTS,
         "llama_server": str(args.llama_server) if args.llama_server else None,
     }
-    print(f"llamacpp_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), load average {' '.join(loadavg)}, "
+    print(f"llamacpp_compare: {meta['cpus']} CPUs ({meta['cpu_model']}), "
+          f"load average {machine.format_load(meta['loadavg_at_start'])}, "
           f"git {meta['git_rev']}, {gguf.name}, levels {levels}, {args.max_tokens} tokens/request", flush=True)
     results: dict[str, Any] = {name: {"cmd": shlex.join(build(0, "")), "no_eos": no_eos, "env": env, "runs": []}
                                for name, build, no_eos, env in servers}
@@ -557,11 +550,10 @@ def main() -> None:
     print("\n" + ("medians of " + str(args.repeat) + " runs\n" if args.repeat > 1 else "") + table(summary, levels))
     if not args.no_raw:
         threads = sorted({1, os.cpu_count() or 1})
-        with open("/proc/loadavg") as f:
-            load = f.read().split()[:3]
+        load = machine.load_average()
         raw = raw_decode(gguf, sorted({1, *levels}), threads)
         results["raw_decode"] = {"loadavg_before": load, "results": raw}
-        print(f"\nllama_decode alone, no server (the ceiling; load average before {' '.join(load)}):")
+        print(f"\nllama_decode alone, no server (the ceiling; load average before {machine.format_load(load)}):")
         for k, v in raw.items():
             print(f"  {k}: step {v['step_ms']:.2f} ms = {v['decode_tokens_per_s']:.0f} tokens/s decoding, "
                   f"prompt {v['prefill_tokens_per_s']:.0f} tokens/s")

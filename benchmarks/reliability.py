@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -43,7 +44,7 @@ class Checker:
         """(tokens missing or extra vs n, chain breaks): (0, 0) for an exact output."""
         words = text.split()
         ids = [self.by_word.get(w, -1) for w in words]
-        breaks = sum(1 for a, b in zip(ids, ids[1:]) if b != next_token(a, self.ids))
+        breaks = sum(1 for a, b in itertools.pairwise(ids) if b != next_token(a, self.ids))
         return len(words) - n, breaks
 
 
@@ -74,7 +75,7 @@ async def stream(client: httpx.AsyncClient, base: str, model: str, n: int, rid: 
 
 
 def gap(times: list[float]) -> float:
-    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def served_by(workers: list[DynamoWorker], rid: str) -> list[DynamoWorker]:

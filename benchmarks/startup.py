@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import machine
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODEL = "bench-echo"
@@ -238,7 +240,7 @@ def main() -> None:
         for (label, code), (wall, cpu, cpu_min) in zip(FLOORS, results, strict=True):
             print(f"{label} ({code}): median wall {wall * 1e3:.1f} ms, CPU median {cpu * 1e3:.1f} ms, "
                   f"min {cpu_min * 1e3:.1f} ms")
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average: {machine.format_load(machine.load_average())}")
     if args.importtime and not args.cmd:
         importtime(args.cmd, args.importtime)
     if pycache is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-from benchmarks import dist_compare, echo_compare, loadgen
+from benchmarks import dist_compare, echo_compare, loadgen, machine
 
 RESULTS = HERE / "results"
 
@@ -58,7 +58,7 @@ def one_run(workers: int, delay_ms: str, concurrency: int, duration: float, log:
         echo_compare.warmup(srv.url)
         r = asyncio.run(loadgen.run_load(srv.url, echo_compare.MODEL, concurrency=concurrency,
                                          duration=duration, prompt_words=200, server_pid=srv.proc.pid))
-        r["loadavg_after"] = os.getloadavg()
+        r["loadavg_after"] = machine.load_average()
     finally:
         r_stop = srv.stop()
     r["shutdown"] = r_stop
@@ -80,7 +80,7 @@ def main() -> None:
     loadgen.install_uvloop()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = RESULTS / f"server-workers-{stamp}.log"
-    print(f"workers_compare: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+    print(f"workers_compare: {os.cpu_count()} CPUs, load average {machine.format_load(machine.load_average())}, "
           f"delay {args.delay_ms} ms, {args.concurrency} streams, {args.duration:g} s runs", flush=True)
     print("  " + shlex.join(ours(counts[-1])[0](0, echo_compare.MODEL)))
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
@@ -100,7 +100,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in counts:
         tps = [r["tokens_per_s"] for r in runs[n]]
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[n], runs[base]) if b["tokens_per_s"]]
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[n], runs[base], strict=True)
+                  if b["tokens_per_s"]]
         med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
         print(f"| {n} | {med(tps):,.0f} ({', '.join(f'{t:,.0f}' for t in tps)}) | {med(ratios):.2f} "
               f"({min(ratios):.2f} to {max(ratios):.2f}) | {med([r['ttft_ms']['p99'] or 0 for r in runs[n]]):.0f} "

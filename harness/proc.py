@@ -185,7 +185,8 @@ class _ChildProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise RuntimeError(f"{self._name()} ignored SIGTERM for {timeout}s:\n{self.stderr_text()}")
+                raise RuntimeError(
+                    f"{self._name()} ignored SIGTERM for {timeout}s:\n{self.stderr_text()}") from None
         self.returncode = self.proc.returncode
         return self.returncode
 

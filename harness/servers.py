@@ -14,9 +14,8 @@ Usage outside pytest::
         os.environ["ETCD_ENDPOINTS"] = etcd.url
         os.environ["NATS_SERVER"] = nats.url
 
-Inside pytest, import the fixtures into a ``conftest.py``::
-
-    from harness.servers import etcd_server, nats_server, runtime_servers  # noqa: F401
+Inside pytest, the fixtures of :mod:`harness.server_fixtures` (a plugin that tests/conftest.py loads)
+start them once a session.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
-
-import pytest
 
 from dynamo.cli.infra import etcd_binary, nats_server_binary
 
@@ -39,10 +35,6 @@ __all__ = [
     "EtcdServer",
     "NatsServer",
     "RuntimeServers",
-    "etcd_server",
-    "nats_server",
-    "runtime_servers",
-    "runtime_env",
     "free_port",
     "etcd_binary",
     "nats_server_binary",
@@ -244,33 +236,3 @@ class RuntimeServers:
     @property
     def env(self) -> dict[str, str]:
         return {"ETCD_ENDPOINTS": self.etcd.url, "NATS_SERVER": self.nats.url}
-
-
-# --------------------------------------------------------------------------------------------------
-# pytest fixtures. Session-scoped: starting etcd costs ~0.5 s, and tests isolate themselves by using
-# unique namespaces rather than fresh servers. Tests that kill a server must start their own.
-
-
-@pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def nats_server() -> Iterator[NatsServer]:
-    with NatsServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def runtime_servers(etcd_server: EtcdServer, nats_server: NatsServer) -> RuntimeServers:
-    return RuntimeServers(etcd_server, nats_server)
-
-
-@pytest.fixture
-def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Point ETCD_ENDPOINTS / NATS_SERVER at the test servers for one test; returns that env."""
-    for key, value in runtime_servers.env.items():
-        monkeypatch.setenv(key, value)
-    return runtime_servers.env

@@ -1,5 +1,7 @@
-"""Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, and the
-distributed configurations (harness/dist_configs.py) as a module-scoped, parametrized fixture."""
+"""Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, the
+distributed configurations (harness/dist_configs.py) as a module-scoped, parametrized fixture, and, as a
+pytest plugin, the real etcd and nats-server fixtures of harness/server_fixtures.py (``etcd_server``,
+``nats_server``, ``runtime_servers``, ``runtime_env``) for any test that names them."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Iterator  # noqa: E402
 from harness.dist_configs import DIST_CONFIGS, DistConfig  # noqa: E402
 from harness.dist_configs import dist_config as start_dist_config  # noqa: E402
 from harness.tiny_model import build_tiny_hf_model  # noqa: E402
+
+pytest_plugins = ["harness.server_fixtures"]
 
 
 @pytest.fixture(scope="session")

@@ -80,10 +80,10 @@ async def main() -> None:
             rows.append((len(data) / 1e6, t_prefill * 1e3, t_pull * 1e3, len(data) / t_pull / 1e6,
                          t_import * 1e3, (t_prefill + t_dec) * 1e3, t_local * 1e3))
             del t2
-        med = [statistics.median(c) for c in zip(*rows)]
-        lo = [min(c) for c in zip(*rows)]
-        hi = [max(c) for c in zip(*rows)]
-        print(f"{n:6d}  " + "  ".join(f"{m:.1f} [{l:.1f}-{h:.1f}]" for m, l, h in zip(med, lo, hi)))
+        med = [statistics.median(c) for c in zip(*rows, strict=True)]
+        lo = [min(c) for c in zip(*rows, strict=True)]
+        hi = [max(c) for c in zip(*rows, strict=True)]
+        print(f"{n:6d}  " + "  ".join(f"{m:.1f} [{l:.1f}-{h:.1f}]" for m, l, h in zip(med, lo, hi, strict=True)))
     await pre.close()
     await dec.close()
 

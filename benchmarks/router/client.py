@@ -19,9 +19,9 @@ from benchmarks.sse_client import StreamProtocol
 class StreamedRequest:
     """One streaming request's measurements (fed by loadgen's raw HTTP/1.1 protocol)."""
 
-    __slots__ = ("t0", "first", "last", "gaps", "events", "usage", "done", "buf")
+    __slots__ = ("t0", "first", "last", "gaps", "events", "usage", "done", "buf", "text")
 
-    def __init__(self, t0: float):
+    def __init__(self, t0: float, keep_text: bool = False):
         self.t0 = t0
         self.first: float | None = None
         self.last = 0.0
@@ -30,6 +30,7 @@ class StreamedRequest:
         self.usage: dict[str, Any] | None = None
         self.done = False
         self.buf = b""
+        self.text: list[str] | None = [] if keep_text else None  # the content, when the client needs it
 
     def feed(self, payload: bytes, now: float) -> None:
         data = self.buf + payload
@@ -48,8 +49,11 @@ class StreamedRequest:
                 continue
             obj = orjson.loads(body)
             for ch in obj.get("choices") or ():
-                if (ch.get("delta") or {}).get("content"):
+                content = (ch.get("delta") or {}).get("content")
+                if content:
                     n += 1
+                    if self.text is not None:
+                        self.text.append(content)
             if obj.get("usage"):
                 self.usage = obj["usage"]
         if n:
@@ -69,7 +73,8 @@ class ChatClient:
         self.port = port
         self.idle: list[StreamProtocol] = []
 
-    async def chat(self, body: dict[str, Any], timeout: float = 180.0) -> tuple[StreamedRequest, int, str]:
+    async def chat(self, body: dict[str, Any], timeout: float = 180.0, keep_text: bool = False
+                   ) -> tuple[StreamedRequest, int, str]:
         loop = asyncio.get_running_loop()
         raw = orjson.dumps(body)
         request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
@@ -82,7 +87,7 @@ class ChatClient:
                 proto = p
                 break
         t0 = time.perf_counter()
-        req = StreamedRequest(t0)
+        req = StreamedRequest(t0, keep_text)
         if proto is None:
             _, proto = await loop.create_connection(lambda: StreamProtocol(loop), "127.0.0.1", self.port)
         try:
@@ -127,14 +132,18 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
     client = ChatClient(port)
     records: list[Record] = []
     start = time.perf_counter()
+    said: dict[int, list[str]] = {}  # with cfg.real_answers: each conversation's answers so far (this run's)
 
     async def send(c: Conversation, turn: int) -> bool:
         """Send turn ``turn`` of ``c`` and record it; False if it failed."""
-        body = {"model": model, "messages": c.messages(turn), "max_tokens": cfg.osl, "stream": True,
-                "stream_options": {"include_usage": True}}
+        answers = said.setdefault(c.cid, []) if cfg.real_answers else None
+        body: dict[str, Any] = {"model": model, "messages": c.messages(turn, answers), "max_tokens": cfg.osl,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if cfg.real_answers:
+            body["temperature"] = 0
         sent = time.perf_counter()
         try:
-            req, status, err = await client.chat(body)
+            req, status, err = await client.chat(body, keep_text=cfg.real_answers)
         except (OSError, ConnectionError, asyncio.TimeoutError) as e:
             records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
             return False
@@ -150,6 +159,8 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
                 rec.cached_tokens = int(details["cached_tokens"])
         if status == 200 and not req.done:
             rec.error = "stream ended without [DONE]"
+        if answers is not None and req.text is not None:
+            answers.append("".join(req.text))
         records.append(rec)
         return status == 200 and not rec.error
 

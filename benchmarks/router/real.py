@@ -86,11 +86,11 @@ def one_run(index: int, args: argparse.Namespace, cfg: WorkloadConfig, convs: li
     with LoadSampler() as load:
         if args.sequential:  # one mode after the other, the order alternating from run to run
             order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
-            rows = {mode: router_run.run_one(mode, 0.8, convs, cfg, args, servers, model,
+            rows = {mode: router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model,
                                              index * 10 + MODES.index(mode) + 1) for mode in order}
         else:
             with ThreadPoolExecutor(len(MODES)) as pool:
-                futures = {mode: pool.submit(router_run.run_one, mode, 0.8, convs, cfg, args, servers, model,
+                futures = {mode: pool.submit(router_run.run_one, mode, cfg.prefix_ratio, convs, cfg, args, servers, model,
                                              index * 10 + i + 1) for i, mode in enumerate(MODES)}
                 rows = {mode: f.result() for mode, f in futures.items()}
     rr, kv = rows["round-robin"], rows["kv"]
@@ -159,11 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp-threads", type=int, default=1)
     p.add_argument("--context-length", type=int, default=1024)
     p.add_argument("--groups", type=int, default=6)
-    p.add_argument("--isl", type=int, default=320, help="tokens of a first turn; 0.8 of it is the system prompt")
+    p.add_argument("--isl", type=int, default=320, help="tokens of a first turn (system prompt + user message)")
+    p.add_argument("--prefix-ratio", type=float, default=0.8, help="share of --isl that is the group's system prompt")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--osl", type=int, default=8)
     p.add_argument("--think-time", type=float, default=1.0)
+    p.add_argument("--answers", choices=("real", "synthetic"), default="real",
+                   help="what the history carries as the assistant's answers: what the model said (greedy "
+                        "requests), as a chat client sends it back, or a fixed synthetic text of --osl tokens")
     p.add_argument("--sticky-clients", action="store_true",
                    help="each client runs one conversation from its first turn to its last (the first version of "
                         "this benchmark) instead of the conversations interleaving over the clients")
@@ -194,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     with EtcdServer() as etcd, NatsServer() as nats:
         servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
         for i in range(args.runs):
-            cfg = WorkloadConfig(prefix_ratio=0.8, isl=args.isl, groups=args.groups, turns=args.turns,
+            cfg = WorkloadConfig(prefix_ratio=args.prefix_ratio, isl=args.isl, groups=args.groups, turns=args.turns,
                                  turn_tokens=args.turn_tokens, osl=args.osl, duration=args.duration,
                                  think_time=args.think_time, seed=args.seed + i, clients=args.clients,
-                                 interleave=not args.sticky_clients)
+                                 interleave=not args.sticky_clients, real_answers=args.answers == "real")
             convs = build(cfg, tokenizer)
             t = time.monotonic()
             print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} {'one after the other' if args.sequential else 'at once'}, "

@@ -106,7 +106,7 @@ class Cache:
             for g in groups:
                 _, local, seq = self.groups[g]
                 eid += 1
-                self.events += self._chunks(wid, None, list(zip(seq, local)), args.event_blocks)
+                self.events += self._chunks(wid, None, list(zip(seq, local, strict=True)), args.event_blocks)
                 held += len(seq)
             i = 0
             while held < args.blocks_per_worker:
@@ -121,7 +121,7 @@ class Cache:
                 else:  # hashes only (cheaper to make; they fill the cache)
                     local = [rng.getrandbits(64) for _ in range(n)]
                 seq = compute_seq_hashes(local, self.groups[g][2][-1])
-                self.events += self._chunks(wid, self.groups[g][2][-1], list(zip(seq, local)), args.event_blocks)
+                self.events += self._chunks(wid, self.groups[g][2][-1], list(zip(seq, local, strict=True)), args.event_blocks)
                 hist.append((g, seq))
                 held += n
             self.histories[wid] = hist
@@ -156,7 +156,7 @@ def bench_events(args: argparse.Namespace, cache: Cache, router: KvRouter) -> di
         # evictions: a tenth of each worker's histories, newest blocks first (as an LRU would, roughly)
         removals = []
         for wid, hist in cache.histories.items():
-            for g, seq in hist[: max(1, len(hist) // 10)]:
+            for _g, seq in hist[: max(1, len(hist) // 10)]:
                 for i in range(len(seq), 0, -args.event_blocks):
                     removals.append(parse_kv_event(orjson.dumps(kv_event(wid, 0, removed_data(seq[max(0, i - args.event_blocks):i])))))
         removed_blocks = sum(len(r.block_hashes) for r in removals)

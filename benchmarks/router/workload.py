@@ -17,9 +17,15 @@ same order at the same offsets (only the follow-up turns depend on when the prev
   one conversation at a time, and two clients alternating under round-robin keep each conversation on
   one worker by accident (a cache hit no real router could count on);
 * turn k > 1 resends the whole history: the previous messages, the assistant's answer to turn k-1 and a
-  new user message of ``turn_tokens`` tokens.  The answer in the history is a fixed synthetic text of
+  new user message of ``turn_tokens`` tokens; it is sent ``think_time`` seconds (exponential mean) after
+  the previous turn's stream ended.  The answer in the history is, by default, a fixed synthetic text of
   ``osl`` tokens, not the mocker's output (random token ids, which would make the prompts differ between
-  modes); it is sent ``think_time`` seconds (exponential mean) after the previous turn's stream ended.
+  modes).  With ``real_answers`` it is what the model said, as every chat client sends it back: the
+  requests are then greedy (``temperature: 0``), so both modes get the same answers to the same prompts
+  (batched decoding can change a last bit, rarely a token), and an engine that kept the answer's KV
+  (llama.cpp's slot does) reuses it on the next turn.  A synthetic answer the model never produced is a
+  part of every follow-up that no cache can hold, which makes a history hit cost more than it does for
+  a real chat client.
 
 Token counts are exact for the message texts (byte-level BPE does not merge across the spaces between
 words, so the tokens of a text are the sum of its words' tokens); the chat template adds a few.
@@ -49,6 +55,7 @@ class WorkloadConfig:
     system_words: int = 0  # > 0: system prompts of this many words (not prefix_ratio x isl tokens)
     clients: int = 0  # > 0: closed loop, this many clients each running conversations back to back
     interleave: bool = False  # with clients: any free client sends any conversation's next ready turn
+    real_answers: bool = False  # the history carries the model's answers (greedy requests), not synthetic ones
 
 
 @dataclass
@@ -61,14 +68,16 @@ class Conversation:
     thinks: list[float] = field(default_factory=list)  # pause before each turn after the first
     system: str | None = None
 
-    def messages(self, turn: int) -> list[dict[str, str]]:
-        """The chat messages of turn ``turn`` (0-based): the history, then the new user message."""
+    def messages(self, turn: int, answers: list[str] | None = None) -> list[dict[str, str]]:
+        """The chat messages of turn ``turn`` (0-based): the history, then the new user message.  ``answers``
+        replaces the synthetic answers (the model's own, collected by the client)."""
+        said = self.answers if answers is None else answers
         msgs: list[dict[str, str]] = []
         if self.system is not None:
             msgs.append({"role": "system", "content": self.system})
         for k in range(turn):
             msgs.append({"role": "user", "content": self.users[k]})
-            msgs.append({"role": "assistant", "content": self.answers[k]})
+            msgs.append({"role": "assistant", "content": said[k]})
         msgs.append({"role": "user", "content": self.users[turn]})
         return msgs
 

@@ -25,8 +25,8 @@ if str(_ROOT / "src") not in sys.path:
     sys.path.insert(0, str(_ROOT / "src"))
 
 from dynamo.frontend.discovery import ModelWatcher  # noqa: E402
-from dynamo.frontend.remote import RouterConfig  # noqa: E402
 from dynamo.frontend.model_manager import ModelManager  # noqa: E402
+from dynamo.frontend.remote import RouterConfig  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
 from dynamo.llm.model_type import ModelType  # noqa: E402

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from asyncio.subprocess import Process
 from pathlib import Path
 
 import nats
@@ -24,6 +25,20 @@ def _infra_cmd(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "dynamo-run-infra"), *args]
 
 
+async def _start_infra(etcd_port: int, peer_port: int, nats_port: int, data_dir: Path) -> Process:
+    return await asyncio.create_subprocess_exec(
+        *_infra_cmd("--etcd-port", str(etcd_port), "--etcd-peer-port", str(peer_port),
+                    "--nats-port", str(nats_port), "--data-dir", str(data_dir)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def _stop(proc: Process) -> int:
+    """Ctrl-C, as a user stops it; its exit status."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGINT)
+    return await asyncio.wait_for(proc.wait(), 20)
+
+
 def _listening(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -34,12 +49,9 @@ def _listening(port: int) -> bool:
 
 async def test_infra_serves_a_runtime_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
-    proc = subprocess.Popen(
-        _infra_cmd("--etcd-port", str(etcd_port), "--etcd-peer-port", str(peer_port),
-                   "--nats-port", str(nats_port), "--data-dir", str(tmp_path / "infra")),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = await _start_infra(etcd_port, peer_port, nats_port, tmp_path / "infra")
     try:
-        banner = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        banner = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()  # type: ignore[union-attr]
         assert f"127.0.0.1:{etcd_port}" in banner and f"127.0.0.1:{nats_port}" in banner, banner
         # a real runtime connects, registers a key with its lease, and JetStream answers
         settings = RuntimeSettings(etcd=EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_port}"]),
@@ -59,9 +71,8 @@ async def test_infra_serves_a_runtime_and_stops_on_ctrl_c(tmp_path: Path) -> Non
             await nc.close()
         assert (tmp_path / "infra" / "etcd").is_dir()
     finally:
-        proc.send_signal(signal.SIGINT)
-        rc = await asyncio.to_thread(proc.wait, 20)
-    assert rc == 0, proc.stderr.read()  # type: ignore[union-attr]
+        rc = await _stop(proc)
+    assert rc == 0, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
     assert not _listening(etcd_port) and not _listening(nats_port)
 
 
@@ -88,10 +99,10 @@ def _child_pid(parent: int, name: str) -> int:
     raise AssertionError(f"no {name} child of {parent}: {children}")
 
 
-async def _stderr_line(proc: subprocess.Popen[str], needle: str, timeout: float = 30) -> str:
+async def _stderr_line(proc: Process, needle: str, timeout: float = 30) -> str:
     async def read() -> str:
         while True:
-            line = await asyncio.to_thread(proc.stderr.readline)  # type: ignore[union-attr]
+            line = (await proc.stderr.readline()).decode()  # type: ignore[union-attr]
             if not line:
                 raise AssertionError(f"dynamo-run-infra ended before saying {needle!r}")
             if needle in line:
@@ -104,13 +115,10 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
     """kill -9 nats-server, then etcd: each comes back on its port with its data, the other stays up, and
     a connected runtime keeps working (NATS reconnects; the etcd key under its lease is still there)."""
     etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
-    proc = subprocess.Popen(
-        _infra_cmd("--etcd-port", str(etcd_port), "--etcd-peer-port", str(peer_port),
-                   "--nats-port", str(nats_port), "--data-dir", str(tmp_path / "infra")),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = await _start_infra(etcd_port, peer_port, nats_port, tmp_path / "infra")
     rt = None
     try:
-        await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        await asyncio.wait_for(proc.stdout.readline(), 30)  # type: ignore[union-attr]
         settings = RuntimeSettings(etcd=EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_port}"]),
                                    nats=NatsSettings(server=f"nats://127.0.0.1:{nats_port}"))
         rt = await DistributedRuntime.connect(settings)
@@ -146,11 +154,10 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
         kv = await rt.etcd.get("infra-test/mine")
         assert kv is not None and kv.json() == {"ok": True}
         await rt.etcd.put("infra-test/after", "1")
-        assert proc.poll() is None
+        assert proc.returncode is None
     finally:
         if rt is not None:
             await rt.close()
-        proc.send_signal(signal.SIGINT)
-        rc = await asyncio.to_thread(proc.wait, 20)
+        rc = await _stop(proc)
     assert rc == 0
     assert not _listening(etcd_port) and not _listening(nats_port)

@@ -9,7 +9,6 @@ import pytest
 
 from dynamo.planner.virtual_connector import VirtualConnector, VirtualConnectorClient
 from dynamo.runtime.distributed import DistributedRuntime
-from harness.servers import etcd_server, nats_server, runtime_env, runtime_servers  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 

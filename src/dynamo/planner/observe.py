@@ -24,6 +24,7 @@ is no longer listed is forgotten.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -42,42 +43,65 @@ QUANTILE = 0.9
 Buckets = dict[float, float]  # upper bound (le) -> cumulative count
 
 
+class Counter(enum.Enum):
+    """A frontend's cumulative counters the planner reads; the value is the sample's name after the prefix."""
+
+    REQUESTS = "requests_total"
+    ISL_SUM = "input_sequence_tokens_sum"
+    ISL_COUNT = "input_sequence_tokens_count"
+    OSL_SUM = "output_sequence_tokens_sum"
+    OSL_COUNT = "output_sequence_tokens_count"
+    TTFT_SUM = "time_to_first_token_seconds_sum"
+    TTFT_COUNT = "time_to_first_token_seconds_count"
+    ITL_SUM = "inter_token_latency_seconds_sum"
+    ITL_COUNT = "inter_token_latency_seconds_count"
+
+
+class Histogram(enum.Enum):
+    """The latency histograms whose buckets give the p90; the value is the bucket sample's name."""
+
+    TTFT = "time_to_first_token_seconds_bucket"
+    ITL = "inter_token_latency_seconds_bucket"
+
+
+class WorkerGauge(enum.Enum):
+    """Gauges the frontend reports per worker it follows; the value is the sample's name."""
+
+    WAITING = "worker_requests_waiting"  # requests queued in the worker
+    KV_USAGE = "worker_kv_cache_usage_ratio"  # 0..1
+
+
+INFLIGHT = "inflight_requests"  # a gauge of the frontend itself
+
+
+def _counters() -> dict[Counter, float]:
+    return dict.fromkeys(Counter, 0.0)
+
+
+def _histograms() -> dict[Histogram, Buckets]:
+    return {h: {} for h in Histogram}
+
+
+def _worker_gauges() -> dict[WorkerGauge, dict[str, float]]:
+    return {g: {} for g in WorkerGauge}
+
+
 @dataclass(slots=True)
 class FrontendTotals:
-    """One frontend process's counters (cumulative) and gauges (now), for the planner's model(s)."""
+    """One frontend process's counters (cumulative) and gauges (now), for the planner's model(s).
 
-    requests: float = 0.0
-    isl_sum: float = 0.0
-    isl_count: float = 0.0
-    osl_sum: float = 0.0
-    osl_count: float = 0.0
-    ttft_sum: float = 0.0
-    ttft_count: float = 0.0
-    itl_sum: float = 0.0
-    itl_count: float = 0.0
-    ttft_buckets: Buckets = field(default_factory=dict)
-    itl_buckets: Buckets = field(default_factory=dict)
+    Every :class:`Counter`, :class:`Histogram` and :class:`WorkerGauge` has its entry (zero or empty until
+    a sample names it), so the code that adds and subtracts them walks the enums instead of naming each."""
+
+    counters: dict[Counter, float] = field(default_factory=_counters)
+    histograms: dict[Histogram, Buckets] = field(default_factory=_histograms)
     inflight: float = 0.0  # gauge
-    worker_waiting: dict[str, float] = field(default_factory=dict)  # gauge per worker: requests queued
-    worker_kv: dict[str, float] = field(default_factory=dict)  # gauge per worker: KV usage 0..1
+    workers: dict[WorkerGauge, dict[str, float]] = field(default_factory=_worker_gauges)  # gauge per worker
 
-    COUNTERS = ("requests", "isl_sum", "isl_count", "osl_sum", "osl_count", "ttft_sum", "ttft_count",
-                "itl_sum", "itl_count")
-
-
-def _sample_fields(prefix: str) -> dict[str, str]:
-    return {
-        f"{prefix}_requests_total": "requests",
-        f"{prefix}_input_sequence_tokens_sum": "isl_sum",
-        f"{prefix}_input_sequence_tokens_count": "isl_count",
-        f"{prefix}_output_sequence_tokens_sum": "osl_sum",
-        f"{prefix}_output_sequence_tokens_count": "osl_count",
-        f"{prefix}_time_to_first_token_seconds_sum": "ttft_sum",
-        f"{prefix}_time_to_first_token_seconds_count": "ttft_count",
-        f"{prefix}_inter_token_latency_seconds_sum": "itl_sum",
-        f"{prefix}_inter_token_latency_seconds_count": "itl_count",
-        f"{prefix}_inflight_requests": "inflight",
-    }
+    def __post_init__(self) -> None:  # the ones a caller left out are zero or empty
+        self.counters = _counters() | self.counters
+        self.histograms = _histograms() | self.histograms
+        self.workers = _worker_gauges() | self.workers
 
 
 def parse_frontend_metrics(text: str, prefix: str = DEFAULT_PREFIX,
@@ -88,55 +112,52 @@ def parse_frontend_metrics(text: str, prefix: str = DEFAULT_PREFIX,
 
     ``models`` (lowercased, as the frontend labels them) keeps only those models' series; ``None`` keeps
     every model's."""
-    wanted = _sample_fields(prefix)
-    buckets = {f"{prefix}_time_to_first_token_seconds_bucket": "ttft_buckets",
-               f"{prefix}_inter_token_latency_seconds_bucket": "itl_buckets"}
-    per_worker = {f"{prefix}_worker_requests_waiting": "worker_waiting",
-                  f"{prefix}_worker_kv_cache_usage_ratio": "worker_kv"}
+    counters = {f"{prefix}_{c.value}": c for c in Counter}
+    histograms = {f"{prefix}_{h.value}": h for h in Histogram}
+    per_worker = {f"{prefix}_{g.value}": g for g in WorkerGauge}
+    inflight = f"{prefix}_{INFLIGHT}"
     out: dict[tuple[str, str], FrontendTotals] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name not in wanted and s.name not in buckets and s.name not in per_worker:
+            if s.name not in counters and s.name not in histograms and s.name not in per_worker \
+                    and s.name != inflight:
                 continue
             model = s.labels.get("model", "")
             if models is not None and model not in models:
                 continue
             totals = out.setdefault((s.labels.get("http_worker", ""), model), FrontendTotals())
             value = float(s.value)
-            if s.name in wanted:
-                name = wanted[s.name]
-                setattr(totals, name, getattr(totals, name) + value)
-            elif s.name in buckets:
-                hist: Buckets = getattr(totals, buckets[s.name])
+            if s.name == inflight:
+                totals.inflight += value
+            elif s.name in counters:
+                totals.counters[counters[s.name]] += value
+            elif s.name in histograms:
+                hist = totals.histograms[histograms[s.name]]
                 le = float(s.labels["le"])
                 hist[le] = hist.get(le, 0.0) + value
             else:
                 worker = f"{s.labels.get('worker_id', '')}/{s.labels.get('dp_rank', '')}"
-                gauge: dict[str, float] = getattr(totals, per_worker[s.name])
+                gauge = totals.workers[per_worker[s.name]]
                 gauge[worker] = max(gauge.get(worker, 0.0), value)
     return out
 
 
 def _restarted(prev: FrontendTotals, cur: FrontendTotals) -> bool:
-    if any(getattr(cur, c) < getattr(prev, c) for c in FrontendTotals.COUNTERS):
+    if any(cur.counters[c] < prev.counters[c] for c in Counter):
         return True
-    return any(cur_h.get(le, 0.0) < n for prev_h, cur_h in ((prev.ttft_buckets, cur.ttft_buckets),
-                                                            (prev.itl_buckets, cur.itl_buckets))
-               for le, n in prev_h.items())
+    return any(cur.histograms[h].get(le, 0.0) < n for h in Histogram for le, n in prev.histograms[h].items())
 
 
 def interval_delta(prev: FrontendTotals, cur: FrontendTotals) -> FrontendTotals:
     """The counters' change from ``prev`` to ``cur`` (all of ``cur`` when the process restarted: a counter
     or bucket went down) and the gauges now; ``inflight`` becomes its change, for arrivals."""
-    restarted = _restarted(prev, cur)
-    base = FrontendTotals() if restarted else prev
-    d = FrontendTotals(worker_waiting=dict(cur.worker_waiting), worker_kv=dict(cur.worker_kv))
-    for c in FrontendTotals.COUNTERS:
-        setattr(d, c, getattr(cur, c) - getattr(base, c))
-    d.ttft_buckets = {le: n - base.ttft_buckets.get(le, 0.0) for le, n in cur.ttft_buckets.items()}
-    d.itl_buckets = {le: n - base.itl_buckets.get(le, 0.0) for le, n in cur.itl_buckets.items()}
-    d.inflight = cur.inflight - base.inflight
-    return d
+    base = FrontendTotals() if _restarted(prev, cur) else prev
+    return FrontendTotals(
+        counters={c: cur.counters[c] - base.counters[c] for c in Counter},
+        histograms={h: {le: n - base.histograms[h].get(le, 0.0) for le, n in cur.histograms[h].items()}
+                    for h in Histogram},
+        inflight=cur.inflight - base.inflight,
+        workers={g: dict(cur.workers[g]) for g in WorkerGauge})
 
 
 def histogram_quantile(q: float, buckets: Buckets) -> float | None:
@@ -191,31 +212,36 @@ def combine(deltas: Iterable[FrontendTotals], inflight_now: float, seconds: floa
     """The interval's :class:`Observation` from each frontend process's :func:`interval_delta`."""
     total = FrontendTotals()
     for d in deltas:
-        for c in FrontendTotals.COUNTERS:
-            setattr(total, c, getattr(total, c) + getattr(d, c))
+        for c in Counter:
+            total.counters[c] += d.counters[c]
         total.inflight += d.inflight
-        for mine, theirs in ((total.ttft_buckets, d.ttft_buckets), (total.itl_buckets, d.itl_buckets)):
-            for le, n in theirs.items():
+        for h in Histogram:
+            mine = total.histograms[h]
+            for le, n in d.histograms[h].items():
                 mine[le] = mine.get(le, 0.0) + n
-        for mine_g, theirs_g in ((total.worker_waiting, d.worker_waiting), (total.worker_kv, d.worker_kv)):
-            for worker, v in theirs_g.items():  # the same worker seen by several frontends counts once
+        for g in WorkerGauge:
+            mine_g = total.workers[g]
+            for worker, v in d.workers[g].items():  # the same worker seen by several frontends counts once
                 mine_g[worker] = max(mine_g.get(worker, 0.0), v)
 
-    def mean(s: float, n: float, scale: float = 1.0) -> float | None:
-        return s / n * scale if n > 0 else None
+    def mean(s: Counter, n: Counter, scale: float = 1.0) -> float | None:
+        count = total.counters[n]
+        return total.counters[s] / count * scale if count > 0 else None
 
-    def p90_ms(buckets: Buckets) -> float | None:
-        value = histogram_quantile(QUANTILE, buckets)
+    def p90_ms(h: Histogram) -> float | None:
+        value = histogram_quantile(QUANTILE, total.histograms[h])
         return None if value is None else value * 1000.0
 
-    kv = total.worker_kv
+    completed = total.counters[Counter.REQUESTS]
+    kv = total.workers[WorkerGauge.KV_USAGE]
     return Observation(
-        seconds=seconds, arrivals=max(0.0, total.requests + total.inflight), completed=total.requests,
-        isl=mean(total.isl_sum, total.isl_count), osl=mean(total.osl_sum, total.osl_count),
-        ttft_ms=mean(total.ttft_sum, total.ttft_count, 1000.0), itl_ms=mean(total.itl_sum, total.itl_count, 1000.0),
-        inflight=inflight_now, waiting=sum(total.worker_waiting.values()),
+        seconds=seconds, arrivals=max(0.0, completed + total.inflight), completed=completed,
+        isl=mean(Counter.ISL_SUM, Counter.ISL_COUNT), osl=mean(Counter.OSL_SUM, Counter.OSL_COUNT),
+        ttft_ms=mean(Counter.TTFT_SUM, Counter.TTFT_COUNT, 1000.0),
+        itl_ms=mean(Counter.ITL_SUM, Counter.ITL_COUNT, 1000.0),
+        inflight=inflight_now, waiting=sum(total.workers[WorkerGauge.WAITING].values()),
         kv_usage=sum(kv.values()) / len(kv) if kv else None, frontends=frontends,
-        ttft_p90_ms=p90_ms(total.ttft_buckets), itl_p90_ms=p90_ms(total.itl_buckets), workers_reporting=len(kv))
+        ttft_p90_ms=p90_ms(Histogram.TTFT), itl_p90_ms=p90_ms(Histogram.ITL), workers_reporting=len(kv))
 
 
 class FrontendScraper:

@@ -1,5 +1,6 @@
-"""Fixtures for runtime integration tests: real etcd + nats-server (session-scoped, from
-harness/servers.py), runtimes connected to them, and a unique namespace per test."""
+"""Fixtures for runtime integration tests: runtimes connected to the real etcd + nats-server (the
+session-scoped ``runtime_servers`` of harness/server_fixtures.py, a plugin tests/conftest.py loads), and a
+unique namespace per test."""
 
 from __future__ import annotations
 
@@ -19,13 +20,7 @@ for _p in (str(_ROOT), str(_ROOT / "src")):
 
 from dynamo.runtime import DistributedRuntime, Endpoint, WorkerBusyError  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
-from harness.servers import (  # noqa: E402,F401  (fixtures re-exported for pytest)
-    RuntimeServers,
-    etcd_server,
-    nats_server,
-    runtime_env,
-    runtime_servers,
-)
+from harness.servers import RuntimeServers  # noqa: E402
 
 
 def settings_for(servers: RuntimeServers, **overrides) -> RuntimeSettings:

@@ -22,7 +22,7 @@ def test_a_decision_an_event_and_the_milestones_are_logged_in_order(tmp_path):
     r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, decision_log=log)
     prompt = list(range(1, 19))  # 4 complete blocks and a partial one
     local, seq = compute_hashes(prompt, BS)
-    r.apply_event(kv_event(7, 1, stored_data(None, list(zip(seq[:2], local[:2])))))
+    r.apply_event(kv_event(7, 1, stored_data(None, list(zip(seq[:2], local[:2], strict=True)))))
     now[0] = 100.5
     r.select(prompt, [7, 8], request_id="a")  # 7 holds 2 blocks
     now[0] = 100.75

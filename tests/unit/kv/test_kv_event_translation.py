@@ -78,7 +78,7 @@ def test_stored_chain_is_rehashed_so_the_router_finds_the_prompt():
     assert h.feed(stored([vh(*B[0]), vh(*B[1])], None, PROMPT[:8])) == 1
     local, seq = compute_hashes(PROMPT[:8], BS)
     data = h.sent[0]["event"]["data"]["stored"]
-    assert data == {"parent_hash": None, "blocks": [{"block_hash": s, "tokens_hash": lo} for lo, s in zip(local, seq)]}
+    assert data == {"parent_hash": None, "blocks": [{"block_hash": s, "tokens_hash": lo} for lo, s in zip(local, seq, strict=True)]}
     assert h.sent[0]["worker_id"] == WORKER
     assert h.cached(PROMPT) == 2
     # a later store under the engine's parent hash chains on: the router's sequence hashes match
@@ -216,7 +216,7 @@ def test_an_adapters_blocks_are_announced_under_its_salt():
     assert h.feed(stored(blocks, None, PROMPT[:8], lora_name="sql", lora_id=1, extra_keys=[["sql"], ["sql"]])) == 1
     local, seq = compute_hashes(PROMPT[:8], BS, lora_name="sql")
     assert h.sent[0]["event"]["data"]["stored"]["blocks"] == [
-        {"block_hash": s, "tokens_hash": lo} for lo, s in zip(local, seq)]
+        {"block_hash": s, "tokens_hash": lo} for lo, s in zip(local, seq, strict=True)]
     found = h.indexer.find_matches
     assert found(compute_block_hashes(PROMPT, BS, "sql")).get(WORKER) == 2
     assert found(compute_block_hashes(PROMPT, BS, "other")).get(WORKER, 0) == 0

@@ -15,7 +15,7 @@ BS = 4
 def blocks_of(tokens):
     """(local hashes, seq hashes, [(block_hash, tokens_hash)]) naming blocks by sequence hash, as the mocker does."""
     local, seq = compute_hashes(tokens, BS)
-    return local, seq, list(zip(seq, local))
+    return local, seq, list(zip(seq, local, strict=True))
 
 
 PROMPT = list(range(1, 17))  # 4 blocks

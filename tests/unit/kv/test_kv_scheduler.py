@@ -22,7 +22,7 @@ BS = 4
 
 def publish_prefix(router, worker, tokens):
     local, seq = compute_hashes(tokens, router.block_size)
-    router.apply_event(kv_event(worker, 1, stored_data(None, list(zip(seq, local)))))
+    router.apply_event(kv_event(worker, 1, stored_data(None, list(zip(seq, local, strict=True)))))
 
 
 # -- ActiveSequences ------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_softmax_sampling_distribution_seeded():
     probs = softmax_probabilities([c.logit for c in costs], 0.5)
     n = 20000
     picks = Counter(select_worker(costs, 0.5, rng).worker_id for _ in range(n))
-    for c, p in zip(costs, probs):
+    for c, p in zip(costs, probs, strict=True):
         assert picks[c.worker_id] / n == pytest.approx(p, abs=0.015)
     assert picks[1] > picks[2] > picks[3]
 
@@ -187,7 +187,7 @@ def test_router_events_removal_and_worker_removal():
     r = KvRouter(block_size=BS, seed=0)
     prompt = list(range(1, 17))
     local, seq = compute_hashes(prompt, BS)
-    r.apply_event(kv_event(5, 1, stored_data(None, list(zip(seq, local)))))
+    r.apply_event(kv_event(5, 1, stored_data(None, list(zip(seq, local, strict=True)))))
     assert r.select(prompt, [4, 5]).overlap_blocks == 4
     r.apply_event(kv_event(5, 2, removed_data(seq[2:])))
     assert r.find_matches(prompt) == {5: 2}

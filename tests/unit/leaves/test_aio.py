@@ -144,15 +144,19 @@ def _burst_accepted_turns(use_acceptor: bool) -> list[int]:
     turns = [0]
     accepted: list[int] = []
 
-    class Recorder(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-            accepted.append(turns[0])
-
     sock = socket.create_server(("127.0.0.1", 0), backlog=128)
     clients = [socket.create_connection(sock.getsockname()) for _ in range(30)]  # queued, not accepted
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        done = asyncio.Event()  # all 30 accepted, or 500 turns went by (the assertion below then fails)
+
+        class Recorder(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+                accepted.append(turns[0])
+                if len(accepted) == 30:
+                    done.set()
+
         if use_acceptor:
             server: Any = Acceptor(sock, Recorder)
         else:
@@ -161,11 +165,12 @@ def _burst_accepted_turns(use_acceptor: bool) -> list[int]:
         def busy() -> None:  # every turn of the loop does 2 ms of other work
             turns[0] += 1
             time.sleep(0.002)
+            if turns[0] >= 500:
+                done.set()
             loop.call_soon(busy)
 
         loop.call_soon(busy)
-        while len(accepted) < 30 and turns[0] < 500:
-            await asyncio.sleep(0)
+        await done.wait()
         server.close()
 
     try:
@@ -193,15 +198,16 @@ async def test_acceptor_close_stops_accepting():
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     got: list[asyncio.Transport] = []
+    accepted = asyncio.Event()
 
     class Keep(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             got.append(transport)  # type: ignore[arg-type]
+            accepted.set()
 
     acceptor = Acceptor(sock, Keep)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    while not got:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(accepted.wait(), 10)
     acceptor.close()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)

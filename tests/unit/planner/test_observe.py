@@ -11,8 +11,11 @@ import pytest
 from aiohttp import web
 
 from dynamo.planner.observe import (
+    Counter,
     FrontendScraper,
     FrontendTotals,
+    Histogram,
+    WorkerGauge,
     combine,
     histogram_quantile,
     interval_delta,
@@ -32,13 +35,17 @@ def test_parse_a_real_scrape():
     a = scrape("a")
     assert list(a) == [("", MODEL)]  # the other namespace's model is not ours
     t = a[("", MODEL)]
-    assert (t.requests, t.isl_count, t.isl_sum, t.osl_sum, t.itl_count) == (3, 3, 130, 45, 42)
-    assert t.itl_buckets[math.inf] == 42 and t.itl_buckets[0.025] == 37
-    assert t.ttft_buckets[0.05] == 2 and t.ttft_buckets[math.inf] == 3
-    assert list(t.worker_kv.values()) == [0.0] and list(t.worker_waiting.values()) == [0.0]
+    c = t.counters
+    assert (c[Counter.REQUESTS], c[Counter.ISL_COUNT], c[Counter.ISL_SUM], c[Counter.OSL_SUM],
+            c[Counter.ITL_COUNT]) == (3, 3, 130, 45, 42)
+    itl, ttft = t.histograms[Histogram.ITL], t.histograms[Histogram.TTFT]
+    assert itl[math.inf] == 42 and itl[0.025] == 37
+    assert ttft[0.05] == 2 and ttft[math.inf] == 3
+    assert list(t.workers[WorkerGauge.KV_USAGE].values()) == [0.0]
+    assert list(t.workers[WorkerGauge.WAITING].values()) == [0.0]
     everything = scrape("b", models=None)
     assert {m for _, m in everything} == {MODEL, "other-model"}
-    assert everything[("", "other-model")].requests == 4
+    assert everything[("", "other-model")].counters[Counter.REQUESTS] == 4
 
 
 def test_interval_between_two_scrapes():
@@ -58,15 +65,15 @@ def test_interval_between_two_scrapes():
 def test_a_restarted_frontend_counts_from_its_restart():
     b, c = scrape("b")[("", MODEL)], scrape("c")[("", MODEL)]
     d = interval_delta(b, c)  # c is a new process: 2 requests since it started, not 2 - 8
-    assert (d.requests, d.isl_sum, d.itl_count) == (2, 86, 23)
+    assert (d.counters[Counter.REQUESTS], d.counters[Counter.ISL_SUM], d.counters[Counter.ITL_COUNT]) == (2, 86, 23)
     obs = combine([d], 0.0, 1.0, 1)
     assert obs.arrivals == 2 and obs.itl_p90_ms is not None and 20 < obs.itl_p90_ms <= 50
 
 
 def test_a_bucket_that_went_down_is_a_restart_too():
-    prev = FrontendTotals(requests=5, itl_buckets={0.01: 10, math.inf: 10})
-    cur = FrontendTotals(requests=5, itl_buckets={0.01: 2, math.inf: 12})
-    assert interval_delta(prev, cur).itl_buckets == {0.01: 2, math.inf: 12}
+    prev = FrontendTotals(counters={Counter.REQUESTS: 5}, histograms={Histogram.ITL: {0.01: 10, math.inf: 10}})
+    cur = FrontendTotals(counters={Counter.REQUESTS: 5}, histograms={Histogram.ITL: {0.01: 2, math.inf: 12}})
+    assert interval_delta(prev, cur).histograms[Histogram.ITL] == {0.01: 2, math.inf: 12}
 
 
 def test_histogram_quantile():
@@ -79,8 +86,9 @@ def test_histogram_quantile():
 
 
 def test_one_worker_seen_by_two_frontends_counts_once():
-    t1 = FrontendTotals(worker_waiting={"w1/0": 3.0}, worker_kv={"w1/0": 0.5})
-    t2 = FrontendTotals(worker_waiting={"w1/0": 3.0, "w2/0": 1.0}, worker_kv={"w1/0": 0.5, "w2/0": 0.1})
+    t1 = FrontendTotals(workers={WorkerGauge.WAITING: {"w1/0": 3.0}, WorkerGauge.KV_USAGE: {"w1/0": 0.5}})
+    t2 = FrontendTotals(workers={WorkerGauge.WAITING: {"w1/0": 3.0, "w2/0": 1.0},
+                                 WorkerGauge.KV_USAGE: {"w1/0": 0.5, "w2/0": 0.1}})
     obs = combine([t1, t2], 0.0, 1.0, 2)
     assert obs.waiting == 4.0 and obs.kv_usage == pytest.approx(0.3) and obs.workers_reporting == 2
 

@@ -24,14 +24,19 @@ class _Requests:
     def __init__(self) -> None:
         self.answers = False
         self.pings = 0
-        self.pinged = asyncio.Event()
+        self.pinged = asyncio.Condition()
 
     async def send(self, address: str, payload: bytes, timeout: float, state=None) -> bytes:
-        self.pings += 1
-        self.pinged.set()
+        async with self.pinged:
+            self.pings += 1
+            self.pinged.notify_all()
         if not self.answers:
             raise TimeoutError
         return b""
+
+    async def until_pinged(self, n: int) -> None:
+        async with asyncio.timeout(2), self.pinged:
+            await self.pinged.wait_for(lambda: self.pings >= n)
 
 
 def make_client(*ids: int, liveness: float = 0.2) -> Client:
@@ -126,8 +131,7 @@ async def test_an_unresponsive_instance_is_set_aside_until_it_answers_a_probe():
     client.report_instance_unresponsive(1)
     assert client.instance_ids() == [2]
     assert {client._select("round_robin", None)[0] for _ in range(4)} == {2}
-    while plane.pings < 2:  # probed, still frozen: stays aside
-        await asyncio.sleep(0.02)
+    await plane.until_pinged(2)  # probed, still frozen: stays aside
     assert client.instance_ids() == [2]
     plane.answers = True
     await asyncio.wait_for(client._changed.wait(), 2)
@@ -142,10 +146,7 @@ async def test_an_instance_with_no_responder_is_down_until_it_answers_a_probe():
     assert isinstance(nats, _Requests)
     client.report_instance_down(1)
     assert client.instance_ids() == [2]
-    async with asyncio.timeout(2):
-        while nats.pings < 2:  # probed, still no answer: stays down
-            nats.pinged.clear()
-            await nats.pinged.wait()
+    await nats.until_pinged(2)  # probed, still no answer: stays down
     assert client.instance_ids() == [2]
     nats.answers = True
     await asyncio.wait_for(client._changed.wait(), 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,9 +67,9 @@ async def test_create_if_absent_is_atomic_across_processes(store: FileStore) -> 
     code = ("import asyncio,sys\nfrom dynamo.runtime.file_store import FileStore\n"
             "async def m():\n s=FileStore(sys.argv[1]); await s.connect()\n"
             " print(await s.create('race/key', sys.argv[2].encode()))\nasyncio.run(m())")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(store.root), str(i)], stdout=subprocess.PIPE,
-                              text=True) for i in range(8)]
-    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(store.root), str(i),
+                                                  stdout=asyncio.subprocess.PIPE) for i in range(8)]
+    outs = [(await asyncio.wait_for(p.communicate(), 60))[0].decode().strip() for p in procs]
     assert sorted(outs) == ["False"] * 7 + ["True"], outs
     winner = outs.index("True")
     assert (await store.get("race/key")).value == str(winner).encode()  # type: ignore[union-attr]
@@ -182,9 +181,10 @@ asyncio.run(main())
 
 async def test_a_process_killed_9_disappears_from_another_process_watch_within_the_ttl(store: FileStore) -> None:
     watch = await store.watch_prefix("workers/").start()
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.root), "2"], stdout=subprocess.PIPE, text=True)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, str(store.root), "2",
+                                                stdout=asyncio.subprocess.PIPE)
     try:
-        await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        await asyncio.wait_for(proc.stdout.readline(), 30)  # type: ignore[union-attr]
         ev = await next_event(watch)
         assert (ev.kind, ev.key) == ("put", f"workers/{proc.pid}")
         await asyncio.sleep(2.5)  # longer than the TTL: the keeper in the child refreshes it
@@ -195,8 +195,9 @@ async def test_a_process_killed_9_disappears_from_another_process_watch_within_t
         assert (ev.kind, ev.key) == ("delete", f"workers/{proc.pid}")
         assert time.monotonic() - killed < 2 + 1.0  # the TTL, plus the watcher's tick
     finally:
-        proc.kill()
-        proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
         await watch.close()
 
 

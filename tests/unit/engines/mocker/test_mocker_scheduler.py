@@ -173,7 +173,7 @@ def test_stored_events_shape_and_eviction():
     r = make_req(p, max_tokens=4)  # 12 + 4 = 16 tokens: a 4th block promoted during decode
     s.enqueue(r)
     run_until_idle(s)
-    assert events[0] == ("stored", None, list(zip(seq, local)))
+    assert events[0] == ("stored", None, list(zip(seq, local, strict=True)))
     full_local, full_seq = compute_hashes(r.tokens, 4)
     assert events[1] == ("stored", seq[-1], [(full_seq[3], full_local[3])])
     assert len(events) == 2

@@ -1,0 +1,41 @@
+"""The pytest fixtures over harness/servers.py: real etcd and nats-server, session-scoped (starting etcd
+costs ~0.5 s, and tests isolate themselves by using unique namespaces rather than fresh servers; tests that
+kill a server start their own).
+
+tests/conftest.py loads this module as a plugin (``pytest_plugins``), so every test can name the fixtures
+without importing them; a module of its own so that harness/servers.py, which the benchmarks use too,
+needs no pytest.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from harness.servers import EtcdServer, NatsServer, RuntimeServers
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def runtime_servers(etcd_server: EtcdServer, nats_server: NatsServer) -> RuntimeServers:
+    return RuntimeServers(etcd_server, nats_server)
+
+
+@pytest.fixture
+def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Point ETCD_ENDPOINTS / NATS_SERVER at the test servers for one test; returns that env."""
+    for key, value in runtime_servers.env.items():
+        monkeypatch.setenv(key, value)
+    return runtime_servers.env
