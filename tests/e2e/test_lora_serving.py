@@ -162,8 +162,8 @@ def test_an_adapters_requests_and_its_base_models_share_one_load_per_worker(gguf
                         stream.close()
                     finally:
                         os.kill(nats_srv.proc.pid, signal.SIGCONT)
-                    found = wait_until(lambda: (r := route_lines(decisions)[before:]) and len(r) >= 2 and r, 10,
-                                       "both decisions in the log")
+                    found = wait_until(lambda n=before: (r := route_lines(decisions)[n:]) and len(r) >= 2 and r,
+                                       10, "both decisions in the log")
                     long_route, short_route = sorted(found[:2], key=lambda r: -r["isl"])
                     busy = long_route["worker"]
                     # the other model's router saw the held request on its worker, and chose the idle one

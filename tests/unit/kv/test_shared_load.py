@@ -49,7 +49,7 @@ def test_routers_that_do_not_share_see_an_idle_worker_where_the_adapter_is_busy(
 def test_each_router_keeps_its_own_prefix_index():
     base, sql = pair()
     local, seq = compute_hashes(PROMPT, 16, "sql")
-    sql.apply_event(kv_event(A, 1, stored_data(None, list(zip(seq, local)))))
+    sql.apply_event(kv_event(A, 1, stored_data(None, list(zip(seq, local, strict=True)))))
     assert sql.find_matches(PROMPT).get(A) == 4
     assert base.find_matches(PROMPT).get(A) is None
     # the cached adapter prefix wins for the adapter; the base model's router knows nothing of it
