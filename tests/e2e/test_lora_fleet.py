@@ -8,6 +8,8 @@ instead of answering with its base model's weights."""
 from __future__ import annotations
 
 import asyncio
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -149,3 +151,50 @@ def test_a_load_that_fails_on_one_worker_is_undone_on_the_others(servers, gguf, 
     finally:
         for w in ws:
             w.stop()
+
+
+def test_a_worker_killed_during_a_load_leaves_the_fleet_and_the_load_stands_on_the_others(
+        servers, gguf, adapter, args_file):
+    """Worker 2 is frozen (SIGSTOP) before the load, so its load cannot finish; once worker 1 has loaded
+    the adapter (the fleet's call is under way on both), worker 2 is killed -9.  Its lease expires, so
+    it has left the fleet: the load stands on worker 1, the base model is served throughout, /v1/models
+    lists what the live worker serves, and a worker that comes back gets the adapter on the next load."""
+    short_lease = {**ALLOW, "DYN_LEASE_TTL": "3"}  # the dead worker's entries go within seconds
+    ws = workers(servers, gguf, args_file, [short_lease, short_lease])
+    try:
+        with DynamoRun("out=dyn", env=env_of(servers, **ALLOW)) as fe:
+            client = openai.OpenAI(base_url=fe.api_url, api_key="none", max_retries=0, timeout=120)
+            wait_until(lambda: "smol" in listed(client), 30, "the base model")
+            base = lora_answer(client, "smol")
+            body = {"lora_name": "strong", "lora_path": str(adapter)}
+            ws[1].terminate(signal.SIGSTOP)
+            with ThreadPoolExecutor(1) as pool:
+                load = pool.submit(httpx.post, fe.base_url + "/v1/load_lora_adapter", json=body, timeout=120)
+                wait_until(lambda: "LoRA adapter strong loaded from" in ws[0].stderr_text(), 60,
+                           "worker 1's load")
+                assert not load.done()  # waiting for worker 2, which cannot answer
+                ws[1].kill()
+                assert lora_answer(client, "smol") == base  # served meanwhile, by the worker that remains
+                r = load.result()
+            assert r.status_code == 200 and "added successfully" in r.text, r.text
+            assert f"worker {ws[1].instance_hex}" in fe.stderr_text()
+            assert "left the fleet during the load" in fe.stderr_text()
+            # listed because a live worker serves it; its requests are answered with the adapter's weights
+            models = listed(client)
+            assert set(models) == {"smol", "strong"}
+            assert models["strong"] == {"root": str(adapter), "parent": "smol"}
+            strong = lora_answer(client, "strong")
+            assert strong != base and lora_answer(client, "smol") == base
+            assert "LoRA adapter strong withdrawn" not in ws[0].stderr_text()  # never undone
+
+            # the dust settled: a worker comes back, and loading again reaches it as well
+            ws[1] = workers(servers, gguf, args_file, [short_lease])[0]
+            http = httpx.Client(base_url=fe.base_url, timeout=120)
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "strong"}).status_code == 200
+            r = http.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 200 and "added successfully" in r.text, r.text
+            assert "LoRA adapter strong loaded from" in ws[1].stderr_text()
+            assert {lora_answer(client, "strong") for _ in range(4)} == {strong}  # both workers answer alike
+    finally:
+        for w in ws:
+            w.kill()

@@ -7,8 +7,12 @@ requests going only to the worker that announced it."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from typing import Iterator
+import signal
+from pathlib import Path
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -113,3 +117,58 @@ def test_an_adapters_requests_go_only_to_the_worker_that_has_it(servers, gguf, a
     finally:
         for w in ws:
             w.kill()
+
+
+def route_lines(log: Path) -> list[dict[str, Any]]:
+    """The routing decisions in a decision log (DYN_ROUTER_LOG) so far."""
+    try:
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return []
+    return [x for x in lines if x["ev"] == "route"]
+
+
+def test_an_adapters_requests_and_its_base_models_share_one_load_per_worker(gguf, adapter, args_file, tmp_path):
+    """Both workers serve the base model and the adapter.  A long request is in flight on one of them;
+    the next request, for the other model, goes to the other worker: its router sees the first request's
+    load at once (the decision log shows it), in both directions.  NATS is frozen meanwhile (requests go
+    over TCP), so no event-plane echo of the first booking can stand in for the shared bookings."""
+    common = ("out=llamacpp", str(gguf), "--model-name", "smol", "--context-length", "512",
+              "--extra-engine-args", str(args_file), "--lora", f"strong={adapter}", "--request-plane", "tcp")
+    decisions = tmp_path / "decisions.jsonl"
+    with EtcdServer() as etcd, NatsServer() as nats_srv:
+        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+        ws = [DynamoWorker("in=dyn://sharedload.llamacpp.generate", *common, env=env, startup_timeout=120
+                           ).start(wait=False) for _ in range(2)]
+        try:
+            for w in ws:
+                w.wait_ready()
+            with DynamoRun("out=dyn", "--router-mode", "kv", "--request-plane", "tcp",
+                           env={**env, "DYN_ROUTER_LOG": str(decisions)}) as fe:
+                wait_until(lambda: re.search(r"added model strong", fe.stderr_text()), 30, "the adapter's model")
+                client = openai.OpenAI(base_url=fe.api_url, api_key="none", max_retries=0, timeout=120)
+                long_prompt = "Tell me a very long story about a dragon, a knight and a castle by the sea. " * 4
+                for held, other in (("strong", "smol"), ("smol", "strong")):
+                    before = len(route_lines(decisions))
+                    assert nats_srv.proc is not None
+                    os.kill(nats_srv.proc.pid, signal.SIGSTOP)
+                    try:
+                        stream = client.chat.completions.create(
+                            model=held, messages=[{"role": "user", "content": long_prompt}], max_tokens=400,
+                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+                        next(iter(stream))  # in flight on its worker
+                        client.chat.completions.create(model=other, messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=2)
+                        stream.close()
+                    finally:
+                        os.kill(nats_srv.proc.pid, signal.SIGCONT)
+                    found = wait_until(lambda n=before: (r := route_lines(decisions)[n:]) and len(r) >= 2 and r,
+                                       10, "both decisions in the log")
+                    long_route, short_route = sorted(found[:2], key=lambda r: -r["isl"])
+                    busy = long_route["worker"]
+                    # the other model's router saw the held request on its worker, and chose the idle one
+                    assert short_route["candidates"][busy]["requests"] == 1, short_route
+                    assert short_route["worker"] != busy, short_route
+        finally:
+            for w in ws:
+                w.kill()

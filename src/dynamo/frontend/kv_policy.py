@@ -124,6 +124,8 @@ class KvRouterPolicy:
         cache itself) and its routers' in-flight bookkeeping."""
         if self.router.use_kv_events:
             await self.subscribe(component_event_subject(namespace, component, "kv_events"), self.router.apply_event)
+        if not self.router.owns_load:  # the router whose bookings it shares follows the peers
+            return
         await self.subscribe(component_event_subject(namespace, component, "active_sequences_events"),
                              self.router.apply_active_sequence_event)
 
@@ -228,7 +230,10 @@ class KvRouterPolicy:
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
-                         cfg: RouterConfig) -> KvRouterPolicy:
+                         cfg: RouterConfig, *, load_of: KvRouter | None = None) -> KvRouterPolicy:
+    """``load_of``: the router whose bookings this one shares (a LoRA adapter's base model's, router.py),
+    so that a worker's load is one figure whatever model its requests name; the peers' bookings reach
+    both through that router's subscription."""
     plane = runtime.event_plane()
 
     def publisher(subject: str):
@@ -248,6 +253,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
+        load_of=load_of,
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
@@ -255,8 +261,9 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
-    await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
-                           router.apply_active_sequence_event)
+    if load_of is None:
+        await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
+                               router.apply_active_sequence_event)
     if events:
         how = "KV events"
     elif not cfg.use_kv_events:
@@ -264,7 +271,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     else:
         how = "approximate indexer (its workers do not publish KV events)"
     if card.lora_name:
-        how += f", LoRA adapter {card.lora_name} (its own block hashes)"
+        how += f", LoRA adapter {card.lora_name} (its own block hashes"
+        how += ", its base model's load per worker)" if load_of is not None else ")"
     log.info("KV router for %s: block size %d, overlap weight %.2f, temperature %.2f, %s",
              entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature, how)
     policy.start()

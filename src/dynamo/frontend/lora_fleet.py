@@ -11,7 +11,15 @@ worker that announces the adapter.
 
 All or nothing, so that what ``/v1/models`` shows is what the fleet serves: a load that fails on one
 worker is unloaded again from the workers where it succeeded, and the error names each worker and
-what it said (a worker that cannot be reached, or that answers too late, counts as failed).  If undoing
+what it said (a worker that cannot be reached, or that answers too late, counts as failed).
+
+All of the fleet that is still there: a worker that could not be reached and whose entries then leave
+discovery (killed -9 mid-load: its lease expires) has left the fleet, and the load stands on the workers
+that loaded it.  That is the rule for a worker that joins later, too (it does not get run-time adapters),
+and it keeps a crash from failing, and undoing, the load on every healthy worker; an operator who
+restarts the dead worker gives it the adapter with ``--lora``.  Telling "gone" from "slow" takes up to
+the worker's lease TTL after the call fails (``GONE_TIMEOUT_S``); a worker still registered then (a
+network partition) counts as failed, and the load is undone.  If undoing
 fails too, the error says on which workers the adapter is still loaded; they announce it, so it is
 listed in ``/v1/models`` and ``/v1/unload_lora_adapter`` removes it.  A successful call returns once
 this frontend has seen every loaded worker's entry (or every unloaded one's withdrawal), so the next
@@ -37,6 +45,9 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 120.0  # one worker loading one adapter file
 SEEN_TIMEOUT_S = 10.0  # the workers' entries reaching this frontend's discovery
+# an unreachable worker's entries leaving discovery: its lease's TTL (DYN_LEASE_TTL, 10 s by default) and
+# some slack for the watch
+GONE_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,10 @@ class Worker:
 
 def _worker(entry: ModelEntry) -> Worker:
     return Worker(entry.namespace, entry.component, entry.instance_id)
+
+
+def _unreachable(answer: str | None) -> bool:
+    return answer is not None and answer.startswith("unreachable")
 
 
 def _lora_name(entry: ModelEntry) -> str | None:
@@ -93,6 +108,20 @@ class LoraFleet:
                                "one as 'base_model_name'", param="base_model_name")
         return base, sorted(by_base[base], key=lambda w: w.instance_id)
 
+    def _live_base_workers(self, base: str) -> set[Worker]:
+        return {_worker(e) for e in self.entries() if e.name == base and _lora_name(e) is None}
+
+    async def _departed(self, base: str, unreachable: list[Worker]) -> list[Worker]:
+        """Those of ``unreachable`` that have left discovery (their lease expired: killed, or frozen
+        past its TTL) within ``GONE_TIMEOUT_S``: gone from the fleet, not failed.  A worker that cannot
+        be reached but stays registered may still serve: it counts as failed, and the load is undone."""
+        if not unreachable:
+            return []
+        await self.manager.wait_until(lambda: not (set(unreachable) & self._live_base_workers(base)),
+                                      GONE_TIMEOUT_S)
+        live = self._live_base_workers(base)
+        return [w for w in unreachable if w not in live]
+
     def _adapter_workers(self, name: str) -> set[Worker]:
         return {_worker(e) for e in self.entries() if _lora_name(e) == name}
 
@@ -105,6 +134,12 @@ class LoraFleet:
             answers = await self._call_all(LOAD_LORA_ENDPOINT, {"lora_name": name, "lora_path": path}, workers)
             loaded = [w for w in workers if answers[w] is None]
             failed = [w for w in workers if answers[w] is not None]
+            gone = await self._departed(base, [w for w in failed if _unreachable(answers[w])]) if loaded else []
+            if gone:
+                log.warning("LoRA adapter %s: %s left the fleet during the load (%s); the load stands on the %d "
+                            "worker(s) that remain", name, ", ".join(map(str, gone)),
+                            "; ".join(str(answers[w]) for w in gone), len(loaded))
+                failed = [w for w in failed if w not in gone]
             if not failed:
                 if not await self.manager.wait_until(
                         lambda: name in self.manager.names() and set(loaded) <= self._adapter_workers(name),
@@ -127,7 +162,7 @@ class LoraFleet:
                     await self.manager.wait_until(lambda: not self._adapter_workers(name), SEEN_TIMEOUT_S)
             log.warning("%s", message)
             # a worker that answered: the adapter or its file (a 400, as vLLM's); none did: unreachable
-            answered = any(not answers[w].startswith("unreachable") for w in failed)  # type: ignore[union-attr]
+            answered = any(not _unreachable(answers[w]) for w in failed)
             raise RequestError(message, status=400 if answered else 503, param="lora_path" if answered else None)
 
     async def unload(self, name: str) -> str:

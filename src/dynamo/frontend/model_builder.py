@@ -10,6 +10,7 @@ endpoint is made and kept here, shared by every model registered on it.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,6 +65,8 @@ class ModelBuilder:
         self._prefill_engine = prefill_engine
         self._prefill_stats = prefill_stats
         self._observer = observer
+        # base model name -> its KV router, whose bookings its LoRA adapters' routers share (kv/router.py)
+        self._base_kv_routers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
     async def client_for(self, ep_key: EndpointKey) -> Any:
         client = self.clients.get(ep_key)
@@ -83,7 +86,7 @@ class ModelBuilder:
         served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
         cfg = self.config
         if entry.model_type is ModelType.Backend:
-            served.router = await self.make_router(entry, card, client)
+            served.router = await self.make_router(entry, card, client, shares_load=True)
             engine: Any = RemoteCoreEngine(client, served.router, queue=cfg.queue,
                                            migration_limit=max(card.migration_limit, cfg.migration_limit),
                                            observer=observer)
@@ -128,13 +131,21 @@ class ModelBuilder:
         served.endpoints.setdefault(ep_key, set()).add(key)
         return new
 
-    async def make_router(self, entry: ModelEntry, card: Any, client: Any) -> RouterPolicy:
+    async def make_router(self, entry: ModelEntry, card: Any, client: Any, *, shares_load: bool = False
+                          ) -> RouterPolicy:
+        """``shares_load``: a decode model's router, whose bookings per worker a LoRA adapter shares with
+        its base model (the same workers: one load, whatever model a request names)."""
         cfg = self.config
         if cfg.mode != "kv":
             return SimpleRouter("random" if cfg.mode == "random" else "round-robin")
         from dynamo.frontend.kv_policy import make_kv_router
 
-        return await make_kv_router(self.runtime, entry, card, client, cfg)
+        base = (card.lora or {}).get("base_model") if shares_load else None
+        load_of = self._base_kv_routers.get(base) if isinstance(base, str) else None
+        policy = await make_kv_router(self.runtime, entry, card, client, cfg, load_of=load_of)
+        if shares_load and card.lora is None:
+            self._base_kv_routers[entry.name] = policy.router
+        return policy
 
     async def _extend_router(self, served: RemoteModel, entry: ModelEntry) -> None:
         """A KV router also follows the KV events of another component serving the model."""

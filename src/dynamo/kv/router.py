@@ -66,7 +66,16 @@ class RoutingDecision(NamedTuple):
 
 class KvRouter:
     """KV-aware worker selection for one model (one block size).  ``lora_name``: the model is that LoRA
-    adapter, so prompts are hashed with its salt (hashing.py) and match only blocks computed under it."""
+    adapter, so prompts are hashed with its salt (hashing.py) and match only blocks computed under it.
+
+    ``load_of``: another router over the same workers (a LoRA adapter's router gets its base model's)
+    whose bookings this one shares: the requests in flight per worker (with their cost index and
+    heads), their owners, the peers' bookings and the router id peers know them by.  A worker busy with
+    the adapter's requests is busy for the base model too, and the other way round; each router keeps
+    its own prefix index (the adapter's block hashes are salted, so the two never match anyway).  With
+    the same router id, a sibling's active-sequence events are its own echoes, never booked twice; only
+    the router that owns the bookings forgets a worker's requests when the worker leaves (an adapter
+    unloaded from a worker leaves the base model's requests there booked)."""
 
     def __init__(self, block_size: int = 16, overlap_score_weight: float = 1.0, temperature: float = 0.0,
                  use_kv_events: bool = True, *, approx_ttl: float = DEFAULT_APPROX_TTL_S,
@@ -75,7 +84,7 @@ class KvRouter:
                  publish_active_sequence: Publisher | None = None,
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
                  tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
-                 decision_log: DecisionLog | None = None):
+                 decision_log: DecisionLog | None = None, load_of: KvRouter | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -111,6 +120,17 @@ class KvRouter:
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
         self.decision_log = decision_log  # opt-in JSON lines of decisions and events (decision_log.py)
+        self.owns_load = load_of is None
+        if load_of is not None:
+            if (load_of.block_size, load_of.overlap_score_weight) != (block_size, overlap_score_weight):
+                raise ValueError("routers that share their bookings need the same block size and overlap weight")
+            self.router_id = load_of.router_id
+            self.trackers = load_of.trackers
+            self._loads = load_of._loads
+            self._heads = load_of._heads
+            self._owner = load_of._owner
+            self._peer_of = load_of._peer_of
+            self._peer_seen = load_of._peer_seen
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
@@ -331,6 +351,8 @@ class KvRouter:
         self.indexer.remove_worker(worker_id)
         self._resync.pop(worker_id, None)
         self._dumped_upto.pop(worker_id, None)
+        if not self.owns_load:
+            return
         tracker = self.trackers.pop(worker_id, None)
         self._loads.remove(worker_id)
         if tracker is not None:
