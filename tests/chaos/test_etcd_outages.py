@@ -1,6 +1,7 @@
 """etcd outages, end to end: a frontend (``in=http out=dyn``) and ``echo_core`` workers as real processes,
-a real etcd that is killed with SIGKILL and brought back with its data or without (wiped), a real
-nats-server that stays up.
+a real etcd that is killed with SIGKILL and brought back with its data or without (wiped), under both
+etcd configurations (harness/dist_configs.py): a real nats-server that stays up, or no NATS at all (the
+TCP request plane and the ZMQ event plane).
 
 The lease TTL is 2 s here (``DYN_LEASE_TTL``) and every outage lasts 5 s, so each outage outlives every
 lease. Throughout, client threads send chat requests through the frontend (streaming and not); the tests
@@ -9,7 +10,7 @@ in etcd, that the model stays listed, and that a worker started after an outage 
 figures (requests, failures, recovery times) are printed on one ``FIGURES`` line per test
 (``pytest tests/chaos -m chaos -s``) and copied into docs/reliability.md.
 
-The tests run in file order on one module-wide fleet: keep-data outage, wiped outage, new worker,
+The tests run in file order on one module-wide fleet per configuration: keep-data outage, wiped outage, new worker,
 SIGTERM of a worker that lived through the outages.
 """
 
@@ -27,7 +28,8 @@ import httpx
 import pytest
 
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
+from harness.dist_configs import ETCD_CONFIGS, DistConfig, dist_config
+from harness.servers import EtcdServer
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -167,23 +169,23 @@ class Load:
 # -- fixtures ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with NatsServer() as server:
-        yield server
+@pytest.fixture(scope="module", params=ETCD_CONFIGS)
+def config(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistConfig]:
+    """etcd with NATS planes (a nats-server that stays up), or with the TCP request plane and the ZMQ event
+    plane (no NATS server at all): etcd is the one server these tests kill."""
+    with dist_config(request.param, tmp_path_factory.mktemp("config"), lease_ttl=LEASE_TTL) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    with server:
-        yield server
+def etcd(config: DistConfig) -> EtcdServer:
+    assert config.etcd is not None
+    return config.etcd
 
 
 @pytest.fixture(scope="module")
-def env(etcd: EtcdServer, nats: NatsServer) -> dict[str, str]:
-    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LEASE_TTL": str(LEASE_TTL),
-            "DYN_LOG": "info"}
+def env(config: DistConfig) -> dict[str, str]:
+    return {**config.env, "DYN_LOG": "info"}
 
 
 def start_worker(env: dict[str, str], model_dir: Path) -> DynamoWorker:
