@@ -13,6 +13,7 @@ read the frontend again once etcd is back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -82,7 +83,7 @@ def test_planner_keeps_its_workers_and_resumes_observing_through_etcd_restarts(c
         "--namespace", NS, "--adjustment-interval", "1", "--itl", "1", "--ttft", "100000", "--min-endpoint", "1",
         "--max-workers", "2", "--scale-down-after", "2", "--decode-cmd", f"{cmd} {' '.join(config.flags)}",
         "--state-dir", str(state), "--log-dir", str(tmp_path / "logs"), "--metrics-port", str(port),
-        *config.flags, "--stop-workers-on-exit",
+        "--discovery-backend", "etcd", "--stop-workers-on-exit",
         command=[sys.executable, "-m", "dynamo.planner"], ready=r"planner for namespace", env=env)
     try:
         planner.start()
@@ -116,6 +117,45 @@ def test_planner_keeps_its_workers_and_resumes_observing_through_etcd_restarts(c
         assert log.count("started decode worker") == 2, log[-4000:]
         assert "draining" not in log and "replacing it" not in log and "Traceback" not in log, log[-4000:]
         assert "planner interval failed" not in log, log[-4000:]
+        # each outage said once where it began (the models already seen still count) and once where it ended
+        assert log.count(f"cannot list the models of namespace {NS}") == 2, log[-4000:]
+        assert log.count(f"the models of namespace {NS} listed again") == 2, log[-4000:]
     finally:
         planner.stop()
         frontend.kill()
+
+
+async def test_namespace_models_carry_through_an_outage_and_none_known_skips_the_interval(config, caplog):
+    """In process, on the same real etcd: the models a planner listed still count while etcd is down; a
+    planner that never listed them skips its intervals (no "no load" read, which would drain the fleet);
+    both list again once etcd is back."""
+    from dynamo.llm.model_entry import ModelEntry
+    from dynamo.llm.model_type import ModelType
+    from dynamo.planner.frontends import NamespaceModels
+    from dynamo.planner.observe import ObservationUnavailable
+    from dynamo.runtime.config import EtcdSettings
+    from dynamo.runtime.etcd import EtcdClient
+
+    etcd = config.etcd
+    assert etcd is not None
+    store = EtcdClient(EtcdSettings([etcd.url]))
+    await store.connect()
+    try:
+        entry = ModelEntry(name="Listed-Model", namespace="nsm", component="backend", endpoint="generate",
+                           model_type=ModelType.Backend, instance_id=0x1234, card={})
+        await store.put(entry.key(), entry.to_json())
+        seen, never = NamespaceModels(store, "nsm"), NamespaceModels(store, "nsm")
+        assert await seen() == {"listed-model"}
+        caplog.set_level("INFO", logger="dynamo.planner.frontends")
+        await asyncio.to_thread(etcd.crash)
+        assert await seen() == {"listed-model"} and await seen() == {"listed-model"}
+        with pytest.raises(ObservationUnavailable, match="models of namespace nsm are not known yet"):
+            await never()
+        assert await NamespaceModels(store, "nsm", only="Named")() == {"named"}  # --model needs no discovery
+        await asyncio.to_thread(etcd.restart)
+        assert await never() == {"listed-model"} and await seen() == {"listed-model"}
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("cannot list the models of namespace nsm" in m for m in messages) == 2, messages  # once each
+        assert sum("listed again" in m for m in messages) == 2, messages
+    finally:
+        await store.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dynamo.planner.connector import DECODE, PREFILL, Connector, FleetState, PoolState
 from dynamo.planner.metrics import PlannerMetrics
-from dynamo.planner.observe import FrontendScraper, Observation
+from dynamo.planner.observe import FrontendScraper, Observation, ObservationUnavailable
 from dynamo.planner.predictors import make_predictor
 from dynamo.planner.sizing import (
     Hysteresis,
@@ -184,6 +184,8 @@ class Planner:
                 break
             try:
                 await self.step()
+            except ObservationUnavailable as e:  # said once where it starts (frontends.NamespaceModels)
+                log.debug("interval skipped: %s", e)
             except Exception:  # noqa: BLE001 - one failed interval (store unreachable) must not end the planner
                 log.exception("planner interval failed; trying again next interval")
 
