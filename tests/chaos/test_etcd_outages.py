@@ -193,7 +193,7 @@ def start_worker(env: dict[str, str], model_dir: Path) -> DynamoWorker:
 
 
 @pytest.fixture(scope="module")
-def fleet(env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
+def fleet(config: DistConfig, env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
     workers = [start_worker(env, tiny_model).start(wait=False) for _ in range(2)]
     frontend = DynamoRun("out=dyn", env=env)
     try:
@@ -202,7 +202,7 @@ def fleet(env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
             w.wait_ready()
         wait_until(lambda: health_instances(frontend) == {w.instance_id for w in workers} and model_listed(frontend),
                    15, "both workers on the frontend")
-        yield {"frontend": frontend, "workers": workers, "extra": []}
+        yield {"frontend": frontend, "workers": workers, "extra": [], "config": config.name}
     finally:
         if os.environ.get("CHAOS_SHOW_LOGS"):
             print("FRONTEND LOG\n", frontend.stderr_text()[-6000:])
@@ -229,7 +229,7 @@ def outage(etcd: EtcdServer, fleet: dict[str, Any], *, wipe: bool) -> dict[str, 
         load.wait_for(10)
         # keep the load on after the return: the re-lists and re-registrations happen in this window
         time.sleep(max(0.0, AFTER_S - (time.monotonic() - back_at)))
-    figures = {"wipe": wipe, "lease_ttl": LEASE_TTL, "sent": load.sent, "sent_during_outage": during,
+    figures = {"config": fleet["config"], "wipe": wipe, "lease_ttl": LEASE_TTL, "sent": load.sent, "sent_during_outage": during,
                "failed": len(load.failed), "outage_s": round(back_at - down_at, 1),
                "traffic_after_return_s": round(time.monotonic() - back_at, 1), "keys_back_s": round(keys_back_s, 2)}
     print(f"\nFIGURES etcd outage {json.dumps(figures)}")
