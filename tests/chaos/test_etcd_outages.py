@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.proc import DynamoRun, DynamoWorker
 from harness.dist_configs import ETCD_CONFIGS, DistConfig, dist_config
+from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer
 from harness.wait import wait_until
 

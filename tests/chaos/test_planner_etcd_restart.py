@@ -101,14 +101,14 @@ def test_planner_keeps_its_workers_and_resumes_observing_through_etcd_restarts(c
                 down = time.monotonic()
                 start = intervals(port)
                 # it goes on deciding with etcd down (at least three intervals), and changes nothing
-                wait_until(lambda: intervals(port) >= start + 3, 15, "intervals with etcd down")
+                wait_until(lambda start=start: intervals(port) >= start + 3, 15, "intervals with etcd down")
                 time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))  # outlive every lease
                 assert planner.running, planner.stderr_text()[-3000:]
                 etcd.restart(wipe=wipe)
                 back = intervals(port)
                 # the frontend's registration is there again (re-written after a wipe) and the planner reads it
                 wait_until(lambda: list(frontend_keys(config)) == fe_key, 15, "the frontend's key back")
-                wait_until(lambda: sees_load_through(port, frontend, back + 1), 20,
+                wait_until(lambda back=back: sees_load_through(port, frontend, back + 1), 20,
                            "the planner reading the frontend after etcd's return")
                 wait_until(lambda: len(health_instances(frontend, ENDPOINT)) == 2, 15, "both workers on the frontend")
                 assert fleet_pids(state) == pids, planner.stderr_text()[-4000:]
