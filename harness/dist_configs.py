@@ -6,6 +6,9 @@
 configuration), the TCP request plane and the ZMQ event plane; the model cards' files go in the file
 object store. What a user with neither etcd nor NATS gets by default, said explicitly here so that an
 etcd or NATS left running on the default ports by something else cannot change what is tested.
+``etcd+tcp+zmq``: etcd for discovery, the TCP request plane and the ZMQ event plane, no NATS server: the
+planes that need no server under a discovery store that can go away (the etcd chaos tests kill it, see
+:data:`ETCD_CONFIGS`).
 
 Use the ``dist_config`` fixture (tests/e2e/conftest.py): a module-scoped fixture parametrized over
 :data:`DIST_CONFIGS`, so a module's fleet is started once per configuration.
@@ -29,6 +32,8 @@ from harness.servers import EtcdServer, NatsServer
 T = TypeVar("T")
 
 DIST_CONFIGS = ("etcd+nats", "file+tcp+zmq")
+# the configurations with an etcd to kill: the etcd chaos tests run under both
+ETCD_CONFIGS = ("etcd+nats", "etcd+tcp+zmq")
 
 
 @dataclass
@@ -93,6 +98,12 @@ def dist_config(name: str, workdir: Path, *, lease_ttl: int = 3) -> Iterator[Dis
             nats = stack.enter_context(NatsServer())
             yield DistConfig(name, {**base, "ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url},
                              ["--discovery-backend", "etcd"], etcd=etcd, nats=nats)
+        elif name == "etcd+tcp+zmq":
+            etcd = stack.enter_context(EtcdServer())
+            yield DistConfig(name, {**base, "ETCD_ENDPOINTS": etcd.url, "DYN_DISCOVERY_BACKEND": "etcd",
+                                    "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq"},
+                             ["--discovery-backend", "etcd", "--request-plane", "tcp", "--event-plane", "zmq"],
+                             etcd=etcd)
         elif name == "file+tcp+zmq":
             kv = workdir / "dynamo_store_kv"
             yield DistConfig(name, {**base, "DYN_FILE_KV": str(kv), "DYN_DISCOVERY_BACKEND": "file",
@@ -100,4 +111,4 @@ def dist_config(name: str, workdir: Path, *, lease_ttl: int = 3) -> Iterator[Dis
                              ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"],
                              file_kv=kv)
         else:
-            raise ValueError(f"unknown distributed configuration {name!r}; known: {', '.join(DIST_CONFIGS)}")
+            raise ValueError(f"unknown distributed configuration {name!r}; known: {', '.join(DIST_CONFIGS + ETCD_CONFIGS[1:])}")

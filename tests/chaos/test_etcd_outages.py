@@ -1,6 +1,7 @@
 """etcd outages, end to end: a frontend (``in=http out=dyn``) and ``echo_core`` workers as real processes,
-a real etcd that is killed with SIGKILL and brought back with its data or without (wiped), a real
-nats-server that stays up.
+a real etcd that is killed with SIGKILL and brought back with its data or without (wiped), under both
+etcd configurations (harness/dist_configs.py): a real nats-server that stays up, or no NATS at all (the
+TCP request plane and the ZMQ event plane).
 
 The lease TTL is 2 s here (``DYN_LEASE_TTL``) and every outage lasts 5 s, so each outage outlives every
 lease. Throughout, client threads send chat requests through the frontend (streaming and not); the tests
@@ -9,7 +10,7 @@ in etcd, that the model stays listed, and that a worker started after an outage 
 figures (requests, failures, recovery times) are printed on one ``FIGURES`` line per test
 (``pytest tests/chaos -m chaos -s``) and copied into docs/reliability.md.
 
-The tests run in file order on one module-wide fleet: keep-data outage, wiped outage, new worker,
+The tests run in file order on one module-wide fleet per configuration: keep-data outage, wiped outage, new worker,
 SIGTERM of a worker that lived through the outages.
 """
 
@@ -26,8 +27,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from harness.dist_configs import ETCD_CONFIGS, DistConfig, dist_config
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -167,23 +169,23 @@ class Load:
 # -- fixtures ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with NatsServer() as server:
-        yield server
+@pytest.fixture(scope="module", params=ETCD_CONFIGS)
+def config(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistConfig]:
+    """etcd with NATS planes (a nats-server that stays up), or with the TCP request plane and the ZMQ event
+    plane (no NATS server at all): etcd is the one server these tests kill."""
+    with dist_config(request.param, tmp_path_factory.mktemp("config"), lease_ttl=LEASE_TTL) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    with server:
-        yield server
+def etcd(config: DistConfig) -> EtcdServer:
+    assert config.etcd is not None
+    return config.etcd
 
 
 @pytest.fixture(scope="module")
-def env(etcd: EtcdServer, nats: NatsServer) -> dict[str, str]:
-    return {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_LEASE_TTL": str(LEASE_TTL),
-            "DYN_LOG": "info"}
+def env(config: DistConfig) -> dict[str, str]:
+    return {**config.env, "DYN_LOG": "info"}
 
 
 def start_worker(env: dict[str, str], model_dir: Path) -> DynamoWorker:
@@ -191,7 +193,7 @@ def start_worker(env: dict[str, str], model_dir: Path) -> DynamoWorker:
 
 
 @pytest.fixture(scope="module")
-def fleet(env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
+def fleet(config: DistConfig, env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
     workers = [start_worker(env, tiny_model).start(wait=False) for _ in range(2)]
     frontend = DynamoRun("out=dyn", env=env)
     try:
@@ -200,7 +202,7 @@ def fleet(env: dict[str, str], tiny_model: Path) -> Iterator[dict[str, Any]]:
             w.wait_ready()
         wait_until(lambda: health_instances(frontend) == {w.instance_id for w in workers} and model_listed(frontend),
                    15, "both workers on the frontend")
-        yield {"frontend": frontend, "workers": workers, "extra": []}
+        yield {"frontend": frontend, "workers": workers, "extra": [], "config": config.name}
     finally:
         if os.environ.get("CHAOS_SHOW_LOGS"):
             print("FRONTEND LOG\n", frontend.stderr_text()[-6000:])
@@ -227,7 +229,7 @@ def outage(etcd: EtcdServer, fleet: dict[str, Any], *, wipe: bool) -> dict[str, 
         load.wait_for(10)
         # keep the load on after the return: the re-lists and re-registrations happen in this window
         time.sleep(max(0.0, AFTER_S - (time.monotonic() - back_at)))
-    figures = {"wipe": wipe, "lease_ttl": LEASE_TTL, "sent": load.sent, "sent_during_outage": during,
+    figures = {"config": fleet["config"], "wipe": wipe, "lease_ttl": LEASE_TTL, "sent": load.sent, "sent_during_outage": during,
                "failed": len(load.failed), "outage_s": round(back_at - down_at, 1),
                "traffic_after_return_s": round(time.monotonic() - back_at, 1), "keys_back_s": round(keys_back_s, 2)}
     print(f"\nFIGURES etcd outage {json.dumps(figures)}")

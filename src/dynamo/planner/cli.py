@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def run(cfg: PlannerConfig) -> int:
     """Run the planner until SIGINT or SIGTERM."""
-    from dynamo.planner.frontends import FrontendDirectory, namespace_models
+    from dynamo.planner.frontends import FrontendDirectory, NamespaceModels
     from dynamo.planner.metrics import PlannerMetrics
     from dynamo.planner.observe import FrontendScraper
     from dynamo.planner.planner import Planner
@@ -168,15 +168,7 @@ async def run(cfg: PlannerConfig) -> int:
                                    cfg.drain_timeout, cfg.stop_workers_on_exit)
     frontends = FrontendDirectory(store, cfg.frontend_urls)
 
-    seen_models: set[str] = set()  # once the namespace's, always: requests still come when its workers are gone
-
-    async def models() -> set[str]:
-        if cfg.model:
-            return {cfg.model.lower()}
-        seen_models.update(await namespace_models(store, cfg.namespace))
-        return seen_models
-
-    scraper = FrontendScraper(frontends.urls, models=models)
+    scraper = FrontendScraper(frontends.urls, models=NamespaceModels(store, cfg.namespace, cfg.model))
     try:
         await frontends.start()
         await Planner(cfg, connector, scraper, capacity, metrics).run(stop)

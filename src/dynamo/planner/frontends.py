@@ -11,6 +11,12 @@ under another address, ``localhost`` for ``10.0.0.5``, would otherwise count twi
 **Models.**  Our frontends serve every namespace's models, so a frontend's metrics may carry other
 fleets' load.  :func:`namespace_models` lists the model names registered in the planner's namespace
 (``models/<namespace>/...``), and only their series count (``--model`` narrows it to one).
+:class:`NamespaceModels` keeps every name once seen (requests still come for a model whose workers are
+all gone), and, while discovery does not answer (etcd down or restarting), goes on with those: the
+frontends and their ``/metrics`` do not need etcd, so the planner keeps observing and deciding through an
+outage instead of failing every interval.  Only a planner that never listed the models cannot tell its
+load from other fleets': its intervals are skipped (:class:`~.observe.ObservationUnavailable`) until discovery answers,
+rather than read as "no load" (which would drain the fleet).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import logging
 from dynamo.aio import cancel_and_wait
 from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.planner.observe import ObservationUnavailable
 from dynamo.runtime.discovery import DiscoveryWatch
+from dynamo.runtime.errors import DynamoRuntimeError
 from dynamo.runtime.kv_store import KeyValueStore
 
 log = logging.getLogger(__name__)
@@ -89,3 +97,37 @@ async def namespace_models(store: KeyValueStore, namespace: str) -> set[str]:
         except Exception:  # noqa: BLE001 - a malformed entry is the frontend's to report
             continue
     return names
+
+
+class NamespaceModels:
+    """The model names whose series count: ``--model``, else every name ever registered in the namespace
+    (see the module docstring for why an unreachable store is not an error here)."""
+
+    def __init__(self, store: KeyValueStore, namespace: str, only: str | None = None) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.only = only.lower() if only else None
+        self.seen: set[str] = set()
+        self.unreachable_since: float | None = None
+
+    async def __call__(self) -> set[str]:
+        if self.only:
+            return {self.only}
+        loop = asyncio.get_running_loop()
+        try:
+            names = await namespace_models(self.store, self.namespace)
+        except DynamoRuntimeError as e:
+            if self.unreachable_since is None:
+                self.unreachable_since = loop.time()
+                log.warning("cannot list the models of namespace %s (%s); %s until discovery answers",
+                            self.namespace, e, f"counting the {len(self.seen)} already seen" if self.seen
+                            else "no interval is decided")
+            if not self.seen:
+                raise ObservationUnavailable(f"the models of namespace {self.namespace} are not known yet: {e}") from None
+            return self.seen
+        if self.unreachable_since is not None:
+            log.info("the models of namespace %s listed again after %.1f s", self.namespace,
+                     loop.time() - self.unreachable_since)
+            self.unreachable_since = None
+        self.seen.update(names)
+        return self.seen

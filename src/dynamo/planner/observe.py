@@ -244,6 +244,11 @@ def combine(deltas: Iterable[FrontendTotals], inflight_now: float, seconds: floa
         ttft_p90_ms=p90_ms(Histogram.TTFT), itl_p90_ms=p90_ms(Histogram.ITL), workers_reporting=len(kv))
 
 
+class ObservationUnavailable(Exception):
+    """This interval cannot be observed at all (e.g. which models count is not known): the planner skips
+    it, deciding nothing, rather than read it as an interval without load."""
+
+
 class FrontendScraper:
     """Scrapes the frontends ``urls()`` names (``--frontend-url`` and the ones discovery found) each interval.
 
@@ -284,10 +289,10 @@ class FrontendScraper:
 
     async def observe(self) -> Observation:
         """The load since the last call (the first call only sets the baselines)."""
+        models = await self.models() if self.models is not None else None  # first: it may raise
         now = time.monotonic()
         seconds = now - self.last_time if self.last_time is not None else 0.0
         self.last_time = now
-        models = await self.models() if self.models is not None else None
         deltas: list[FrontendTotals] = []
         inflight = 0.0
         answered = 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dynamo.planner.connector import DECODE, PREFILL, Connector, FleetState, PoolState
 from dynamo.planner.metrics import PlannerMetrics
-from dynamo.planner.observe import FrontendScraper, Observation
+from dynamo.planner.observe import FrontendScraper, Observation, ObservationUnavailable
 from dynamo.planner.predictors import make_predictor
 from dynamo.planner.sizing import (
     Hysteresis,
@@ -36,6 +36,7 @@ from dynamo.planner.sizing import (
     worker_load_floor,
     workers_for,
 )
+from dynamo.runtime.errors import DynamoRuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class Planner:
                  " (no-operation: nothing is changed)" if self.cfg.no_operation else "")
         await self.scraper.observe()  # the baselines
         await self.step(first=True)
+        failing_since: float | None = None
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.adjustment_interval)
@@ -184,8 +186,19 @@ class Planner:
                 break
             try:
                 await self.step()
-            except Exception:  # noqa: BLE001 - one failed interval (store unreachable) must not end the planner
+            except ObservationUnavailable as e:  # said once where it starts (frontends.NamespaceModels)
+                log.debug("interval skipped: %s", e)
+            except DynamoRuntimeError as e:  # discovery unreachable (the virtual connector's keys): an outage
+                if failing_since is None:  # is one warning and one info line, not a traceback per interval
+                    failing_since = time.monotonic()
+                    log.warning("planner interval failed (%s); trying again every interval", e)
+                continue
+            except Exception:  # noqa: BLE001 - one failed interval must not end the planner
                 log.exception("planner interval failed; trying again next interval")
+                continue
+            if failing_since is not None:
+                log.info("planner intervals work again after %.1f s", time.monotonic() - failing_since)
+                failing_since = None
 
     async def step(self, first: bool = False) -> Decision:
         obs = await self.scraper.observe()

@@ -8,6 +8,8 @@ from dynamo.planner import planner as planner_module
 from dynamo.planner.connector import FleetState, PoolState
 from dynamo.planner.observe import Observation
 from dynamo.planner.planner import Planner, PlannerConfig
+from dynamo.runtime.errors import RuntimeConnectionError
+from harness.wait import until
 
 
 class FakeScraper:
@@ -69,3 +71,38 @@ async def test_a_fleet_change_is_not_reacted_to_until_it_settled(clock):
     d = await p.step()
     assert d.decode == 4 and "ITL 90 ms over 50 ms" in d.reason
     assert len(p.online.decode) == 2
+
+
+class UnreachableStoreConnector(FakeConnector):
+    """A connector whose fleet lives in discovery (the virtual one) while the store does not answer."""
+
+    def __init__(self, ready: int, failures: int) -> None:
+        super().__init__(ready)
+        self.failures = failures
+
+    async def fleet(self) -> FleetState:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeConnectionError("cannot reach etcd at http://127.0.0.1:1: connection refused")
+        return self.state
+
+
+async def test_an_unreachable_store_is_one_warning_and_one_info_line_not_a_traceback_per_interval(caplog):
+    import asyncio
+
+    caplog.set_level("INFO", logger="dynamo.planner.planner")
+    cfg = PlannerConfig(namespace="n", adjustment_interval=0.001, itl_ms=50.0, ttft_ms=10000.0, max_workers=8)
+    connector = UnreachableStoreConnector(ready=1, failures=0)
+    p = Planner(cfg, connector, FakeScraper())  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(p.run(stop))
+    await until(lambda: len(connector.asked) >= 1, 5, "the first step (the store answers)")
+    connector.failures = 5
+    await until(lambda: connector.failures == 0 and len(connector.asked) >= 3, 5,
+                "five failed intervals, then decisions again")
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    records = [r for r in caplog.records if "interval" in r.getMessage()]
+    assert [r.levelname for r in records] == ["WARNING", "INFO"], [r.getMessage() for r in records]
+    assert "cannot reach etcd" in records[0].getMessage() and records[0].exc_info is None
+    assert "work again" in records[1].getMessage()
