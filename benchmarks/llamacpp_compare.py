@@ -414,7 +414,7 @@ def run_server(name: str, build, gguf: Path, levels: list[int], max_tokens: int,
                   f"{format_value(r['ttft_ms']['p50'])} p99 {format_value(r['ttft_ms']['p99'])} ms; ITL {format_value(r['itl_ms_mean'])} ms; "
                   f"server CPU {r['server_cpu_s']:.1f} s ({format_value(r['server_cpu_ms_per_token'], '.2f')} ms/token)"
                   + (f"; its decode {r['server_decode_ms_per_token']:.2f} ms/token"
-                     if r["server_decode_ms_per_token"] else "") + f"; load before {' '.join(load)}"
+                     if r["server_decode_ms_per_token"] else "") + f"; load before {machine.format_load(load)}"
                   + (f"; ERRORS {r['errors'][:3]}" if r["errors"] else ""), flush=True)
         res["greedy_consistency"] = greedy_consistency(res["levels"])
         for c, g in res["greedy_consistency"].items():
