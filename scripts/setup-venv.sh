@@ -8,6 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ -L .venv ]; then
+  # a git worktree borrowing another checkout's virtualenv: an editable install from here would point that
+  # checkout's venv at this tree; run with PYTHONPATH=$PWD/src instead
+  echo "setup-venv: .venv is a link to a shared virtualenv; not installing into it" >&2
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
