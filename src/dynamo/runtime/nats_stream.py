@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 from .codec import FrameDecoder
 from .context import Context
 from .errors import EngineError, StreamStalledError
-from .transport import FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_SENTINEL, StreamState, encode_frame
+from .transport import FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_SENTINEL, StreamState, TurnBatch, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -209,24 +209,16 @@ class NatsSink:
         self.finished = False
         self.last_sent = time.monotonic()
         self.heartbeat = HEARTBEAT  # seconds of quiet before a heartbeat frame
-        self._pending: list[bytes] = []
+        self._batch = TurnBatch(self._publish)
         self._outbox: list[bytes] = []
-        self._flush_scheduled = False
         self._sender: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
 
     def write(self, frame: bytes) -> None:
-        self._pending.append(frame)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        self._batch.queue(frame)
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if not self._pending:
-            return
-        self._outbox.append(b"".join(self._pending))
-        self._pending.clear()
+    def _publish(self, data: bytes) -> None:
+        self._outbox.append(data)
         self.last_sent = time.monotonic()
         if self._sender is None or self._sender.done():
             self._sender = self._loop.create_task(self._send_all())
@@ -251,14 +243,12 @@ class NatsSink:
         if self.finished:
             return
         self.finished = True
-        self._pending += [FRAME_COMPLETE, FRAME_SENTINEL]
-        self._flush()
+        self._batch.flush(FRAME_COMPLETE, FRAME_SENTINEL)
         self.hub.sinks.pop(self.key, None)
 
     def abort(self) -> None:
         if self.finished:
             return
         self.finished = True
-        self._pending.append(FRAME_ABORT)
-        self._flush()
+        self._batch.flush(FRAME_ABORT)
         self.hub.sinks.pop(self.key, None)

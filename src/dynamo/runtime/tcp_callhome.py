@@ -22,6 +22,7 @@ from .transport import (
     FRAME_HEARTBEAT,
     FRAME_PROLOGUE_OK,
     FRAME_SENTINEL,
+    TurnBatch,
     encode_handshake,
     encode_prologue_error,
 )
@@ -42,8 +43,7 @@ class TcpSink(asyncio.Protocol):
     def __init__(self, context: Context) -> None:
         self.context = context
         self.transport: asyncio.Transport | None = None
-        self._pending: list[bytes] = []
-        self._flush_scheduled = False
+        self._batch = TurnBatch(self._send)  # the handshake and prologue: they leave together
         self._paused = False
         self._drain: asyncio.Future | None = None
         self._decoder = FrameDecoder()
@@ -116,8 +116,8 @@ class TcpSink(asyncio.Protocol):
         """Send now, or after what is still queued.  (The ingress pump joins the frames of the items
         a handler has ready into one write, so a write per loop turn and stream is the norm.)"""
         self.wrote = True
-        if self._pending:
-            self._pending.append(frame)
+        if self._batch.frames:
+            self._batch.queue(frame)
             return
         transport = self.transport
         if transport is not None and not transport.is_closing():
@@ -125,19 +125,12 @@ class TcpSink(asyncio.Protocol):
 
     def queue(self, frame: bytes) -> None:
         """Send at the end of this loop turn, together with whatever else is written until then."""
-        self._pending.append(frame)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        self._batch.queue(frame)
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
+    def _send(self, data: bytes) -> None:
         self.wrote = True
-        if self._pending:
-            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
-            self._pending.clear()
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.write(data)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     @property
     def must_drain(self) -> bool:
@@ -158,16 +151,14 @@ class TcpSink(asyncio.Protocol):
         if self.finished:
             return
         self.finished = True
-        self._pending.append(FRAME_COMPLETE)
-        self._pending.append(FRAME_SENTINEL)
-        self._flush()
+        self._batch.flush(FRAME_COMPLETE, FRAME_SENTINEL)
         if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
         """Close without the completion marker (the client then reports an incomplete stream)."""
         self.finished = True
-        self._flush()
+        self._batch.flush()
         if self.transport is not None:
             self.transport.close()
 
@@ -207,7 +198,7 @@ class _HeartbeatTicker:
                         self.sinks.discard(sink)
                     elif sink.wrote:
                         sink.wrote = False
-                    elif not sink._pending and not sink._paused:
+                    elif not sink._batch.frames and not sink._paused:
                         transport.write(FRAME_HEARTBEAT)  # direct: the next tick still sees the stream idle
         finally:
             self.task = None

@@ -1,5 +1,5 @@
-"""What both response transports share: the request envelope, stream-message encoding, and the
-client-side state of one response stream.
+"""What both response transports share: the request envelope, stream-message encoding, the
+worker-side batching of a stream's writes, and the client-side state of one response stream.
 
 Request (client -> worker, one NATS request per stream): a two-part frame whose header is the control
 JSON ``{"id", "request_type": "single_in", "response_type": "many_out", "connection_info":
@@ -17,6 +17,8 @@ Response stream (worker -> client), each a frame:
   header-only ``"heartbeat"``                                while the stream is idle, when the client
                                                              asked for it (``heartbeat_ms`` in the info)
 Control (client -> worker): header-only ``"stop"`` or ``"kill"``.
+
+Worker side, ``TurnBatch``: what a stream writes in one loop turn leaves together at its end.
 """
 
 from __future__ import annotations
@@ -99,6 +101,41 @@ def parse_request_control(header: bytes) -> tuple[str, str, dict]:
     conn = control.get("connection_info") or {}
     info = conn.get("info") or "{}"
     return str(control.get("id") or ""), conn.get("transport", ""), orjson.loads(info) if isinstance(info, str) else info
+
+
+# ---------------------------------------------------------------------------------- worker side
+
+
+class TurnBatch:
+    """Frames a worker's stream writes during one event-loop turn, handed to ``deliver`` joined, once,
+    at the end of the turn: the handshake and prologue (and, over NATS, every frame) leave in one
+    write or publish instead of one each. ``flush`` hands them on at once (finish, abort).
+    """
+
+    __slots__ = ("frames", "_deliver", "_loop", "_scheduled")
+
+    def __init__(self, deliver: Callable[[bytes], None]) -> None:
+        self.frames: list[bytes] = []  # queued, not yet handed on
+        self._deliver = deliver
+        self._loop = asyncio.get_running_loop()
+        self._scheduled = False
+
+    def queue(self, frame: bytes) -> None:
+        """Hand ``frame`` on at the end of this loop turn, with whatever else is queued until then."""
+        self.frames.append(frame)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self, *last: bytes) -> None:
+        """Hand on what is queued, then ``last``, now (nothing when both are empty)."""
+        self._scheduled = False
+        frames = self.frames
+        frames += last
+        if frames:
+            data = b"".join(frames) if len(frames) > 1 else frames[0]
+            frames.clear()
+            self._deliver(data)
 
 
 # ---------------------------------------------------------------------------------- client side

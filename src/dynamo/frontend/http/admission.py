@@ -14,6 +14,7 @@ them and, past its grace period, stops their engines so each ends cleanly.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -23,6 +24,8 @@ from dynamo.frontend.http.metrics import FrontendMetrics, RequestMetrics
 from dynamo.llm.engine import Context
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+log = logging.getLogger(__name__)
 
 _MODEL = web.RequestKey("dynamo_model", str)  # the request's model once it is known: its rejection's label
 
@@ -55,20 +58,42 @@ class Admission:
 
         return admit
 
-    def begin(self, request: web.Request, ctx: Context, model: str, endpoint: str,
-              streaming: bool) -> RequestMetrics:
-        """A request that knows its model starts its engine: its metrics, and it counts as in flight."""
+    def run(self, request: web.Request, ctx: Context, model: str, endpoint: str, streaming: bool) -> "InFlight":
+        """A request that knows its model starts its engine: ``with admission.run(...) as flight:`` counts
+        it in flight and gives its metrics; leaving the block ends it (see :class:`InFlight`)."""
         request[_MODEL] = model
         task = asyncio.current_task()
         if task is not None:
             self.tasks.add(task)
         self.contexts.add(ctx)
-        return self.metrics.request(model, endpoint, streaming)
+        return InFlight(self, ctx, self.metrics.request(model, endpoint, streaming), task)
 
-    def end(self, ctx: Context, rm: RequestMetrics, ok: bool) -> None:
-        """The request begun with :meth:`begin` is over (``ok``: it completed without error)."""
-        rm.done(ok)
-        self.contexts.discard(ctx)
-        task = asyncio.current_task()
-        if task is not None:
-            self.tasks.discard(task)
+
+class InFlight:
+    """One admitted request's engine run, as a ``with`` block around it. The handler sets ``ok`` once
+    the request completed without error; leaving the block records the outcome in the metrics and stops
+    counting the request in flight. A handler cancelled inside it (the client went away, or shutdown past
+    its grace) kills the context first, so the engine stops its work for nobody.
+    """
+
+    __slots__ = ("admission", "ctx", "metrics", "ok", "_task")
+
+    def __init__(self, admission: Admission, ctx: Context, metrics: RequestMetrics,
+                 task: "asyncio.Task[Any] | None") -> None:
+        self.admission = admission
+        self.ctx = ctx
+        self.metrics = metrics
+        self.ok = False
+        self._task = task
+
+    def __enter__(self) -> "InFlight":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            self.ctx.kill()
+            log.debug("request %s cancelled: client went away", self.ctx.id)
+        self.metrics.done(self.ok)
+        self.admission.contexts.discard(self.ctx)
+        if self._task is not None:
+            self.admission.tasks.discard(self._task)

@@ -8,8 +8,6 @@ stops the engine's work.  Both routes sit behind the frontend-wide limit (admiss
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -24,8 +22,6 @@ from dynamo.llm import first_token
 from dynamo.llm.aggregate import fold_chat, fold_completion
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.openai import ChatCompletionRequest, parse_chat_request, parse_completion_request
-
-log = logging.getLogger(__name__)
 
 
 class ChatRoutes:
@@ -47,15 +43,13 @@ class ChatRoutes:
         streaming = bool(req.stream)
         ctx = Context(request_id(request))
         first_token.begin(ctx, t_in)
-        rm = self.admission.begin(request, ctx, req.model, endpoint, streaming)
-        ok = False
-        try:
+        with self.admission.run(request, ctx, req.model, endpoint, streaming) as flight:
             chat = isinstance(req, ChatCompletionRequest)
             stream = model.chat(req, raw, ctx) if chat else model.completions(req, raw, ctx)
             if streaming:
-                resp, ok = await stream_sse(request, stream, ctx, rm)
+                resp, flight.ok = await stream_sse(request, stream, ctx, flight.metrics)
                 return resp
-            stream = _metered(stream, ctx, rm)
+            stream = _metered(stream, ctx, flight.metrics)
             fold = fold_chat if chat else fold_completion
             try:
                 body = await fold(stream, ctx, req.model)
@@ -63,14 +57,8 @@ class ChatRoutes:
                 await stream.aclose()  # type: ignore[attr-defined]
             resp = json_response(body)
             first_token.report(ctx, "answer")
-            ok = True
+            flight.ok = True
             return resp
-        except asyncio.CancelledError:
-            ctx.kill()
-            log.debug("request %s cancelled: client went away", ctx.id)
-            raise
-        finally:
-            self.admission.end(ctx, rm, ok)
 
 
 async def _metered(stream: AsyncIterator[Any], ctx: Context, rm: RequestMetrics) -> AsyncIterator[Any]:

@@ -8,7 +8,6 @@ embedding model gets a 400 naming the right endpoint.  Behind the frontend-wide 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 
@@ -40,17 +39,10 @@ class EmbeddingsRoute:
         if not isinstance(model, Embeds):
             raise RequestError(f"The model '{req.model}' is not an embedding model", param="model")
         ctx = Context()
-        rm = self.admission.begin(request, ctx, req.model, "embeddings", False)
-        ok = False
-        try:
+        with self.admission.run(request, ctx, req.model, "embeddings", False) as flight:
             result = await model.embed(inputs, req.dimensions, ctx)
-            rm.tokens(0, result.prompt_tokens)
-            ok = True
-        except asyncio.CancelledError:
-            ctx.kill()
-            raise
-        finally:
-            self.admission.end(ctx, rm, ok)
+            flight.metrics.tokens(0, result.prompt_tokens)
+            flight.ok = True
         b64 = req.encoding_format == "base64"
         data = [
             {"object": "embedding", "index": i, "embedding": encode_base64(v) if b64 else v}

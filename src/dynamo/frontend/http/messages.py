@@ -17,7 +17,6 @@ in Dynamo; without it they answer a 404 that says so.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from aiohttp import web
@@ -58,30 +57,23 @@ class MessagesRoutes:
         headers = {"request-id": "req_" + ctx.id.replace("-", "")}
         first_token.begin(ctx, t_in)
         streaming = bool(req.stream)
-        rm = self.admission.begin(request, ctx, req.model, "messages", streaming)
-        builder = MessageBuilder(req.model, ctx, thinking_omitted(req))
-        ok = False
-        try:
+        with self.admission.run(request, ctx, req.model, "messages", streaming) as flight:
+            builder = MessageBuilder(req.model, ctx, thinking_omitted(req))
             stream = model.chat(chat_req, chat_raw, ctx)
             if streaming:
-                resp, ok = await stream_sse(request, stream, ctx, rm, builder, headers)
+                resp, flight.ok = await stream_sse(request, stream, ctx, flight.metrics, builder, headers)
                 return resp
             try:
                 async for chunk in stream:
-                    rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                    flight.metrics.tokens(ctx.completion_tokens, ctx.prompt_tokens)
                     builder.feed(chunk)
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             resp = json_response(builder.message())
             resp.headers.update(headers)
             first_token.report(ctx, "answer")
-            ok = True
+            flight.ok = True
             return resp
-        except asyncio.CancelledError:
-            ctx.kill()
-            raise
-        finally:
-            self.admission.end(ctx, rm, ok)
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         raw = await read_json(request)

@@ -17,7 +17,6 @@ the API defines).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncGenerator, AsyncIterator
@@ -197,13 +196,11 @@ class ResponsesRoute:
         run = _Run(req)
         ctx = Context()
         streaming = bool(req.stream)
-        rm = self.admission.begin(request, ctx, req.model, "responses", streaming)
-        ok = False
-        try:
+        with self.admission.run(request, ctx, req.model, "responses", streaming) as flight:
             # streamed, the SSE writer counts the tokens; folded here, the deltas do
-            stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, None if streaming else rm)
+            stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, None if streaming else flight.metrics)
             if streaming:
-                resp, ok = await stream_sse(request, stream, ctx, rm, run)
+                resp, flight.ok = await stream_sse(request, stream, ctx, flight.metrics, run)
             else:
                 try:
                     async for delta in stream:
@@ -212,13 +209,8 @@ class ResponsesRoute:
                     await stream.aclose()
                 run.out.finish(run.status)
                 resp = json_response(run.response(run.status))
-                ok = True
-        except asyncio.CancelledError:
-            ctx.kill()
-            raise
-        finally:
-            self.admission.end(ctx, rm, ok)
-        if ok and req.store is not False:
+                flight.ok = True
+        if flight.ok and req.store is not False:
             self.store.put(run.id, Stored(run.response(run.status), conversation + [run.out.assistant_message()],
                                           input_items(req)))
         return resp

@@ -1,4 +1,5 @@
-"""Shared pieces of the response parsers: the delta collector, marker hold-back, call ids.
+"""Shared pieces of the response parsers: the delta collector, marker hold-back, call ids, the
+feed/finish shape of a parser that holds text back.
 
 A parser turns the post-processor's text stream into OpenAI chat deltas.  Each ``feed`` returns a list
 of delta dicts, one per chunk to send: ``{"content": ...}``, ``{"reasoning_content": ...}`` or
@@ -9,6 +10,7 @@ of delta dicts, one per chunk to send: ``{"content": ...}``, ``{"reasoning_conte
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 Delta = dict[str, Any]
@@ -97,6 +99,28 @@ def find_first(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
         if i != -1 and (first == -1 or i < first):
             first, which = i, marker
     return first, which
+
+
+class HeldBackParser(ABC):
+    """A parser that holds text back in ``_buf`` until it can tell what the text is: ``feed`` adds to
+    it and runs ``_run``, ``finish`` runs it once more with ``final`` set (no more text comes, so
+    nothing may stay held). Subclasses write ``_run``; one with a fast path for text that needs no
+    look writes ``feed`` and calls this one for the rest.
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buf += text
+        return self._run(False)
+
+    def finish(self) -> list[Delta]:
+        return self._run(True)
+
+    @abstractmethod
+    def _run(self, final: bool) -> list[Delta]:
+        """The deltas for what ``_buf`` holds that can be told now (all of it when ``final``)."""
 
 
 class ToolCallParser(Protocol):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from dynamo.llm.parsers.base import Delta, DeltaList, find_first, partial_marker
+from dynamo.llm.parsers.base import Delta, DeltaList, HeldBackParser, find_first, partial_marker
 
 START, CHANNEL, MESSAGE, END, CALL, RETURN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
 _ENDS = (END, CALL, RETURN)
@@ -24,22 +24,15 @@ _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
-class HarmonyParser:
+class HarmonyParser(HeldBackParser):
     def __init__(self, tools: bool = True):
+        super().__init__()
         self.tools = tools
         self.calls = 0
-        self._buf = ""
         self._in_body = False
         self._kind = ""  # reasoning / content / call / raw
         self._raw_header = ""
         self._plain = False  # the output is not harmony at all
-
-    def feed(self, text: str) -> list[Delta]:
-        self._buf += text
-        return self._run(False)
-
-    def finish(self) -> list[Delta]:
-        return self._run(True)
 
     def _run(self, final: bool) -> list[Delta]:
         out = DeltaList()

@@ -11,19 +11,19 @@ a tag split across deltas is held back, never shown.
 
 from __future__ import annotations
 
-from dynamo.llm.parsers.base import Delta, DeltaList, partial_marker
+from dynamo.llm.parsers.base import Delta, DeltaList, HeldBackParser, partial_marker
 
 _OPENING, _REASONING, _AFTER, _CONTENT = 0, 1, 2, 3
 
 
-class ThinkParser:
+class ThinkParser(HeldBackParser):
     start_tag = "<think>"
     end_tag = "</think>"
 
     def __init__(self, reasoning_first: bool):
+        super().__init__()
         self._reasoning_first = reasoning_first
         self._state = _OPENING
-        self._buf = ""
         self._lead = True  # drop newlines that open the reasoning
 
     def feed(self, text: str) -> list[Delta]:
@@ -33,11 +33,7 @@ class ThinkParser:
                 return [{"content": text}] if text else []
             if self._state == _REASONING and not self._lead:
                 return [{"reasoning_content": text}] if text else []
-        self._buf += text
-        return self._run(False)
-
-    def finish(self) -> list[Delta]:
-        return self._run(True)
+        return super().feed(text)
 
     def _run(self, final: bool) -> list[Delta]:
         out = DeltaList()

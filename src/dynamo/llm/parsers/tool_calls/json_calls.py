@@ -9,13 +9,13 @@ given back as content, markup included, rather than dropped.
 
 from __future__ import annotations
 
-from dynamo.llm.parsers.base import Delta, DeltaList, find_first, partial_marker
+from dynamo.llm.parsers.base import Delta, DeltaList, HeldBackParser, find_first, partial_marker
 from dynamo.llm.parsers.json_call import ArgsStreamer, JsonCallStreamer
 
 _TEXT, _REGION, _OBJ = 0, 1, 2
 
 
-class JsonCallsParser:
+class JsonCallsParser(HeldBackParser):
     """Subclasses set the class attributes below (and may override :meth:`_call_head`)."""
 
     start_markers: tuple[str, ...] = ()
@@ -24,9 +24,9 @@ class JsonCallsParser:
     skip: tuple[str, ...] = ()  # separators skipped between calls, besides whitespace
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls = 0
         self._state = _TEXT
-        self._buf = ""
         self._raw = ""  # the current region's markup, given back as content if no call comes of it
         self._region_calls = 0
         self._streamer: JsonCallStreamer | None = None
@@ -38,11 +38,7 @@ class JsonCallsParser:
                 and (self._seen_text or self.bare_start is None)
                 and not any(m[0] in text for m in self.start_markers)):
             return [{"content": text}] if text else []  # plain text, nothing held back: no call starts here
-        self._buf += text
-        return self._run(False)
-
-    def finish(self) -> list[Delta]:
-        return self._run(True)
+        return super().feed(text)
 
     # -- hooks
     def _call_head(self, buf: str, final: bool) -> tuple[str, int] | bool:

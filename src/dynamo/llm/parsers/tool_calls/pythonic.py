@@ -14,24 +14,17 @@ import ast
 import json
 from typing import Any
 
-from dynamo.llm.parsers.base import Delta, DeltaList
+from dynamo.llm.parsers.base import Delta, DeltaList, HeldBackParser
 
 _START = "<|python_start|>"
 _END = "<|python_end|>"
 
 
-class PythonicParser:
+class PythonicParser(HeldBackParser):
     def __init__(self) -> None:
+        super().__init__()
         self.calls = 0
-        self._buf = ""
         self._mode = 0  # 0 undecided, 1 content, 2 inside a call list
-
-    def feed(self, text: str) -> list[Delta]:
-        self._buf += text
-        return self._run(False)
-
-    def finish(self) -> list[Delta]:
-        return self._run(True)
 
     def _run(self, final: bool) -> list[Delta]:
         out = DeltaList()
