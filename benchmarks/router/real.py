@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", choices=("real", "synthetic"), default="real",
                    help="what the history carries as the assistant's answers: what the model said (greedy "
                         "requests), as a chat client sends it back, or a fixed synthetic text of --osl tokens")
+    p.add_argument("--open-loop", type=float, default=0.0, metavar="RATE",
+                   help="instead of the closed-loop clients: conversations start at Poisson times, RATE requests "
+                        "per second on average, the same times for both modes (a closed loop gives the faster "
+                        "fleet more requests)")
     p.add_argument("--sticky-clients", action="store_true",
                    help="each client runs one conversation from its first turn to its last (the first version of "
                         "this benchmark) instead of the conversations interleaving over the clients")
@@ -218,12 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             cfg = WorkloadConfig(prefix_ratio=args.prefix_ratio, isl=args.isl, groups=args.groups, turns=args.turns,
                                  turn_tokens=args.turn_tokens, osl=args.osl, duration=args.duration,
-                                 think_time=args.think_time, seed=args.seed + i, clients=args.clients,
+                                 think_time=args.think_time, seed=args.seed + i,
+                                 clients=0 if args.open_loop else args.clients, rate=args.open_loop or 6.0,
                                  interleave=not args.sticky_clients, real_answers=args.answers == "real")
             convs = build(cfg, tokenizer)
             t = time.monotonic()
             print(f"run {i + 1}/{args.runs}: {', '.join(MODES)} {'one after the other' if args.sequential else 'at once'}, "
-                  f"{args.clients} clients each ...",
+                  + (f"open loop at {args.open_loop} requests/s ..." if args.open_loop else f"{args.clients} clients each ..."),
                   file=sys.stderr, flush=True)
             r = one_run(i, args, cfg, convs, servers, model)
             runs.append(r)
