@@ -15,9 +15,10 @@ class NotInstalled(Exception):
     """The GGUF, or llama-cpp-python that runs it, is not installed (the message says which and how)."""
 
 
-def smollm2_gguf() -> Path:
-    """The SmolLM2 GGUF's path, from ``scripts/smollm2-path.sh``."""
-    if importlib.util.find_spec("llama_cpp") is None:
+def smollm2_gguf(*, need_llama_cpp: bool = True) -> Path:
+    """The SmolLM2 GGUF's path, from ``scripts/smollm2-path.sh``; by default only when llama-cpp-python,
+    which runs it, is installed too (the mistral.rs engine reads the file without it)."""
+    if need_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
         raise NotInstalled("llama-cpp-python is not installed (pip install '.[llamacpp]')")
     try:
         out = subprocess.run([str(_REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True,
@@ -36,3 +37,13 @@ def smollm2_gguf_or_exit() -> Path:
         return smollm2_gguf()
     except NotInstalled as e:
         raise SystemExit(str(e)) from None
+
+
+def smollm2_gguf_or_skip(*, need_llama_cpp: bool = True) -> Path:
+    """:func:`smollm2_gguf` for a test: skips it, with the reason, when it is not installed."""
+    import pytest  # only tests call this: commands and benchmarks need not have pytest
+
+    try:
+        return smollm2_gguf(need_llama_cpp=need_llama_cpp)
+    except NotInstalled as e:
+        pytest.skip(str(e))

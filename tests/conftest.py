@@ -1,4 +1,5 @@
-"""Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, the
+"""Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, the real
+SmolLM2 GGUF (``gguf``: the test is skipped when it or llama-cpp-python is not installed), the
 distributed configurations (harness/dist_configs.py) as a module-scoped, parametrized fixture, and, as a
 pytest plugin, the real etcd and nats-server fixtures of harness/server_fixtures.py (``etcd_server``,
 ``nats_server``, ``runtime_servers``, ``runtime_env``) for any test that names them."""
@@ -18,6 +19,7 @@ from typing import Iterator  # noqa: E402
 
 from harness.dist_configs import DIST_CONFIGS, DistConfig  # noqa: E402
 from harness.dist_configs import dist_config as start_dist_config  # noqa: E402
+from harness.smollm2 import smollm2_gguf_or_skip  # noqa: E402
 from harness.tiny_model import build_tiny_hf_model  # noqa: E402
 
 pytest_plugins = ["harness.server_fixtures"]
@@ -27,6 +29,12 @@ pytest_plugins = ["harness.server_fixtures"]
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF-style folder ``tiny-chat`` (byte-level BPE, ChatML template, eos <|im_end|>), no weights."""
     return build_tiny_hf_model(tmp_path_factory.mktemp("models"), with_weights=False)
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF (harness/smollm2.py); skips the test when it cannot run."""
+    return smollm2_gguf_or_skip()
 
 
 @pytest.fixture(scope="module", params=DIST_CONFIGS)

@@ -1,5 +1,6 @@
-"""Fixtures of the LoRA tests on llama.cpp (tests/e2e/test_lora_*.py): the real SmolLM2 GGUF, an adapter
-that changes its greedy output, and engine arguments that keep two slots on one thread each."""
+"""Fixtures of the LoRA tests on llama.cpp (tests/e2e/test_lora_*.py): an adapter that changes the greedy
+output of the real SmolLM2 GGUF (tests/conftest.py's ``gguf``), and engine arguments that keep two slots on
+one thread each."""
 
 from __future__ import annotations
 
@@ -9,12 +10,6 @@ from pathlib import Path
 import pytest
 
 from harness.lora_gguf import write_lora_gguf
-from tests.integration.test_llamacpp import _smollm2
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
 
 
 @pytest.fixture(scope="module")

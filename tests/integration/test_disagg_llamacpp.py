@@ -25,25 +25,11 @@ from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 from harness.dist_configs import DistConfig
 from harness.proc import DynamoRun, DynamoWorker
-from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(240)
 
 QUESTIONS = ["What is 2+2?", "Name three colors.", "Write one sentence about the sea.",
              "Say hello in French. " * 8]
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
-
-
-@pytest.fixture(scope="module")
-def tok(gguf: Path) -> Any:
-    from dynamo.llm.gguf_card import load_gguf
-    from dynamo.llm.tokenizer import Tokenizer
-
-    return Tokenizer(load_gguf(gguf).tokenizer_json)
 
 
 def chat(tok: Any, user: str) -> list[int]:

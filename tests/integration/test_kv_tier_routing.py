@@ -23,7 +23,6 @@ from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import until, wait_until
 from tests.integration.test_kv_routing import frontend_caught_up, text
-from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "tierllama"
@@ -95,8 +94,7 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
         await nc.close()
 
 
-def test_a_prefix_offloaded_on_a_worker_brings_its_request_back_there(servers, tmp_path):
-    gguf = _smollm2()
+def test_a_prefix_offloaded_on_a_worker_brings_its_request_back_there(gguf, servers, tmp_path):
     a = _worker(servers, gguf, tmp_path / "a.json", {"n_parallel": 1, "n_threads": 1, "host_cache_mb": 64})
     b = _worker(servers, gguf, tmp_path / "b.json", {"n_parallel": 1, "n_threads": 1})
     fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers)

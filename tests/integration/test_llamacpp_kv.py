@@ -28,23 +28,9 @@ from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import until, wait_until
 from tests.integration.test_kv_routing import frontend_caught_up, text
-from tests.integration.test_llamacpp import _smollm2
 
 pytestmark = pytest.mark.timeout(180)
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
-
-
-@pytest.fixture(scope="module")
-def tok(gguf: Path) -> Any:
-    from dynamo.llm.gguf_card import load_gguf
-    from dynamo.llm.tokenizer import Tokenizer
-
-    return Tokenizer(load_gguf(gguf).tokenizer_json)
 
 
 def chat(tok: Any, system: str, user: str) -> list[int]:

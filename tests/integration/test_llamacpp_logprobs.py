@@ -6,54 +6,16 @@ the GGUF or llama-cpp-python is missing."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from harness.proc import DynamoRun, DynamoWorker  # noqa: E402
-from harness.servers import EtcdServer, NatsServer  # noqa: E402
-from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
+from harness.smollm2 import SMOLLM2_MODEL as MODEL  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 ASK = [{"role": "user", "content": "What is 2+2?"}]
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
-
-
-@pytest.fixture(scope="module")
-def client(gguf: Path) -> Iterator["openai.OpenAI"]:
-    with DynamoRun("out=llamacpp", str(gguf), "--context-length", "1024", startup_timeout=120) as server:
-        yield openai.OpenAI(base_url=server.api_url, api_key="none", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def dyn_client(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator["openai.OpenAI"]:
-    args = tmp_path_factory.mktemp("lp") / "args.json"
-    args.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
-        worker = DynamoWorker("in=dyn://lp.llamacpp.generate", "out=llamacpp", str(gguf), "--context-length", "1024",
-                              "--extra-engine-args", str(args), env=env, startup_timeout=120).start()
-        try:
-            with DynamoRun("out=dyn", env=env, startup_timeout=60) as frontend:
-                c = openai.OpenAI(base_url=frontend.api_url, api_key="none", timeout=120, max_retries=0)
-                _wait_for_model(c)
-                yield c
-        finally:
-            worker.kill()
-
-
-def _wait_for_model(c: "openai.OpenAI") -> None:
-    from harness.wait import wait_until
-
-    wait_until(lambda: any(m.id == MODEL for m in c.models.list().data), 30, f"{MODEL} discovered")
 
 
 def check_entries(content: str, entries: list[Any], top: int) -> None:
@@ -68,9 +30,9 @@ def check_entries(content: str, entries: list[Any], top: int) -> None:
             assert e.logprob <= tops[0] + 1e-6  # nothing is likelier than the best alternative
 
 
-def test_chat_logprobs_unary_and_streamed(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
-                                       top_logprobs=3)
+def test_chat_logprobs_unary_and_streamed(smollm2_client):
+    r = smollm2_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
+                                               top_logprobs=3)
     choice = r.choices[0]
     entries = choice.logprobs.content
     assert choice.finish_reason == "length" and len(entries) == r.usage.completion_tokens == 8
@@ -79,8 +41,9 @@ def test_chat_logprobs_unary_and_streamed(client):
     # greedy: the chosen token is the most likely one of the model's distribution
     assert all(e.top_logprobs[0].token == e.token for e in entries)
 
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
-                                            top_logprobs=3, stream=True, stream_options={"include_usage": True})
+    stream = smollm2_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8,
+                                                    logprobs=True, top_logprobs=3, stream=True,
+                                                    stream_options={"include_usage": True})
     text, streamed, usage = "", [], None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -95,17 +58,18 @@ def test_chat_logprobs_unary_and_streamed(client):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-3)
 
 
-def test_each_of_n_choices_has_its_own_entries(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0.8, seed=5, max_tokens=5, n=2,
-                                       logprobs=True, top_logprobs=1, extra_body={"nvext": {"ignore_eos": True}})
+def test_each_of_n_choices_has_its_own_entries(smollm2_client):
+    r = smollm2_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0.8, seed=5, max_tokens=5, n=2,
+                                               logprobs=True, top_logprobs=1,
+                                               extra_body={"nvext": {"ignore_eos": True}})
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
         assert len(c.logprobs.content) == 5
         check_entries(c.message.content, c.logprobs.content, 1)
 
 
-def test_an_answer_ended_by_eos_has_no_entry_for_it(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=40, logprobs=True)
+def test_an_answer_ended_by_eos_has_no_entry_for_it(smollm2_client):
+    r = smollm2_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=40, logprobs=True)
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     # usage counts the end-of-turn token; the client never sees it, so it has no entry
@@ -113,10 +77,11 @@ def test_an_answer_ended_by_eos_has_no_entry_for_it(client):
     check_entries(choice.message.content, choice.logprobs.content, 0)
 
 
-def test_completions_logprobs_with_echo(client):
+def test_completions_logprobs_with_echo(smollm2_client):
     prompt = "The capital of France is"
-    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
-    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    plain = smollm2_client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    echo = smollm2_client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                             echo=True)
     lp, text = echo.choices[0].logprobs, echo.choices[0].text
     assert text == prompt + plain.choices[0].text and "".join(lp.tokens) == text
     assert len(lp.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
@@ -131,7 +96,8 @@ def test_completions_logprobs_with_echo(client):
     assert plain.choices[0].logprobs.tokens[0] == " Paris"
     assert plain.choices[0].logprobs.token_logprobs[0] > lp.token_logprobs[1] + 5
     # a second time, with the prompt in llama.cpp's prefix cache: the same prompt logprobs
-    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    again = smollm2_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                              echo=True)
     assert again.choices[0].logprobs.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:n], abs=1e-3)
 
 
@@ -151,8 +117,8 @@ def stream_with_stop(c: "openai.OpenAI") -> tuple[str, list[Any]]:
     return text, entries
 
 
-def test_a_stop_string_cuts_the_stream_and_its_tokens_entries(client):
-    text, entries = stream_with_stop(client)
+def test_a_stop_string_cuts_the_stream_and_its_tokens_entries(smollm2_client):
+    text, entries = stream_with_stop(smollm2_client)
     # the answer goes "The answer to this classic math problem is 4." (greedy): the stop string's tokens
     # (" problem", " is") were held back, then cut with their entries
     assert text == "The answer to this classic math"
@@ -160,9 +126,10 @@ def test_a_stop_string_cuts_the_stream_and_its_tokens_entries(client):
     check_entries(text, entries, 1)
 
 
-def test_characters_split_over_tokens(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello in Japanese."}],
-                                       temperature=0, max_tokens=20, logprobs=True)
+def test_characters_split_over_tokens(smollm2_client):
+    r = smollm2_client.chat.completions.create(model=MODEL,
+                                               messages=[{"role": "user", "content": "Say hello in Japanese."}],
+                                               temperature=0, max_tokens=20, logprobs=True)
     content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
     assert "\ufffd" not in content
     split = [e for e in entries if e.token.startswith("\\x")]
@@ -171,15 +138,15 @@ def test_characters_split_over_tokens(client):
     check_entries(content, entries, 0)
 
 
-def test_through_out_dyn(dyn_client, client):
+def test_through_out_dyn(smollm2_dyn_client, smollm2_client):
     """The worker's post-processor carries the entries; the frontend passes them on: same as local."""
-    text, entries = stream_with_stop(dyn_client)
-    local_text, local_entries = stream_with_stop(client)
+    text, entries = stream_with_stop(smollm2_dyn_client)
+    local_text, local_entries = stream_with_stop(smollm2_client)
     assert text == local_text
     assert [e.token for e in entries] == [e.token for e in local_entries]
     assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in local_entries], abs=1e-3)
-    r = dyn_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
-                                      logprobs=2, echo=True)
+    r = smollm2_dyn_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                              temperature=0, logprobs=2, echo=True)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and lp.token_logprobs[0] is None
     assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens

@@ -19,8 +19,6 @@ from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, St
 from harness.lora_gguf import write_lora_gguf
 from harness.wait import until
 from tests.integration.test_llamacpp_kv import SYSTEM, chat
-from tests.integration.test_llamacpp_kv import gguf as gguf  # noqa: F401 - the module's fixtures
-from tests.integration.test_llamacpp_kv import tok as tok  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
 BS = 16
@@ -54,7 +52,7 @@ async def _engine(path: Path, slots: int = 4) -> Any:
     return engine
 
 
-async def test_adapters_change_greedy_output_and_run_beside_the_base_model(gguf, tok, adapters):  # noqa: F811
+async def test_adapters_change_greedy_output_and_run_beside_the_base_model(gguf, tok, adapters):
     engine = await _engine(gguf)
     try:
         for name, path in adapters.items():
@@ -73,7 +71,7 @@ async def test_adapters_change_greedy_output_and_run_beside_the_base_model(gguf,
         await engine.close()
 
 
-async def test_a_prefix_cached_under_one_adapter_serves_only_that_adapter(gguf, tok, adapters):  # noqa: F811
+async def test_a_prefix_cached_under_one_adapter_serves_only_that_adapter(gguf, tok, adapters):
     engine = await _engine(gguf)
     router_events: list[dict[str, Any]] = []
     base_router, strong_router = KvRouter(block_size=BS), KvRouter(block_size=BS, lora_name="strong")
@@ -106,7 +104,7 @@ async def test_a_prefix_cached_under_one_adapter_serves_only_that_adapter(gguf, 
         await engine.close()
 
 
-async def test_unloading_lets_a_running_request_finish_and_stops_new_ones(gguf, tok, adapters):  # noqa: F811
+async def test_unloading_lets_a_running_request_finish_and_stops_new_ones(gguf, tok, adapters):
     engine = await _engine(gguf)
     try:
         await engine.load_lora("strong", str(adapters["strong"]))
@@ -138,7 +136,7 @@ async def test_unloading_lets_a_running_request_finish_and_stops_new_ones(gguf, 
         await engine.close()
 
 
-async def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(gguf, tok, tmp_path, adapters):  # noqa: F811
+async def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(gguf, tok, tmp_path, adapters):
     engine = await _engine(gguf, slots=2)
     cases = {
         "missing": (tmp_path / "nope.gguf", "no such file"),

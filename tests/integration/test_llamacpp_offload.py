@@ -9,15 +9,9 @@ import pytest
 
 from dynamo.engines.llamacpp.host_tier import HostKvTier
 from harness.wait import until
-from tests.integration.test_llamacpp import _smollm2
-from tests.integration.test_llamacpp_kv import ask, chat, tok  # noqa: F401 - tok is a fixture
+from tests.integration.test_llamacpp_kv import ask, chat
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    return _smollm2()
 
 
 async def _engine(gguf: Path, host_cache_mb: int) -> object:
@@ -29,7 +23,7 @@ async def _engine(gguf: Path, host_cache_mb: int) -> object:
     return engine
 
 
-async def test_revisited_prefixes_are_restored_from_the_host_tier(gguf, tok):  # noqa: F811 - the fixture
+async def test_revisited_prefixes_are_restored_from_the_host_tier(gguf, tok):
     system = "You answer questions about {} in one short sentence, politely and precisely. " * 6
     prompts = [chat(tok, system.replace("{}", topic), "What is it?") for topic in ("cats", "ships", "rain", "bread")]
     engine = await _engine(gguf, 256)
@@ -68,7 +62,7 @@ def _holding(store, prompt: list[int]) -> tuple[int, ...] | None:
     return next((k for k in store.keys() if k[:len(prompt)] == tuple(prompt)), None)
 
 
-async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):  # noqa: F811
+async def test_more_prefixes_than_slots_and_host_memory_come_back_from_disk(gguf, tok, tmp_path):
     from dynamo.engines.llamacpp.engine import LlamaCppEngine
     from dynamo.kv import KvRouter
     from dynamo.kv.events import DISK, HOST

@@ -13,8 +13,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.integration.test_llamacpp import MODEL  # noqa: E402
-from tests.integration.test_llamacpp_logprobs import client, dyn_client, gguf  # noqa: E402,F401
+from harness.smollm2 import SMOLLM2_MODEL as MODEL  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 TEXT = "The cat sat on the mat."
@@ -25,7 +24,7 @@ FINISHED_TURN = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHi! 
 
 @pytest.fixture(params=["local", "dyn"])
 def api(request) -> "openai.OpenAI":
-    return request.getfixturevalue("client" if request.param == "local" else "dyn_client")
+    return request.getfixturevalue("smollm2_client" if request.param == "local" else "smollm2_dyn_client")
 
 
 def ids_of(api: "openai.OpenAI", text: str) -> list[int]:

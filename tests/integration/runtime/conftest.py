@@ -1,10 +1,12 @@
 """Fixtures for runtime integration tests: runtimes connected to the real etcd + nats-server (the
-session-scoped ``runtime_servers`` of harness/server_fixtures.py, a plugin tests/conftest.py loads), and a
-unique namespace per test."""
+session-scoped ``runtime_servers`` of harness/server_fixtures.py, a plugin tests/conftest.py loads), a
+unique namespace per test, and real worker processes (``spawn``: worker_app.py, as users write one)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ for _p in (str(_ROOT), str(_ROOT / "src")):
 from dynamo.runtime import DistributedRuntime, Endpoint, WorkerBusyError  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from harness.servers import RuntimeServers  # noqa: E402
+
+WORKER_APP = Path(__file__).with_name("worker_app.py")
 
 
 def settings_for(servers: RuntimeServers, **overrides) -> RuntimeSettings:
@@ -111,3 +115,50 @@ async def worker_at_its_limit(worker: DistributedRuntime, caller: DistributedRun
 def at_its_limit() -> Callable[[DistributedRuntime, DistributedRuntime, str], Awaitable[AtItsLimit]]:
     """``busy = await at_its_limit(worker_runtime, caller_runtime, ns)``: see :class:`AtItsLimit`."""
     return worker_at_its_limit
+
+
+class WorkerProcess:
+    """worker_app.py serving ``namespace``; it prints ``READY <instance id in hex>`` once registered."""
+
+    def __init__(self, env: dict[str, str], namespace: str, extra_env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER_APP), namespace],
+            env={**os.environ, **env, **(extra_env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.instance_hex = ""
+
+    async def ready(self, timeout: float = 20) -> str:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        if not line.startswith("READY"):
+            self.proc.kill()
+            raise RuntimeError(f"worker failed: {line!r} {self.proc.stderr.read()}")
+        self.instance_hex = line.split()[1]
+        return self.instance_hex
+
+    @property
+    def instance_id(self) -> int:
+        return int(self.instance_hex, 16)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            stream.close()
+
+
+@pytest.fixture
+def spawn(runtime_servers: RuntimeServers):
+    """``worker = spawn(namespace, **extra_env)``: worker_app.py in a subprocess on the session's servers
+    (``await worker.ready()`` for its instance); every one is killed after the test."""
+    started: list[WorkerProcess] = []
+
+    def make(namespace: str, **extra_env: str) -> WorkerProcess:
+        w = WorkerProcess(runtime_servers.env, namespace, extra_env)
+        started.append(w)
+        return w
+
+    yield make
+    for w in started:
+        w.stop()

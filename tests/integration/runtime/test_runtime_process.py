@@ -17,49 +17,6 @@ from dynamo.runtime import STREAM_INCOMPLETE_MESSAGE, StreamIncompleteError
 WORKER_APP = Path(__file__).with_name("worker_app.py")
 
 
-class WorkerProcess:
-    def __init__(self, env: dict[str, str], namespace: str, extra_env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER_APP), namespace],
-            env={**os.environ, **env, **(extra_env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        self.instance_hex = ""
-
-    async def ready(self, timeout: float = 20) -> str:
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
-        if not line.startswith("READY"):
-            self.proc.kill()
-            raise RuntimeError(f"worker failed: {line!r} {self.proc.stderr.read()}")
-        self.instance_hex = line.split()[1]
-        return self.instance_hex
-
-    @property
-    def instance_id(self) -> int:
-        return int(self.instance_hex, 16)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            stream.close()
-
-
-@pytest.fixture
-def spawn(runtime_servers):
-    started: list[WorkerProcess] = []
-
-    def make(namespace: str, **extra_env: str) -> WorkerProcess:
-        w = WorkerProcess(runtime_servers.env, namespace, extra_env)
-        started.append(w)
-        return w
-
-    yield make
-    for w in started:
-        w.stop()
-
-
 async def test_separate_worker_process(make_runtime, ns, spawn):
     worker = spawn(ns)
     await worker.ready()

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynamo.runtime import EngineError
 from dynamo.runtime.config import RuntimeConfigError, SystemSettings
 from harness.proc import free_port
-from tests.integration.runtime.test_runtime_process import spawn  # noqa: F401  (fixture)
 
 
 async def start_serving(endpoint, handler) -> asyncio.Task:
@@ -42,7 +41,7 @@ async def get(url: str) -> httpx.Response:
         return await client.get(url)
 
 
-async def test_worker_process_health_and_component_metrics(make_runtime, ns, spawn):  # noqa: F811
+async def test_worker_process_health_and_component_metrics(make_runtime, ns, spawn):
     port = free_port()
     worker = spawn(ns, DYN_SYSTEM_ENABLED="true", DYN_SYSTEM_PORT=str(port), DYN_SYSTEM_HOST="127.0.0.1",
                    DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT="10")

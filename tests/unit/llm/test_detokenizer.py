@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dynamo.llm.detokenizer import IncrementalDetokenizer
 from dynamo.llm.tokenizer import Tokenizer
 from harness.tiny_model import MULTIBYTE_SAMPLES
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Tokenizer:
-    return Tokenizer((tiny_model / "tokenizer.json").read_text(encoding="utf-8"))
-
 
 TEXTS = [
     "Hello world, how are you?",

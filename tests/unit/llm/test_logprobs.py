@@ -27,11 +27,6 @@ from dynamo.worker.handlers import backend_handler
 from harness.tiny_model import IM_END_ID
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Tokenizer:
-    return Tokenizer((tiny_model / "tokenizer.json").read_text(encoding="utf-8"))
-
-
 def lp_of(token_id: int) -> float:
     """A made-up logprob per token id, so an entry can be traced back to its token."""
     return -token_id / 1000

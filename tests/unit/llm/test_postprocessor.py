@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dynamo.errors import EngineError
@@ -11,11 +9,6 @@ from dynamo.llm.backend import PostProcessor
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
 from dynamo.llm.tokenizer import Tokenizer
 from harness.tiny_model import ENDOFTEXT_ID, IM_END_ID
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Tokenizer:
-    return Tokenizer((tiny_model / "tokenizer.json").read_text(encoding="utf-8"))
 
 
 def make(tok: Tokenizer, **stop: object) -> PostProcessor:
