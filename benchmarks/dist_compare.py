@@ -198,29 +198,6 @@ def start_profilers(pids: dict[str, int], duration: float, out_dir: Path, tag: s
     return procs
 
 
-def machine_busy(seconds: float = 2.0) -> float:
-    """Share of the machine's CPU time that was busy over the next ``seconds``."""
-    b0, t0 = loadgen.machine_cpu()
-    time.sleep(seconds)
-    b1, t1 = loadgen.machine_cpu()
-    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-def wait_quiet(threshold: float, max_wait: float) -> float:
-    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy.
-
-    The machine is shared: a run taken while something else holds the cores measures the scheduler, not
-    the servers.  Returns the last busy share seen (recorded with the run).
-    """
-    deadline = time.monotonic() + max_wait
-    busy = machine_busy()
-    while busy > threshold and time.monotonic() < deadline:
-        print(f"    (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
-        time.sleep(5)
-        busy = machine_busy()
-    return busy
-
-
 def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
             profile: Path | None, raw_profile: bool, quiet: tuple[float, float] | None = None) -> dict[str, Any]:
     sc = SCENARIOS[key]
@@ -242,7 +219,7 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
             out["ready_s"] = wait_ready(url, procs)
             asyncio.run(loadgen.run_load(url, MODEL, concurrency=4, duration=None, requests=8, prompt_words=5))
             if quiet is not None:
-                out["machine_busy_before"] = wait_quiet(*quiet)
+                out["machine_busy_before"] = machine.wait_quiet(*quiet, poll=5.0)
             spies = []  # started after the wait for a quiet machine, so they record the load, not the wait
             if profile is not None and impl == "ours":
                 spies = start_profilers({"frontend": frontend.pid, "worker": worker.pid}, duration, profile,
@@ -316,13 +293,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]], order: list[str]) -> st
                 cells.append(f"{u / o:.2f}" if isinstance(o, (int, float)) and isinstance(u, (int, float)) and o
                              else "-")
             rows.append((key, label, *(echo_compare.fmt(vals[n]) for n in names), *cells, better))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return machine.text_table(rows)
 
 
 def main() -> None:

@@ -376,13 +376,7 @@ def table(results: dict[str, Any], scs: dict[str, Any], order: list[str]) -> str
             o, u = orig.get(full), ours.get(full)
             ratio = f"{u / o:.2f}" if isinstance(o, (int, float)) and isinstance(u, (int, float)) and o else "-"
             rows.append((key, label, fmt(o), fmt(u), ratio, better))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return machine.text_table(rows)
 
 
 def sha256(path: Path) -> str:

@@ -101,8 +101,8 @@ from benchmarks import (
 )
 from benchmarks.llamacpp_inprocess import eog_tokens, raw_decode
 from benchmarks.llamacpp_report import format_value, summarize, table
-from benchmarks.llamacpp_servers import ANCHOR, OURS, THEIRS, Server, anchor_cmd, ours_cmd, theirs_cmd, wait_quiet
-from benchmarks.sse_client import RawClient, RequestState, Stats, StreamProtocol, json_loads
+from benchmarks.llamacpp_servers import ANCHOR, OURS, THEIRS, Server, anchor_cmd, ours_cmd, theirs_cmd
+from benchmarks.sse_client import RawClient, RequestState, Stats, StreamProtocol
 
 RESULTS = HERE / "results"
 
@@ -166,28 +166,14 @@ class Stream(RequestState):
         if before == 0 and self.ntok:
             self.t_first = now
 
-    def _count_json(self, complete: bytes) -> int:
-        n = 0
-        for line in complete.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.done_seen = True
-                continue
-            obj = json_loads(data)
-            if obj.get("usage"):
-                self.usage = obj["usage"]
-            if obj.get("timings"):
-                self.timings = obj["timings"]
-            for ch in obj.get("choices") or ():
-                c = (ch.get("delta") or {}).get("content")
-                if c:
-                    n += 1
-                    self.text.append(c)
-                if ch.get("finish_reason"):
-                    self.finish = ch["finish_reason"]
-        return n
+    def _on_event(self, obj: dict[str, Any]) -> None:
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        if obj.get("timings"):
+            self.timings = obj["timings"]
+        for ch in obj.get("choices") or ():
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
 
 
 @dataclass
@@ -524,7 +510,7 @@ def main() -> None:
         for name, build, no_eos, env in servers:
             print(f"\n== {name}" + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + f": {shlex.join(build(0, ''))}", flush=True)
-            busy = wait_quiet(args.quiet, args.quiet_max_wait) if args.quiet < 1 else None
+            busy = machine.wait_quiet(args.quiet, args.quiet_max_wait) if args.quiet < 1 else None
             try:
                 run = run_server(name, build, gguf, levels, args.max_tokens, args.rounds, no_eos, args.timeout,
                                  RESULTS / f"server-llamacpp-{name}-{stamp}.log", env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks import machine
 from benchmarks.llamacpp_servers import ANCHOR, OURS, THEIRS
 
 
@@ -76,10 +77,4 @@ def table(summary: dict[str, Any], levels: list[int]) -> str:
             add(str(c), "its decode ms/token", "server_decode_ms_per_token", spec=".2f")
     add("-", "start-up s", "startup_s", spec=".2f", top=True)
     add("-", "RSS ready MiB", "rss_ready_mib", spec=".0f", top=True)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return machine.text_table(rows)

@@ -17,25 +17,6 @@ THEIRS = "llama_cpp.server"
 ANCHOR = "llama-server"
 
 
-def wait_quiet(threshold: float, max_wait: float) -> float:
-    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy (the
-    machine is shared: a run taken while others hold the cores measures the scheduler, not the server)."""
-    deadline = time.monotonic() + max_wait
-    busy = _busy()
-    while busy > threshold and time.monotonic() < deadline:
-        print(f"  (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
-        time.sleep(3)
-        busy = _busy()
-    return busy
-
-
-def _busy(seconds: float = 2.0) -> float:
-    b0, t0 = loadgen.machine_cpu()
-    time.sleep(seconds)
-    b1, t1 = loadgen.machine_cpu()
-    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-
 class Server(echo_compare.Server):
     """echo_compare's subprocess handling; readiness = /v1/models answers 200 (any model)."""
 

@@ -1,4 +1,5 @@
-"""What a benchmark's figures were measured on: the checkout's git revision, the CPU, the load average.
+"""What a benchmark's figures were measured on: the checkout's git revision, the CPU, the load average;
+waiting for a quiet machine; and the aligned text table the comparisons print.
 
 Every result file records these so that a figure quoted in docs/ can say which code, which machine and how
 busy it was (on a shared machine the load average is the first thing to read beside a timing).  One module
@@ -12,7 +13,9 @@ import platform
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+from benchmarks.loadgen import machine_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,3 +67,38 @@ def describe() -> dict[str, Any]:
         "python": platform.python_version(),
         "loadavg_at_start": load_average(),
     }
+
+
+def busy_share(seconds: float = 2.0) -> float:
+    """Share of the machine's CPU time that was busy over the next ``seconds``."""
+    b0, t0 = machine_cpu()
+    time.sleep(seconds)
+    b1, t1 = machine_cpu()
+    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def wait_quiet(threshold: float, max_wait: float, poll: float = 3.0) -> float:
+    """Wait (up to ``max_wait`` s) until other work leaves the machine at most ``threshold`` busy.
+
+    The machine is shared: a run taken while something else holds the cores measures the scheduler, not
+    the servers.  Returns the last busy share seen (recorded with the run).
+    """
+    deadline = time.monotonic() + max_wait
+    busy = busy_share()
+    while busy > threshold and time.monotonic() < deadline:
+        print(f"  (machine {busy:.0%} busy; waiting for it to quiet down)", flush=True)
+        time.sleep(poll)
+        busy = busy_share()
+    return busy
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as aligned text: the first row a header underlined with dashes, the first two columns
+    left-aligned (names), the others right-aligned (figures)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 try:
@@ -112,6 +113,7 @@ class RequestState:
                 self.done_seen = True
                 continue
             obj = json_loads(data)
+            self._on_event(obj)
             for ch in obj.get("choices") or ():
                 delta = ch.get("delta") or {}
                 c = delta.get("content")
@@ -119,6 +121,9 @@ class RequestState:
                     n += 1
                     self.text.append(c)
         return n
+
+    def _on_event(self, obj: dict[str, Any]) -> None:
+        """Each JSON event of the stream, before its content is counted (a subclass keeps more of it)."""
 
 
 # ----------------------------------------------------------------------------- raw client

@@ -31,7 +31,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-from benchmarks import dist_compare, echo_compare, loadgen, machine
+from benchmarks import echo_compare, loadgen, machine
 
 RESULTS = HERE / "results"
 
@@ -86,7 +86,7 @@ def main() -> None:
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for rep in range(args.repeats):
         for n in counts:
-            r = {"busy_before": dist_compare.wait_quiet(args.quiet, args.quiet_max_wait)}
+            r = {"busy_before": machine.wait_quiet(args.quiet, args.quiet_max_wait, poll=5.0)}
             r.update(one_run(n, args.delay_ms, args.concurrency, args.duration, log))
             r["other_cpu_s"] = r["machine_cpu_busy_s"] - (r["server_cpu_s"] or 0) - r["client_cpu_s"]
             runs[n].append(r)
