@@ -18,8 +18,9 @@ discovery (killed -9 mid-load: its lease expires) has left the fleet, and the lo
 that loaded it.  That is the rule for a worker that joins later, too (it does not get run-time adapters),
 and it keeps a crash from failing, and undoing, the load on every healthy worker; an operator who
 restarts the dead worker gives it the adapter with ``--lora``.  Telling "gone" from "slow" takes up to
-the worker's lease TTL after the call fails (``GONE_TIMEOUT_S``); a worker still registered then (a
-network partition) counts as failed, and the load is undone.  If undoing
+the lease TTL after the call fails (this process's ``DYN_LEASE_TTL``, which a fleet shares, plus
+``GONE_SLACK_S`` for the watch); a worker still registered then (a network partition) counts as failed,
+and the load is undone.  If undoing
 fails too, the error says on which workers the adapter is still loaded; they announce it, so it is
 listed in ``/v1/models`` and ``/v1/unload_lora_adapter`` removes it.  A successful call returns once
 this frontend has seen every loaded worker's entry (or every unloaded one's withdrawal), so the next
@@ -45,9 +46,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 120.0  # one worker loading one adapter file
 SEEN_TIMEOUT_S = 10.0  # the workers' entries reaching this frontend's discovery
-# an unreachable worker's entries leaving discovery: its lease's TTL (DYN_LEASE_TTL, 10 s by default) and
-# some slack for the watch
-GONE_TIMEOUT_S = 15.0
+GONE_SLACK_S = 5.0  # beyond the lease TTL: an unreachable worker's entries leaving this frontend's watch
 
 
 @dataclass(frozen=True)
@@ -113,12 +112,12 @@ class LoraFleet:
 
     async def _departed(self, base: str, unreachable: list[Worker]) -> list[Worker]:
         """Those of ``unreachable`` that have left discovery (their lease expired: killed, or frozen
-        past its TTL) within ``GONE_TIMEOUT_S``: gone from the fleet, not failed.  A worker that cannot
+        past its TTL) within the lease TTL and ``GONE_SLACK_S``: gone from the fleet, not failed.  A worker that cannot
         be reached but stays registered may still serve: it counts as failed, and the load is undone."""
         if not unreachable:
             return []
         await self.manager.wait_until(lambda: not (set(unreachable) & self._live_base_workers(base)),
-                                      GONE_TIMEOUT_S)
+                                      self.runtime.settings.lease_ttl + GONE_SLACK_S)
         live = self._live_base_workers(base)
         return [w for w in unreachable if w not in live]
 
