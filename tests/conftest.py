@@ -1,5 +1,6 @@
 """Shared fixtures: the repo root on sys.path (``tests`` is not a package), a tiny model folder, the real
-SmolLM2 GGUF (``gguf``: the test is skipped when it or llama-cpp-python is not installed), the
+SmolLM2 GGUF (``gguf``: the test is skipped when it or llama-cpp-python is not installed, or the library
+cannot decode on this CPU; ``gguf_in_process`` for tests that load llama.cpp themselves), the
 distributed configurations (harness/dist_configs.py) as a module-scoped, parametrized fixture, and, as a
 pytest plugin, the real etcd and nats-server fixtures of harness/server_fixtures.py (``etcd_server``,
 ``nats_server``, ``runtime_servers``, ``runtime_env``) for any test that names them."""
@@ -35,6 +36,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF (harness/smollm2.py); skips the test when it cannot run."""
     return smollm2_gguf_or_skip()
+
+
+@pytest.fixture(scope="module")
+def gguf_in_process() -> Path:
+    """:func:`gguf` for a test that loads llama.cpp in its own process with llama-cpp-python's defaults."""
+    return smollm2_gguf_or_skip(in_process=True)
 
 
 @pytest.fixture(scope="module", params=DIST_CONFIGS)

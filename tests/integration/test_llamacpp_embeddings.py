@@ -38,12 +38,12 @@ def _args_file(gguf: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf: Path) -> list[list[float]]:
+def reference(gguf_in_process: Path) -> list[list[float]]:
     import llama_cpp
 
     # flash attention: llama.cpp's default ("auto", on for the CPU) which our engine keeps, as llama-server
     # does; llama-cpp-python turns it off by default (then the vectors differ by ~1e-3, cosine > 0.9999)
-    llm = llama_cpp.Llama(str(gguf), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    llm = llama_cpp.Llama(str(gguf_in_process), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
                           n_ctx=512, n_threads=1, flash_attn=True, verbose=False)
     try:
         return [llm.embed(t, normalize=True) for t in TEXTS]

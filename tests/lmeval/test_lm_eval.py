@@ -54,10 +54,10 @@ def lm_eval() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf: Path) -> Iterator[Any]:
+def reference(gguf_in_process: Path) -> Iterator[Any]:
     from harness.llama_reference import LlamaReference
 
-    with LlamaReference(gguf) as ref:
+    with LlamaReference(gguf_in_process) as ref:
         yield ref
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Error: {e}", file=sys.stderr)
             return 2
         setup_logging(cfg.verbosity)
+        # a native library that traps while serving (llama.cpp's kernels: the engine's preflight catches
+        # the usual case before the first token) leaves "Fatal Python error: Illegal instruction" and the
+        # Python stacks, llama_decode's among them, instead of the shell's one word
+        faulthandler.enable()
         _import_for(cfg)
     if cfg.http_workers > 1:
         from dynamo.cli.http_workers import supervise

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dynamo.engines.llamacpp import preflight
 from dynamo.engines.llamacpp.model import silence_llama_log
 from dynamo.errors import ModelError, RequestError, UserError
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
@@ -93,6 +94,8 @@ class LlamaCppEmbeddingEngine:
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = self.n_gpu_layers
+        if self.n_gpu_layers == 0 and not preflight.require(self.path):
+            mparams.use_extra_bufts = False
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelError(f"llama.cpp cannot load {self.path}: corrupt file or unsupported architecture")

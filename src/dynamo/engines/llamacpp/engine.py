@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from dynamo.engines.llamacpp import model
+from dynamo.engines.llamacpp import model, preflight
 from dynamo.engines.llamacpp.grammar import KINDS as GRAMMAR_KINDS
 from dynamo.engines.llamacpp.lora import Adapter, load_adapter
 from dynamo.engines.llamacpp.sampling import Samplers
@@ -175,10 +175,12 @@ class LlamaCppEngine:
             threads = tuner.candidates[0]
         else:
             threads = self.n_threads or self.cores
+        # a library that dies of SIGILL here would take the process with it: a child process asks first
+        extra_bufts = preflight.require(self.path) if self.n_gpu_layers == 0 else True
         llama = model.load(self.path, n_parallel=self.n_parallel, n_ctx_seq=self.n_ctx_seq, n_batch=self.n_batch,
                            n_ubatch=self.n_ubatch, n_gpu_layers=self.n_gpu_layers, threads=threads,
                            threads_batch=self.n_threads_batch, type_k=self.type_k, type_v=self.type_v,
-                           flash_attn=self.flash_attn, verbose=self.verbose)
+                           flash_attn=self.flash_attn, verbose=self.verbose, use_extra_bufts=extra_bufts)
         self._llama = llama
         self._samplers = Samplers(llama, self.seed)
         self.caches.bind(llama, self.n_parallel)

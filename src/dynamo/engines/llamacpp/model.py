@@ -57,8 +57,11 @@ class Llama:
 
 def load(path: Path, *, n_parallel: int, n_ctx_seq: int, n_batch: int, n_ubatch: int, n_gpu_layers: int,
          threads: int, threads_batch: int | None, type_k: int | None, type_v: int | None, flash_attn: Any,
-         verbose: bool) -> Llama:
-    """Load the GGUF and create a context of ``n_parallel`` sequences of ``n_ctx_seq`` tokens."""
+         verbose: bool, use_extra_bufts: bool = True) -> Llama:
+    """Load the GGUF and create a context of ``n_parallel`` sequences of ``n_ctx_seq`` tokens.
+
+    ``use_extra_bufts=False`` keeps the weights out of llama.cpp's extra buffer types (the repacked layouts
+    its AMX and AVX-512 kernels run on): what preflight.py falls back to where those kernels trap."""
     import llama_cpp as L
     import numpy as np
 
@@ -67,6 +70,8 @@ def load(path: Path, *, n_parallel: int, n_ctx_seq: int, n_batch: int, n_ubatch:
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
+    if not use_extra_bufts:
+        mparams.use_extra_bufts = False
     model = L.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
         raise ModelError(f"llama.cpp cannot load {path}: corrupt file or unsupported architecture "
