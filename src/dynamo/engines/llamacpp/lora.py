@@ -9,10 +9,11 @@ adapter still batch together.  A slot's cache is tagged with the adapter it was 
 
 Checks before llama.cpp sees a file, because llama.cpp only logs why it refuses one (and its log is
 off): the file exists and is a GGUF, ``general.type`` is ``adapter`` and ``adapter.type`` is ``lora``, and
-its architecture is the model's, and its tensors are not F32 (F32 LoRA tensors crash the CPU matmul of
-llama-cpp-python 0.3.36 at the first decode: a null kernel pointer, measured; convert_lora_to_gguf.py
-writes F16 by default).  What llama.cpp still refuses (tensors of the wrong shape: an adapter
-of another model of the same architecture) is reported as that.
+its architecture is the model's.  F32 adapters are served as llama-server serves them: the crash once
+blamed on them was the native build's AMX kernels (GCC 12 miscompiles their tile configuration; any long
+enough prompt dies there, adapter or not), which setup no longer builds and the engine's preflight
+catches.  What llama.cpp still refuses (tensors of the wrong shape: an adapter of another model of the
+same architecture) is reported as that.
 
 Unloading: the name stops being served at once; the adapter's weights are freed once no running or
 waiting request uses it (those finish with it), and the slots it computed are emptied then.  Every
@@ -69,10 +70,6 @@ def check_adapter_file(path: Path, model_arch: str) -> None:
     arch = field("general.architecture")
     if arch != model_arch:
         raise UserError(f"LoRA adapter {path}: made for the {arch!r} architecture, the model is {model_arch!r}")
-    if any(t.tensor_type == gguf.GGMLQuantizationType.F32 and t.name.endswith((".lora_a", ".lora_b"))
-           for t in reader.tensors):
-        raise UserError(f"LoRA adapter {path}: F32 LoRA tensors crash llama.cpp's CPU kernels here; convert it "
-                        "with --outtype f16 (or q8_0)")
 
 
 def model_arch(llama: Llama) -> str:
