@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +23,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import wait_for_model
+from harness.fleet import NO_INFRA_ENV, infra_on_default_ports, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker, cli_command, run_cli
 from harness.sockets import Listening, listening_sockets, proc_net_available
 from harness.wait import wait_until
@@ -34,22 +33,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
 
 ENDPOINT = "dyn://sec.backend.generate"
 MODEL = "sec"
-UNSET = {"ETCD_ENDPOINTS": "", "NATS_SERVER": "", "DYN_DISCOVERY_BACKEND": "", "DYN_REQUEST_PLANE": "",
-         "DYN_EVENT_PLANE": "", "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_SYSTEM_HOST": "",
-         "DYN_FILE_KV": ""}
+UNSET = {**NO_INFRA_ENV, "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_SYSTEM_HOST": "", "DYN_FILE_KV": ""}
 UMASK_000 = ["sh", "-c", 'umask 000 && exec "$@"', "sh"]  # the modes must come from the code, not the umask
 REFUSED_AS_ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
 
 
-def answers(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.3)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_default_servers() -> None:
-    if answers(2379) or answers(4222):
+    if infra_on_default_ports():
         pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
