@@ -51,7 +51,8 @@ def exposure_warning(listeners: list[Listener]) -> str | None:
     exposed = [x for x in listeners if not is_loopback(x.host)]
     if not exposed:
         return None
-    what = ", ".join(dict.fromkeys(_EXPOSES[x.name] for x in exposed))
+    gains = list(dict.fromkeys(_EXPOSES[x.name] for x in exposed))
+    what = gains[0] if len(gains) == 1 else f"{', '.join(gains[:-1])} and {gains[-1]}"
     return (f"internal listeners reachable from other machines ({', '.join(map(str, exposed))}) have no "
             f"authentication yet: anyone who reaches them can {what}; admit only the fleet's machines with a "
-            "firewall, or on one machine leave DYN_TCP_RPC_HOST unset (docs/security.md)")
+            "firewall, or on one machine set DYN_TCP_RPC_HOST=127.0.0.1 (docs/security.md)")

@@ -55,4 +55,5 @@ def test_the_warning_names_what_is_exposed_in_one_line() -> None:
     assert warning is not None and "\n" not in warning
     assert "(requests 0.0.0.0, events 0.0.0.0:4567)" in warning  # the loopback one is not exposed
     assert "no authentication" in warning and "past the frontend's API key" in warning
-    assert "KV events" in warning and "metrics" not in warning
+    assert "past the frontend's API key and read its KV events" in warning and "metrics" not in warning
+    assert "DYN_TCP_RPC_HOST=127.0.0.1" in warning  # the fix on one machine, with etcd or without
