@@ -71,7 +71,7 @@ class DisaggWorkerEngine:
                                           ttl=_env_float("DYN_KV_EXPORT_TTL", 60.0))
         self.server: TransferServer | None = None
         self._host = host  # where the transfer server binds (the runtime's listen hosts: loopback on one machine)
-        self._advertise = advertise  # the address decode workers dial (None: as for response streams)
+        self._advertise = advertise  # the address decode workers dial (None: the one it binds)
         self.imported = 0
         self.fallbacks = 0
 
