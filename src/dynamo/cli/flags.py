@@ -87,7 +87,8 @@ for previous_response_id and GET /v1/responses/ID, default 1000).
 
 metrics: in=http serves /metrics (dynamo_frontend_*; DYN_METRICS_PREFIX renames them).  A worker
 (in=dyn://...) serves /health, /live and /metrics (dynamo_component_*) with DYN_SYSTEM_ENABLED=true or
-DYN_SYSTEM_PORT set (default port 8081, 0 = any free port, -1 = off; DYN_SYSTEM_HOST, default 0.0.0.0;
+DYN_SYSTEM_PORT set (default port 8081, 0 = any free port, -1 = off; DYN_SYSTEM_HOST, default 127.0.0.1
+when the planes listen on loopback (one machine), else 0.0.0.0;
 DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS='["generate"]'; DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH).
 
 overload: a worker takes at most --max-inflight requests at once (default: the engine's slots, e.g.

@@ -59,7 +59,8 @@ class DisaggWorkerEngine:
     kind = "core"
 
     def __init__(self, engine: Any, mode: DisaggregationMode | str, *, store: ExportStore | None = None,
-                 host: str | None = None, pull_timeout: float | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+                 host: str | None = None, pull_timeout: float | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 advertise: str | None = None):
         self.engine = engine
         self.mode = DisaggregationMode.parse(mode)
         # DYN_KV_TRANSFER_TIMEOUT (seconds, default 30) bounds a pull; DYN_KV_EXPORT_TTL (default 60) how
@@ -69,7 +70,8 @@ class DisaggWorkerEngine:
         self.store = store or ExportStore(max_bytes=int(_env_float("DYN_KV_EXPORT_MAX_MB", 1024) * (1 << 20)),
                                           ttl=_env_float("DYN_KV_EXPORT_TTL", 60.0))
         self.server: TransferServer | None = None
-        self._host = host
+        self._host = host  # where the transfer server binds (the runtime's listen hosts: loopback on one machine)
+        self._advertise = advertise  # the address decode workers dial (None: the one it binds)
         self.imported = 0
         self.fallbacks = 0
 
@@ -82,7 +84,7 @@ class DisaggWorkerEngine:
             from dynamo.runtime.tcp import advertise_host
 
             host = advertise_host(self._host or os.environ.get("DYN_TCP_RPC_HOST"))
-            self.server = TransferServer(self.store, host=host)
+            self.server = TransferServer(self.store, host=host, advertise=self._advertise)
             await self.server.start()
             log.info("KV transfer server at %s", self.server.address)
 

@@ -131,7 +131,8 @@ class SystemSettings:
     """
 
     enabled: bool = False
-    host: str = "0.0.0.0"
+    # DYN_SYSTEM_HOST; None: loopback when the planes are (one machine), else every interface
+    host: str | None = None
     port: int = DEFAULT_SYSTEM_PORT  # 0: an ephemeral port, logged
     health_path: str = "/health"
     live_path: str = "/live"
@@ -173,7 +174,7 @@ class SystemSettings:
                     'e.g. ["generate"]')
         return cls(
             enabled=enabled,
-            host=_env("DYN_SYSTEM_HOST") or "0.0.0.0",
+            host=_env("DYN_SYSTEM_HOST"),
             port=max(port, 0),
             health_path=_path_env("DYN_SYSTEM_HEALTH_PATH", "/health"),
             live_path=_path_env("DYN_SYSTEM_LIVE_PATH", "/live"),
@@ -194,7 +195,8 @@ class RuntimeSettings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     lease_ttl: int = DEFAULT_LEASE_TTL
     graceful_shutdown_timeout: float = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT
-    # Address this process advertises for TCP call-home response streams (None = auto-detect).
+    # DYN_TCP_RPC_HOST: where the request plane, the response streams and the ZMQ publisher listen and the
+    # address they advertise (None: loopback on one machine, else reachable; runtime/tcp.py listen_hosts).
     tcp_host: str | None = None
     # "tcp" (default, see docs/runtime.md for the measurement) or "nats".
     response_transport: str = "tcp"

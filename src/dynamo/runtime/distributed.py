@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from .file_store import FileStore, FileStoreError, default_file_kv_dir
 from .kv_object_store import DiscoveryObjectStore, FallbackObjectStore
 from .kv_store import KeyValueStore
 from .lease import LeaseKeeper
+from .listeners import Listener, exposure_warning, listeners_line
 from .names import lease_hex
 from .nats_event_plane import NatsEventPlane
 from .nats_object_store import NatsObjectStore
@@ -54,6 +56,7 @@ from .plane_choice import RECORDS as PLANE_RECORDS
 from .plane_choice import PlaneCheck, choose_planes
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
+from .tcp import ANY_ADDRESS, LOOPBACK, ListenHosts, listen_hosts
 from .tcp_request_plane import TcpRequestPlane
 
 if TYPE_CHECKING:
@@ -98,6 +101,8 @@ class DistributedRuntime:
         self._shutdown_task: asyncio.Task | None = None
         # the worker's status server (DYN_SYSTEM_ENABLED / DYN_SYSTEM_PORT), None when off
         self.system: "SystemStatusServer | None" = None
+        # where the internal listeners bind and what they advertise (chosen with the discovery backend)
+        self.listen_hosts: ListenHosts | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -128,13 +133,20 @@ class DistributedRuntime:
                 self.etcd = KeyValueStore(await self._open_discovery(), lambda: self.primary_lease_id,
                                           self._shutdown.is_set)
             settings = self.settings
+            # loopback on one machine (file discovery) unless DYN_TCP_RPC_HOST opens the planes
+            hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
-            self._requests = TcpRequestPlane(settings.tcp_host, settings.tcp_rpc_port,
+            self._requests = TcpRequestPlane(hosts.bind, settings.tcp_rpc_port,
                                              fallback=NatsRequestPlane(self.nats) if self.nats is not None else None,
-                                             serve_on_fallback=planes.requests == "nats")
-            self._streams = ResponseStreams(settings, self.nats)
+                                             serve_on_fallback=planes.requests == "nats", advertise=hosts.advertise)
+            self._streams = ResponseStreams(settings, self.nats, hosts)
+            listeners = []
+            if planes.requests == "tcp":
+                listeners.append(Listener("requests", hosts.bind, settings.tcp_rpc_port))
+            if settings.response_transport != "nats":
+                listeners.append(Listener("response streams", hosts.callhome))
             if self.etcd is not None:
                 self._lease = LeaseKeeper(self.etcd.client, settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
@@ -142,24 +154,33 @@ class DistributedRuntime:
                 from .zmq_event_plane import ZmqEventPlane  # pyzmq: imported only by processes that use it
 
                 assert self.etcd is not None
-                zmq_plane = ZmqEventPlane(self.etcd, settings.tcp_host)
+                zmq_plane = ZmqEventPlane(self.etcd, hosts.bind, hosts.advertise)
                 self._zmq_events = zmq_plane
                 self._events = zmq_plane
                 await zmq_plane.start_publisher(self.primary_lease_id)
+                listeners.append(Listener("events", hosts.bind, zmq_plane.port))
             else:
                 assert self.nats is not None
                 self._events = NatsEventPlane(self.nats)
-            log.info("%s, request plane %s, event plane %s (%s), object store %s", self._discovery_line,
-                     planes.requests, planes.events, planes.why, self._object_store_kind())
+            if self.settings.system.enabled:
+                from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
+
+                # DYN_SYSTEM_HOST, else loopback when the planes are on it, else every interface (as before,
+                # for a scraper on another machine)
+                system_host = settings.system.host or (LOOPBACK if hosts.loopback else ANY_ADDRESS)
+                self.system = SystemStatusServer(replace(settings.system, host=system_host))
+                await self.system.start()
+                listeners.append(Listener("status", self.system.host, self.system.port or 0))
+            log.info("%s, request plane %s, event plane %s (%s), object store %s%s", self._discovery_line,
+                     planes.requests, planes.events, planes.why, self._object_store_kind(),
+                     listeners_line(listeners, hosts))
+            warning = exposure_warning(listeners)
+            if warning:
+                log.warning("%s", warning)
             if self.etcd is not None:
                 self._start_mismatch_check()
                 self._plane_check = PlaneCheck(self.etcd, self.primary_lease_id, planes)
                 await self._plane_check.start()
-            if self.settings.system.enabled:
-                from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
-
-                self.system = SystemStatusServer(self.settings.system)
-                await self.system.start()
         except BaseException:
             await self._close_connections()
             raise
@@ -171,8 +192,7 @@ class DistributedRuntime:
         backend, why = await choose_discovery(self.settings)
         self.discovery_backend = backend
         if backend == "file":
-            root = self.settings.file_kv or default_file_kv_dir()
-            self.file_store = FileStore(root)
+            self.file_store = FileStore(self.settings.file_kv)  # None: DYN_FILE_KV, else the default
             try:
                 await self.file_store.connect()
             except FileStoreError as exc:

@@ -39,13 +39,11 @@ from urllib.parse import quote
 import orjson
 
 from .discovery import KeyValue
-from .errors import DynamoRuntimeError
+from .store_dir import FileStoreError, make_private_dir, open_private, write_private
+
+__all__ = ["FileKv", "FileStoreError", "check_writable", "key_file_name", "write_atomically"]
 
 MAX_ENCODED_NAME = 200  # longest percent-encoded key kept readable as a file name (names stop at 255 bytes)
-
-
-class FileStoreError(DynamoRuntimeError):
-    """The store refused a change (a lease that is not there, a lease id in use, an unusable directory)."""
 
 
 def key_file_name(key: str) -> str:
@@ -57,11 +55,16 @@ def key_file_name(key: str) -> str:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``."""
+    """Write ``data`` to a temporary file beside ``path`` (mode 0600: the store's records are this user's
+    only) and rename it over ``path``."""
     tmp = path.parent / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        write_private(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class FileKv:
@@ -72,8 +75,8 @@ class FileKv:
         self.keys_dir = self.root / "kv"
         self.leases_dir = self.root / "leases"
         try:
-            self.keys_dir.mkdir(parents=True, exist_ok=True)
-            self.leases_dir.mkdir(parents=True, exist_ok=True)
+            for path in (self.root, self.keys_dir, self.leases_dir):
+                make_private_dir(path)
         except OSError as exc:
             raise FileStoreError(f"cannot use {self.root} as the file discovery store: {exc.strerror}") from None
         self._lock_path = self.root / "lock"
@@ -87,7 +90,7 @@ class FileKv:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """The store's one lock, across processes (a new open file each time, so threads exclude too)."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from .object_store import ObjectStoreError
+from .store_dir import make_private_dir, write_private
 
 
 class FileObjectStore:
@@ -31,9 +32,10 @@ class FileObjectStore:
         if final.exists():
             return False
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.dir.parent)  # the store's files are this user's only (runtime/store_dir.py)
+            make_private_dir(self.dir)
             tmp = self.dir / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
-            tmp.write_bytes(data)
+            write_private(tmp, data)
         except OSError as exc:
             raise ObjectStoreError(f"cannot write to the object store {self.dir}: {exc.strerror}") from None
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from .discovery import KeyValue
 from .file_kv import FileKv, FileStoreError, check_writable
 from .file_watch import DEFAULT_TICK, DirectoryWatcher, FileWatch
+from .store_dir import secure_store_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,17 @@ def default_file_kv_dir() -> Path:
 
 
 class FileStore:
-    """Create, ``await connect()``, use, ``await close()``."""
+    """Create, ``await connect()``, use, ``await close()``.
+
+    ``root`` None: ``DYN_FILE_KV``, else the default directory. A directory named (``root`` given, or
+    ``DYN_FILE_KV`` set) may belong to another user the caller trusts; the default may not
+    (:func:`~dynamo.runtime.store_dir.secure_store_dir`).
+    """
 
     def __init__(self, root: Path | str | None = None, *, tick: float = DEFAULT_TICK,
                  poll_interval: float | None = None) -> None:
         self.root = Path(root) if root is not None else default_file_kv_dir()
+        self.explicit = root is not None or bool(os.environ.get("DYN_FILE_KV"))
         self._tick = tick
         self._poll_interval = poll_interval
         self._kv: FileKv | None = None
@@ -55,9 +62,10 @@ class FileStore:
         return self._watcher
 
     async def connect(self) -> None:
-        """Open (creating) the directory and delete what crashed processes left: expired leases and
-        their keys."""
+        """Open (creating, 0700) the directory, refusing one another user could have planted, and delete
+        what crashed processes left: expired leases and their keys."""
         def open_store() -> tuple[FileKv, int]:
+            secure_store_dir(self.root, explicit=self.explicit)
             kv = FileKv(self.root)
             check_writable(self.root)
             return kv, kv.clean_up()

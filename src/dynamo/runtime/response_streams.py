@@ -22,6 +22,7 @@ from .mux_callhome import MuxPool
 from .nats_stream import TRANSPORT_NAME as NATS_TRANSPORT
 from .nats_stream import NatsResponseReceiver, NatsSinkHub
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
+from .tcp import ListenHosts
 from .tcp_callhome import open_tcp_sink
 from .tcp_listener import TcpResponseServer
 from .transport import StreamState
@@ -30,8 +31,9 @@ Receiver = TcpResponseServer | NatsResponseReceiver
 
 
 class ResponseStreams:
-    def __init__(self, settings: RuntimeSettings, nc: NatsClient | None) -> None:
+    def __init__(self, settings: RuntimeSettings, nc: NatsClient | None, hosts: ListenHosts | None = None) -> None:
         self.settings = settings
+        self.hosts = hosts  # where the call-home listener binds and what it advertises (None: tcp_host)
         self._nc = nc
         self._receiver: Receiver | None = None
         self._nats_hub: NatsSinkHub | None = None
@@ -64,8 +66,10 @@ class ResponseStreams:
             if self.settings.response_transport == "nats":
                 receiver = NatsResponseReceiver(self._nats(), self.settings.stream_liveness)
             else:
-                receiver = TcpResponseServer(self.settings.tcp_host, self.settings.stream_liveness,
-                                             mux=self.settings.tcp_mux)
+                hosts = self.hosts
+                receiver = TcpResponseServer(hosts.advertise if hosts else self.settings.tcp_host,
+                                             self.settings.stream_liveness, mux=self.settings.tcp_mux,
+                                             bind=hosts.callhome if hosts else None)
             self._receiver = receiver
         if not receiver.address:
             await receiver.start()

@@ -40,6 +40,7 @@ class SystemStatusServer:
         self.endpoints: dict[str, str] = {}  # endpoint name -> READY / NOT_READY
         self.draining = False
         self.port: int | None = None
+        self.host = settings.host or "0.0.0.0"  # where it listens (the runtime resolves the default)
         self._started = time.monotonic()
         self._runner: web.AppRunner | None = None
 
@@ -65,20 +66,21 @@ class SystemStatusServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
+        self.host = self.settings.host or "0.0.0.0"
+        site = web.TCPSite(self._runner, self.host, self.settings.port, reuse_address=True)
         try:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
             self._runner = None
             raise RuntimeConfigError(
-                f"cannot start the system status server on {self.settings.host}:{self.settings.port} "
+                f"cannot start the system status server on {self.host}:{self.settings.port} "
                 f"(DYN_SYSTEM_HOST/DYN_SYSTEM_PORT): {e.strerror or e}") from None
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
         log.info("system status server listening on http://%s:%d (%s, %s, /metrics)",
-                 self.settings.host, self.port, self.settings.health_path, self.settings.live_path)
+                 self.host, self.port, self.settings.health_path, self.settings.live_path)
 
     async def close(self) -> None:
         if self._runner is not None:

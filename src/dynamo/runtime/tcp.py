@@ -20,7 +20,9 @@ addresses both sides use; it imports neither side, so each side (and the multipl
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
+from dataclasses import dataclass
 
 TRANSPORT_NAME = "tcp_server"
 LIVENESS_TICKS = 4  # the client checks its streams LIVENESS_TICKS times per liveness bound
@@ -64,6 +66,62 @@ def advertise_host(configured: str | None) -> str:
     except OSError:
         pass
     return "127.0.0.1"
+
+
+LOOPBACK = "127.0.0.1"
+ANY_ADDRESS = "0.0.0.0"
+ONE_MACHINE = "one machine"  # ListenHosts.why of the loopback default
+_WILDCARDS = frozenset(("", "*", "0.0.0.0", "::", "[::]"))
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, ``localhost``)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ListenHosts:
+    """Where this process's internal listeners bind, and the address it gives out for them.
+
+    Why one decision for all of them: the request plane, the response-stream listener and the event
+    publisher carry the same users' prompts and take no credentials, so they are reachable from exactly
+    the same places; the start-up line names them together.
+    """
+
+    bind: str  # the request plane's listener and the event publisher (``0.0.0.0``: every interface)
+    callhome: str  # the response-stream listener
+    advertise: str  # the address other processes dial, in discovery and in requests' connection info
+    why: str  # for the start-up line
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.bind) and is_loopback(self.callhome)
+
+
+def listen_hosts(configured: str | None, *, one_machine: bool) -> ListenHosts:
+    """The hosts for ``DYN_TCP_RPC_HOST`` (``configured``) and a fleet on one machine or several.
+
+    On one machine (file discovery) nothing needs to reach the planes from elsewhere, so they listen on
+    loopback only; ``DYN_TCP_RPC_HOST`` opens them to another address (a wildcard binds every interface
+    and advertises the host name's address). With etcd, processes on other machines dial them, so they
+    stay reachable as before: the request plane and the publisher on every interface, the response
+    streams on the host name's address.
+    """
+    if configured:
+        if configured in _WILDCARDS:
+            bind = ANY_ADDRESS if configured in ("", "*") else configured
+            return ListenHosts(bind, bind, advertise_host(None), "DYN_TCP_RPC_HOST")
+        return ListenHosts(configured, configured, configured, "DYN_TCP_RPC_HOST")
+    if one_machine:
+        return ListenHosts(LOOPBACK, LOOPBACK, LOOPBACK, ONE_MACHINE)
+    advertise = advertise_host(None)
+    return ListenHosts(ANY_ADDRESS, advertise, advertise, "a fleet across machines")
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -36,8 +36,10 @@ _PREFIX_UNPACK = struct.Struct(">QQQ").unpack_from
 class TcpResponseServer:
     """The client process's listener for call-home streams; one per DistributedRuntime."""
 
-    def __init__(self, host: str | None = None, liveness: float = 5.0, mux: bool = True) -> None:
-        self.host = advertise_host(host)
+    def __init__(self, host: str | None = None, liveness: float = 5.0, mux: bool = True,
+                 bind: str | None = None) -> None:
+        self.host = advertise_host(host)  # the address workers dial
+        self.bind = bind or self.host  # where the listener binds (a wildcard: every interface)
         self.address = ""
         self.pending: dict[str, StreamState] = {}
         self.mux = mux  # offer workers one shared connection for all streams (runtime/mux.py)
@@ -56,13 +58,13 @@ class TcpResponseServer:
             if self._acceptor is not None:
                 return
             try:
-                sock = await listen(self.host)
+                sock = await listen(self.bind)
             except OSError as exc:
-                if self.host == "127.0.0.1":
+                if self.bind == "127.0.0.1":
                     raise
                 # e.g. a host name resolving to an address this machine no longer has
-                log.warning("cannot listen on %s (%s); using 127.0.0.1 for response streams", self.host, exc)
-                self.host = "127.0.0.1"
+                log.warning("cannot listen on %s (%s); using 127.0.0.1 for response streams", self.bind, exc)
+                self.host = self.bind = "127.0.0.1"
                 sock = await listen(self.host)
             # our own accept loop: a burst of call-homes is accepted in one turn (dynamo.aio.Acceptor)
             self._acceptor = Acceptor(sock, lambda: _CallHomeProtocol(self))

@@ -3,7 +3,8 @@ the worker listens, the client dials the address in the instance record.
 
 Why: over NATS every request crosses nats-server and back for its ack, and a fleet needs a NATS server
 running first. Here each worker process runs one listener (``DYN_TCP_RPC_HOST`` / ``DYN_TCP_RPC_PORT``,
-an ephemeral port by default) for all its endpoints; an endpoint's address is
+an ephemeral port by default; loopback only on one machine, :func:`~dynamo.runtime.tcp.listen_hosts`)
+for all its endpoints; an endpoint's address is
 ``tcp://<host>:<port>/<service>.<endpoint>``, written into its instance record. A client keeps one
 connection per worker process and sends every request to that process over it.
 
@@ -32,7 +33,7 @@ from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .mux import EnvelopeDecoder, envelope
 from .request_plane import NoResponders, RequestHandler, RequestPlaneError
-from .tcp import CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
+from .tcp import ANY_ADDRESS, CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
 from .transport import StreamState
 
 log = logging.getLogger(__name__)
@@ -241,8 +242,9 @@ class TcpRequestPlane:
     plane only sends to the workers whose instance record gives a TCP address."""
 
     def __init__(self, host: str | None = None, port: int = 0, fallback: Any = None,
-                 serve_on_fallback: bool = False) -> None:
-        self.host = host
+                 serve_on_fallback: bool = False, advertise: str | None = None) -> None:
+        self.host = host  # where the listener binds (None: every interface)
+        self.advertise = advertise or advertise_host(host)  # the address written into instance records
         self.port = port
         self.fallback = fallback
         self.serving = fallback if serve_on_fallback else None
@@ -333,16 +335,18 @@ class TcpRequestPlane:
             if self._server is not None:
                 return
             loop = asyncio.get_running_loop()
+            bind = self.host or ANY_ADDRESS
             if self.port:
-                self._server = await loop.create_server(lambda: ServerConnection(self), self.host or "0.0.0.0",
+                self._server = await loop.create_server(lambda: ServerConnection(self), bind,
                                                         self.port, backlog=1024, reuse_address=True)
             else:
-                sock = await listen(self.host or "0.0.0.0")
+                sock = await listen(bind)
                 self._server = await loop.create_server(lambda: ServerConnection(self), sock=sock)
             port = self._server.sockets[0].getsockname()[1]
-            host = advertise_host(self.host)
+            host = self.advertise
             self._advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            log.info("request plane: listening for requests on tcp://%s", self._advertised)
+            log.info("request plane: listening for requests on %s:%d (reached at tcp://%s)", bind, port,
+                     self._advertised)
 
     @property
     def address(self) -> str:

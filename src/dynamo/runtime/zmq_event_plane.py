@@ -1,7 +1,7 @@
 """The event plane over ZMQ pub/sub (an :class:`~dynamo.runtime.event_plane.EventPlane` with no broker).
 
-Each process binds one PUB socket when it connects (an ephemeral port; ``DYN_TCP_RPC_HOST`` is the
-address it advertises) and writes ``tcp://host:port`` under ``event_plane/zmq/<instance>`` in discovery,
+Each process binds one PUB socket when it connects (an ephemeral port, on loopback on one machine;
+``DYN_TCP_RPC_HOST`` is where it binds and the address it advertises: :func:`~dynamo.runtime.tcp.listen_hosts`) and writes ``tcp://host:port`` under ``event_plane/zmq/<instance>`` in discovery,
 bound to its lease; it is gone when the process is. A process that subscribes opens one SUB socket,
 watches that prefix, and connects to every publisher as it appears and disconnects as it goes, its own
 included (as NATS delivers a process its own messages). ZMQ filters by topic prefix on the publisher's
@@ -56,10 +56,12 @@ class ZmqSubscription:
 
 
 class ZmqEventPlane:
-    def __init__(self, discovery: KeyValueStore, host: str | None = None) -> None:
+    def __init__(self, discovery: KeyValueStore, host: str | None = None, advertise: str | None = None) -> None:
         self.discovery = discovery
-        self.host = host
+        self.host = host  # where the publisher binds (None: every interface)
+        self.advertise = advertise or advertise_host(host)  # the address written into discovery
         self.address = ""
+        self.port = 0  # the publisher's, once bound
         self._ctx = zmq.asyncio.Context()
         self._pub: Any = None
         self._sub: Any = None
@@ -79,7 +81,8 @@ class ZmqEventPlane:
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port("tcp://*" if not self.host else f"tcp://{self.host}")
-        host = advertise_host(self.host)
+        self.port = port
+        host = self.advertise
         self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self._pub = sock
         await self.discovery.put(PUBLISHERS_PREFIX + lease_hex(instance_id),

@@ -67,7 +67,9 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
             # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)
             from dynamo.disagg.worker import DisaggWorkerEngine
 
-            wrapped = DisaggWorkerEngine(engine, mode)
+            hosts = runtime.listen_hosts  # the transfer server listens where the planes do
+            wrapped = DisaggWorkerEngine(engine, mode, host=hosts.callhome if hosts else None,
+                                         advertise=hosts.advertise if hosts else None)
             await wrapped.start()
             engine = owned = wrapped  # closed below, with its transfer server
         if engine.kind == "embedding":

@@ -1,0 +1,58 @@
+"""Where this process's internal listeners are, said once at start-up, and a warning when any of them is
+reachable from other machines.
+
+Why: the request plane, the response streams, the ZMQ publisher and the status server take no
+credentials (the HTTP frontend's API key guards only the frontend), so whoever reaches one can send a
+worker requests past the frontend, or read every KV event (block hashes of every user's prompts). On one
+machine they listen on loopback (:func:`~dynamo.runtime.tcp.listen_hosts`); a fleet across machines
+has to open them, and the operator should know what that exposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tcp import ListenHosts, is_loopback
+
+# what a stranger who reaches each listener gets, for the warning
+_EXPOSES = {
+    "requests": "send this process requests past the frontend's API key",
+    "response streams": "forge tokens in the response streams it receives",
+    "events": "read its KV events (block hashes of users' prompts)",
+    "status": "read its health and metrics",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    name: str  # a key of _EXPOSES
+    host: str
+    port: int = 0  # 0: chosen when it starts (the request plane's, at the first endpoint served)
+
+    def __str__(self) -> str:
+        where = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.name} {where}:{self.port}" if self.port else f"{self.name} {where}"
+
+
+def listeners_line(listeners: list[Listener], hosts: ListenHosts) -> str:
+    """The start-up line's part that says where each plane listens (empty when none does)."""
+    if not listeners:
+        return ""
+    if all(is_loopback(x.host) for x in listeners):
+        scope = "loopback only"
+    else:
+        scope = "reachable from other machines"
+    return f"; listening: {', '.join(map(str, listeners))} ({scope}; {hosts.why})"
+
+
+def exposure_warning(listeners: list[Listener]) -> str | None:
+    """One line naming the listeners other machines can reach and what that gives them; None when every
+    one is on loopback."""
+    exposed = [x for x in listeners if not is_loopback(x.host)]
+    if not exposed:
+        return None
+    gains = list(dict.fromkeys(_EXPOSES[x.name] for x in exposed))
+    what = gains[0] if len(gains) == 1 else f"{', '.join(gains[:-1])} and {gains[-1]}"
+    return (f"internal listeners reachable from other machines ({', '.join(map(str, exposed))}) have no "
+            f"authentication yet: anyone who reaches them can {what}; admit only the fleet's machines with a "
+            "firewall, or on one machine set DYN_TCP_RPC_HOST=127.0.0.1 (docs/security.md)")
