@@ -1,0 +1,1 @@
+"""The ``dynamo`` umbrella command: ``dynamo serve`` here, ``dynamo run`` handed to ``dynamo-run``."""

@@ -1,0 +1,89 @@
+"""``dynamo serve MODULE:Service [-f config.yaml] [--Service.key=value ...] [--working-dir DIR] [--dry-run]``.
+
+Import the graph, walk it from the named service (a cycle is refused here, before any process starts),
+merge the config (command line > YAML > decorator > the services' own defaults; ``Common`` through
+``common-configs``: dynamo.sdk.lib.config), and hand one command per service to the supervisor, which
+starts ``ServiceArgs.workers`` replicas of each.  ``--dry-run`` prints the graph, the processes and the
+merged config instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import yaml
+
+from ..graph import Graph, GraphError, import_root, walk
+from ..lib.config import ENV_VAR, SERVICE_ARGS, ConfigError, load_yaml, merge_layers, parse_overrides
+from ..supervisor import ServiceProcs, Supervisor, child_env
+
+USAGE = "dynamo serve MODULE:Service [-f config.yaml] [--Service.key=value ...] [--working-dir DIR] [--dry-run]"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="dynamo serve", usage=USAGE, description=(
+        "Start a graph of @service classes, each service as its own processes. Overrides --Service.key=value "
+        "(dotted keys nest; --Common.key for shared values) beat the YAML file, which beats the decorators."))
+    p.add_argument("target", help="the graph's entry service, MODULE:Service (e.g. graphs.agg:Frontend)")
+    p.add_argument("-f", "--file", help="YAML config: a section per service, and Common")
+    p.add_argument("--working-dir", help="where MODULE is imported from (default: the current directory)")
+    p.add_argument("--dry-run", action="store_true", help="print the graph, the processes and the config; start nothing")
+    p.add_argument("--stop-timeout", type=float, default=30.0,
+                   help="seconds a replica has to exit after SIGTERM before it is killed (default 30)")
+    return p.parse_known_args(argv)
+
+
+def build_config(graph: Graph, yaml_path: str | None, overrides: list[str]) -> dict:
+    decorators = {spec.name: {SERVICE_ARGS: spec.service_args()} for spec in graph.order}
+    yaml_layer = load_yaml(yaml_path) if yaml_path else {}
+    return merge_layers([decorators, yaml_layer, parse_overrides(overrides)])
+
+
+def workers_of(config: dict, name: str) -> int:
+    value = ((config.get(name) or {}).get(SERVICE_ARGS) or {}).get("workers", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}.{SERVICE_ARGS}.workers must be an integer >= 1, not {value!r}")
+    return value
+
+
+def plan(graph: Graph, config: dict, target: str, working_dir: str) -> list[ServiceProcs]:
+    env = child_env(**{ENV_VAR: json.dumps(config)})
+    out = []
+    for spec in graph.order:
+        command = [sys.executable, "-m", "dynamo.sdk.runner", target, spec.name, "--working-dir", working_dir]
+        out.append(ServiceProcs(spec.name, workers_of(config, spec.name), command, env, cwd=working_dir))
+    return out
+
+
+def dry_run(graph: Graph, procs: list[ServiceProcs], config: dict) -> None:
+    print("graph (dependencies first):")
+    for spec in graph.order:
+        deps = graph.edges[spec.name]
+        names = sorted(spec.endpoints())
+        print(f"  {spec.name}  namespace={spec.namespace}  endpoints={names or '-'}  apis={sorted(spec.apis()) or '-'}"
+              f"  depends on: {', '.join(deps) or '-'}")
+    print("processes:")
+    for p in procs:
+        print(f"  {p.name} x{p.workers}: {' '.join(p.command)} <replica>")
+    print("config:")
+    print(yaml.safe_dump(config, sort_keys=False).rstrip())
+
+
+def serve_main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    working_dir = os.path.abspath(args.working_dir or os.getcwd())
+    try:
+        graph = walk(import_root(args.target, working_dir))
+        config = build_config(graph, args.file, overrides)
+        procs = plan(graph, config, args.target, working_dir)
+    except (GraphError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        dry_run(graph, procs, config)
+        return 0
+    return asyncio.run(Supervisor(procs, stop_timeout=args.stop_timeout).run())

@@ -1,0 +1,1 @@
+"""The SDK's library modules under the original's import paths (``dynamo.sdk.lib.config``)."""

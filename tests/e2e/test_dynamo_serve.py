@@ -1,0 +1,193 @@
+"""``dynamo serve`` as a user runs it: real processes per service, on the zero-infrastructure default.
+
+Each test starts ``python -m dynamo.sdk.cli serve ...`` (the ``dynamo`` console script's code) in its own
+file-store directory, waits for the ready lines the replicas log (through the supervisor, prefixed
+``[Service:replica]``), and talks to the graph over HTTP.  Graphs: examples/hello_world and
+tests/e2e/data/serve_graphs/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from harness.fleet import NO_INFRA_ENV, infra_on_default_ports
+from harness.proc import DynamoWorker, cli_env, free_port, in_thread
+from harness.wait import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = Path(__file__).parent / "data" / "serve_graphs"
+HELLO = ROOT / "examples" / "hello_world"
+SERVE = [sys.executable, "-m", "dynamo.sdk.cli", "serve"]
+STARTED = re.compile(r"dynamo serve: started (\w+):(\d+) \(pid (\d+)\)")
+
+
+@pytest.fixture(autouse=True)
+def _no_infra() -> None:
+    if infra_on_default_ports():
+        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp_path / "store"), "DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT": "10"}
+
+
+class Graph(DynamoWorker):
+    """``dynamo serve`` in the background; ready once every expected replica logged its ready line."""
+
+    def __init__(self, *args: str, cwd: Path, env: dict[str, str], port: int) -> None:
+        self.http_port = port
+        super().__init__(*args, command=SERVE, ready=None, cwd=cwd, env=env)
+
+    def ready_count(self, service: str, replica: int) -> int:
+        return len(re.findall(rf"service {service} replica {replica} ready", self.stderr_text()))
+
+    def wait_replicas(self, want: dict[str, int], timeout: float = 60) -> None:
+        def ok() -> bool:
+            assert self.running, f"dynamo serve exited:\n{self.stderr_text()}"
+            return all(self.ready_count(s, i) >= 1 for s, n in want.items() for i in range(n))
+        wait_until(ok, timeout, f"replicas {want} ready")
+
+    def pids(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for m in STARTED.finditer(self.stderr_text()):
+            out.setdefault(f"{m.group(1)}:{m.group(2)}", []).append(int(m.group(3)))
+        return out
+
+    def post(self, route: str, body: dict, timeout: float = 30) -> httpx.Response:
+        return httpx.post(f"http://127.0.0.1:{self.http_port}/{route}", json=body, timeout=timeout)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator:
+    started: list[Graph] = []
+
+    def start(*args: str, cwd: Path = GRAPHS, want: dict[str, int] | None = None) -> Graph:
+        port = free_port()
+        service = args[0].split(":")[1]
+        g = Graph(*args, f"--{service}.port={port}", cwd=cwd, env=env_for(tmp_path), port=port)
+        g.start()
+        started.append(g)
+        g.wait_replicas(want or {service: 1})
+        return g
+
+    yield start
+    for g in started:
+        g.stop(timeout=60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_hello_world_answers_through_three_processes(serve):
+    g = serve("hello_world:Frontend", "-f", "config.yaml", cwd=HELLO,
+              want={"Frontend": 1, "Middle": 1, "Backend": 1})
+    r = g.post("generate", {"text": "test"})
+    assert r.status_code == 200, r.text
+    assert r.text == "Frontend: Middle: Backend: test-mid-back"
+    assert set(g.pids()) == {"Frontend:0", "Middle:0", "Backend:0"}
+    assert "[Backend:0] " in g.stderr_text()
+
+
+def test_two_workers_both_serve_and_config_layers_reach_the_service(serve):
+    g = serve("replicas:Front", "-f", "replicas.yaml", "--Leaf.message=from-cli", "--Common.shared=cli-common",
+              want={"Front": 1, "Leaf": 2})
+    pids = g.pids()
+    leaf_pids = {pids["Leaf:0"][0], pids["Leaf:1"][0]}
+    seen = set()
+    for i in range(8):
+        r = g.post("generate", {"text": f"q{i}"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["text"] == f"q{i}-from-cli"  # the command line beat the YAML
+        seen.add(body["pid"])
+    assert seen == leaf_pids  # round-robin reached both replicas
+    section = g.post("settings", {}).json()
+    assert section["section"]["greeting"] == "yaml-hello"  # from the YAML
+    assert section["section"]["shared"] == "cli-common"  # --Common reaches the section through common-configs
+    assert section["section"]["model"] == "leaf-model"  # the section's own YAML value beats YAML's Common
+    assert section["section"]["ServiceArgs"]["workers"] == 2
+    assert section["common"]["shared"] == "cli-common"
+
+
+def test_a_replica_killed_is_restarted_and_serves_again(serve):
+    g = serve("replicas:Front", "-f", "replicas.yaml", want={"Front": 1, "Leaf": 2})
+    victim = g.pids()["Leaf:1"][0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: len(g.pids()["Leaf:1"]) == 2 and g.ready_count("Leaf", 1) == 2, 60,
+               "Leaf:1 restarted and ready")
+    assert f"Leaf:1 (pid {victim}) killed by SIGKILL; restarting" in g.stderr_text()
+    new = g.pids()["Leaf:1"][1]
+    seen = set()
+    for i in range(10):  # none fails: the dead instance is retried elsewhere before its lease expires
+        r = g.post("generate", {"text": f"after{i}"})
+        assert r.status_code == 200, r.text
+        seen.add(r.json()["pid"])
+    assert new in seen and victim not in seen
+
+
+def test_sigterm_stops_dependents_first_finishes_streams_and_leaves_no_process(serve):
+    g = serve("replicas:Front", "-f", "replicas.yaml", want={"Front": 1, "Leaf": 2})
+    children = [pid for pids in g.pids().values() for pid in pids]
+    chunks: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"http://127.0.0.1:{g.http_port}/slow", json={"text": "s"}, timeout=30) as r:
+            for text in r.iter_text():
+                chunks.append(text)
+
+    t = in_thread(stream)
+    wait_until(lambda: chunks, 30, "the first streamed chunk")
+    g.terminate(signal.SIGTERM)
+    assert g.wait(60) == 0, g.stderr_text()
+    t.join(30)
+    assert "".join(chunks) == "".join(f"s{i};" for i in range(6))  # the stream in flight finished
+    assert not [pid for pid in children if alive(pid)]
+    log = g.stderr_text()
+    stops = [m.group(1) for m in re.finditer(r"\[(\w+):\d\] .*received SIGTERM", log)]
+    assert stops == ["Front", "Leaf", "Leaf"], log  # dependents first
+    assert "dynamo serve: stopped" in log
+
+
+def test_init_raising_is_one_line_a_nonzero_exit_and_nothing_left(tmp_path):
+    p = subprocess.run(SERVE + ["broken:Top", f"--Top.port={free_port()}"], cwd=GRAPHS, capture_output=True, text=True,
+                       env=cli_env(env_for(tmp_path)), timeout=120)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["error: service Broken failed to start: __init__ raised ValueError: no model here"], p.stderr
+    assert "Traceback" not in p.stderr
+    pids = [int(m.group(3)) for m in STARTED.finditer(p.stderr)]
+    assert pids and not [pid for pid in pids if alive(pid)]
+    assert "restarting" not in p.stderr
+
+
+def test_a_cycle_in_depends_is_refused_before_anything_starts(tmp_path):
+    p = subprocess.run(SERVE + ["cycle:A"], cwd=GRAPHS, capture_output=True, text=True,
+                       env=cli_env(env_for(tmp_path)), timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: cycle in depends: A -> B -> C -> A"
+    assert "started" not in p.stderr + p.stdout
+
+
+def test_dry_run_prints_graph_processes_and_config(tmp_path):
+    p = subprocess.run(SERVE + ["hello_world:Frontend", "-f", "config.yaml", "--dry-run", "--Backend.ServiceArgs.workers=3"],
+                       cwd=HELLO, capture_output=True, text=True, env=cli_env(env_for(tmp_path)), timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "Backend x3:" in p.stdout and "Middle x1:" in p.stdout
+    assert "depends on: Backend" in p.stdout
+    assert "message: mid" in p.stdout
