@@ -77,7 +77,10 @@ def _serve(cfg: RunConfig) -> int:
 
 
 def dynamo_main(argv: list[str] | None = None) -> int:
-    """``dynamo run ...``: the same tool under the umbrella command."""
+    """``dynamo run ...``: the same tool under the umbrella command.
+
+    The ``dynamo`` console script now points at ``dynamo.sdk.cli.main`` (which adds ``serve`` and hands
+    ``run`` here); this stays for environments installed before that, until they are reinstalled."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         from dynamo.cli.flags import USAGE

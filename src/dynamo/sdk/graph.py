@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from .service import ServiceSpec, is_service, spec_of
 
@@ -47,14 +48,14 @@ def import_root(target: str, working_dir: str | None = None) -> type:
         if e.name and module_name.startswith(e.name):
             raise GraphError(f"cannot import {module_name!r} from {base}: {e}") from None
         raise
-    obj = module
+    obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             raise GraphError(f"module {module_name!r} has no {attr!r}")
     if not is_service(obj):
         raise GraphError(f"{target} is not a @service class")
-    return obj  # type: ignore[return-value]
+    return obj
 
 
 def walk(root_cls: type) -> Graph:

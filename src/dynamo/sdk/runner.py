@@ -91,7 +91,7 @@ async def serve_service(runtime: DistributedRuntime, spec: ServiceSpec, replica:
         served.append(asyncio.create_task(component.endpoint(name).serve_endpoint(handler, ready=ready)))
     api_runner = None
     try:
-        for ready, task in zip(readies, served):
+        for ready, task in zip(readies, served, strict=True):
             waiter = asyncio.create_task(ready.wait())
             await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
             if task.done():

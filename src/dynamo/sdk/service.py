@@ -131,7 +131,7 @@ def service(cls: type | None = None, *, dynamo: dict[str, Any] | None = None, re
                 spec.links.append(target)
             return target
 
-        setattr(klass, "link", staticmethod(link))
+        klass.link = staticmethod(link)  # type: ignore[attr-defined]
         return klass
 
     return wrap(cls) if cls is not None else wrap

@@ -191,8 +191,9 @@ class Supervisor:
         return 0
 
 
-def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """Our environment for a child, plus ``extra``; unbuffered, so its lines reach us as written."""
+    env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

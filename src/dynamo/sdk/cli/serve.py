@@ -51,7 +51,7 @@ def workers_of(config: dict, name: str) -> int:
 
 
 def plan(graph: Graph, config: dict, target: str, working_dir: str) -> list[ServiceProcs]:
-    env = child_env(**{ENV_VAR: json.dumps(config)})
+    env = child_env({ENV_VAR: json.dumps(config)})
     out = []
     for spec in graph.order:
         command = [sys.executable, "-m", "dynamo.sdk.runner", target, spec.name, "--working-dir", working_dir]
