@@ -191,3 +191,29 @@ def test_dry_run_prints_graph_processes_and_config(tmp_path):
     assert "Backend x3:" in p.stdout and "Middle x1:" in p.stdout
     assert "depends on: Backend" in p.stdout
     assert "message: mid" in p.stdout
+
+
+def test_examples_llm_agg_answers_a_chat_completion(serve):
+    """The Dynamo README's quick start: ``cd examples/llm && dynamo serve graphs.agg:Frontend -f configs/agg.yaml``
+    (the worker on llama.cpp with the SmolLM2 GGUF)."""
+    from harness.smollm2 import SMOLLM2_MODEL, smollm2_gguf_or_skip
+
+    gguf = smollm2_gguf_or_skip()
+    g = serve("graphs.agg:Frontend", "-f", "configs/agg.yaml", f"--Common.model={gguf}", "--Common.context-length=1024",
+              cwd=ROOT / "examples" / "llm", want={"Frontend": 1, "Worker": 1})
+    body = {"model": SMOLLM2_MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8,
+            "temperature": 0}
+
+    def answered() -> httpx.Response | None:
+        try:
+            r = httpx.post(f"http://127.0.0.1:{g.http_port}/v1/chat/completions", json=body, timeout=60)
+        except httpx.TransportError:
+            return None
+        return r if r.status_code == 200 else None
+
+    # ready once the frontend listens and has discovered the worker's model: a 404 for the model before that
+    wait_until(lambda: "added model " + SMOLLM2_MODEL in g.stderr_text(), 120, "the frontend discovering the model")
+    r = answered()
+    assert r is not None, g.stderr_text()
+    assert r.json()["choices"][0]["message"]["content"]
+    assert "[Worker:0] " in g.stderr_text() and "[Frontend:0] " in g.stderr_text()

@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         return FATAL_EXIT
     except KeyboardInterrupt:
         return 130
-    return 0
+    if dynamo_context.get("fatal"):  # a role it ran failed the way every restart would (lib/roles.py)
+        print(FATAL_MARK + dynamo_context["fatal"], file=sys.stderr, flush=True)
+        return FATAL_EXIT
+    return int(dynamo_context.get("exit_status", 0))
 
 
 if __name__ == "__main__":

@@ -151,13 +151,14 @@ class ServiceConfig(dict):
                               f"or with --{section}.{key}=...")
         return values[key]
 
-    def as_args(self, section: str, prefix: str = "") -> list[str]:
+    def as_args(self, section: str, prefix: str = "", exclude: tuple[str, ...] = ()) -> list[str]:
         """A section as command-line flags for an engine: ``--key value``; ``True`` is a bare ``--key``,
         ``False`` and ``None`` are left out, lists and mappings go as JSON.  With ``prefix`` only the keys
-        starting with it, the prefix removed.  ``ServiceArgs`` and ``common-configs`` are never flags."""
+        starting with it, the prefix removed.  ``ServiceArgs``, ``common-configs`` and the keys in ``exclude``
+        (the ones the service reads itself) are never flags."""
         out: list[str] = []
         for key, value in (self.get(section) or {}).items():
-            if key in (SERVICE_ARGS, COMMON_KEYS) or not key.startswith(prefix):
+            if key in (SERVICE_ARGS, COMMON_KEYS, *exclude) or not key.startswith(prefix):
                 continue
             flag = "--" + key[len(prefix):]
             if value is True:
