@@ -217,3 +217,19 @@ def test_examples_llm_agg_answers_a_chat_completion(serve):
     assert r is not None, g.stderr_text()
     assert r.json()["choices"][0]["message"]["content"]
     assert "[Worker:0] " in g.stderr_text() and "[Frontend:0] " in g.stderr_text()
+
+
+def test_a_role_that_reports_an_error_stops_the_graph_without_restarts(tmp_path):
+    """A dynamo-run role exiting with status 1 (a missing model) fails the same way every time: one error
+    line, exit 1, nothing restarted or left running."""
+    p = subprocess.run(SERVE + ["graphs.agg:Frontend", "-f", "configs/agg.yaml", f"--Frontend.port={free_port()}",
+                                "--Common.model=/nonexistent/model.gguf"],
+                       cwd=ROOT / "examples" / "llm", capture_output=True, text=True, env=cli_env(env_for(tmp_path)),
+                       timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "[Worker:0] Error: /nonexistent/model.gguf" in p.stderr
+    assert p.stderr.rstrip().splitlines()[-1] == \
+        "error: service Worker failed: dynamo-run exited with status 1 (its error is above)"
+    assert "restarting" not in p.stderr
+    pids = [int(m.group(3)) for m in STARTED.finditer(p.stderr)]
+    assert pids and not [pid for pid in pids if alive(pid)]

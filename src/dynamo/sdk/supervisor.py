@@ -194,6 +194,8 @@ class Supervisor:
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """Our environment for a child, plus ``extra``; unbuffered, so its lines reach us as written."""
     env = dict(os.environ)
+    if env.get("PYTHONPATH"):  # the children start in the working directory: relative entries would move
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

@@ -18,7 +18,7 @@ import sys
 import yaml
 
 from ..graph import Graph, GraphError, import_root, walk
-from ..lib.config import ENV_VAR, SERVICE_ARGS, ConfigError, load_yaml, merge_layers, parse_overrides
+from ..lib.config import COMMON, ENV_VAR, SERVICE_ARGS, ConfigError, load_yaml, merge_layers, parse_overrides
 from ..supervisor import ServiceProcs, Supervisor, child_env
 
 USAGE = "dynamo serve MODULE:Service [-f config.yaml] [--Service.key=value ...] [--working-dir DIR] [--dry-run]"
@@ -83,6 +83,11 @@ def serve_main(argv: list[str]) -> int:
     except (GraphError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    known = {spec.name for spec in graph.order} | {COMMON}
+    for name in config:
+        if name not in known:  # a typo in a section or an override would otherwise change nothing, silently
+            print(f"dynamo serve: warning: config section {name!r} names no service of this graph "
+                  f"({', '.join(sorted(known))})", file=sys.stderr)
     if args.dry_run:
         dry_run(graph, procs, config)
         return 0
