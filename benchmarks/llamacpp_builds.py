@@ -13,7 +13,7 @@ on one build; medians and the spread (min-max) over the repeats are printed.
 
 How to build the other libraries (a wheel each, nothing installed; 7 minutes each on 2 cores)::
 
-    CMAKE_ARGS="$(python3 scripts/llamacpp_cmake_args.py | sed 's/AVX512\\([A-Z_]*\\)=ON/AVX512\\1=OFF/g')" \\
+    CMAKE_ARGS="$(python3 scripts/llamacpp_cmake_args.py | sed 's/AVX512\\([A-Z0-9_]*\\)=ON/AVX512\\1=OFF/g')" \\
       .venv/bin/pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w /tmp/avx2 llama-cpp-python==0.3.36
     unzip -q /tmp/avx2/*.whl 'llama_cpp/lib/*' -d /tmp/avx2      # then --lib avx2=/tmp/avx2/llama_cpp/lib
 """
