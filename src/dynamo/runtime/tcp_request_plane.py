@@ -134,8 +134,10 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
                     refusals((peer.rpartition(":")[0], "no secret"), f"request plane: refused a connection from "
                              f"{peer}: it authenticates with a fleet secret and this process has none "
                              "(set DYN_FLEET_SECRET)")
-                else:
-                    log.warning("request plane: dropping a connection that sent garbage: %s", exc)
+                else:  # once a minute per peer host: a flood of garbage is not a flood of lines
+                    peer = peer_name(self.transport)
+                    refusals((peer.rpartition(":")[0], "garbage"), f"request plane: dropping a connection from "
+                             f"{peer} that sent garbage: {exc}")
                 self.transport.close()
             return
         handlers = self.plane.handlers
@@ -144,7 +146,9 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
             try:
                 name, body = decode_frame(payload)
             except ValueError as exc:
-                log.warning("request plane: undecodable request: %s", exc)
+                peer = peer_name(self.transport) if self.transport is not None else "?"
+                refusals((peer.rpartition(":")[0], "undecodable"), f"request plane: undecodable request from "
+                         f"{peer}: {exc}")
                 continue
             handler = handlers.get(name.decode("utf-8", "replace"))
             if handler is None:
