@@ -323,6 +323,11 @@ class AuthGate(asyncio.Protocol):
             self.ready.set_exception(FleetAuthError(message))
             self.ready.exception()  # retrieved: a dialer that gave up waiting is not an error
 
+    def abandon(self) -> None:
+        """We close the connection ourselves (the dialer gave up): no line blames the peer."""
+        self.transport = None
+        self._cancel_timer()
+
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -354,6 +359,7 @@ async def dial(auth: FleetAuth | None, address: str, host: str, port: int,
         try:
             return await gate.ready
         except BaseException:  # refused, or the caller's timeout: the connection goes either way
+            gate.abandon()
             transport.close()
             raise
 
