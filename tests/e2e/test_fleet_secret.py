@@ -166,6 +166,14 @@ def test_a_subscriber_with_another_secret_reads_no_event(fleet):
                "the worker's line about the strangers")
 
 
+def test_planes_opened_to_the_network_with_the_secret_do_not_warn(fleet, tmp_path):
+    env = {**fleet["member"], "DYN_FILE_KV": str(tmp_path / "store"), "DYN_TCP_RPC_HOST": "0.0.0.0"}
+    with DynamoWorker(*worker_args(fleet["model"], fleet["mocker_args"]), env=env) as worker:
+        line = [x for x in worker.stderr_text().splitlines() if "runtime.distributed: discovery " in x]
+    assert len(line) == 1 and "requests 0.0.0.0" in line[0] and "fleet secret on" in line[0], line
+    assert "have no authentication" not in worker.stderr_text()
+
+
 def test_a_secret_file_others_may_read_is_refused(fleet, tmp_path):
     loose = tmp_path / "loose.secret"
     loose.write_text(SECRET)
