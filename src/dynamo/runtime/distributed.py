@@ -104,6 +104,9 @@ class DistributedRuntime:
         self.system: "SystemStatusServer | None" = None
         # where the internal listeners bind and what they advertise (chosen with the discovery backend)
         self.listen_hosts: ListenHosts | None = None
+        # the fleet secret's keys (DYN_FLEET_SECRET), for listeners outside the runtime (the KV transfer
+        # server); None without a secret
+        self.fleet_auth: FleetAuth | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -136,7 +139,7 @@ class DistributedRuntime:
             settings = self.settings
             # loopback on one machine (file discovery) unless DYN_TCP_RPC_HOST opens the planes
             hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
-            auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
+            auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)

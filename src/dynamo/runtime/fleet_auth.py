@@ -210,17 +210,19 @@ class RefusalLog:
 
     def __init__(self, every_s: float = REFUSAL_LOG_EVERY_S) -> None:
         self.every_s = every_s
-        self._last: dict[tuple[str, str], float] = {}
+        self._last: dict[tuple[str, ...], float] = {}
 
     def __call__(self, key: tuple[str, str], message: str) -> None:
+        """``key``: (peer, reason); the plane (the message's words before its first colon) is part of it."""
+        full = (*key, message.partition(":")[0])
         now = time.monotonic()
-        last = self._last.get(key)
+        last = self._last.get(full)
         if last is not None and now - last < self.every_s:
             log.debug("%s", message)
             return
         if len(self._last) > 4096:
             self._last.clear()
-        self._last[key] = now
+        self._last[full] = now
         log.warning("%s", message)
 
 
@@ -332,6 +334,30 @@ class AuthGate(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+async def handshake_streams(auth: FleetAuth, role: str, address: str, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """The handshake on an ``asyncio.start_server`` / ``open_connection`` stream pair (the KV transfer
+    server's). Reads exactly the handshake's bytes, so the plane's first byte is still in ``reader``.
+    Raises :class:`FleetAuthError` (the caller logs it and closes)."""
+    hs = auth.handshake(role, address)
+    try:
+        async with asyncio.timeout(timeout):
+            writer.write(hs.hello)
+            proof, _ = hs.feed(await reader.readexactly(HELLO_LEN))
+            writer.write(proof)
+            await writer.drain()
+            hs.feed(await reader.readexactly(PROOF_LEN))
+    except FleetAuthError as exc:
+        if exc.reply:
+            writer.write(exc.reply)
+        raise
+    except asyncio.IncompleteReadError:
+        raise FleetAuthError("it closed the connection during the fleet-secret handshake (no DYN_FLEET_SECRET "
+                             "there, or another one)") from None
+    except TimeoutError:
+        raise FleetAuthError(f"no fleet-secret handshake within {timeout:g}s") from None
 
 
 def guarded(auth: FleetAuth | None, address: Callable[[], str], factory: Callable[[], asyncio.Protocol],

@@ -245,9 +245,9 @@ class ZmqEventPlane:
             secret = "another DYN_FLEET_SECRET, or none" if self.curve is not None else \
                 "it has a fleet secret and this process has none (set DYN_FLEET_SECRET)"
             if side == "subscriber":
-                refusals((where, why), f"events: cannot subscribe to {where}: {why}: {secret}")
+                refusals((where, f"subscriber {why}"), f"events: cannot subscribe to {where}: {why}: {secret}")
             else:
-                refusals((where, why), f"events: refused a subscriber on {where}: {why}: {secret}")
+                refusals((where, f"publisher {why}"), f"events: refused a subscriber on {where}: {why}: {secret}")
 
     def _start_zap(self, curve: CurveKeys) -> None:
         """This context's ZAP handler: admits the fleet's subscriber key, refuses any other."""
