@@ -127,3 +127,42 @@ async def test_a_subscriber_with_another_secret_reads_no_event(make) -> None:
             break
         await asyncio.sleep(0.05)
     assert got["member"] and got["other"] == [] and got["none"] == []
+
+
+async def test_a_subscriber_that_knows_the_publishers_key_but_not_the_fleets_is_refused(make, caplog) -> None:
+    """The publisher's public key is derived from the secret and never sent, but were it known: the
+    publisher's ZAP handler still admits only the fleet's subscriber key, which the stranger cannot prove."""
+    import zmq
+    import zmq.asyncio
+
+    from dynamo.runtime.zmq_event_plane import CurveKeys
+
+    caplog.set_level(logging.DEBUG, logger="dynamo.runtime.fleet_auth")
+    publisher = await make(SECRET)
+    member = await make(SECRET)
+    got: list[bytes] = []
+
+    async def handler(_subject: str, payload: bytes) -> None:
+        got.append(payload)
+
+    await member.event_plane().subscribe("fs.events", handler)
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        public, secret = zmq.curve_keypair()  # its own keypair, not the fleet's
+        sub.curve_serverkey = CurveKeys(FleetAuth(SECRET)).server_public
+        sub.curve_publickey, sub.curve_secretkey = public, secret
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(publisher.event_plane().address)  # type: ignore[attr-defined]
+        await until(lambda: "its key is not the fleet's" in caplog.text, 10, "the publisher's ZAP refusal")
+        for i in range(200):  # until the member's connection is up
+            await publisher.event_plane().publish("fs.events", b"%d" % i)
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert got
+        with pytest.raises(zmq.Again):
+            await sub.recv_multipart(flags=zmq.NOBLOCK)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
