@@ -2,7 +2,7 @@
 """Distributed serving benchmark: our dynamo-run over NATS and over the TCP request plane vs the ORIGINAL
 (Rust, ai-dynamo 0.3.2, NATS only).
 
-    .venv/bin/python -m benchmarks.dist_compare [--duration 20] [--only ours,ours-tcp,original]
+    .venv/bin/python -m benchmarks.dist_compare [--duration 20] [--only ours,ours-tcp,ours-tcp-secret,original]
                                                 [--scenarios a,b] [--repeats 1] [--quiet 0.3]
                                                 [--profile DIR [--profile-raw]]
 
@@ -24,6 +24,10 @@ load from benchmarks/loadgen.py, stop everything (SIGINT, then SIGKILL).
 Scenarios (200-word prompts, 1,158 characters = tokens for echo_full, keep-alive connections):
   a  DYN_TOKEN_ECHO_DELAY_MS=0,  64 streams:  tokens/s (the cost of the whole path)
   b  DYN_TOKEN_ECHO_DELAY_MS=10, 256 streams: tokens/s and ITL p99 (ideal: 25,600 tokens/s)
+
+`ours-tcp-secret` is `ours-tcp` with a fleet secret (``DYN_FLEET_SECRET``) on both processes: every
+request-plane and call-home connection is authenticated first and the KV events go over CURVE; its ratio
+to `ours-tcp` is what authentication costs (docs/security.md has the figures).
 
 "start to first answer s" is from starting the worker and the frontend (at once) until a chat completion
 through them answered: a fresh two-process fleet's start-up.
@@ -71,8 +75,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 # what each implementation adds to both processes' command lines
 PLANE_ARGS: dict[str, list[str]] = {"ours-tcp": ["--request-plane", "tcp", "--event-plane", "zmq"],
+                                    "ours-tcp-secret": ["--request-plane", "tcp", "--event-plane", "zmq"],
                                     "ours": ["--request-plane", "nats", "--event-plane", "nats"]}
-IMPLEMENTATIONS = ("original", "ours", "ours-tcp")
+# what each implementation adds to both processes' environments
+IMPL_ENV: dict[str, dict[str, str]] = {"ours-tcp-secret": {"DYN_FLEET_SECRET": "dist_compare's fleet secret, 40 chars"}}
+IMPLEMENTATIONS = ("original", "ours", "ours-tcp", "ours-tcp-secret")
 
 METRICS = [
     # (key, label, better)
@@ -100,7 +107,7 @@ def implementations(args: argparse.Namespace) -> dict[str, list[str]]:
         out["original"] = [str(args.original_bin or fetch_original.fetch())]
     exe = Path(sys.executable).parent / "dynamo-run"
     ours = [str(exe)] if exe.exists() else [sys.executable, "-m", "dynamo.cli"]
-    for name in ("ours", "ours-tcp"):
+    for name in ("ours", "ours-tcp", "ours-tcp-secret"):
         if name in only:
             out[name] = ours
     return out
@@ -208,6 +215,9 @@ def one_run(impl: str, cmd: list[str], key: str, duration: float, stamp: str,
         for var in ("DYN_LOG", "DYN_LOGGING_JSONL", "RUST_LOG"):
             env.pop(var, None)
         env.update({"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "HF_HUB_OFFLINE": "1"})
+        env.pop("DYN_FLEET_SECRET", None)
+        env.pop("DYN_FLEET_SECRET_FILE", None)
+        env.update(IMPL_ENV.get(impl, {}))
         port = echo_compare.free_port()
         url = f"http://127.0.0.1:{port}"
         planes = PLANE_ARGS.get(impl, [])
@@ -274,7 +284,7 @@ def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-RATIOS = (("ours-tcp", "ours"), ("ours", "original"), ("ours-tcp", "original"))
+RATIOS = (("ours-tcp", "ours"), ("ours", "original"), ("ours-tcp", "original"), ("ours-tcp-secret", "ours-tcp"))
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]], order: list[str]) -> str:
@@ -347,8 +357,9 @@ def main() -> None:
     for key in order:
         print(f"\n== scenario {key}: {SCENARIOS[key]['title']}", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in impls}
-        for i in range(args.repeats):  # alternate the implementations so background load hits both alike
-            for name, cmd in impls.items():
+        for i in range(args.repeats):  # alternate the implementations so background load hits both alike,
+            # and reverse their order every other repeat, so that none always runs first or last
+            for name, cmd in (list(impls.items()) if i % 2 == 0 else list(reversed(impls.items()))):
                 print(f"  -- {name}" + (f" (run {i + 1})" if args.repeats > 1 else ""), flush=True)
                 try:
                     run = one_run(name, cmd, key, args.duration, stamp, args.profile, args.profile_raw,

@@ -116,6 +116,7 @@ def test_dyn_tcp_rpc_host_opens_the_planes_and_says_what_is_exposed(tmp_path, ti
     assert len(warnings) == 1, worker.stderr_text()
     assert "WARNING" in warnings[0] and "no authentication" in warnings[0]
     assert "requests 0.0.0.0" in warnings[0] and "past the frontend's API key" in warnings[0]
+    assert "set DYN_FLEET_SECRET" in warnings[0]  # what closes them
 
 
 def refused(args: list[str], env: dict[str, str]) -> str:

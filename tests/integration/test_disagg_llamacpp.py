@@ -155,6 +155,8 @@ def test_distributed_answers_equal_aggregated_and_survive_prefill_worker_kill(cl
     for q in QUESTIONS[:3]:
         assert ask(fe, "dis", q) == ask(fe, "agg", q)
     assert prefills(fe)["remote"] == 3
+    # every state reached the decode worker (with DYN_FLEET_SECRET set, through the handshake too)
+    assert "no KV state from the prefill worker" not in cluster["workers"]["decode"].stderr_text()
     cluster["workers"]["prefill"].kill()
     before = prefills(fe)
     for q in QUESTIONS[:3]:

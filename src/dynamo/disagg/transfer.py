@@ -17,6 +17,11 @@ at the end, and nothing longer than the reader's limit is accepted.  The writer 
 each chunk, so a slow reader slows the writer instead of filling its memory (back-pressure); the reader
 holds at most the state itself.  Any mismatch, early end or timeout raises :class:`TransferError`, and the
 decode worker then prefills locally.
+
+With a fleet secret (``DYN_FLEET_SECRET``) both ends run the request plane's handshake first
+(:func:`~dynamo.runtime.fleet_auth.handshake_streams`): the server reads no key from a peer that has not
+proved it holds the secret, and the decode worker reads no state from a server that has not. Without one,
+a state is guarded only by its ticket's key (96 random bits, good for one pull within its TTL).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from dynamo.runtime.fleet_auth import DIALER, LISTENER, FleetAuth, FleetAuthError, handshake_streams, refusals
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +143,9 @@ class TransferServer:
     """Serves :class:`ExportStore` entries to decode workers on a TCP port of the prefill worker."""
 
     def __init__(self, store: ExportStore, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, chunk: int = CHUNK) -> None:
+                 advertise: str | None = None, chunk: int = CHUNK, auth: FleetAuth | None = None) -> None:
         self.store, self.host, self.port, self.chunk = store, host, port, chunk
+        self.auth = auth  # the fleet secret's keys: a decode worker proves it before its key is read
         self._advertise = advertise
         self._server: asyncio.base_events.Server | None = None
         self.address = ""
@@ -156,6 +164,14 @@ class TransferServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if self.auth is not None:
+                try:
+                    await handshake_streams(self.auth, LISTENER, self.address, reader, writer)
+                except FleetAuthError as exc:
+                    peer = writer.get_extra_info("peername")
+                    host = str(peer[0]) if isinstance(peer, tuple) else "?"
+                    refusals((host, str(exc)), f"KV transfer: refused a connection from {host}: {exc}")
+                    return
             head = await asyncio.wait_for(reader.readexactly(6), 10.0)
             magic, n = struct.unpack(">4sH", head)
             if magic != REQ_MAGIC:
@@ -213,14 +229,21 @@ async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes:
     return bytes(buf)
 
 
-async def pull(ticket: Ticket, timeout: float = 30.0, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Fetch the state a ticket names from its prefill worker; TransferError when that fails."""
+async def pull(ticket: Ticket, timeout: float = 30.0, max_bytes: int = DEFAULT_MAX_BYTES,
+               auth: FleetAuth | None = None) -> bytes:
+    """Fetch the state a ticket names from its prefill worker; TransferError when that fails (``auth``:
+    the fleet secret's keys, proved both ways before the key is sent)."""
     host, _, port = ticket.address.rpartition(":")
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, int(port))
             try:
+                if auth is not None:
+                    try:
+                        await handshake_streams(auth, DIALER, ticket.address, reader, writer)
+                    except FleetAuthError as exc:
+                        raise TransferError(f"KV transfer from {ticket.address}: {exc}") from None
                 key = ticket.key.encode()
                 writer.write(struct.pack(">4sH", REQ_MAGIC, len(key)) + key)
                 await writer.drain()

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator
 from dynamo.errors import EngineError
 from dynamo.llm.engine import Context, close_engine
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.runtime.fleet_auth import FleetAuth
 
 from .mode import DisaggregationMode
 from .transfer import DEFAULT_MAX_BYTES, ExportStore, Ticket, TransferError, TransferServer, pull
@@ -60,8 +61,9 @@ class DisaggWorkerEngine:
 
     def __init__(self, engine: Any, mode: DisaggregationMode | str, *, store: ExportStore | None = None,
                  host: str | None = None, pull_timeout: float | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                 advertise: str | None = None):
+                 advertise: str | None = None, auth: FleetAuth | None = None):
         self.engine = engine
+        self.auth = auth  # the fleet secret's keys: both ends of a KV transfer prove it first (None: none)
         self.mode = DisaggregationMode.parse(mode)
         # DYN_KV_TRANSFER_TIMEOUT (seconds, default 30) bounds a pull; DYN_KV_EXPORT_TTL (default 60) how
         # long an exported state waits for its decode worker; DYN_KV_EXPORT_MAX_MB (default 1024) the store
@@ -84,7 +86,7 @@ class DisaggWorkerEngine:
             from dynamo.runtime.tcp import advertise_host
 
             host = advertise_host(self._host or os.environ.get("DYN_TCP_RPC_HOST"))
-            self.server = TransferServer(self.store, host=host, advertise=self._advertise)
+            self.server = TransferServer(self.store, host=host, advertise=self._advertise, auth=self.auth)
             await self.server.start()
             log.info("KV transfer server at %s", self.server.address)
 
@@ -153,7 +155,7 @@ class DisaggWorkerEngine:
                 raise TransferError(f"the state covers {ticket.n_tokens} tokens, the prompt has "
                                     f"{len(request.token_ids)}")
             t0 = time.perf_counter()
-            data = await pull(ticket, timeout=self.pull_timeout, max_bytes=self.max_bytes)
+            data = await pull(ticket, timeout=self.pull_timeout, max_bytes=self.max_bytes, auth=self.auth)
             log.debug("request %s: KV state of %d tokens, %d bytes, pulled in %.1f ms", context.id, ticket.n_tokens,
                       len(data), 1e3 * (time.perf_counter() - t0))
         except TransferError as e:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from .errors import RuntimeConfigError
+from .fleet_auth import load_secret
 
 DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
 DEFAULT_NATS_SERVER = "nats://localhost:4222"
@@ -218,6 +219,9 @@ class RuntimeSettings:
     # How KV events and load metrics travel: "nats", "zmq" (each publisher binds, subscribers find it in
     # discovery), or None: chosen at connect time, as the request plane.
     event_plane: str | None = None
+    # DYN_FLEET_SECRET / DYN_FLEET_SECRET_FILE: every TCP connection of the planes proves it, ZMQ events are
+    # CURVE-encrypted with keys derived from it (runtime/fleet_auth.py); None: no authentication, as before.
+    fleet_secret: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
@@ -237,6 +241,7 @@ class RuntimeSettings:
             request_plane=_choice_env("DYN_REQUEST_PLANE", REQUEST_PLANES),
             tcp_rpc_port=_port_env("DYN_TCP_RPC_PORT"),
             event_plane=_choice_env("DYN_EVENT_PLANE", EVENT_PLANES),
+            fleet_secret=load_secret(),
         )
 
 

@@ -43,6 +43,7 @@ from .etcd import EtcdClient
 from .event_plane import EventPlane
 from .file_object_store import FileObjectStore
 from .file_store import FileStore, FileStoreError, default_file_kv_dir
+from .fleet_auth import FleetAuth
 from .kv_object_store import DiscoveryObjectStore, FallbackObjectStore
 from .kv_store import KeyValueStore
 from .lease import LeaseKeeper
@@ -103,6 +104,9 @@ class DistributedRuntime:
         self.system: "SystemStatusServer | None" = None
         # where the internal listeners bind and what they advertise (chosen with the discovery backend)
         self.listen_hosts: ListenHosts | None = None
+        # the fleet secret's keys (DYN_FLEET_SECRET), for listeners outside the runtime (the KV transfer
+        # server); None without a secret
+        self.fleet_auth: FleetAuth | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,13 +139,15 @@ class DistributedRuntime:
             settings = self.settings
             # loopback on one machine (file discovery) unless DYN_TCP_RPC_HOST opens the planes
             hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
+            auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
             self._requests = TcpRequestPlane(hosts.bind, settings.tcp_rpc_port,
                                              fallback=NatsRequestPlane(self.nats) if self.nats is not None else None,
-                                             serve_on_fallback=planes.requests == "nats", advertise=hosts.advertise)
-            self._streams = ResponseStreams(settings, self.nats, hosts)
+                                             serve_on_fallback=planes.requests == "nats", advertise=hosts.advertise,
+                                             auth=auth)
+            self._streams = ResponseStreams(settings, self.nats, hosts, auth)
             listeners = []
             if planes.requests == "tcp":
                 listeners.append(Listener("requests", hosts.bind, settings.tcp_rpc_port))
@@ -154,7 +160,7 @@ class DistributedRuntime:
                 from .zmq_event_plane import ZmqEventPlane  # pyzmq: imported only by processes that use it
 
                 assert self.etcd is not None
-                zmq_plane = ZmqEventPlane(self.etcd, hosts.bind, hosts.advertise)
+                zmq_plane = ZmqEventPlane(self.etcd, hosts.bind, hosts.advertise, auth)
                 self._zmq_events = zmq_plane
                 self._events = zmq_plane
                 await zmq_plane.start_publisher(self.primary_lease_id)
@@ -173,8 +179,8 @@ class DistributedRuntime:
                 listeners.append(Listener("status", self.system.host, self.system.port or 0))
             log.info("%s, request plane %s, event plane %s (%s), object store %s%s", self._discovery_line,
                      planes.requests, planes.events, planes.why, self._object_store_kind(),
-                     listeners_line(listeners, hosts))
-            warning = exposure_warning(listeners)
+                     listeners_line(listeners, hosts, authenticated=auth is not None))
+            warning = exposure_warning(listeners, authenticated=auth is not None)
             if warning:
                 log.warning("%s", warning)
             if self.etcd is not None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from .codec import FrameError
 from .context import Context
+from .fleet_auth import FleetAuth, dial
 from .mux import (
     END_OK,
     HEARTBEAT_ENVELOPE,
@@ -232,7 +233,8 @@ class MuxSink:
 class MuxPool:
     """A worker's multiplexed connections, one per client address (a DistributedRuntime owns one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: FleetAuth | None = None) -> None:
+        self.auth = auth  # the fleet secret's keys, proved to each client's listener first (None: none)
         self._conns: dict[str, MuxConnection] = {}
         self._connecting: dict[str, asyncio.Future] = {}
 
@@ -258,9 +260,8 @@ class MuxPool:
 
     async def _connect(self, address: str, heartbeat_ms: int | None, timeout: float) -> MuxConnection:
         host, port = split_address(address)
-        loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(lambda: MuxConnection(self, address), host, port),
-                                         timeout)
+        conn = cast(MuxConnection, await dial(self.auth, address, host, port, lambda: MuxConnection(self, address),
+                                              timeout, "response streams"))
         assert conn.transport is not None
         conn.transport.write(encode_mux_handshake(heartbeat_ms))
         if heartbeat_ms:

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NatsClient
 from .config import RuntimeSettings
 from .context import Context
 from .errors import DynamoRuntimeError
+from .fleet_auth import FleetAuth
 from .ingress import SinkOpener
 from .mux import INFO_KEY as MUX_INFO_KEY
 from .mux_callhome import MuxPool
@@ -31,8 +32,10 @@ Receiver = TcpResponseServer | NatsResponseReceiver
 
 
 class ResponseStreams:
-    def __init__(self, settings: RuntimeSettings, nc: NatsClient | None, hosts: ListenHosts | None = None) -> None:
+    def __init__(self, settings: RuntimeSettings, nc: NatsClient | None, hosts: ListenHosts | None = None,
+                 auth: FleetAuth | None = None) -> None:
         self.settings = settings
+        self.auth = auth  # the fleet secret's keys: TCP streams both ways are authenticated (None: no secret)
         self.hosts = hosts  # where the call-home listener binds and what it advertises (None: tcp_host)
         self._nc = nc
         self._receiver: Receiver | None = None
@@ -69,7 +72,7 @@ class ResponseStreams:
                 hosts = self.hosts
                 receiver = TcpResponseServer(hosts.advertise if hosts else self.settings.tcp_host,
                                              self.settings.stream_liveness, mux=self.settings.tcp_mux,
-                                             bind=hosts.callhome if hosts else None)
+                                             bind=hosts.callhome if hosts else None, auth=self.auth)
             self._receiver = receiver
         if not receiver.address:
             await receiver.start()
@@ -95,12 +98,12 @@ class ResponseStreams:
         mux_id = info.get(MUX_INFO_KEY)
         if type(mux_id) is int and mux_id > 0 and self.settings.tcp_mux:  # the client offers multiplexing
             if self._mux_pool is None:
-                self._mux_pool = MuxPool()
+                self._mux_pool = MuxPool(self.auth)
             heartbeat_ms = info.get("heartbeat_ms")
             conn = await self._mux_pool.get(str(info["address"]),
                                             heartbeat_ms if type(heartbeat_ms) is int and heartbeat_ms > 0 else None)
             return conn.open(mux_id, context)
-        return await open_tcp_sink(transport, info, context)
+        return await open_tcp_sink(transport, info, context, self.auth)
 
     async def close(self) -> None:
         self._closed = True

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from typing import cast
 
 import orjson
 
 from .codec import FrameDecoder, FrameError
 from .context import Context
+from .fleet_auth import FleetAuth, dial
 from .tcp import CALL_HOME_TIMEOUT, TRANSPORT_NAME, split_address, tune_socket
 from .transport import (
     FRAME_COMPLETE,
@@ -30,11 +32,12 @@ from .transport import (
 _loads = orjson.loads
 
 
-async def open_tcp_sink(transport: str, info: dict, context: Context) -> "TcpSink":
-    """A per-stream call-home for a request whose connection info names this transport."""
+async def open_tcp_sink(transport: str, info: dict, context: Context, auth: FleetAuth | None = None) -> "TcpSink":
+    """A per-stream call-home for a request whose connection info names this transport (``auth``: the
+    fleet secret's keys, proved to the client's listener first)."""
     if transport != TRANSPORT_NAME:
         raise ValueError(f"unsupported response transport {transport!r}")
-    return await TcpSink.connect(info, context)
+    return await TcpSink.connect(info, context, auth=auth)
 
 
 class TcpSink(asyncio.Protocol):
@@ -54,10 +57,12 @@ class TcpSink(asyncio.Protocol):
         self.wrote = False  # something left since the heartbeat ticker last looked
 
     @classmethod
-    async def connect(cls, info: dict, context: Context, timeout: float = CALL_HOME_TIMEOUT) -> "TcpSink":
-        host, port = split_address(str(info["address"]))
+    async def connect(cls, info: dict, context: Context, timeout: float = CALL_HOME_TIMEOUT,
+                      auth: FleetAuth | None = None) -> "TcpSink":
+        address = str(info["address"])
+        host, port = split_address(address)
         loop = asyncio.get_running_loop()
-        _, sink = await asyncio.wait_for(loop.create_connection(lambda: cls(context), host, port), timeout)
+        sink = cast(TcpSink, await dial(auth, address, host, port, lambda: cls(context), timeout, "response streams"))
         heartbeat_ms = info.get("heartbeat_ms")
         if isinstance(heartbeat_ms, int) and heartbeat_ms > 0 and not sink.closed:
             sink.heartbeat_s = heartbeat_ms / 1000

@@ -21,6 +21,7 @@ from dynamo.aio import Acceptor
 
 from .codec import PREFIX_LEN, FrameDecoder, FrameError
 from .errors import EngineError, StreamStalledError
+from .fleet_auth import FleetAuth, guarded, is_fleet_hello, peer_name, refusals
 from .mux import INFO_KEY as MUX_INFO_KEY
 from .mux import is_mux_handshake
 from .mux_listener import MuxClientProtocol
@@ -37,7 +38,8 @@ class TcpResponseServer:
     """The client process's listener for call-home streams; one per DistributedRuntime."""
 
     def __init__(self, host: str | None = None, liveness: float = 5.0, mux: bool = True,
-                 bind: str | None = None) -> None:
+                 bind: str | None = None, auth: FleetAuth | None = None) -> None:
+        self.auth = auth  # the fleet secret's keys: a worker proves it before its stream is read (None: none)
         self.host = advertise_host(host)  # the address workers dial
         self.bind = bind or self.host  # where the listener binds (a wildcard: every interface)
         self.address = ""
@@ -67,10 +69,11 @@ class TcpResponseServer:
                 self.host = self.bind = "127.0.0.1"
                 sock = await listen(self.host)
             # our own accept loop: a burst of call-homes is accepted in one turn (dynamo.aio.Acceptor)
-            self._acceptor = Acceptor(sock, lambda: _CallHomeProtocol(self))
             port = sock.getsockname()[1]
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.address = f"{host}:{port}"
+            self._acceptor = Acceptor(sock, guarded(self.auth, lambda: self.address, lambda: _CallHomeProtocol(self),
+                                                    "response streams"))
             self._ticker = asyncio.get_running_loop().create_task(self._check_liveness(), name="tcp-stream-liveness")
 
     def register(self, state: StreamState) -> dict:
@@ -201,6 +204,11 @@ class _CallHomeProtocol(asyncio.Protocol):
         header_len, body_len, _check = _PREFIX_UNPACK(head, 0)
         end = PREFIX_LEN + header_len + body_len
         if header_len > 65536 or body_len:  # a handshake is a small header-only frame
+            if is_fleet_hello(head):
+                peer = peer_name(transport)
+                refusals((peer.rpartition(":")[0], "no secret"), f"response streams: refused a connection from "
+                         f"{peer}: it authenticates with a fleet secret and this process has none "
+                         "(set DYN_FLEET_SECRET)")
             transport.close()
             return None
         if len(head) < end:

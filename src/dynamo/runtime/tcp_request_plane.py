@@ -31,6 +31,7 @@ from dynamo.aio import finish
 
 from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
+from .fleet_auth import FleetAuth, FleetAuthError, dial, guarded, is_fleet_hello, peer_name, refusals
 from .mux import EnvelopeDecoder, envelope
 from .request_plane import NoResponders, RequestHandler, RequestPlaneError
 from .tcp import ANY_ADDRESS, CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
@@ -127,8 +128,16 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
         try:
             envelopes = self.decoder.feed(data)
         except ValueError as exc:
-            log.warning("request plane: dropping a connection that sent garbage: %s", exc)
             if self.transport is not None:
+                if is_fleet_hello(data):
+                    peer = peer_name(self.transport)
+                    refusals((peer.rpartition(":")[0], "no secret"), f"request plane: refused a connection from "
+                             f"{peer}: it authenticates with a fleet secret and this process has none "
+                             "(set DYN_FLEET_SECRET)")
+                else:  # once a minute per peer host: a flood of garbage is not a flood of lines
+                    peer = peer_name(self.transport)
+                    refusals((peer.rpartition(":")[0], "garbage"), f"request plane: dropping a connection from "
+                             f"{peer} that sent garbage: {exc}")
                 self.transport.close()
             return
         handlers = self.plane.handlers
@@ -137,7 +146,9 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
             try:
                 name, body = decode_frame(payload)
             except ValueError as exc:
-                log.warning("request plane: undecodable request: %s", exc)
+                peer = peer_name(self.transport) if self.transport is not None else "?"
+                refusals((peer.rpartition(":")[0], "undecodable"), f"request plane: undecodable request from "
+                         f"{peer}: {exc}")
                 continue
             handler = handlers.get(name.decode("utf-8", "replace"))
             if handler is None:
@@ -203,7 +214,11 @@ class ClientConnection(CoalescingWriter, asyncio.Protocol):
         try:
             envelopes = self.decoder.feed(data)
         except ValueError as exc:
-            log.warning("request plane: %s sent garbage: %s", self.hostport, exc)
+            if is_fleet_hello(data):
+                refusals((self.hostport, "no secret"), f"request plane: {self.hostport} requires a fleet secret "
+                         "and this process has none (set DYN_FLEET_SECRET)")
+            else:
+                log.warning("request plane: %s sent garbage: %s", self.hostport, exc)
             if self.transport is not None:
                 self.transport.close()
             return
@@ -242,7 +257,9 @@ class TcpRequestPlane:
     plane only sends to the workers whose instance record gives a TCP address."""
 
     def __init__(self, host: str | None = None, port: int = 0, fallback: Any = None,
-                 serve_on_fallback: bool = False, advertise: str | None = None) -> None:
+                 serve_on_fallback: bool = False, advertise: str | None = None,
+                 auth: FleetAuth | None = None) -> None:
+        self.auth = auth  # the fleet secret's keys: every connection proves it first (None: no secret)
         self.host = host  # where the listener binds (None: every interface)
         self.advertise = advertise or advertise_host(host)  # the address written into instance records
         self.port = port
@@ -285,12 +302,13 @@ class TcpRequestPlane:
 
     async def _dial(self, hostport: str) -> ClientConnection:
         host, port = split_address(hostport)
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: ClientConnection(hostport), host, port), CALL_HOME_TIMEOUT)
-        except (OSError, asyncio.TimeoutError) as exc:
-            # refused: nobody listens there any more (the worker is gone); as NATS's "no responders"
+            conn = cast(ClientConnection, await dial(self.auth, hostport, host, port,
+                                                     lambda: ClientConnection(hostport), CALL_HOME_TIMEOUT,
+                                                     "request plane"))
+        except (OSError, asyncio.TimeoutError, FleetAuthError) as exc:
+            # refused: nobody listens there any more (the worker is gone), or it is not of this fleet
+            # (another secret); as NATS's "no responders"
             raise NoResponders(f"{hostport}: {exc}") from None
         self._conns[hostport] = conn
         return conn
@@ -336,12 +354,12 @@ class TcpRequestPlane:
                 return
             loop = asyncio.get_running_loop()
             bind = self.host or ANY_ADDRESS
+            factory = guarded(self.auth, lambda: self._advertised, lambda: ServerConnection(self), "request plane")
             if self.port:
-                self._server = await loop.create_server(lambda: ServerConnection(self), bind,
-                                                        self.port, backlog=1024, reuse_address=True)
+                self._server = await loop.create_server(factory, bind, self.port, backlog=1024, reuse_address=True)
             else:
                 sock = await listen(bind)
-                self._server = await loop.create_server(lambda: ServerConnection(self), sock=sock)
+                self._server = await loop.create_server(factory, sock=sock)
             port = self._server.sockets[0].getsockname()[1]
             host = self.advertise
             self._advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -69,7 +69,7 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
 
             hosts = runtime.listen_hosts  # the transfer server listens where the planes do
             wrapped = DisaggWorkerEngine(engine, mode, host=hosts.callhome if hosts else None,
-                                         advertise=hosts.advertise if hosts else None)
+                                         advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
             await wrapped.start()
             engine = owned = wrapped  # closed below, with its transfer server
         if engine.kind == "embedding":

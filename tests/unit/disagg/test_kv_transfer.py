@@ -169,3 +169,26 @@ def test_export_store_is_bounded_oldest_first_and_expires():
 def test_malformed_ticket():
     with pytest.raises(TransferError):
         Ticket.from_dict({"address": "h:1"})
+
+
+async def test_with_a_fleet_secret_only_a_member_pulls_a_state(caplog):
+    caplog.set_level("DEBUG", logger="dynamo.runtime.fleet_auth")  # a repeat within the minute is at debug
+    from dynamo.runtime.fleet_auth import FleetAuth
+
+    member, stranger = FleetAuth(b"the fleet's secret for KV transfer"), FleetAuth(b"another fleet's secret, KV")
+    store = ExportStore(max_bytes=1 << 20)
+    srv = TransferServer(store, chunk=4096, auth=member)
+    await srv.start()
+    try:
+        data = os.urandom(50_000)
+        key, digest = store.put(data)
+        t = Ticket(srv.address, key, len(data), digest, 7, 42)
+        for auth in (stranger, None):  # another secret, or none: no state, and the key was never read
+            with pytest.raises(TransferError):
+                await pull(t, timeout=5, auth=auth)
+            assert len(store) == 1
+        assert "KV transfer: refused a connection from 127.0.0.1" in caplog.text
+        assert await pull(t, auth=member) == data
+        assert srv.served == 1
+    finally:
+        await srv.close()

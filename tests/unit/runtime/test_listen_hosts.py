@@ -57,3 +57,18 @@ def test_the_warning_names_what_is_exposed_in_one_line() -> None:
     assert "no authentication" in warning and "past the frontend's API key" in warning
     assert "past the frontend's API key and read its KV events" in warning and "metrics" not in warning
     assert "DYN_TCP_RPC_HOST=127.0.0.1" in warning  # the fix on one machine, with etcd or without
+
+
+def test_the_warning_suggests_a_fleet_secret_and_goes_once_one_guards_the_planes() -> None:
+    listeners = [Listener("requests", "0.0.0.0"), Listener("response streams", "10.0.0.5"),
+                 Listener("events", "0.0.0.0", 4567)]
+    warning = exposure_warning(listeners)
+    assert warning is not None and "set DYN_FLEET_SECRET (the same on every process of the fleet)" in warning
+    assert exposure_warning(listeners, authenticated=True) is None  # the secret guards all three
+    # the status server is not guarded by the secret: still named, with its own fix
+    status = exposure_warning([*listeners, Listener("status", "0.0.0.0", 8081)], authenticated=True)
+    assert status is not None and "(status 0.0.0.0:8081)" in status and "read its health and metrics" in status
+    assert "DYN_FLEET_SECRET" not in status and "DYN_SYSTEM_HOST=127.0.0.1" in status
+    hosts = listen_hosts(None, one_machine=True)
+    assert listeners_line([Listener("requests", "127.0.0.1")], hosts, authenticated=True) == (
+        "; listening: requests 127.0.0.1 (loopback only; one machine; fleet secret on)")
