@@ -62,7 +62,7 @@ LORA_PROMPT = "What is 2+2?"
 
 def lora_answer(client: "openai.OpenAI", model: str) -> str:
     """The greedy answer of ``model`` (a base model or an adapter) to :data:`LORA_PROMPT`: adapters from
-    :func:`write_lora_gguf` with ``scale=4`` change it, so it tells which weights answered."""
+    :func:`write_lora_gguf` with ``scale=1`` change it, so it tells which weights answered."""
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": LORA_PROMPT}],
                                        max_tokens=10, temperature=0)
     return r.choices[0].message.content or ""

@@ -28,7 +28,7 @@ KEY = "sk-lora-test"
 
 
 def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_path):
-    other = write_lora_gguf(tmp_path / "other.gguf", seed=2, scale=4.0)
+    other = write_lora_gguf(tmp_path / "other.gguf", seed=2, scale=1.0)
     env = {"DYN_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     with DynamoRun("out=llamacpp", str(gguf), "--model-name", "smol", "--context-length", "512",
                    "--extra-engine-args", str(args_file), "--lora", f"strong={adapter}",

@@ -76,23 +76,5 @@ def _serve(cfg: RunConfig) -> int:
         return 130
 
 
-def dynamo_main(argv: list[str] | None = None) -> int:
-    """``dynamo run ...``: the same tool under the umbrella command.
-
-    The ``dynamo`` console script now points at ``dynamo.sdk.cli.main`` (which adds ``serve`` and hands
-    ``run`` here); this stays for environments installed before that, until they are reinstalled."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        from dynamo.cli.flags import USAGE
-
-        print("usage: dynamo run " + USAGE.removeprefix("dynamo-run "))
-        print("\ncommands:\n  run    run a model (see 'dynamo run --help')")
-        return 0
-    if args[0] != "run":
-        print(f"Error: unknown command '{args[0]}'. Available: run", file=sys.stderr)
-        return 2
-    return main(args[1:])
-
-
 if __name__ == "__main__":
     sys.exit(main())
