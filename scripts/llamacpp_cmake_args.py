@@ -9,16 +9,16 @@ SIGILL ("Illegal instruction" before the first token of any prompt longer than a
 elimination is dead-store elimination: with ``-fno-dse -fno-tree-dse`` GCC 12 keeps the stores and the AMX
 kernels run (and give the same greedy tokens as the build without them), so where the plain AMX probe dies and
 that one runs, AMX stays on and those two flags go into CMAKE_C_FLAGS / CMAKE_CXX_FLAGS for the whole
-build.  Measured on that Xeon (benchmarks/llamacpp_builds.py, SmolLM2 Q4_1, 2 threads): 2.5x the decode
-tokens/s of the build without AMX, 6x its prompt tokens/s (docs/engines.md).
+build.  Measured on that Xeon (benchmarks/llamacpp_builds.py, SmolLM2 Q4_1, 2 threads): 1.9-2.9x the
+decode tokens/s of the build without AMX, 4.5x its prompt tokens/s (docs/engines.md).
 
 So each ggml option is proven the way the build will use it: the CPU lists the feature in /proc/cpuinfo,
 and a tiny program using that feature's instructions, compiled with the build's C++ compiler ($CXX, else
 c++) at -O3 with ggml's flags for it, runs to completion.  The AMX program is ggml's own pattern (a tile
 configuration in a struct with default member initialisers, filled field by field, then loaded), so a
 compiler that miscompiles it, even without dead-store elimination, turns AMX off; AVX-512, VNNI and BF16
-stay on where they run.  Every option is
-then passed explicitly with GGML_NATIVE=OFF.  Off x86 the native build is kept (nothing there traps so).
+stay on where they run.  Every option is then passed explicitly with GGML_NATIVE=OFF.  Off x86 the native
+build is kept (nothing there traps so).
 
     scripts/llamacpp_cmake_args.py            # the CMAKE_ARGS, one line
     scripts/llamacpp_cmake_args.py --explain  # and, on stderr, each feature's verdict
