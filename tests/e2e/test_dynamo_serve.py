@@ -55,7 +55,9 @@ class Graph(DynamoWorker):
     def wait_replicas(self, want: dict[str, int], timeout: float = 60) -> None:
         def ok() -> bool:
             assert self.running, f"dynamo serve exited:\n{self.stderr_text()}"
-            return all(self.ready_count(s, i) >= 1 for s, n in want.items() for i in range(n))
+            # the replica's own "ready" line can reach the log before the supervisor's "started ... pid"
+            pids = self.pids()
+            return all(self.ready_count(s, i) >= 1 and f"{s}:{i}" in pids for s, n in want.items() for i in range(n))
         wait_until(ok, timeout, f"replicas {want} ready")
 
     def pids(self) -> dict[str, list[int]]:
