@@ -11,12 +11,21 @@ down.  A failure after items have been yielded is raised: resending would repeat
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 from dynamo.runtime import Client, NoInstancesError, NoRespondersError, StreamIncompleteError, WorkerBusyError
 
 from .context import dynamo_context
-from .service import ServiceSpec
+
+
+class Target(Protocol):
+    """What a client needs of the service it calls (service.py's ServiceSpec, which builds these clients:
+    a protocol here keeps the import one way)."""
+
+    name: str
+    namespace: str
+
+    def endpoints(self) -> Iterable[str]: ...
 
 ATTEMPTS = 4
 WAIT_FOR_INSTANCES_S = 60.0
@@ -33,7 +42,7 @@ def to_wire(request: Any) -> Any:
 class ServiceClient:
     """Attribute access gives a streaming call per endpoint of the target service."""
 
-    def __init__(self, target: ServiceSpec) -> None:
+    def __init__(self, target: Target) -> None:
         self._target = target
         self._endpoints = set(target.endpoints())
         self._clients: dict[str, Client] = {}
