@@ -124,7 +124,7 @@ def _thinking(req: CountTokensRequest, max_tokens: int | None) -> bool:
 
 def thinking_omitted(req: CountTokensRequest) -> bool:
     """``thinking.display: omitted``: thinking blocks come back without their text."""
-    return bool(req.thinking) and req.thinking.get("display") == "omitted"
+    return bool(req.thinking) and req.thinking.get("display") == "omitted"  # type: ignore[union-attr]
 
 
 def _response_format(cfg: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -224,7 +224,7 @@ def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
     """An ``image`` block as the OpenAI part the pre-processor reads: a base64 source as a ``data:`` URL, a
     url source as its URL (fetched under the server's media policy)."""
     _block_keys(block, {"source"}, at)
-    source = block.get("source")
+    source: Any = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64":
         _block_keys(source, {"media_type", "data"}, f"{at}.source")
