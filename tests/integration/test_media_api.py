@@ -104,6 +104,18 @@ def test_full_engine_refuses_images_too(full_server: DynamoRun):
     assert client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "ok"}]).choices
 
 
+def test_engine_given_the_raw_request_never_sees_image_urls():
+    """pystr engines (and remote Chat workers) get the request as sent: image URLs would reach them
+    unchecked, so a model that has not said it takes images refuses them first."""
+    engine = Path(__file__).parents[1] / "e2e" / "data" / "seed_pystr_engine.py"
+    with DynamoRun(f"out=pystr:{engine}", "--model-name", "raw") as srv:
+        client = openai.OpenAI(base_url=srv.api_url, api_key="none", max_retries=0, timeout=30)
+        body = openai_400(lambda: client.chat.completions.create(
+            model="raw", messages=image_message("http://127.0.0.1:1/x.png"), max_tokens=5))
+        assert "'raw' does not accept images" in body["message"]
+        assert client.chat.completions.create(model="raw", messages=[{"role": "user", "content": "ok"}]).choices
+
+
 # -- /v1/messages ----------------------------------------------------------------------------------------------
 
 
