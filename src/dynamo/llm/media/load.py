@@ -59,6 +59,12 @@ async def load_image(url: str, policy: MediaPolicy) -> LoadedImage:
 
 
 async def load_images(urls: list[str], policy: MediaPolicy) -> list[LoadedImage]:
-    """Every image of a request, the count checked first, fetched concurrently, in order."""
+    """Every image of a request, the count checked first, fetched concurrently, in order.  The first
+    failure ends the others' fetches (the request is refused anyway)."""
     check_image_count(urls, policy)
-    return list(await asyncio.gather(*(load_image(u, policy) for u in urls)))
+    tasks = [asyncio.ensure_future(load_image(u, policy)) for u in urls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
