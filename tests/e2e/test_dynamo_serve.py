@@ -72,6 +72,9 @@ def test_two_workers_both_serve_and_config_layers_reach_the_service(serve):
     assert section["section"]["model"] == "leaf-model"  # the section's own YAML value beats YAML's Common
     assert section["section"]["ServiceArgs"]["workers"] == 2
     assert section["common"]["shared"] == "cli-common"
+    log = g.stderr_text()  # Front started only once both Leaf replicas were ready
+    assert max(log.index(f"service Leaf replica {i} ready") for i in (0, 1)) < log.index("dynamo serve: started Front:0")
+    assert "dynamo serve: Front starts once Leaf is ready" in log
 
 
 def test_a_replica_killed_is_restarted_and_serves_again(serve):
