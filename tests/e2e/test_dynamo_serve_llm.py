@@ -136,6 +136,26 @@ def test_every_mocker_config_answers(serve, smollm2_file, graph, config, workers
     assert remote_prefills(g, SMOLLM2_MODEL) == (1.0 if disagg else 0.0)
 
 
+def test_agg_processor_serves_through_the_processor_only(serve, smollm2_file):
+    """Frontend -> Processor -> Worker: the frontend (``namespace: dynamo``) serves the Processor's chat
+    model and never the workers' (``workers`` namespace); the Processor templates, tokenizes, routes."""
+    g = serve("graphs.agg_processor:Frontend", "-f", "configs/agg_processor_mocker.yaml",
+              want={"Frontend": 1, "Processor": 1, "Worker": 1})
+    wait_until(lambda: f"added model {SMOLLM2_MODEL} (Chat) served by dyn://dynamo.Processor.chat" in g.stderr_text(),
+               180, "the frontend serving the Processor's model")
+    r = ask(g, SMOLLM2_MODEL, "What is 2+2?")
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    chunks = list(client(g).chat.completions.create(
+        model=SMOLLM2_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 3  # the Processor tokenized
+    log = g.stderr_text()
+    assert not re.search(r"\[Frontend:0\] .*added model .*\(Backend\)", log)  # the workers are not its own
+    assert re.search(rf"\[Frontend:0\] \| chat +\| {re.escape(SMOLLM2_MODEL)} \| dynamo +\| Processor \| chat +\|", log)
+    assert not re.search(r"\[Frontend:0\] \| chat .*\| workers ", log)  # its table shows what it serves
+
+
 def test_common_model_points_every_service_at_another_model(serve, tiny_model):
     g = serve("graphs.disagg:Frontend", "-f", "configs/disagg_mocker.yaml", f"--Common.model={tiny_model}",
               want={"Frontend": 1, "Worker": 1, "PrefillWorker": 1})

@@ -10,7 +10,8 @@ section's ``engine``: ``llamacpp`` (default), ``vllm``, ``sglang`` or ``mocker``
 
 The graphs compose these: ``agg`` is Frontend -> Worker; ``disagg`` adds the edge Worker -> PrefillWorker
 (the decode worker pulls the prompts' KV state from the prefill worker, as the original's decode worker
-depended on its prefill worker).
+depended on its prefill worker); ``agg_processor`` is Frontend -> Processor -> Worker, the original's
+0.x layout, with the workers in a namespace of their own that only the Processor follows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dynamo.sdk.lib.model_table import print_served_models
 from dynamo.sdk.lib.roles import Role
 
 OWN_KEYS = ("engine", "model", "endpoint", "host", "port")
+PROCESSOR_KEYS = ("router-mode", "workers-namespace")  # read by its engine file, not dynamo-run flags
 
 
 def default_model() -> str:
@@ -79,6 +81,23 @@ class Worker(RoleService):
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1})
+class Processor(RoleService):
+    """``dynamo-run in=dyn://<namespace>.Processor.chat out=pystr:graphs/processor_engine.py <model>``: a chat
+    model whose engine templates, tokenizes and routes to the workers (``workers-namespace``, by
+    ``router-mode``), as the original's Processor did between its frontend and workers."""
+
+    worker = depends(Worker)
+
+    def __init__(self) -> None:
+        config = ServiceConfig.get_instance()
+        section = config.get("Processor") or {}
+        model = section.get("model") or default_model()
+        engine = Path(__file__).with_name("processor_engine.py")
+        self.role = Role([f"in=dyn://{dynamo_context['namespace']}.Processor.chat", f"out=pystr:{engine}", str(model),
+                          *config.as_args("Processor", exclude=(*OWN_KEYS, *PROCESSOR_KEYS))])
+
+
+@service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1})
 class Frontend(RoleService):
     """``dynamo-run in=http out=dyn``: the OpenAI-compatible server routing to the workers it discovers;
     this service prints the served-model table as workers register."""
@@ -91,11 +110,12 @@ class Frontend(RoleService):
         host, port = str(section.get("host", "127.0.0.1")), int(section.get("port", 8000))
         self.role = Role(["in=http", "out=dyn", "--http-host", host, "--http-port", str(port),
                           *config.as_args("Frontend", exclude=OWN_KEYS)])
+        self.namespace = section.get("namespace")  # the frontend's --namespace: the table shows what it serves
         self.table: asyncio.Task[None] | None = None
 
     @async_on_start
     async def show_models(self) -> None:
-        self.table = asyncio.create_task(print_served_models(dynamo_context["runtime"], sys.stdout))
+        self.table = asyncio.create_task(print_served_models(dynamo_context["runtime"], sys.stdout, self.namespace))
 
     @async_on_shutdown
     async def hide_models(self) -> None:

@@ -67,11 +67,13 @@ class ModelTable:
         return "\n".join(lines)
 
 
-async def print_served_models(runtime: Any, out: IO[str]) -> None:
-    """Follow the model entries in discovery and print the table each time a row appears; runs until
-    cancelled.  A malformed entry is skipped (the frontend logs it)."""
+async def print_served_models(runtime: Any, out: IO[str], namespace: str | None = None) -> None:
+    """Follow the model entries in discovery (of ``namespace`` only, as a frontend given ``--namespace``)
+    and print the table each time a row appears; runs until cancelled.  A malformed entry is skipped (the
+    frontend logs it)."""
     table = ModelTable()
-    watch = await runtime.discovery().watch_prefix(MODELS_PREFIX).start()
+    prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
+    watch = await runtime.discovery().watch_prefix(prefix).start()
     try:
         async for event in watch:
             if event.kind != "put":
