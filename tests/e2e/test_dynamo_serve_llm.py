@@ -7,6 +7,7 @@ another model.  Real processes on the zero-infrastructure default (file discover
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -154,6 +155,33 @@ def test_agg_processor_serves_through_the_processor_only(serve, smollm2_file):
     assert not re.search(r"\[Frontend:0\] .*added model .*\(Backend\)", log)  # the workers are not its own
     assert re.search(rf"\[Frontend:0\] \| chat +\| {re.escape(SMOLLM2_MODEL)} \| dynamo +\| Processor \| chat +\|", log)
     assert not re.search(r"\[Frontend:0\] \| chat .*\| workers ", log)  # its table shows what it serves
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (Linux /proc: each thread's children)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in out]
+            out.update(kids)
+    return out
+
+
+def test_sigterm_stops_the_whole_llm_graph_roles_included(serve, smollm2_file):
+    g = serve("graphs.disagg:Frontend", "-f", "configs/disagg_mocker.yaml",
+              want={"Frontend": 1, "Worker": 1, "PrefillWorker": 1})
+    wait_served(g, SMOLLM2_MODEL, prefill=True)
+    procs = descendants(g.pid)
+    assert len(procs) >= 6  # three services, each with its dynamo-run role
+    g.terminate(signal.SIGTERM)
+    assert g.wait(90) == 0, g.stderr_text()
+    assert not [pid for pid in procs if alive(pid)]
 
 
 def test_common_model_points_every_service_at_another_model(serve, tiny_model):
