@@ -88,8 +88,11 @@ class _ChildProcess:
     A child process in its own session, stdin and stdout closed, stderr in a file readable at any time
     (what a failing test shows); :meth:`start` returns once it is ready, :meth:`stop` ends it with SIGTERM
     (SIGKILL if ignored).  A subclass gives the :meth:`command`, :meth:`start` (how readiness shows) and how
-    errors name the process (:meth:`_name`).
+    errors name the process (:meth:`_name`).  A subclass with ``stdout_to_log`` keeps stdout too, in the
+    same file (for a command that prints to stdout what a test reads, e.g. ``dynamo serve``'s tables).
     """
+
+    stdout_to_log = False
 
     def __init__(
         self,
@@ -119,7 +122,7 @@ class _ChildProcess:
         self.proc = subprocess.Popen(
             self.command(),
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=self._stderr if self.stdout_to_log else subprocess.DEVNULL,
             stderr=self._stderr,
             env=self.env,
             cwd=self.cwd,

@@ -41,6 +41,7 @@ class RunConfig:
     queue_timeout: float = 30.0
     disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)
     max_local_prefill_length: int | None = None  # frontend side; None: the default of disagg/plan.py
+    namespace: str | None = None  # frontend side (out=dyn): serve only models registered in this namespace
     batch_concurrency: int = 16
     tool_call_parser: str | None = None  # None: auto (from the chat template)
     reasoning_parser: str | None = None

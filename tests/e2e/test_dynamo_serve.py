@@ -12,15 +12,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, infra_on_default_ports
-from harness.proc import DynamoWorker, cli_env, free_port, in_thread
+from harness.fleet import infra_on_default_ports
+from harness.proc import cli_env, free_port, in_thread
+from harness.serve_graph import SERVE, STARTED, GraphStarter, alive, env_for
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -28,8 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = Path(__file__).parent / "data" / "serve_graphs"
 HELLO = ROOT / "examples" / "hello_world"
-SERVE = [sys.executable, "-m", "dynamo.sdk.cli", "serve"]
-STARTED = re.compile(r"dynamo serve: started (\w+):(\d+) \(pid (\d+)\)")
 
 
 @pytest.fixture(autouse=True)
@@ -38,62 +36,11 @@ def _no_infra() -> None:
         pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
-def env_for(tmp_path: Path) -> dict[str, str]:
-    return {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp_path / "store"), "DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT": "10"}
-
-
-class Graph(DynamoWorker):
-    """``dynamo serve`` in the background; ready once every expected replica logged its ready line."""
-
-    def __init__(self, *args: str, cwd: Path, env: dict[str, str], port: int) -> None:
-        self.http_port = port
-        super().__init__(*args, command=SERVE, ready=None, cwd=cwd, env=env)
-
-    def ready_count(self, service: str, replica: int) -> int:
-        return len(re.findall(rf"service {service} replica {replica} ready", self.stderr_text()))
-
-    def wait_replicas(self, want: dict[str, int], timeout: float = 60) -> None:
-        def ok() -> bool:
-            assert self.running, f"dynamo serve exited:\n{self.stderr_text()}"
-            # the replica's own "ready" line can reach the log before the supervisor's "started ... pid"
-            pids = self.pids()
-            return all(self.ready_count(s, i) >= 1 and f"{s}:{i}" in pids for s, n in want.items() for i in range(n))
-        wait_until(ok, timeout, f"replicas {want} ready")
-
-    def pids(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for m in STARTED.finditer(self.stderr_text()):
-            out.setdefault(f"{m.group(1)}:{m.group(2)}", []).append(int(m.group(3)))
-        return out
-
-    def post(self, route: str, body: dict, timeout: float = 30) -> httpx.Response:
-        return httpx.post(f"http://127.0.0.1:{self.http_port}/{route}", json=body, timeout=timeout)
-
-
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator:
-    started: list[Graph] = []
-
-    def start(*args: str, cwd: Path = GRAPHS, want: dict[str, int] | None = None) -> Graph:
-        port = free_port()
-        service = args[0].split(":")[1]
-        g = Graph(*args, f"--{service}.port={port}", cwd=cwd, env=env_for(tmp_path), port=port)
-        g.start()
-        started.append(g)
-        g.wait_replicas(want or {service: 1})
-        return g
-
-    yield start
-    for g in started:
-        g.stop(timeout=60)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def serve(tmp_path: Path) -> Iterator[GraphStarter]:
+    starter = GraphStarter(tmp_path, GRAPHS)
+    yield starter
+    starter.stop_all()
 
 
 def test_hello_world_answers_through_three_processes(serve):
@@ -125,6 +72,9 @@ def test_two_workers_both_serve_and_config_layers_reach_the_service(serve):
     assert section["section"]["model"] == "leaf-model"  # the section's own YAML value beats YAML's Common
     assert section["section"]["ServiceArgs"]["workers"] == 2
     assert section["common"]["shared"] == "cli-common"
+    log = g.stderr_text()  # Front started only once both Leaf replicas were ready
+    assert max(log.index(f"service Leaf replica {i} ready") for i in (0, 1)) < log.index("dynamo serve: started Front:0")
+    assert "dynamo serve: Front starts once Leaf is ready" in log
 
 
 def test_a_replica_killed_is_restarted_and_serves_again(serve):
@@ -207,45 +157,3 @@ def test_dry_run_prints_graph_processes_and_config(tmp_path):
     assert "Backend x3:" in p.stdout and "Middle x1:" in p.stdout
     assert "depends on: Backend" in p.stdout
     assert "message: mid" in p.stdout
-
-
-def test_examples_llm_agg_answers_a_chat_completion(serve):
-    """The Dynamo README's quick start: ``cd examples/llm && dynamo serve graphs.agg:Frontend -f configs/agg.yaml``
-    (the worker on llama.cpp with the SmolLM2 GGUF)."""
-    from harness.smollm2 import SMOLLM2_MODEL, smollm2_gguf_or_skip
-
-    gguf = smollm2_gguf_or_skip()
-    g = serve("graphs.agg:Frontend", "-f", "configs/agg.yaml", f"--Common.model={gguf}", "--Common.context-length=1024",
-              cwd=ROOT / "examples" / "llm", want={"Frontend": 1, "Worker": 1})
-    body = {"model": SMOLLM2_MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8,
-            "temperature": 0}
-
-    def answered() -> httpx.Response | None:
-        try:
-            r = httpx.post(f"http://127.0.0.1:{g.http_port}/v1/chat/completions", json=body, timeout=60)
-        except httpx.TransportError:
-            return None
-        return r if r.status_code == 200 else None
-
-    # ready once the frontend listens and has discovered the worker's model: a 404 for the model before that
-    wait_until(lambda: "added model " + SMOLLM2_MODEL in g.stderr_text(), 120, "the frontend discovering the model")
-    r = answered()
-    assert r is not None, g.stderr_text()
-    assert r.json()["choices"][0]["message"]["content"]
-    assert "[Worker:0] " in g.stderr_text() and "[Frontend:0] " in g.stderr_text()
-
-
-def test_a_role_that_reports_an_error_stops_the_graph_without_restarts(tmp_path):
-    """A dynamo-run role exiting with status 1 (a missing model) fails the same way every time: one error
-    line, exit 1, nothing restarted or left running."""
-    p = subprocess.run(SERVE + ["graphs.agg:Frontend", "-f", "configs/agg.yaml", f"--Frontend.port={free_port()}",
-                                "--Common.model=/nonexistent/model.gguf"],
-                       cwd=ROOT / "examples" / "llm", capture_output=True, text=True, env=cli_env(env_for(tmp_path)),
-                       timeout=120)
-    assert p.returncode == 1, p.stderr
-    assert "[Worker:0] Error: /nonexistent/model.gguf" in p.stderr
-    assert p.stderr.rstrip().splitlines()[-1] == \
-        "error: service Worker failed: dynamo-run exited with status 1 (its error is above)"
-    assert "restarting" not in p.stderr
-    pids = [int(m.group(3)) for m in STARTED.finditer(p.stderr)]
-    assert pids and not [pid for pid in pids if alive(pid)]

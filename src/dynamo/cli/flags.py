@@ -8,6 +8,7 @@ flags (what follows goes to Python engines).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -41,7 +42,7 @@ USAGE = (
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
     "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
     "[--migration-limit 0] [--max-inflight N] [--drain-timeout 30] [--queue-size 256] [--queue-timeout 30] "
-    "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
+    "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] [--namespace NS] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
     "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
     p.add_argument("--disaggregation-mode", choices=DISAGG_MODES, default="agg", help="worker side: agg prefills and decodes (default), prefill only prefills and hands the KV state to a decode worker, decode decodes (and prefills when no prefill worker did)")
+    p.add_argument("--namespace", metavar="NS", help="out=dyn: serve only the models registered in this dynamo "
+                   "namespace (default: every namespace), e.g. a processor's and not the workers behind it")
     p.add_argument("--max-local-prefill-length", type=_int("--max-local-prefill-length", 0), help="frontend side: prompts with at most this many tokens not cached on the decode worker are prefilled there, not on a prefill worker (default 128)")
     p.add_argument("--tool-call-parser", metavar="NAME", help="how to read tool calls from the model's text: "
                    + ", ".join(tool_call_parser_names()) + " (default auto: from the chat template; worker side)")
@@ -322,6 +325,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         queue_timeout=ns.queue_timeout if ns.queue_timeout is not None else 30.0,
         disaggregation_mode=ns.disaggregation_mode,
         max_local_prefill_length=ns.max_local_prefill_length,
+        namespace=ns.namespace,
         batch_concurrency=ns.batch_concurrency,
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
@@ -396,6 +400,10 @@ def validate(cfg: RunConfig) -> None:
                         ("--event-plane", cfg.event_plane)):
         if value is not None and cfg.input_kind != "endpoint" and cfg.engine != "dyn":
             raise UserError(f"{flag} is for the distributed runtime: use it with in=dyn://... or out=dyn")
+    if cfg.namespace is not None and cfg.engine != "dyn":
+        raise UserError("'--namespace' is a frontend flag: use it with out=dyn")
+    if cfg.namespace is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.namespace):
+        raise UserError(f"--namespace {cfg.namespace!r}: letters, digits, '_' and '-' only")
     if cfg.max_local_prefill_length is not None and cfg.engine != "dyn":
         raise UserError("'--max-local-prefill-length' is a frontend flag: use it with out=dyn")
     for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, tool_call_parser_names()),

@@ -48,8 +48,11 @@ class ModelWatcher:
     RETRY_FIRST = 1.0  # seconds before the first retry of an entry that failed to load; doubles
     RETRY_CAP = 30.0
 
-    def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None):
+    def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None,
+                 namespace: str | None = None):
         self.runtime = runtime
+        # entries are keyed models/<namespace>/...: one namespace is a narrower watch, nothing to filter
+        self.prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
@@ -82,7 +85,7 @@ class ModelWatcher:
         return self.worker_metrics.observer(name, self.metrics.migrated)
 
     async def start(self) -> None:
-        self._watch = await self.runtime.discovery().watch_prefix(MODELS_PREFIX).start()
+        self._watch = await self.runtime.discovery().watch_prefix(self.prefix).start()
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:
@@ -292,7 +295,7 @@ async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
         migration_limit=cfg.migration_limit,
         queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
         max_local_prefill_length=cfg.max_local_prefill_length,
-    ), metrics=metrics)
+    ), metrics=metrics, namespace=cfg.namespace)
     try:
         await watcher.start()
     except BaseException:

@@ -4,7 +4,8 @@
 supervisor did, connect a runtime (the zero-infrastructure default or etcd/NATS, by the same rule as every
 other command), fill ``dynamo_context``, build the class (its ``__init__`` runs here and only here), await
 its ``@async_on_start`` hooks, serve every ``@endpoint`` on ``dyn://<namespace>.<Class>.<name>`` and the
-``@api`` routes on the ``port`` of its config section, then log one ready line.  SIGTERM/SIGINT: the HTTP
+``@api`` routes on the ``port`` of its config section, then log one ready line (and write
+:data:`READY_MARK` for the supervisor, which starts this service's dependents on it).  SIGTERM/SIGINT: the HTTP
 routes stop, the endpoints deregister and drain (the runtime's graceful shutdown), then the
 ``@async_on_shutdown`` hooks run.
 
@@ -38,6 +39,7 @@ log = logging.getLogger("dynamo.sdk.runner")  # not __name__: run as __main__
 
 FATAL_EXIT = 3
 FATAL_MARK = "DYNAMO_SERVE_FATAL "
+READY_MARK = "DYNAMO_SERVE_READY"  # the supervisor starts the dependents of a service on it (not shown)
 
 
 class ServiceStartError(Exception):
@@ -110,6 +112,7 @@ async def serve_service(runtime: DistributedRuntime, spec: ServiceSpec, replica:
             where += [f"http://{host}:{port}/{n}" for n in sorted(routes)]
         log.info("service %s replica %d ready (instance %s): %s", spec.name, replica, runtime.instance_hex,
                  ", ".join(where) or "no endpoints")
+        print(READY_MARK, file=sys.stderr, flush=True)
         await runtime.wait_for_shutdown()
         if api_runner is not None:
             await api_runner.cleanup()

@@ -3,8 +3,9 @@
 Plain asyncio subprocesses, not a process-manager library: the original used circus, which runs its own
 daemon and control sockets and would be a new dependency; what a graph needs is small and is all here:
 
-* **start** every service's replicas, dependencies first (a dependent does not wait for readiness: its
-  ``depends`` clients wait for instances, so the graph comes up in parallel);
+* **start** every service's replicas, dependencies first: a service starts once every replica of each
+  service it depends on has said it is ready (the runner's ready line, :data:`READY_MARK`), so a frontend
+  never takes requests before what it calls serves; services with no edge between them start together;
 * **logs**: each child's stdout and stderr lines are written to ours, prefixed ``[Service:replica]``;
 * **restart**: a replica that dies (killed, crashed, exited) is started again after a backoff (0.5 s,
   doubling to 10 s; back to 0.5 s after 30 s of running), so a crash loop does not spin;
@@ -27,7 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
-from .runner import FATAL_EXIT, FATAL_MARK
+from dynamo.aio import cancel_and_wait
+
+from .runner import FATAL_EXIT, FATAL_MARK, READY_MARK
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0
@@ -51,6 +54,7 @@ class ServiceProcs:
     command: list[str]  # the replica index is appended
     env: dict[str, str]
     cwd: str | None = None
+    depends: list[str] = field(default_factory=list)  # services that must be ready before this one starts
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Replica:
     proc: asyncio.subprocess.Process | None = None
     task: "asyncio.Task[None] | None" = None
     pumps: list["asyncio.Task[None]"] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set by its first ready line, for good
 
     @property
     def label(self) -> str:
@@ -89,6 +94,9 @@ class Supervisor:
             text = line.decode("utf-8", errors="replace").rstrip("\n")
             if text.startswith(FATAL_MARK):
                 self.fatal = self.fatal or text[len(FATAL_MARK):]
+                continue
+            if text.startswith(READY_MARK):
+                replica.ready.set()
                 continue
             sink.write(prefix + text + "\n")
             sink.flush()
@@ -148,6 +156,25 @@ class Supervisor:
                     r.proc.kill()
             await asyncio.gather(*pending)
 
+    async def _wait_ready(self, svc: ServiceProcs) -> None:
+        """Until every replica of every service ``svc`` depends on has been ready once."""
+        waiting = [r for dep in svc.depends for r in self.replicas.get(dep, []) if not r.ready.is_set()]
+        if waiting:
+            names = ", ".join(dict.fromkeys(r.service for r in waiting))
+            self.say(f"{svc.name} starts once {names} {'is' if ',' not in names else 'are'} ready")
+        for r in waiting:
+            await r.ready.wait()
+
+    async def _start_all(self) -> None:
+        """Each service once its dependencies are ready; services are started in parallel where the graph
+        allows (a service waits only for its own dependencies)."""
+        async def start(svc: ServiceProcs) -> None:
+            await self._wait_ready(svc)
+            for replica in self.replicas[svc.name]:
+                replica.task = asyncio.create_task(self._keep(svc, replica))
+
+        await asyncio.gather(*(start(svc) for svc in self.services))
+
     async def run(self) -> int:
         """Start the graph, supervise it until a signal or a fatal failure, stop it; the exit status."""
         loop = asyncio.get_running_loop()
@@ -167,11 +194,10 @@ class Supervisor:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
+        starting = asyncio.create_task(self._start_all())
         try:
-            for svc in self.services:
-                for replica in self.replicas[svc.name]:
-                    replica.task = asyncio.create_task(self._keep(svc, replica))
             await self.stopping.wait()
+            await cancel_and_wait(starting)
             for svc in reversed(self.services):
                 await self._stop_service(svc.name)
             await asyncio.gather(*(r.task for rs in self.replicas.values() for r in rs if r.task is not None))

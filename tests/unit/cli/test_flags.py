@@ -243,6 +243,15 @@ def test_disaggregation_flag_errors(argv, message):
         parse(*argv)
 
 
+def test_namespace_is_a_frontend_flag():
+    assert parse("in=http", "out=dyn", "--namespace", "dynamo").namespace == "dynamo"
+    assert parse("in=http", "out=dyn").namespace is None
+    with pytest.raises(UserError, match="'--namespace' is a frontend flag"):
+        parse("in=dyn://a.b.c", "out=mocker", "--namespace", "a")
+    with pytest.raises(UserError, match="letters, digits"):
+        parse("in=http", "out=dyn", "--namespace", "a/b")
+
+
 def test_distributed_runtime_flags():
     cfg = parse("in=dyn://ns.comp.ep", "out=echo_full", "--discovery-backend", "kv_store", "--request-plane", "tcp",
                 "--event-plane", "zmq")

@@ -1,4 +1,5 @@
-"""``dynamo <command>``: ``run`` is ``dynamo-run`` (dynamo.cli), ``serve`` starts a graph (dynamo.sdk).
+"""``dynamo <command>``: ``run`` is ``dynamo-run`` (dynamo.cli), ``serve`` starts a graph (dynamo.sdk), ``build``
+writes its Kubernetes manifests.
 
 The umbrella lives in the SDK, the top layer, because ``serve`` needs the SDK and ``run`` needs only the
 CLI below it; the CLI package cannot import the SDK.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = "  run    run a model (see 'dynamo run --help')\n  serve  start a graph of services (see 'dynamo serve --help')"
+COMMANDS = ("  run    run a model (see 'dynamo run --help')\n  serve  start a graph of services (see 'dynamo serve --help')\n"
+            "  build  write Kubernetes manifests for a graph (see 'dynamo build --help')")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,5 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import serve_main
 
         return serve_main(args[1:])
-    print(f"Error: unknown command '{args[0]}'. Available: run, serve", file=sys.stderr)
+    if args[0] == "build":
+        from .build import build_main
+
+        return build_main(args[1:])
+    print(f"Error: unknown command '{args[0]}'. Available: run, serve, build", file=sys.stderr)
     return 2

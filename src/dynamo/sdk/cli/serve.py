@@ -55,7 +55,8 @@ def plan(graph: Graph, config: dict, target: str, working_dir: str) -> list[Serv
     out = []
     for spec in graph.order:
         command = [sys.executable, "-m", "dynamo.sdk.runner", target, spec.name, "--working-dir", working_dir]
-        out.append(ServiceProcs(spec.name, workers_of(config, spec.name), command, env, cwd=working_dir))
+        out.append(ServiceProcs(spec.name, workers_of(config, spec.name), command, env, cwd=working_dir,
+                                depends=list(graph.edges[spec.name])))
     return out
 
 
@@ -68,7 +69,8 @@ def dry_run(graph: Graph, procs: list[ServiceProcs], config: dict) -> None:
               f"  depends on: {', '.join(deps) or '-'}")
     print("processes:")
     for p in procs:
-        print(f"  {p.name} x{p.workers}: {' '.join(p.command)} <replica>")
+        after = f"  (after {', '.join(p.depends)} ready)" if p.depends else ""
+        print(f"  {p.name} x{p.workers}: {' '.join(p.command)} <replica>{after}")
     print("config:")
     print(yaml.safe_dump(config, sort_keys=False).rstrip())
 
