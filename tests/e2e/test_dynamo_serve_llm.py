@@ -146,6 +146,8 @@ def test_agg_processor_serves_through_the_processor_only(serve, smollm2_file):
                180, "the frontend serving the Processor's model")
     r = ask(g, SMOLLM2_MODEL, "What is 2+2?")
     assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    # a whole answer reports the Processor's counts (the prompt it templated), not chunks counted at the frontend
+    assert r.usage is not None and r.usage.prompt_tokens > 5, r.usage
     chunks = list(client(g).chat.completions.create(
         model=SMOLLM2_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3, stream=True,
         stream_options={"include_usage": True}))

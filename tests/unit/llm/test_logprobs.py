@@ -183,7 +183,7 @@ async def test_chat_logprobs_unary_and_streamed(tiny_model: Path, tok, stream: b
     ids = tok.encode("hello world")
     p = pipeline(tiny_model, _Engine(ids))
     raw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1,
-           "max_tokens": len(ids)}
+           "max_tokens": len(ids), "stream": stream}
     ctx = Context()
     chunks = p.chat(parse_chat_request(raw), raw, ctx)
     if stream:

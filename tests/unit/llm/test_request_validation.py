@@ -129,13 +129,14 @@ def test_extra_message_fields_are_accepted():
     assert req.messages[0].content == "x"
 
 
-def test_include_usage_only_when_streaming_and_asked():
+def test_usage_in_a_stream_only_when_asked_and_always_in_a_whole_answer():
     def req(**f):
         return parse_chat_request({"model": "m", "messages": MSG, **f})
 
     assert include_usage(req(stream=True, stream_options={"include_usage": True}))
     assert not include_usage(req(stream=True))
-    assert not include_usage(req(stream=False, stream_options={"include_usage": True}))
+    assert include_usage(req(stream=False, stream_options={"include_usage": True}))
+    assert include_usage(req())
 
 
 @pytest.mark.parametrize(

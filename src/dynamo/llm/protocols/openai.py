@@ -257,7 +257,12 @@ def max_tokens_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 
 def include_usage(req: _SamplingFields) -> bool:
-    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    """Whether the answer carries usage: a stream when ``stream_options.include_usage`` asks, a whole answer
+    always. The usage chunk then travels with a whole answer too, so that a frontend in front of a remote
+    Chat worker (a Processor) reports the worker's counts rather than counting chunks itself."""
+    if not req.stream:
+        return True
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def last_user_text(req: ChatCompletionRequest) -> str:
