@@ -56,6 +56,8 @@ class RunConfig:
     tls_key_path: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     anthropic_api: bool | None = None  # --[no-]enable-anthropic-api; None: DYN_ENABLE_ANTHROPIC_API decides
+    allowed_local_media_path: str | None = None  # --allowed-local-media-path; None: DYN_MM_LOCAL_PATH decides
+    limit_mm_per_prompt: str | None = None  # --limit-mm-per-prompt as given; None: the default limit
     # the distributed runtime (in=dyn://..., out=dyn): "etcd", "file", or None for the default rule
     discovery_backend: str | None = None
     # how this process reaches workers and hears events (None: DYN_REQUEST_PLANE / DYN_EVENT_PLANE, else

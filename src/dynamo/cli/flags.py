@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-anthropic-api", action=argparse.BooleanOptionalAction, default=None,
                    dest="anthropic_api", help="in=http: serve Anthropic's Messages API, /v1/messages and "
                    "/v1/messages/count_tokens (default: DYN_ENABLE_ANTHROPIC_API, else off)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR", help="in=http: allow file:// image URLs under "
+                   "this directory (default: DYN_MM_LOCAL_PATH, else no local files)")
+    p.add_argument("--limit-mm-per-prompt", metavar="LIMITS", help="in=http: the most images one request may carry, "
+                   "'{\"image\": N}' or image=N (default 16)")
     p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), help="in=dyn://... and out=dyn: where processes find each other: etcd (kv_store is the same), or file (a directory shared by the processes of one host, DYN_FILE_KV); default DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers on localhost:2379, else file")
     p.add_argument("--request-plane", choices=REQUEST_PLANES, help="how requests reach workers: tcp (each worker listens; "
                    "no NATS) or nats (default: DYN_REQUEST_PLANE, else nats when NATS_SERVER is set or a NATS answers on "
@@ -333,6 +337,8 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         tls_key_path=ns.tls_key_path,
         allowed_origins=ns.allowed_origins or [],
         anthropic_api=ns.anthropic_api,
+        allowed_local_media_path=ns.allowed_local_media_path,
+        limit_mm_per_prompt=ns.limit_mm_per_prompt,
         discovery_backend={"kv_store": "etcd"}.get(ns.discovery_backend, ns.discovery_backend),
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
@@ -429,7 +435,9 @@ def _validate_api(cfg: RunConfig) -> None:
     http_flags = [name for name, value in (("--api-key", cfg.api_keys), ("--tls-cert-path", cfg.tls_cert_path),
                                             ("--tls-key-path", cfg.tls_key_path),
                                             ("--allowed-origins", cfg.allowed_origins),
-                                            ("--enable-anthropic-api", cfg.anthropic_api)) if value]
+                                            ("--enable-anthropic-api", cfg.anthropic_api),
+                                            ("--allowed-local-media-path", cfg.allowed_local_media_path),
+                                            ("--limit-mm-per-prompt", cfg.limit_mm_per_prompt)) if value]
     if http_flags and cfg.input_kind != "http":
         raise UserError(f"{', '.join(http_flags)}: only for in=http (the HTTP server), not in={cfg.input}")
     if cfg.input_kind == "http":
@@ -437,7 +445,9 @@ def _validate_api(cfg: RunConfig) -> None:
 
         build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
                            tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path,
-                           anthropic_api=cfg.anthropic_api)
+                           anthropic_api=cfg.anthropic_api,
+                           allowed_local_media_path=cfg.allowed_local_media_path,
+                           limit_mm_per_prompt=cfg.limit_mm_per_prompt)
     if cfg.chat_template is not None:
         if cfg.engine == "dyn":
             raise UserError("--chat-template goes on the worker (in=dyn://...): the frontend uses the template "

@@ -131,7 +131,9 @@ async def _serve_http(cfg: RunConfig, manager: ModelManager, stop: asyncio.Event
 
     options = build_http_options(api_keys=cfg.api_keys, allowed_origins=cfg.allowed_origins,
                                  tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path,
-                                 anthropic_api=cfg.anthropic_api)
+                                 anthropic_api=cfg.anthropic_api,
+                                 allowed_local_media_path=cfg.allowed_local_media_path,
+                                 limit_mm_per_prompt=cfg.limit_mm_per_prompt)
     service = HttpService(manager, metrics=metrics, max_inflight=cfg.max_inflight or DEFAULT_MAX_INFLIGHT,
                           options=options)
     await service.start(cfg.http_host, cfg.http_port)

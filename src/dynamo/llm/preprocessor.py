@@ -14,6 +14,7 @@ from typing import Any
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
 from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
+from dynamo.llm.media import MediaError, image_parts
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
 from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
@@ -89,6 +90,9 @@ class Preprocessor:
             raise RequestError(
                 f"model {self.card.display_name!r} has no chat template; use /v1/completions", status=400
             )
+        if image_parts(raw["messages"]):
+            raise MediaError(f"model {self.card.display_name!r} does not accept images (it was started without "
+                             "an image encoder)")
         messages = [_template_message(m, parsed.content) for m, parsed in zip(raw["messages"], req.messages, strict=True)]
         add_generation_prompt = req.add_generation_prompt
         if add_generation_prompt is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.errors import UserError
+from dynamo.llm.media import MediaPolicy
 
 DEFAULT_BODY_LIMIT_BYTES = 32 * 1024 * 1024  # ours since the start; Dynamo's DYN_HTTP_BODY_LIMIT_MB overrides
 BODY_LIMIT_ENV = "DYN_HTTP_BODY_LIMIT_MB"
@@ -24,8 +25,9 @@ ANTHROPIC_API_ENV = "DYN_ENABLE_ANTHROPIC_API"  # Dynamo's name, as for its --en
 
 @dataclass
 class HttpOptions:
-    """What ``--api-key``, ``--tls-*``, ``--allowed-origins``, ``--enable-anthropic-api`` and
-    ``DYN_HTTP_BODY_LIMIT_MB`` asked for."""
+    """What ``--api-key``, ``--tls-*``, ``--allowed-origins``, ``--enable-anthropic-api``,
+    ``DYN_HTTP_BODY_LIMIT_MB`` and the media settings (``DYN_MM_*``, ``--allowed-local-media-path``,
+    ``--limit-mm-per-prompt``) asked for."""
 
     api_keys: list[str] = field(default_factory=list)
     allowed_origins: list[str] = field(default_factory=list)
@@ -33,6 +35,7 @@ class HttpOptions:
     tls_key_path: Path | None = None
     body_limit: int = DEFAULT_BODY_LIMIT_BYTES
     anthropic_api: bool = False  # serve /v1/messages (Anthropic's Messages API)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from (llm/media)
 
     @property
     def scheme(self) -> str:
@@ -80,10 +83,13 @@ def build_http_options(
     tls_cert_path: str | None = None,
     tls_key_path: str | None = None,
     anthropic_api: bool | None = None,
+    allowed_local_media_path: str | None = None,
+    limit_mm_per_prompt: str | None = None,
     environ: dict[str, str] | None = None,
 ) -> HttpOptions:
     """Flags plus environment into checked options.  ``--api-key`` given replaces ``DYN_API_KEY``;
-    ``--[no-]enable-anthropic-api`` given (not None) replaces ``DYN_ENABLE_ANTHROPIC_API``."""
+    ``--[no-]enable-anthropic-api`` given (not None) replaces ``DYN_ENABLE_ANTHROPIC_API``;
+    ``--allowed-local-media-path`` replaces ``DYN_MM_LOCAL_PATH``."""
     env = os.environ if environ is None else environ
     if anthropic_api is None:
         anthropic_api = env_flag(env, ANTHROPIC_API_ENV)
@@ -104,8 +110,9 @@ def build_http_options(
             if not path.is_file():
                 raise UserError(f"{flag}: no such file: {path}")
     origins = parse_origins(allowed_origins or [])
+    media = MediaPolicy.from_env(env, local_path=allowed_local_media_path, limit_mm_per_prompt=limit_mm_per_prompt)
     opts = HttpOptions(api_keys=keys, allowed_origins=origins, tls_cert_path=cert, tls_key_path=key_path,
-                       body_limit=body_limit_from_env(env), anthropic_api=anthropic_api)
+                       body_limit=body_limit_from_env(env), anthropic_api=anthropic_api, media=media)
     opts.ssl_context()  # fail now, not on the first connection
     return opts
 

@@ -31,6 +31,7 @@ from dynamo.frontend.http.responses import ResponsesRoute
 from dynamo.frontend.http.tokenize import TokenizeRoutes
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.lora import runtime_lora_allowed
+from dynamo.llm.media import use_policy
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class HttpService:
         self.metrics = metrics or FrontendMetrics()
         self.admission = Admission(max_inflight, self.metrics)
         self.options = options or HttpOptions()
+        use_policy(self.options.media)  # the pre-processor loads images under it
         self.app = web.Application(client_max_size=self.options.body_limit,
                                    middlewares=[*self.options.middlewares(), error_middleware])
         self.app[BODY_LIMIT_KEY] = self.options.body_limit

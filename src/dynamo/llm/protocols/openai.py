@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 import msgspec
 
 from dynamo.errors import RequestError
+from dynamo.llm.media import MediaError, check_image_count, current_policy, image_parts
 
 
 class StreamOptions(msgspec.Struct):
@@ -36,9 +37,18 @@ class NvExt(msgspec.Struct):
     guided_decoding_backend: str | None = None
 
 
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=False):
+    """An ``image_url`` part's object form.  ``detail`` (OpenAI's resolution hint) is accepted and has no
+    effect: the model's own image encoder fixes how many tokens an image becomes."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
     type: str
     text: str | None = None
+    image_url: str | ImageUrl | None = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -110,6 +120,7 @@ def parse_chat_request(raw: Any) -> ChatCompletionRequest:
         raise RequestError(
             "The 'messages' field cannot be empty. At least one message is required.", param="messages"
         )
+    check_image_count(image_parts(raw["messages"]), current_policy())  # --limit-mm-per-prompt
     _validate_common(req)
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise RequestError("max_completion_tokens must be at least 1", param="max_completion_tokens")
@@ -264,6 +275,8 @@ def content_text(content: str | list[ContentPart] | None) -> str:
         return content
     parts = []
     for part in content:
+        if part.type == "image_url":
+            raise MediaError("This model does not accept images (image_url parts)")
         if part.type != "text" or part.text is None:
             raise RequestError(
                 f"Content parts of type '{part.type}' are not supported by this model", param="messages"
