@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo.engines.llamacpp.model import silence_llama_log
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.image_prompt import placeholder_ids
 
@@ -69,6 +70,12 @@ class Projector:
         self.path = path
         if not path.is_file():
             raise ModelError(f"--mmproj {path}: no such file")
+        if not verbose:
+            import llama_cpp
+
+            quiet = silence_llama_log(llama_cpp)
+            M.mtmd_log_set(quiet, ctypes.c_void_p(0))
+            M.mtmd_helper_log_set(quiet, ctypes.c_void_p(0))
         params = M.mtmd_context_params_default()
         params.use_gpu = False
         params.n_threads = threads
