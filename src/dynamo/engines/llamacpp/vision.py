@@ -32,6 +32,7 @@ from dynamo.engines.llamacpp.model import silence_llama_log
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.image_prompt import placeholder_ids
 
+
 class ImageChunks:
     """One image as mtmd tokenized it; freed when the last reference goes (the request and the scheduler
     hold it)."""
