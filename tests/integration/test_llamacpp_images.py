@@ -16,6 +16,7 @@ import base64
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -55,7 +56,7 @@ def colours_named(answer: str) -> list[str]:
 @pytest.fixture(scope="module")
 def server(gguf: Path, colour_projector: Path) -> Iterator[DynamoRun]:
     with DynamoRun("out=llamacpp", str(gguf), "--mmproj", str(colour_projector), "--context-length", "512",
-                   startup_timeout=120) as srv:
+                   "--enable-anthropic-api", startup_timeout=120) as srv:
         yield srv
 
 
@@ -109,6 +110,23 @@ def test_a_users_marker_text_stays_text(client):
     assert plain.choices[0].finish_reason in ("stop", "length")
     with_image = ask(client, [image_part(image_url("red")), {"type": "text", "text": "<__media__> " + QUESTION}])
     assert "red" in colours_named(with_image.choices[0].message.content)
+
+
+def test_anthropic_image_blocks_and_responses_input_images_are_seen(server, client):
+    data = image_url("green", (33, 47)).split(",", 1)[1]
+    ant = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    content: Any = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                    {"type": "text", "text": QUESTION}]
+    msg = ant.messages.create(model=model, max_tokens=10, messages=[{"role": "user", "content": content}],
+                              extra_body={"temperature": 0})
+    assert colours_named(msg.content[0].text) == ["green"]
+    counted = ant.messages.count_tokens(model=model, messages=[{"role": "user", "content": content}])
+    assert counted.input_tokens == msg.usage.input_tokens  # the image's positions counted as served
+    resp = client.responses.create(model=model, temperature=0, max_output_tokens=10, input=[{
+        "role": "user", "content": [{"type": "input_image", "image_url": image_url("black", (71, 29))},
+                                    {"type": "input_text", "text": QUESTION}]}])
+    assert colours_named(resp.output_text) == ["black"]
 
 
 def test_a_corrupt_image_is_a_400_and_the_server_keeps_serving(client):
