@@ -44,7 +44,7 @@ USAGE = (
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
-    "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
+    "[--chat-template <file.jinja>] [--embedding] [--mmproj <mmproj.gguf>] [--api-key KEY] "
     "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] "
     "[--discovery-backend etcd|file] [-v|-vv] "
     "[-- <python engine args>]"
