@@ -94,7 +94,9 @@ class Projector:
             self.free()
             raise ModelError(f"--mmproj {path}: its model places image tokens with M-RoPE (Qwen2-VL and later), "
                              "which out=llamacpp's scheduler does not do")
-        self._lock = threading.Lock()  # tokenizing (image preprocessing) from the loop's threads
+        # tokenizing (image preprocessing, in the event loop's worker threads) and evaluating (the scheduler
+        # thread) take turns on the projector's context
+        self._lock = threading.Lock()
         self.image_tokens = self.tokenize(_probe_png()).n_pos
 
     def free(self) -> None:
@@ -139,12 +141,13 @@ class Projector:
         M = self.M
         n_past = span.offset
         new_n_past = ctypes.c_int32(0)
-        for chunk in span.chunks.items():
-            rc = M.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq_id, n_batch, False,
-                                                 ctypes.byref(new_n_past))
-            if rc != 0:
-                return int(rc)
-            n_past = new_n_past.value
+        with self._lock:  # (tokenizing and encoding share the projector's context)
+            for chunk in span.chunks.items():
+                rc = M.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq_id, n_batch, False,
+                                                     ctypes.byref(new_n_past))
+                if rc != 0:
+                    return int(rc)
+                n_past = new_n_past.value
         return 0
 
 
