@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import ctypes
+import json
 import os
 import statistics
 import tempfile
@@ -83,8 +83,6 @@ def _ttft(client: httpx.Client, content: list[dict]) -> tuple[float, int]:
             if first is None and '"content"' in line:
                 first = 1e3 * (time.perf_counter() - t)
             if '"cached_tokens"' in line:
-                import json
-
                 usage = json.loads(line[len("data: "):])["usage"]
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert first is not None

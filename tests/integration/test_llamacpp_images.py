@@ -104,6 +104,29 @@ def test_two_images_in_one_message_are_named_in_order(client):
         assert colours_named(answer)[:2] == [a, b], answer
 
 
+def test_concurrent_image_and_text_requests_each_get_their_own_answer(server, client):
+    """Continuous batching: five image requests and a text one at once, each answered as alone; and a
+    streamed image request whose client goes away mid-answer frees its slot for the next."""
+    import concurrent.futures
+
+    colours = list(NAMED)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        images = [pool.submit(ask, client, [image_part(image_url(c, (29 + i, 31), 16, seed=i)),
+                                            {"type": "text", "text": QUESTION}]) for i, c in enumerate(colours)]
+        text = pool.submit(ask, client, [{"type": "text", "text": "What is 2+2?"}])
+        answers = [f.result().choices[0].message.content for f in images]
+        assert text.result().choices[0].message.content
+    assert [colours_named(a) for a in answers] == [[c] for c in colours]
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=200, stream=True,
+        messages=[{"role": "user", "content": [image_part(image_url("red", (80, 80), 30, seed=9)),
+                                               {"type": "text", "text": "Describe this image at length."}]}])
+    next(iter(stream))
+    stream.close()  # the client goes away
+    answer = ask(client, [image_part(image_url("black", (80, 80), 30, seed=9)), {"type": "text", "text": QUESTION}])
+    assert colours_named(answer.choices[0].message.content) == ["black"]
+
+
 def test_a_users_marker_text_stays_text(client):
     """llama.cpp's default marker typed by a user is characters, not an image slot (with or without images)."""
     plain = ask(client, [{"type": "text", "text": "Say <__media__> twice."}])
