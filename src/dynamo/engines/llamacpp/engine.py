@@ -189,7 +189,8 @@ class LlamaCppEngine:
         self._llama = llama
         if self.mmproj is not None:
             try:
-                self.projector = Projector(self.mmproj, llama.model, threads=threads, verbose=self.verbose)
+                self.projector = Projector(self.mmproj, llama.model, threads=threads, verbose=self.verbose,
+                                           use_gpu=self.n_gpu_layers > 0)
             except BaseException:
                 model.free(llama)
                 self._llama = None

@@ -64,7 +64,7 @@ class ImageSpan:
 class Projector:
     """An mmproj GGUF loaded against the text model (on the loading thread)."""
 
-    def __init__(self, path: Path, model: Any, *, threads: int, verbose: bool):
+    def __init__(self, path: Path, model: Any, *, threads: int, verbose: bool, use_gpu: bool = False):
         from llama_cpp import mtmd_cpp as M
 
         self.M = M
@@ -78,7 +78,7 @@ class Projector:
             M.mtmd_log_set(quiet, ctypes.c_void_p(0))
             M.mtmd_helper_log_set(quiet, ctypes.c_void_p(0))
         params = M.mtmd_context_params_default()
-        params.use_gpu = False
+        params.use_gpu = use_gpu  # with the text model's layers offloaded (n_gpu_layers), the encoder too
         params.n_threads = threads
         params.print_timings = verbose
         params.warmup = False
