@@ -44,6 +44,15 @@ def gguf_in_process() -> Path:
     return smollm2_gguf_or_skip(in_process=True)
 
 
+@pytest.fixture(scope="session")
+def colour_projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The closed-form colour projector for the SmolLM2 GGUF (harness/colour_projector.py), built once."""
+    from harness.colour_projector import write_colour_projector
+
+    text = smollm2_gguf_or_skip()
+    return write_colour_projector(tmp_path_factory.mktemp("mmproj") / "colour-mmproj.gguf", text)
+
+
 @pytest.fixture(scope="module", params=DIST_CONFIGS)
 def dist_config(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistConfig]:
     """Each module that uses it runs once per configuration, its fleet started once for each."""

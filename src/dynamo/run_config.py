@@ -50,6 +50,7 @@ class RunConfig:
     # the served API and how it is exposed
     chat_template: Path | None = None
     loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH: adapters loaded at start
+    mmproj: str | None = None  # --mmproj PATH: out=llamacpp's image projector (llama-server's flag)
     embedding: bool = False
     api_keys: list[str] = field(default_factory=list)
     tls_cert_path: str | None = None

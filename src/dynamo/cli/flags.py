@@ -45,7 +45,7 @@ USAGE = (
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] [--namespace NS] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
     "[--tool-call-parser auto|none|NAME] [--reasoning-parser auto|none|NAME] "
-    "[--chat-template <file.jinja>] [--embedding] [--api-key KEY] "
+    "[--chat-template <file.jinja>] [--embedding] [--mmproj <mmproj.gguf>] [--api-key KEY] "
     "[--tls-cert-path cert.pem --tls-key-path key.pem] [--allowed-origins <origin>] "
     "[--discovery-backend etcd|file] [-v|-vv] "
     "[-- <python engine args>]"
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-concurrency", type=_int("--batch-concurrency"), default=16, help="in=batch: prompts in flight at once (default 16)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file replacing the model's (local engine or worker; travels in the model card)")
     p.add_argument("--lora", action="append", dest="loras", metavar="NAME=PATH", help="serve the LoRA adapter at PATH as the model NAME: a GGUF file (out=llamacpp) or a PEFT folder (out=vllm); repeatable")
+    p.add_argument("--mmproj", metavar="PATH", help="out=llamacpp: the model's image projector (an mmproj GGUF, as llama-server's --mmproj): chat requests may then carry images")
     p.add_argument("--embedding", action="store_true", help="serve the model for /v1/embeddings (out=llamacpp, out=vllm, out=echo_core) instead of generation")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY", help="in=http: require 'Authorization: Bearer KEY' on every route but /health, /live, /metrics (repeat for several keys; default: DYN_API_KEY)")
     p.add_argument("--tls-cert-path", metavar="PEM", help="in=http: serve HTTPS with this certificate (chain) file")
@@ -334,6 +335,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         chat_template=Path(ns.chat_template).expanduser() if ns.chat_template else None,
         embedding=ns.embedding,
         loras=parse_lora_flags(ns.loras or []),
+        mmproj=ns.mmproj,
         api_keys=ns.api_keys or [],
         tls_cert_path=ns.tls_cert_path,
         tls_key_path=ns.tls_key_path,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 from typing import Callable
 
 from dynamo.engines.engine_args import engine_args
@@ -73,7 +74,8 @@ def _llamacpp(cfg: RunConfig, card: ModelCard) -> Engine:
     ctx_len = card.context_length or DEFAULT_MAX_CTX_PER_SEQ
     card.context_length = ctx_len
     return LlamaCppEngine(card.gguf_path, context_length=ctx_len, args=engine_args(cfg),
-                          verbose=cfg.verbosity >= 2, block_size=card.kv_cache_block_size)
+                          verbose=cfg.verbosity >= 2, block_size=card.kv_cache_block_size,
+                          mmproj=Path(cfg.mmproj).expanduser() if cfg.mmproj else None)
 
 
 def _pystr(cfg: RunConfig, card: ModelCard) -> Engine:

@@ -48,6 +48,8 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
     """Build, start and wrap the engine: an embedding model, a core (token) pipeline or a full one."""
     if cfg.loras and cfg.embedding:
         raise UserError("--lora: an embedding model (--embedding) serves no LoRA adapters")
+    if cfg.mmproj and (cfg.embedding or engine_name != "llamacpp"):
+        raise UserError("--mmproj: only out=llamacpp loads an image projector, and not for --embedding")
     created = create_engine(engine_name, cfg, card)
     if cfg.embedding:
         from dynamo.llm.embeddings import EmbeddingEngine, EmbeddingModel
@@ -71,6 +73,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         card.logit_bias = caps.logit_bias
         card.logprobs = caps.logprobs
         card.prompt_logprobs = caps.prompt_logprobs
+        card.image_tokens = caps.image_tokens
         return CorePipeline(name, card, engine)
     for flag, value in (("--tool-call-parser", cfg.tool_call_parser), ("--reasoning-parser", cfg.reasoning_parser)):
         if value not in (None, "auto", "none"):

@@ -166,6 +166,15 @@ class ServesLoraAdapters(Protocol):
     async def unload_lora(self, name: str) -> None: ...
 
 
+@runtime_checkable
+class TakesImages(Protocol):
+    """Sees images (``PreprocessedRequest.multi_modal_data``): ``image_tokens`` is how many placeholder
+    positions an image takes in a prompt (0: this instance was started without an image encoder)."""
+
+    @property
+    def image_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What an engine can do beyond ``generate``, checked once when the served model is built."""
@@ -182,6 +191,7 @@ class EngineCapabilities:
     logprobs: bool = False
     prompt_logprobs: bool = False
     wants_raw_request: bool = False  # full engines that read the client's JSON as sent
+    image_tokens: int = 0  # positions an image takes in a prompt (0: no images)
 
 
 _SAMPLING_DEFAULTS = {"guided_decoding": False, "logit_bias": False, "logprobs": False, "prompt_logprobs": False,
@@ -204,6 +214,7 @@ def capabilities_of(engine: object) -> EngineCapabilities:
         logprobs=bool(declared["logprobs"]),
         prompt_logprobs=bool(declared["logprobs"]) and bool(declared["prompt_logprobs"]),
         wants_raw_request=bool(declared["wants_raw_request"]),
+        image_tokens=int(engine.image_tokens) if isinstance(engine, TakesImages) else 0,
     )
 
 

@@ -48,6 +48,9 @@ class ModelCard:
     # a LoRA adapter of a base model, served under its own name (llm/lora.py): Dynamo's ``lora`` field
     # (``name``, ``max_gpu_lora_count``) plus ours, ``base_model`` (the parent's served name) and ``path``
     lora: dict[str, Any] | None = None
+    # images: the placeholder positions one image takes in a prompt (the worker's image encoder decides;
+    # a projector that tiles by size may use more, and the engine rewrites the run); 0: text only
+    image_tokens: int = 0
 
     @property
     def lora_name(self) -> str | None:
@@ -92,6 +95,7 @@ class ModelCard:
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
             "lora": self.lora,
+            "image_tokens": self.image_tokens,
         }
 
     @classmethod

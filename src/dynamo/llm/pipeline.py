@@ -65,6 +65,8 @@ class CorePipeline:
 
         rendered = self.preprocessor.render_chat(req, raw)  # raises RequestError before any streaming starts
         stamp(ctx.stamps, "template")
+        if rendered.images:
+            return self._chat_images(rendered, req, ctx)
         if len(rendered.prompt) >= OFF_LOOP_CHARS:
             # a long prompt is tokenized in a thread: the stream starts with that (errors come with its
             # first item, which every input awaits before it answers)
@@ -72,6 +74,19 @@ class CorePipeline:
         pre = self.preprocessor.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))  # type: ignore[union-attr]
         stamp(ctx.stamps, "tokenized")
         return self._chat_stream(pre, req, ctx)
+
+    async def _chat_images(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
+        """A chat with images: they are loaded (and refused) first, so errors come with the first item."""
+        ids, images = await self.preprocessor.image_prompt(rendered)
+        stamp(ctx.stamps, "images loaded", f"{len(images)}")
+        pre = self.preprocessor.finish_chat(rendered, ids)
+        pre.request.multi_modal_data = images
+        stream = self._chat_stream(pre, req, ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     async def _chat_off_loop(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
         ids = await self.tokenizer.encode_prompt_async(rendered.prompt)  # type: ignore[union-attr]

@@ -8,17 +8,19 @@ the context window gets a 400 like vLLM's.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.errors import ModelError, RequestError
 from dynamo.llm.chat_template import ChatTemplate
 from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
-from dynamo.llm.media import MediaError, image_parts
+from dynamo.llm.image_prompt import image_inputs, new_marker, prompt_ids
+from dynamo.llm.media import MediaError, current_policy, image_parts, load_images
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
 from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
 from dynamo.llm.protocols.common import (
+    ImageInput,
     OutputOptions,
     PreprocessedRequest,
     ResponseParsing,
@@ -28,6 +30,7 @@ from dynamo.llm.protocols.common import (
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    ContentPart,
     content_text,
     ignore_eos,
     max_tokens_of,
@@ -52,6 +55,8 @@ class RenderedChat:
     prompt: str
     tool_parser: Any
     forced: Any
+    images: list[str] = field(default_factory=list)  # the image URLs, in prompt order
+    marker: str = ""  # where each image is in ``prompt`` (llm/image_prompt.py)
 
 
 class Preprocessor:
@@ -77,11 +82,18 @@ class Preprocessor:
     # -- chat
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
         rendered = self.render_chat(req, raw)
+        if rendered.images:
+            raise RequestError("images are loaded asynchronously: use chat_async", param="messages")
         return self.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))
 
     async def chat_async(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Preprocessed:
-        """:meth:`chat`, with a long prompt tokenized off the event loop."""
+        """:meth:`chat`, with a long prompt tokenized off the event loop, and images loaded."""
         rendered = self.render_chat(req, raw)
+        if rendered.images:
+            ids, images = await self.image_prompt(rendered)
+            pre = self.finish_chat(rendered, ids)
+            pre.request.multi_modal_data = images
+            return pre
         return self.finish_chat(rendered, await self.tokenizer.encode_prompt_async(rendered.prompt))
 
     def render_chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> RenderedChat:
@@ -90,10 +102,15 @@ class Preprocessor:
             raise RequestError(
                 f"model {self.card.display_name!r} has no chat template; use /v1/completions", status=400
             )
-        if image_parts(raw["messages"]):
-            raise MediaError(f"model {self.card.display_name!r} does not accept images (it was started without "
-                             "an image encoder)")
-        messages = [_template_message(m, parsed.content) for m, parsed in zip(raw["messages"], req.messages, strict=True)]
+        urls = image_parts(raw["messages"])
+        marker = ""
+        if urls:
+            if not self.card.image_tokens:
+                raise MediaError(f"model {self.card.display_name!r} does not accept images (it was started without "
+                                 "an image encoder)")
+            marker = new_marker()
+        messages = [_template_message(m, _marked(parsed.content, marker))
+                    for m, parsed in zip(raw["messages"], req.messages, strict=True)]
         add_generation_prompt = req.add_generation_prompt
         if add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
@@ -105,7 +122,15 @@ class Preprocessor:
             add_generation_prompt=add_generation_prompt,
             extra=req.chat_template_kwargs,
         )
-        return RenderedChat(req, raw, prompt, tool_parser, forced)
+        return RenderedChat(req, raw, prompt, tool_parser, forced, urls, marker)
+
+    async def image_prompt(self, rendered: RenderedChat) -> tuple[list[int], list[ImageInput]]:
+        """A prompt with images: the images loaded and checked (MediaError: refused, broken, too many), the
+        text tokenized around each image's placeholder run."""
+        images = await load_images(rendered.images, current_policy())
+        ids, runs = prompt_ids(rendered.prompt, rendered.marker, [i.mm_hash for i in images],
+                               self.card.image_tokens, self.tokenizer.encode_prompt)
+        return ids, image_inputs(images, runs)
 
     def finish_chat(self, rendered: RenderedChat, token_ids: list[int]) -> Preprocessed:
         req, raw, prompt, forced = rendered.req, rendered.raw, rendered.prompt, rendered.forced
@@ -302,6 +327,13 @@ class Preprocessor:
             annotations=list(nv.annotations or []) if nv else [],
             backend_instance_id=nv.backend_instance_id if nv else None,
         )
+
+
+def _marked(content: Any, marker: str) -> Any:
+    """Parsed content with each image part as a text part of the request's image marker."""
+    if not marker or not isinstance(content, list):
+        return content
+    return [ContentPart(type="text", text=marker) if p.type == "image_url" else p for p in content]
 
 
 def _template_message(raw: dict[str, Any], content: Any) -> dict[str, Any]:

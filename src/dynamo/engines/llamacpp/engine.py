@@ -11,6 +11,8 @@ events and load metrics.  The other modules each do one job:
   restoring from the host and disk tiers of host_tier.py and disk_tier.py);
 * sampling.py: sampler chains, guided decoding's grammars (grammar.py), logprobs;
 * threads.py: the thread count, tuned while serving;
+* vision.py: images (``--mmproj``): llama.cpp's mtmd loads the projector, tokenizes each image, and the
+  scheduler evaluates it in the request's slot;
 * lora.py: LoRA adapters (loaded at start or at run time, by name; a request whose ``model`` names one
   runs with it, in its own batches: llama.cpp applies adapters per context);
 * model.py: loading and freeing the model and its context.
@@ -39,7 +41,8 @@ from dynamo.engines.llamacpp.sampling import Samplers
 from dynamo.engines.llamacpp.scheduler import Scheduler
 from dynamo.engines.llamacpp.slots import Request, SlotCaches
 from dynamo.engines.llamacpp.threads import serving_tuner
-from dynamo.errors import EngineError, UserError
+from dynamo.engines.llamacpp.vision import Projector, expand
+from dynamo.errors import EngineError, RequestError, UserError
 from dynamo.kv.events import CLEARED_DATA, DEVICE
 from dynamo.kv.publisher import Publisher, emit
 from dynamo.kv.worker_state import WorkerKvState
@@ -75,13 +78,15 @@ class LlamaCppEngine:
         return self.n_parallel
 
     def __init__(self, gguf_path: Path, *, context_length: int, args: dict[str, Any] | None = None,
-                 verbose: bool = False, block_size: int = DEFAULT_KV_CACHE_BLOCK_SIZE):
+                 verbose: bool = False, block_size: int = DEFAULT_KV_CACHE_BLOCK_SIZE, mmproj: Path | None = None):
         args = dict(args or {})
         unknown = set(args) - ENGINE_ARGS
         if unknown:
             raise UserError(f"--extra-engine-args: unknown llamacpp argument(s) {sorted(unknown)}; "
                             f"valid: {sorted(ENGINE_ARGS)}")
         self.path = gguf_path
+        self.mmproj = mmproj  # the image projector GGUF (vision.py); None: text only
+        self.projector: Projector | None = None
         self.n_parallel = int(args.get("n_parallel", DEFAULT_N_PARALLEL))
         self.n_ctx_seq = context_length
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -182,6 +187,17 @@ class LlamaCppEngine:
                            threads_batch=self.n_threads_batch, type_k=self.type_k, type_v=self.type_v,
                            flash_attn=self.flash_attn, verbose=self.verbose, use_extra_bufts=extra_bufts)
         self._llama = llama
+        if self.mmproj is not None:
+            try:
+                self.projector = Projector(self.mmproj, llama.model, threads=threads, verbose=self.verbose,
+                                           use_gpu=self.n_gpu_layers > 0)
+            except BaseException:
+                model.free(llama)
+                self._llama = None
+                raise
+            self.scheduler.projector = self.projector
+            log.info("llama.cpp loaded the image projector %s: %d positions per image", self.mmproj.name,
+                     self.projector.image_tokens)
         self._samplers = Samplers(llama, self.seed)
         self.caches.bind(llama, self.n_parallel)
         self.scheduler.bind(llama, self._samplers, tuner)
@@ -199,6 +215,8 @@ class LlamaCppEngine:
                 return
         if self._llama is not None:
             sched.free_samplers()
+            if self.projector is not None:
+                self.projector.free()
             model.free(self._llama)
             self._llama = None
         if self.caches.disk_tier is not None:
@@ -226,6 +244,11 @@ class LlamaCppEngine:
         for tier, data in events:
             self.kv_state.send(data, tier)
         self._metrics_changed()
+
+    @property
+    def image_tokens(self) -> int:
+        """Positions an image takes in a prompt (0: started without --mmproj)."""
+        return self.projector.image_tokens if self.projector is not None else 0
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -308,6 +331,13 @@ class LlamaCppEngine:
         prompt = list(request.token_ids)
         if not prompt:
             raise EngineError("empty prompt: nothing to decode")
+        images: list[Any] = []
+        if request.multi_modal_data:
+            if self.projector is None:
+                raise RequestError(f"{self.path.name} takes no images (start it with --mmproj PATH)", param="messages")
+            if request.output_options.prompt_logprobs is not None:
+                raise RequestError("prompt_logprobs cannot be combined with images", param="prompt_logprobs")
+            prompt, images = await asyncio.to_thread(expand, prompt, request.multi_modal_data, self.projector)
         room = self.n_ctx_seq - len(prompt)
         if room <= 0:
             raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of {self.n_ctx_seq}")
@@ -323,7 +353,7 @@ class LlamaCppEngine:
         req = Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
                       grammar=self._samplers.grammar(request.sampling_options.guided_decoding), state_io=state_io,
                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps,
-                      adapter=adapter)
+                      adapter=adapter, images=images)
         self.scheduler.submit(req)
         stamp(req.stamps, "queued")
         self._metrics_changed()

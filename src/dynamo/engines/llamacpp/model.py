@@ -21,13 +21,15 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 _QUIET_LOG: Any = None  # module-level on purpose: llama.cpp keeps calling it after an engine is gone
 
 
-def silence_llama_log(L: Any) -> None:
-    """Send llama.cpp's log nowhere.  The ctypes callback must outlive every engine: llama.cpp keeps the
-    pointer, and a callback freed with its engine crashed the next model load in the same process."""
+def silence_llama_log(L: Any) -> Any:
+    """Send llama.cpp's log nowhere; returns the callback (mtmd's log takes it too).  The ctypes callback
+    must outlive every engine: llama.cpp keeps the pointer, and a callback freed with its engine crashed
+    the next model load in the same process."""
     global _QUIET_LOG
     if _QUIET_LOG is None:
         _QUIET_LOG = L.llama_log_callback(lambda level, text, data: None)
     L.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
+    return _QUIET_LOG
 
 
 def kv_type(value: Any, name: str) -> int | None:

@@ -33,6 +33,7 @@ from dynamo.engines.llamacpp.model import Llama
 from dynamo.engines.llamacpp.sampling import Samplers, is_greedy, prompt_logprobs, token_logprobs
 from dynamo.engines.llamacpp.slots import Request, Slot, SlotCaches
 from dynamo.engines.llamacpp.threads import BatchThreadTuner
+from dynamo.engines.llamacpp.vision import Projector
 from dynamo.errors import EngineError
 from dynamo.llm.first_token import Stamps, stamp
 from dynamo.llm.protocols.common import EngineOutput
@@ -74,6 +75,9 @@ class Scheduler:
         self.applied = AppliedAdapters()
         self.retired: list[Adapter] = []
         self._last_group = -1
+        self.projector: Projector | None = None  # --mmproj: evaluates images (vision.py)
+        self.image_tokens = 0  # image positions evaluated, and the seconds it took (encode + decode)
+        self.image_seconds = 0.0
 
     def bind(self, llama: Llama, samplers: Samplers, tuner: BatchThreadTuner | None) -> None:
         """The loaded model, its sampler maker and the thread tuner (None: fixed thread counts)."""
@@ -319,12 +323,17 @@ class Scheduler:
                 slot.cached.append(slot.last)
                 n += 1
                 budget -= 1
+        failed_images: list[tuple[Request, Any]] = []
         for slot in slots:
             if slot.req is None or not slot.pending or budget <= 0 or slot.req.lora_uid != group.uid:
                 continue
-            take = slot.pending[:budget]
-            last_chunk = len(take) == len(slot.pending)
+            if slot.req.images:
+                budget -= self._images(slot, group, failed_images)
+                if slot.req is None or not slot.pending or budget <= 0:
+                    continue
             pos = len(slot.cached)
+            take = slot.pending[:min(budget, (slot.req.next_image(pos) - pos) if slot.req.images else budget)]
+            last_chunk = len(take) == len(slot.pending)
             every = slot.prompt_lp is not None  # the prompt's logprobs: logits at every position
             for i, tok in enumerate(take):
                 _put(batch, n + i, tok, pos + i, slot.seq_id, every)
@@ -342,6 +351,7 @@ class Scheduler:
             if slot.req.stamps is not None:
                 stamped.append((slot.req.stamps, len(take)))
             budget -= len(take)
+        self._deliver(failed_images)
         if n == 0:
             return
         batch.n_tokens = n
@@ -436,6 +446,31 @@ class Scheduler:
                 stamp(req.stamps, "sampled, handed over")
         self._deliver(deliveries)
         self._last_end = time.perf_counter()
+
+    def _images(self, slot: Slot, group: _Group, failed: list[tuple[Request, Any]]) -> int:
+        """Evaluate the images at the head of ``slot``'s pending prompt (each whole: mtmd encodes it and
+        decodes its embeddings into the slot's sequence, outside the step's token batch); the positions
+        they took.  A failure fails the request (appended to ``failed``)."""
+        req = slot.req
+        assert req is not None and self.projector is not None
+        used = 0
+        while slot.pending and (span := req.image_at(len(slot.cached))) is not None:
+            self.applied.apply(self.llama, group.adapter)
+            t0 = time.perf_counter()
+            rc = self.projector.evaluate(self.llama.lctx, span, slot.seq_id, self.n_batch)
+            if rc != 0:
+                failed.append((req, f"llama.cpp could not evaluate an image ({rc})"))
+                self.caches.drop(slot)
+                self._finish(slot)
+                return used
+            self.image_seconds += time.perf_counter() - t0
+            self.image_tokens += span.length
+            slot.cached.extend(slot.pending[:span.length])
+            slot.pending = slot.pending[span.length:]
+            used += span.length
+            if req.stamps is not None:
+                stamp(req.stamps, "image", f"{span.length} positions in {1e3 * (time.perf_counter() - t0):.1f} ms")
+        return used
 
     def _next_group(self) -> _Group | None:
         """The adapter group this step runs: the next one after the last step's that has work."""

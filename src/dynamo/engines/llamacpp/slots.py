@@ -37,6 +37,7 @@ from dynamo.engines.llamacpp.disk_tier import DiskKvTier
 from dynamo.engines.llamacpp.host_tier import HostKvTier, common_prefix
 from dynamo.engines.llamacpp.lora import Adapter
 from dynamo.engines.llamacpp.model import Llama
+from dynamo.engines.llamacpp.vision import ImageSpan, cut_before_images
 from dynamo.errors import EngineError
 from dynamo.kv.events import DEVICE, DISK, HOST
 from dynamo.kv.slot_blocks import SlotBlocks
@@ -72,6 +73,15 @@ class Request:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
     stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
     adapter: Adapter | None = None  # the LoRA adapter it runs with (None: the base model)
+    images: list[ImageSpan] = field(default_factory=list)  # its images' places in the prompt (vision.py)
+
+    def image_at(self, pos: int) -> ImageSpan | None:
+        """The image that starts at prompt position ``pos``, if one does."""
+        return next((s for s in self.images if s.offset == pos), None)
+
+    def next_image(self, pos: int) -> int:
+        """Where the first image at or after ``pos`` starts (the prompt's length if none does)."""
+        return min((s.offset for s in self.images if s.offset >= pos), default=len(self.prompt))
 
     @property
     def lora_uid(self) -> int:
@@ -229,6 +239,7 @@ class SlotCaches:
         best.take_adapter(req)
         if uid == 0:
             keep = self.restore(best, req.prompt, keep)
+        keep = cut_before_images(keep, req.images)  # an image is evaluated whole
         if not L.llama_memory_seq_rm(self.llama.mem, best.seq_id, keep, -1):
             L.llama_memory_seq_rm(self.llama.mem, best.seq_id, -1, -1)
             keep = 0

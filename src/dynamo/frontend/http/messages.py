@@ -84,7 +84,10 @@ class MessagesRoutes:
                                "by itself: its tokens cannot be counted here", param="model")
         chat_raw = chat_request(req)
         rendered = model.preprocessor.render_chat(parse_chat_request(chat_raw), chat_raw)
-        ids = await model.tokenizer.encode_prompt_async(rendered.prompt)  # long prompts: in a thread
+        if rendered.images:  # each image counts the positions it takes (loaded and checked as for a message)
+            ids, _ = await model.preprocessor.image_prompt(rendered)
+        else:
+            ids = await model.tokenizer.encode_prompt_async(rendered.prompt)  # long prompts: in a thread
         return json_response({"input_tokens": len(ids)})
 
 

@@ -1,5 +1,7 @@
 """``GET /v1/models``: every served model (chat, completion and embedding models), in the OpenAI shape;
-LoRA adapters also carry vLLM's ``root`` (the adapter's file) and ``parent`` (the base model's id)."""
+LoRA adapters also carry vLLM's ``root`` (the adapter's file) and ``parent`` (the base model's id), and every
+model its ``input_modalities`` (OpenRouter's name): ``["text", "image"]`` for a model whose engine takes
+images (its card's ``image_tokens``), else ``["text"]``."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ class ModelsRoute:
         data = []
         for name in self.models.names():
             entry = {"id": name, "object": "model", "created": self.models.created(name), "owned_by": "dynamo"}
-            lora = self.models.get(name).card.lora
+            card = self.models.get(name).card
+            entry["input_modalities"] = ["text", "image"] if card.image_tokens else ["text"]
+            lora = card.lora
             if lora:  # a LoRA adapter, listed as vLLM lists one: its file and its base model
                 entry.update(root=lora.get("path"), parent=lora.get("base_model"))
             data.append(entry)

@@ -61,6 +61,17 @@ class ResponseParsing(msgspec.Struct, omit_defaults=True):
     resumed_tokens: int | None = None  # a migrated request: the last N prompt tokens were generated already
 
 
+class ImageInput(msgspec.Struct):
+    """One image of a prompt, as the frontend sends it to the engine (llm/image_prompt.py): the encoded file
+    it loaded and checked once, the 64-bit hash of its decoded pixels, and the run of placeholder token ids
+    that stands for it in ``token_ids`` (``offset``, ``length``)."""
+
+    data: bytes  # the encoded image (PNG, JPEG, WEBP or GIF); base64 in JSON
+    mm_hash: int
+    offset: int
+    length: int
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     token_ids: list[int]
     stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
@@ -77,6 +88,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     # frontend on the request it sends to the decode worker
     disaggregated_params: dict[str, Any] | None = None
     parsing: ResponseParsing | None = None  # ours: tool-call and reasoning parsing (parsers/stage.py)
+    # images in the prompt (engines whose card has ``image_tokens``), in prompt order
+    multi_modal_data: list[ImageInput] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
