@@ -262,7 +262,9 @@ def test_responses_max_output_tokens_is_incomplete(plain: DynamoRun):
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "messages"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
 ])

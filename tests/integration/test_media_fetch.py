@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from dynamo.llm.media import MediaError, MediaPolicy, load_image
+from dynamo.llm.media import MediaError, MediaPolicy, load_image, load_images
 from dynamo.llm.media.fetch import Fetcher
 from harness.images import image_bytes
 
@@ -215,3 +215,12 @@ async def test_a_name_with_any_internal_address_is_refused(hosts: dict[str, Host
     with pytest.raises(MediaError, match=r"mixed.test \(127.0.0.2\) is an internal address"):
         await fetcher.fetch(hosts[PUBLIC].url("/red.png", "mixed.test"))
     assert hosts[PUBLIC].hits == []
+
+
+async def test_the_first_failure_ends_the_other_fetches(hosts: dict[str, Host]):
+    """One image of a request is refused: a stalled fetch of another is not left running."""
+    policy = MediaPolicy(allow_http=True, allow_private=True)
+    stalled = asyncio.ensure_future(load_images([hosts[PUBLIC].url("/stall"), "data:image/png;base64,AAAA"], policy))
+    with pytest.raises(MediaError, match="PNG, JPEG, WEBP and GIF"):
+        await stalled
+    assert not [t for t in asyncio.all_tasks() if "load_image" in repr(t.get_coro())]

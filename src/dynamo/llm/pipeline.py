@@ -19,6 +19,7 @@ from dynamo.llm.engine import Context, Engine, capabilities_of
 from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.first_token import stamp
 from dynamo.llm.logprobs import Entry
+from dynamo.llm.media import MediaError, image_parts
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
@@ -318,6 +319,10 @@ class FullPipeline:
 
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_n(req)
+        if image_parts(raw.get("messages")):
+            # an engine given the request as sent (pystr, a remote Chat worker) would get the image URLs
+            # unchecked, and might fetch them under no policy at all
+            raise MediaError(f"model {self.card.display_name!r} does not accept images")
         return self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:

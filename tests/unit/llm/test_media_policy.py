@@ -100,7 +100,7 @@ def test_other_schemes_are_refused(url: str):
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "[::1]", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]",
                                   "10.0.0.7", "172.16.5.4", "192.168.1.1", "169.254.169.254", "[fe80::1]",
                                   "[fd12:3456::1]", "100.64.0.1", "0.0.0.0", "[::]", "224.0.0.1",
-                                  "[2002:7f00:1::1]"])
+                                  "[2002:7f00:1::1]", "2130706433", "0x7f.0.0.1", "017700000001", "127.1"])
 def test_internal_addresses_are_refused(host: str):
     assert "internal address" in refused(f"https://{host}/a.png")
 

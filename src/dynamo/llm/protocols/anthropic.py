@@ -19,7 +19,10 @@ template, the tool-call parsers and the reasoning parsers treat both alike:
 * ``stop_sequences``, ``temperature`` (0 to 1), ``top_p``, ``top_k``, ``max_tokens`` (required),
   ``metadata.user_id`` -> ``user``.
 
-What cannot be honoured is a 400 naming the field: images and documents (no engine here takes them),
+* ``image`` blocks in a user turn (base64 and url sources) -> ``image_url`` parts, a base64 source as a
+  ``data:`` URL, so the pre-processor reads every API's images alike (llm/media).
+
+What cannot be honoured is a 400 naming the field: documents, images outside a user turn's content,
 server tools, ``output_config.effort``, unknown fields.  ``cache_control`` marks (on blocks, or the
 request's own) are accepted and need nothing: the engines reuse cached prefixes by themselves, and
 ``usage.cache_read_input_tokens`` reports what they reused.
@@ -176,7 +179,8 @@ def chat_request(req: CountTokensRequest) -> dict[str, Any]:
 # -- content blocks ---------------------------------------------------------------------------------
 
 _HARMLESS_KEYS = frozenset({"cache_control"})  # prompt-caching hints: our engines cache prefixes anyway
-_UNSUPPORTED_MEDIA = ("image", "document", "search_result")
+_UNSUPPORTED_MEDIA = ("document", "search_result")
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # the API's four
 
 
 def _block_keys(block: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -197,8 +201,9 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    """``content`` as a list of blocks (a string is one text block); each checked to be an object with a type."""
+def _blocks(content: Any, where: str, images: bool = False) -> list[dict[str, Any]]:
+    """``content`` as a list of blocks (a string is one text block); each checked to be an object with a
+    type; ``image`` blocks only where ``images`` (a user turn's own content)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -207,9 +212,41 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise RequestError(f"{where}.{i}: must be a content block with a 'type'", param=f"{where}.{i}")
         if block["type"] in _UNSUPPORTED_MEDIA:
-            raise RequestError(f"{where}.{i}: this model cannot take '{block['type']}' input (text only)",
+            raise RequestError(f"{where}.{i}: '{block['type']}' input is not supported here (text and images are)",
                                param=f"{where}.{i}.type")
+        if block["type"] == "image" and not images:
+            raise RequestError(f"{where}.{i}: image blocks are taken in a user turn's content only (not in a "
+                               "system prompt or a tool result)", param=f"{where}.{i}.type")
     return content
+
+
+def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An ``image`` block as the OpenAI part the pre-processor reads: a base64 source as a ``data:`` URL, a
+    url source as its URL (fetched under the server's media policy)."""
+    _block_keys(block, {"source"}, at)
+    source: Any = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        _block_keys(source, {"media_type", "data"}, f"{at}.source")
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise RequestError(f"{at}.source.media_type: must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
+                               param=f"{at}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise RequestError(f"{at}.source.data: must be the image as a base64 string", param=f"{at}.source.data")
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        _block_keys(source, {"url"}, f"{at}.source")
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{at}.source.url: must be a URL string", param=f"{at}.source.url")
+    elif kind == "file":
+        raise RequestError(f"{at}.source: file sources (the Files API) are not supported here; send the image "
+                           "as base64 or url", param=f"{at}.source.type")
+    else:
+        raise RequestError(f"{at}.source: expected {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                           "{\"type\": \"url\", \"url\"}", param=f"{at}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
@@ -237,7 +274,7 @@ def _messages(messages: list[Any]) -> list[dict[str, Any]]:
             raise RequestError(f"{where}.{sorted(extra)[0]}: unknown field", param=f"{where}.{sorted(extra)[0]}")
         role = msg.get("role")
         if role == "user":
-            out += _user_turn(_blocks(msg.get("content"), f"{where}.content"), f"{where}.content")
+            out += _user_turn(_blocks(msg.get("content"), f"{where}.content", images=True), f"{where}.content")
         elif role == "assistant":
             out.append(_assistant_turn(_blocks(msg.get("content"), f"{where}.content"), f"{where}.content"))
         else:
@@ -246,13 +283,18 @@ def _messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """Tool results first (they answer the assistant turn before), then the user's text."""
+    """Tool results first (they answer the assistant turn before), then the user's text, and images
+    where they stood among it (the content becomes OpenAI parts then)."""
     results: list[dict[str, Any]] = []
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image parts in order, when there is an image
     for i, block in enumerate(blocks):
         kind, at = block["type"], f"{where}.{i}"
         if kind == "text":
             texts.append(_text(block, at))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image":
+            parts.append(_image(block, at))
         elif kind == "tool_result":
             _block_keys(block, {"tool_use_id", "content", "is_error"}, at)
             call_id = block.get("tool_use_id")
@@ -265,9 +307,11 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
                 text = "Error: " + text  # the template has no error flag: the model reads it in the result
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
-            raise RequestError(f"{at}.type: '{kind}' blocks are not supported in a user turn (text and "
+            raise RequestError(f"{at}.type: '{kind}' blocks are not supported in a user turn (text, image and "
                                "tool_result are)", param=f"{at}.type")
-    if texts or not results:
+    if len(parts) > len(texts):
+        results.append({"role": "user", "content": parts})
+    elif texts or not results:
         results.append({"role": "user", "content": "\n".join(texts)})
     return results
 

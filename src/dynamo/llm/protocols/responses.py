@@ -3,7 +3,8 @@
 What we can honour becomes a chat completion request: ``input`` (a string, or items: messages,
 ``function_call`` and ``function_call_output`` from an agent loop, ``reasoning``), ``instructions`` as
 a system message, function ``tools`` and ``tool_choice`` as chat tools, ``max_output_tokens``,
-``temperature``, ``top_p``.  What we cannot (built-in tools, images and files, background runs,
+``temperature``, ``top_p``; a user message's ``input_image`` parts become the chat ``image_url`` parts
+(llm/media loads them).  What we cannot (built-in tools, files and image file ids, background runs,
 structured output formats, reasoning options) is a 400 that names the field, never silently dropped.
 """
 
@@ -139,8 +140,9 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"input[{i}].role must be user, assistant, system or developer",
                                    param=f"input[{i}].role")
-            msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                   "content": _content_text(item.get("content"), f"input[{i}].content")}
+            content = (_user_content(item.get("content"), f"input[{i}].content") if role == "user"
+                       else _content_text(item.get("content"), f"input[{i}].content"))
+            msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
@@ -212,6 +214,34 @@ def _reasoning_text(item: dict[str, Any]) -> str | None:
         if texts:
             return "".join(texts)
     return None
+
+
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content: its text, or, when it holds ``input_image`` parts, OpenAI chat parts
+    (text and ``image_url``) in order, for the pre-processor to read as any chat request's images."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _content_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(_image_part(part, f"{where}[{j}]"))
+        else:
+            parts.append({"type": "text", "text": _content_text([part], where)})
+    return parts
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    if part.get("file_id") is not None:
+        raise RequestError("input_image.file_id is not supported (there is no Files API here); send image_url, a "
+                           "data: or https:// URL", param=f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise RequestError("input_image needs image_url: a data: or https:// URL", param=f"{where}.image_url")
+    detail = part.get("detail")
+    if detail not in (None, "auto", "low", "high"):
+        raise RequestError("input_image.detail must be 'auto', 'low' or 'high'", param=f"{where}.detail")
+    return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
 
 
 def _content_text(content: Any, where: str) -> str:
