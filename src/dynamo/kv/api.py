@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 
 from dynamo.kv.events import EventError, parse_cache_event
 from dynamo.kv.hashing import MASK64, block_hash_mm, compute_block_hashes, compute_seq_hashes
-from dynamo.kv.indexer import BlockIndex
+from dynamo.kv.indexer import JSON_PARENT_UNKNOWN, BlockIndex
 
 __all__ = ["OverlapScores", "RadixTree", "compute_block_hash_for_seq"]
 
@@ -106,6 +106,16 @@ class RadixTree:
         with an optional ``"dp_rank"`` (default 0).  ``block_hash`` is the worker's name for a block,
         ``tokens_hash`` the local hash of its tokens (:func:`compute_block_hash_for_seq`)."""
         _check_worker_id(worker_id)
+        if isinstance(kv_cache_event_bytes, (bytes, str)):
+            # parsed and applied in C in one pass (rank 0 stored/removed: what engines send); the rest,
+            # errors included, is decoded below
+            code = self._index.apply_json(kv_cache_event_bytes, worker_id)
+            if code == 0:
+                return
+            if code == JSON_PARENT_UNKNOWN:
+                raise RuntimeError("Failed to apply event: parent block not found")
+            if code > 0:
+                raise RuntimeError("Failed to apply event: block not found")
         try:
             event, dp_rank = parse_cache_event(worker_id, kv_cache_event_bytes)
         except EventError as e:
@@ -137,9 +147,9 @@ class RadixTree:
         """Score each worker by how many leading blocks of ``sequence`` (local block hashes, as
         :func:`compute_block_hash_for_seq` returns) it holds.  ``early_exit``: stop once one worker is
         left (it is credited the depth reached then)."""
-        seq = compute_seq_hashes(sequence)
-        found, looked_at = self._index.walk(seq, early_exit)
-        frequencies = self._count_uses(seq[:looked_at]) if self._expiration is not None else []
+        # the sequence hashes are chained in C as the walk goes, only as far as some worker matches
+        found, looked_at = self._index.walk_local(sequence, early_exit)
+        frequencies = [] if self._expiration is None else self._count_uses(compute_seq_hashes(sequence[:looked_at]))
         scores = {(key & MASK64, key >> _RANK_SHIFT): n for key, n in found.items()}
         return OverlapScores(scores, frequencies)
 
