@@ -34,13 +34,11 @@ static void Index_dealloc(Index *ix) {
             map_free(&ix->workers[i].lookup);
         }
     }
-    for (uint32_t s = 0; s < ix->nsets; s++) free(ix->sets[s].w);
-    free(ix->sets);
-    free(ix->free_sets);
+    free(ix->arena);
     free(ix->workers);
     free(ix->free_idx);
     free(ix->scratch);
-    map_free(&ix->holders);
+    blocks_free(&ix->blocks);
     Py_XDECREF(ix->by_key);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }
@@ -84,7 +82,7 @@ static PyObject *Index_apply_own_chain(Index *ix, PyObject *const *args, Py_ssiz
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t s;
         if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &s) < 0 || map_put(&ix->workers[wi].lookup, s, s) < 0
-            || add_holder(ix, s, (uint32_t)wi) < 0) {
+            || add_holder(ix, s, (uint32_t)wi, -1) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -124,8 +122,20 @@ static int add_score(Index *ix, PyObject *scores, uint32_t w, Py_ssize_t depth) 
     return rc;
 }
 
-/* blocks converted, hashed and prefetched at a time: far enough ahead that the table's cache misses
- * overlap, few enough that a query matching nothing early costs little */
+/* A block held by two or more workers costs one more load besides its node (its set in the arena).
+ * The nodes after this one are most likely the walk's next blocks (a chain stored together), so their
+ * sets are fetched PREFETCH_SETS nodes ahead. */
+#define PREFETCH_SETS 8
+
+static inline void prefetch_sets_ahead(const Index *ix, int64_t idx) {
+    const Blocks *b = &ix->blocks;
+    if ((uint64_t)idx + PREFETCH_SETS < b->nnodes) {
+        uint64_t v = b->nodes[idx + PREFETCH_SETS].v;
+        if ((v & 1) && v != FREE_NODE) __builtin_prefetch(set_at(ix, v));
+    }
+}
+
+/* blocks converted and hashed at a time: few enough that a query matching nothing early costs little */
 #define WALK_AHEAD 32
 
 /* (scores, blocks looked at); `local`: the sequence holds local hashes, chained here as the walk goes */
@@ -137,6 +147,7 @@ static PyObject *walk(Index *ix, PyObject *hashes, int local, int early_exit) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), depth = 0, looked = -1;
     uint32_t nactive = 0;
     uint64_t prev = 0, ahead[WALK_AHEAD];
+    int64_t node = -1;
     int done = 0;
     for (Py_ssize_t start = 0; start < n && !done; start += WALK_AHEAD) {
         Py_ssize_t stop = start + WALK_AHEAD < n ? start + WALK_AHEAD : n;
@@ -144,17 +155,21 @@ static PyObject *walk(Index *ix, PyObject *hashes, int local, int early_exit) {
             uint64_t x;
             if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &x) < 0) goto fail;
             prev = ahead[i - start] = local && i ? seq_hash(prev, x) : x;
-            map_prefetch(&ix->holders, prev);
         }
         for (Py_ssize_t i = start; i < stop; i++) {
-            uint64_t v;
-            if (!map_get(&ix->holders, ahead[i - start], &v)) { done = 1; break; }
+            int64_t idx = blocks_find_after(&ix->blocks, node, ahead[i - start]);
+            if (idx < 0) { done = 1; break; }
+            node = idx;
+            prefetch_sets_ahead(ix, idx);
+            uint64_t v = ix->blocks.nodes[idx].v;
             uint32_t one = (uint32_t)(v >> 1), hn = 1, *hw = &one;
-            if (v & 1) { hn = ix->sets[v >> 1].n; hw = ix->sets[v >> 1].w; }
+            if (v & 1) { hn = set_at(ix, v)[0]; hw = set_at(ix, v) + 2; }
             if (depth == 0) {
                 if (grow_u32(&ix->scratch, &ix->capscratch, hn) < 0) goto fail;
                 memcpy(ix->scratch, hw, (size_t)hn * sizeof(uint32_t));
                 nactive = hn;
+            } else if (hn == nactive && memcmp(hw, ix->scratch, (size_t)hn * sizeof(uint32_t)) == 0) {
+                /* the same workers as the block before (a prefix they share): nobody drops out */
             } else {
                 uint32_t keep = 0, h = 0;
                 for (uint32_t a = 0; a < nactive; a++) {
@@ -224,12 +239,14 @@ static PyObject *Index_find_matches(Index *ix, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *Index_holders(Index *ix, PyObject *arg) {
-    uint64_t s, v;
+    uint64_t s;
     if (as_u64(arg, &s) < 0) return NULL;
     PyObject *out = PyList_New(0);
-    if (!out || !map_get(&ix->holders, s, &v)) return out;
+    int64_t idx = blocks_find(&ix->blocks, s);
+    if (!out || idx < 0) return out;
+    uint64_t v = ix->blocks.nodes[idx].v;
     uint32_t one = (uint32_t)(v >> 1), hn = 1, *hw = &one;
-    if (v & 1) { hn = ix->sets[v >> 1].n; hw = ix->sets[v >> 1].w; }
+    if (v & 1) { hn = set_at(ix, v)[0]; hw = set_at(ix, v) + 2; }
     for (uint32_t i = 0; i < hn; i++)
         if (PyList_Append(out, ix->workers[hw[i]].key) < 0) { Py_DECREF(out); return NULL; }
     return out;
@@ -246,15 +263,20 @@ static PyObject *Index_num_blocks(Index *ix, PyObject *key) {
 }
 
 static PyObject *Index_node_count(Index *ix, PyObject *Py_UNUSED(unused)) {
-    return PyLong_FromSize_t(ix->holders.n);
+    return PyLong_FromSize_t(ix->blocks.n);
+}
+
+static PyObject *Index_compact(Index *ix, PyObject *Py_UNUSED(unused)) {
+    arena_compact_now(ix);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Index_memory_bytes(Index *ix, PyObject *Py_UNUSED(unused)) {
-    size_t total = ix->holders.cap * sizeof(Slot) + (size_t)ix->capworkers * sizeof(Worker)
-                   + (size_t)ix->capsets * sizeof(WSet);
+    size_t total = ix->blocks.cap * sizeof(ISlot) + (size_t)ix->blocks.capnodes * sizeof(Node)
+                   + (size_t)ix->blocks.capfree * sizeof(uint32_t) + (size_t)ix->capworkers * sizeof(Worker)
+                   + ix->arena_cap * sizeof(uint32_t);
     for (uint32_t i = 0; i < ix->nworkers; i++)
         if (ix->workers[i].key) total += ix->workers[i].lookup.cap * sizeof(Slot);
-    for (uint32_t s = 0; s < ix->nsets; s++) total += (size_t)ix->sets[s].cap * sizeof(uint32_t);
     return PyLong_FromSize_t(total);
 }
 
@@ -306,6 +328,7 @@ static PyMethodDef Index_methods[] = {
     {"num_blocks", (PyCFunction)Index_num_blocks, METH_O, NULL},
     {"node_count", (PyCFunction)Index_node_count, METH_NOARGS, NULL},
     {"memory_bytes", (PyCFunction)Index_memory_bytes, METH_NOARGS, NULL},
+    {"compact", (PyCFunction)Index_compact, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -159,6 +159,8 @@ def test_random_stores_evictions_and_workers_leaving_match_the_model(entry):
             ix.remove_worker(w)
             model.remove_worker(w)
             chains.pop(w, None)
+        if step % 500 == 250:
+            ix.compact()  # the sets laid out again (it happens by itself on big indexes)
         if step % 50 == 0:
             for _ in range(20):
                 local = list(rng.choice(prefixes))
