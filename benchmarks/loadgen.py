@@ -280,6 +280,8 @@ async def run_load(
         "errors_by_kind": stats.errors,
         "error_samples": stats.error_samples,
         "server_cpu_s": server_cpu,
+        # everything the server tree has used since it started, as read at the end of the run
+        "server_cpu_total_s": sum(srv1.values()) if server_pid else None,
         "server_cpu_util": (server_cpu / elapsed) if server_cpu is not None and elapsed > 0 else None,
         "server_rss_mib_end": rss / 1024 if rss is not None else None,
         "client_cpu_s": c1 - c0,

@@ -41,7 +41,6 @@ import pstats
 import random
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 

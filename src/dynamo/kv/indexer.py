@@ -8,7 +8,7 @@ block's ``tokens_hash`` (local hash), whatever the engine calls the block; each 
 its own external block names (``block_hash`` in events) to sequence hashes, so ``removed`` events and
 ``parent_hash`` references can be resolved.
 
-That map is :class:`BlockIndex`, in C (dynamo/kv/blockcore.c says why, with the measurement): there is no
+That map is :class:`BlockIndex`, in C (dynamo/kv/native/blockcore.c says why, with the measurement): there is no
 pure-Python twin, so the router, the frontend and ``RadixTree`` (api.py) all run the one implementation
 the tests check.  It takes the engines' JSON events as bytes (``apply_json``) and hands anything it does
 not parse back to :func:`dynamo.kv.events.parse_kv_event`, which decodes it or says what is wrong.
@@ -43,11 +43,7 @@ import msgspec
 
 from dynamo.kv.events import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
 
-try:
-    from dynamo.kv.blockcore import BlockIndex
-except ImportError as e:  # a checkout whose C core was never built
-    raise ImportError(f"dynamo.kv.blockcore is not built ({e}): run scripts/setup-venv.sh, or "
-                      "python scripts/build_native.py in a worktree that borrows a venv") from None
+from dynamo.kv.native import BlockIndex
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The KV block index in C (dynamo.kv.blockcore), against a plain-Python model of what it must answer.
+"""The KV block index in C (dynamo.kv.native.blockcore), against a plain-Python model of what it must answer.
 
 The model keeps each worker's ``{block name: sequence hash}`` and scores a query by walking it worker by
 worker: obviously right and slow.  The index is driven through its JSON entry point (what the frontend
@@ -13,7 +13,7 @@ import orjson
 import pytest
 import xxhash
 
-from dynamo.kv.blockcore import BlockIndex, sequence_hash
+from dynamo.kv.native import BlockIndex, sequence_hash
 from dynamo.kv.indexer import JSON_FALLBACK, JSON_PARENT_UNKNOWN
 
 MASK = (1 << 64) - 1

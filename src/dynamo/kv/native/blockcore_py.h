@@ -334,7 +334,7 @@ static PyMethodDef Index_methods[] = {
 
 static PyTypeObject IndexType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "dynamo.kv.blockcore.BlockIndex",
+    .tp_name = "dynamo.kv.native.blockcore.BlockIndex",
     .tp_basicsize = sizeof(Index),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Which worker holds which KV block (see dynamo.kv.indexer).",
@@ -356,7 +356,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "dynamo.kv.blockcore", "The KV block index in C (dynamo.kv.indexer).", -1,
+    PyModuleDef_HEAD_INIT, "dynamo.kv.native.blockcore", "The KV block index in C (dynamo.kv.indexer).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

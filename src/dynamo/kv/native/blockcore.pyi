@@ -1,4 +1,4 @@
-"""Types of the C extension dynamo.kv.blockcore (blockcore.c): the KV block index."""
+"""Types of the C extension dynamo.kv.native.blockcore (blockcore.c): the KV block index."""
 
 from typing import Any, Hashable, Iterable, Sequence
 
