@@ -34,16 +34,11 @@ from dynamo.kv.indexer import JSON_PARENT_UNKNOWN, BlockIndex
 
 __all__ = ["OverlapScores", "RadixTree", "compute_block_hash_for_seq"]
 
-# The index keys a worker by one int: (dp_rank << 64) | worker_id.  For rank 0 (no data parallelism)
-# that is the worker id itself, so the index's own log lines name workers as the user does.
-_RANK_SHIFT = 64
+# The index keys a worker by the pair Dynamo reports it by, (worker_id, dp_rank): find_matches then hands
+# the index's answer over as it is, with no conversion per worker.
 
 # how many queries between two sweeps of expired access times (bounds the memory frequencies use)
 _SWEEP_EVERY = 1024
-
-
-def _key(worker_id: int, dp_rank: int) -> int:
-    return (dp_rank << _RANK_SHIFT) | worker_id
 
 
 def _check_worker_id(worker_id: int) -> int:
@@ -109,7 +104,7 @@ class RadixTree:
         if isinstance(kv_cache_event_bytes, (bytes, str)):
             # parsed and applied in C in one pass (rank 0 stored/removed: what engines send); the rest,
             # errors included, is decoded below
-            code = self._index.apply_json(kv_cache_event_bytes, worker_id)
+            code = self._index.apply_json(kv_cache_event_bytes, (worker_id, 0))
             if code == 0:
                 return
             if code == JSON_PARENT_UNKNOWN:
@@ -123,7 +118,7 @@ class RadixTree:
         if event.kind == "cleared":
             self.clear_all_blocks(worker_id)
             return
-        key = _key(worker_id, dp_rank)
+        key = (worker_id, dp_rank)
         if event.kind == "stored":
             if not self._index.apply_stored(key, event.parent_hash, event.blocks):
                 raise RuntimeError("Failed to apply event: parent block not found")
@@ -134,7 +129,7 @@ class RadixTree:
         """Forget every block of ``worker_id``, all its data-parallel ranks."""
         _check_worker_id(worker_id)
         for key in self._index.workers():
-            if key & MASK64 == worker_id:
+            if key[0] == worker_id:
                 self._index.remove_worker(key)
 
     def clear_all_blocks(self, worker_id: int) -> None:
@@ -150,8 +145,7 @@ class RadixTree:
         # the sequence hashes are chained in C as the walk goes, only as far as some worker matches
         found, looked_at = self._index.walk_local(sequence, early_exit)
         frequencies = [] if self._expiration is None else self._count_uses(compute_seq_hashes(sequence[:looked_at]))
-        scores = {(key & MASK64, key >> _RANK_SHIFT): n for key, n in found.items()}
-        return OverlapScores(scores, frequencies)
+        return OverlapScores(found, frequencies)
 
     def _count_uses(self, seq_hashes: Iterable[int]) -> list[int]:
         assert self._expiration is not None

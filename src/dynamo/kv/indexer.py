@@ -82,6 +82,9 @@ class KvIndexer:
         spellings, errors) goes through :func:`parse_kv_event`, which says what is wrong."""
         if isinstance(event, (bytes, str)):
             code = self.tree.apply_json(event)
+            if code == 0:
+                self.events_applied += 1
+                return True
             if code != JSON_FALLBACK:
                 return self._count_json(code, event)
         if isinstance(event, (bytes, bytearray, memoryview, str)):
@@ -137,10 +140,7 @@ class KvIndexer:
         return self._count(ok)
 
     def _count_json(self, code: int, raw: bytes | str) -> bool:
-        """Count (and log) what the C parser did with a device-tier event."""
-        if code == 0:
-            self.events_applied += 1
-            return True
+        """Count (and log) what the C parser found wrong with a device-tier event it applied or skipped."""
         wire = _decode_wire(raw)  # it parsed in C, so it fits the wire shape: the details for the log
         data = wire.event.data
         assert not isinstance(data, str)
