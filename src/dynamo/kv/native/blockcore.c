@@ -5,7 +5,9 @@
  * applied 19,200 events/s through RadixTree.apply_event and 28,400 through KvIndexer, where Dynamo 1.6.1's
  * Rust binding applied 69,300 (0.28x and 0.41x); 16 blocks an event cost about 2 us each in Python (a
  * dict lookup, a hash, a dict store per block, plus decoding), and find_matches hashed the whole prompt
- * (256 Python xxh3 calls) before looking at the index.  Here an event is parsed straight from its JSON
+ * (256 Python xxh3 calls) before looking at the index.  No rearrangement of that Python work closes a
+ * 2.5-3.6x gap.  In C, at 1,000 workers x 10,000 blocks: 1.4-2.1x Dynamo's events/s through RadixTree,
+ * 1.4-2.5x through KvIndexer, 1.37 GB peak RSS against 2.26 GB for the Python index (Dynamo: 1.57 GB).  Here an event is parsed straight from its JSON
  * bytes (the exact shapes the engines send; anything else goes back to the Python parser, which says
  * what is wrong), sequence hashes are computed inline, and the walk hashes a query's blocks only as far
  * as some worker still matches.  Figures: docs/routing.md ("The index at fleet scale").
@@ -191,9 +193,10 @@ static void map_free(Map *m) {
  * slots.  Nodes are appended as blocks arrive, so the blocks of a chain stored in one event lie next to
  * each other, and a walk (or a store of a chain others hold already) tries the node after the previous
  * one before the table: most blocks then cost no random memory access.  Measured at 1,000 workers x
- * 10,000 blocks, a 256-block query took twice Dynamo's CPU time with one table slot per block (a cache
- * and TLB miss each), and less with the nodes in order (docs/routing.md).
- * A holders value: (worker index << 1) for one holder, (set index << 1) | 1 for two or more. */
+ * 10,000 blocks (benchmarks/router/radix_api.py, a shared machine): with one table slot per block (a
+ * cache and TLB miss each) and sets allocated one by one, find_matches took 43-63 us of CPU at p50
+ * against Dynamo's 15-20; with the nodes in order and the sets in one arena, 17-18 against 12-19.
+ * A holders value: (worker index << 1) for one holder, (arena offset << 1) | 1 for two or more. */
 typedef struct { uint64_t seq, v; } Node;
 #define FREE_NODE UINT64_MAX
 typedef struct { uint32_t tag, node1; } ISlot;  /* node1: node index + 1; 0 marks an empty slot */
