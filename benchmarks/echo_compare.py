@@ -23,10 +23,9 @@ Scenarios:
      connections).
   Scenarios a, b and e run once per load client (--clients raw,aiohttp, the default: the raw protocol
   client and aiohttp's), each against a fresh server.  Server CPU is the process tree's utime+stime
-  over the run; it is also given over its whole life (start-up and warm-up included) and per token
-  that arrived in a socket read of its own ("arrivals": tokens not coalesced with the previous one):
-  a server that falls behind writes the tokens that fell due together at once, so its CPU per token
-  drops on a busy machine while the CPU per write does not.
+  over the run; it is also given over its whole life (start-up and warm-up included) and per write
+  system call (/proc/<pid>/io syscw: how both send): a server that falls behind writes the tokens that
+  fell due together at once, so its CPU per token drops on a busy machine while its CPU per write does not.
   e  DYN_TOKEN_ECHO_DELAY_MS=10, 64 streams (not in the default list): server CPU per token
      of paced streams whose tokens rarely leave together even on a busy machine (in a, other
      work on the cores makes tokens coalesce, which lowers the CPU per token).
@@ -83,7 +82,7 @@ def _scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any
             "runs": {"": dict(concurrency=256, duration=duration, prompt_words=200)},
             "metrics": ["tokens_per_s", "itl_p50", "itl_p99", "coalesced", "ttft_p50", "ttft_p99",
                         "server_cpu_s", "server_cpu_per_mtok", "server_cpu_life_per_mtok",
-                        "server_cpu_per_marrival", "client_cpu_s", "errors"],
+                        "server_cpu_per_mwrite", "tokens_per_write", "client_cpu_s", "errors"],
         },
         "b": {
             "title": "echo 0 ms/token, 64 streams, 200-word prompts, keep-alive",
@@ -99,7 +98,8 @@ def _scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any
             "env": {"DYN_TOKEN_ECHO_DELAY_MS": "10"},
             "runs": {"": dict(concurrency=64, duration=duration, prompt_words=200)},
             "metrics": ["tokens_per_s", "itl_p99", "coalesced", "server_cpu_s", "server_cpu_per_mtok",
-                        "server_cpu_life_per_mtok", "server_cpu_per_marrival", "client_cpu_s", "errors"],
+                        "server_cpu_life_per_mtok", "server_cpu_per_mwrite", "tokens_per_write",
+                        "client_cpu_s", "errors"],
         },
         "c": {
             "title": f"start-up to first answer (median of {startup_repeats})",
@@ -130,7 +130,8 @@ METRIC_LABELS = {
     "server_cpu_s": ("server CPU s", "lower"),
     "server_cpu_per_mtok": ("server CPU s / 1M tok", "lower"),
     "server_cpu_life_per_mtok": ("  incl. start-up+warm-up", "lower"),
-    "server_cpu_per_marrival": ("server CPU s / 1M arrivals", "lower"),
+    "server_cpu_per_mwrite": ("server CPU s / 1M writes", "lower"),
+    "tokens_per_write": ("tokens per write (info)", ""),
     "coalesced": ("tokens coalesced %", "lower"),
     "client_cpu_s": ("client CPU s (info)", ""),
     "errors": ("errors", "lower"),
@@ -158,12 +159,11 @@ def metric_values(r: dict[str, Any]) -> dict[str, Any]:
         # "process CPU time / tokens" measures when read from the process at the end of a run
         "server_cpu_life_per_mtok": (r["server_cpu_total_s"] / r["tokens"] * 1e6)
         if r.get("server_cpu_total_s") is not None and r["tokens"] else None,
-        # per token that reached the client in a read of its own: a server that falls behind sends the
-        # tokens that fell due together in one write, which lowers its CPU per token; this does not
-        "server_cpu_per_marrival": (cpu / (r["tokens"] * (1 - r["itl_ms"]["coalesced_frac"])) * 1e6)
-        if cpu is not None and r["tokens"] and r["itl_ms"]["coalesced_frac"] is not None
-        and r["itl_ms"]["coalesced_frac"] < 1 else None,
-        "coalesced": (r["itl_ms"]["coalesced_frac"] * 100) if r["itl_ms"]["coalesced_frac"] is not None else None,
+        # per write system call of the server (its sends): a server that falls behind writes the tokens
+        # that fell due together at once, which lowers its CPU per token on a busy machine; not this
+        "server_cpu_per_mwrite": (cpu / r["server_write_calls"] * 1e6)
+        if cpu is not None and r.get("server_write_calls") else None,
+        "tokens_per_write": (r["tokens"] / r["server_write_calls"]) if r.get("server_write_calls") else None,
         "client_cpu_s": r["client_cpu_s"],
         "errors": r["errors"],
     }
