@@ -42,7 +42,6 @@ from typing import Annotated, Any, Callable, Sequence
 import msgspec
 
 from dynamo.kv.events import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
-
 from dynamo.kv.native import BlockIndex
 
 log = logging.getLogger(__name__)

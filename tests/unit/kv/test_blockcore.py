@@ -13,8 +13,8 @@ import orjson
 import pytest
 import xxhash
 
-from dynamo.kv.native import BlockIndex, sequence_hash
 from dynamo.kv.indexer import JSON_FALLBACK, JSON_PARENT_UNKNOWN
+from dynamo.kv.native import BlockIndex, sequence_hash
 
 MASK = (1 << 64) - 1
 
