@@ -21,6 +21,11 @@ Scenarios:
      once on keep-alive connections and once with a fresh connection per request:
      TTFT p50/p99 and ITL p99 (the original has a Nagle/delayed-ACK stall on reused
      connections).
+  Scenarios a, b and e run once per load client (--clients raw,aiohttp, the default: the raw protocol
+  client and aiohttp's), each against a fresh server.  Server CPU is the process tree's utime+stime
+  over the run; it is also given over its whole life (start-up and warm-up included) and per write
+  system call (/proc/<pid>/io syscw: how both send): a server that falls behind writes the tokens that
+  fell due together at once, so its CPU per token drops on a busy machine while its CPU per write does not.
   e  DYN_TOKEN_ECHO_DELAY_MS=10, 64 streams (not in the default list): server CPU per token
      of paced streams whose tokens rarely leave together even on a busy machine (in a, other
      work on the cores makes tokens coalesce, which lowers the CPU per token).
@@ -59,14 +64,25 @@ RESULTS = HERE / "results"
 
 # ----------------------------------------------------------------------------- scenarios
 
-def scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any]]:
+def scenarios(duration: float, startup_repeats: int, clients: tuple[str, ...] = ("raw",)) -> dict[str, dict[str, Any]]:
+    """The scenarios; the load scenarios (a, b, e) run once per client in ``clients`` (runs named after it)."""
+    scs = _scenarios(duration, startup_repeats)
+    for key in ("a", "b", "e"):
+        base = scs[key]["runs"][""]
+        scs[key]["runs"] = {c: dict(base, client=c) for c in clients} if len(clients) > 1 else \
+            {"": dict(base, client=clients[0])}
+    return scs
+
+
+def _scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any]]:
     return {
         "a": {
             "title": "echo 10 ms/token, 256 streams, 200-word prompts, keep-alive",
             "env": {"DYN_TOKEN_ECHO_DELAY_MS": "10"},
             "runs": {"": dict(concurrency=256, duration=duration, prompt_words=200)},
             "metrics": ["tokens_per_s", "itl_p50", "itl_p99", "coalesced", "ttft_p50", "ttft_p99",
-                        "server_cpu_s", "server_cpu_per_mtok", "client_cpu_s", "errors"],
+                        "server_cpu_s", "server_cpu_per_mtok", "server_cpu_life_per_mtok",
+                        "server_cpu_per_mwrite", "tokens_per_write", "client_cpu_s", "errors"],
         },
         "b": {
             "title": "echo 0 ms/token, 64 streams, 200-word prompts, keep-alive",
@@ -82,6 +98,7 @@ def scenarios(duration: float, startup_repeats: int) -> dict[str, dict[str, Any]
             "env": {"DYN_TOKEN_ECHO_DELAY_MS": "10"},
             "runs": {"": dict(concurrency=64, duration=duration, prompt_words=200)},
             "metrics": ["tokens_per_s", "itl_p99", "coalesced", "server_cpu_s", "server_cpu_per_mtok",
+                        "server_cpu_life_per_mtok", "server_cpu_per_mwrite", "tokens_per_write",
                         "client_cpu_s", "errors"],
         },
         "c": {
@@ -112,6 +129,9 @@ METRIC_LABELS = {
     "ttft_p99": ("TTFT p99 ms", "lower"),
     "server_cpu_s": ("server CPU s", "lower"),
     "server_cpu_per_mtok": ("server CPU s / 1M tok", "lower"),
+    "server_cpu_life_per_mtok": ("  incl. start-up+warm-up", "lower"),
+    "server_cpu_per_mwrite": ("server CPU s / 1M writes", "lower"),
+    "tokens_per_write": ("tokens per write (info)", ""),
     "coalesced": ("tokens coalesced %", "lower"),
     "client_cpu_s": ("client CPU s (info)", ""),
     "errors": ("errors", "lower"),
@@ -135,7 +155,15 @@ def metric_values(r: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99": r["ttft_ms"]["p99"],
         "server_cpu_s": cpu,
         "server_cpu_per_mtok": (cpu / r["tokens"] * 1e6) if cpu is not None and r["tokens"] else None,
-        "coalesced": (r["itl_ms"]["coalesced_frac"] * 100) if r["itl_ms"]["coalesced_frac"] is not None else None,
+        # the server's CPU since it started (start-up and warm-up included) over the run's tokens: what
+        # "process CPU time / tokens" measures when read from the process at the end of a run
+        "server_cpu_life_per_mtok": (r["server_cpu_total_s"] / r["tokens"] * 1e6)
+        if r.get("server_cpu_total_s") is not None and r["tokens"] else None,
+        # per write system call of the server (its sends): a server that falls behind writes the tokens
+        # that fell due together at once, which lowers its CPU per token on a busy machine; not this
+        "server_cpu_per_mwrite": (cpu / r["server_write_calls"] * 1e6)
+        if cpu is not None and r.get("server_write_calls") else None,
+        "tokens_per_write": (r["tokens"] / r["server_write_calls"]) if r.get("server_write_calls") else None,
         "client_cpu_s": r["client_cpu_s"],
         "errors": r["errors"],
     }
@@ -393,6 +421,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("ours", "original"), default=None)
     ap.add_argument("--scenarios", default="a,b,c,d", help="comma list from a,b,c,d,e")
     ap.add_argument("--startup-repeats", type=int, default=5)
+    ap.add_argument("--clients", default="raw,aiohttp",
+                    help="load clients for scenarios a, b, e (benchmarks/sse_client.py): raw, aiohttp or both")
     ap.add_argument("--original-bin", type=Path, default=None,
                     help="path of the original dynamo-run (default: fetch ai-dynamo==0.3.2)")
     ap.add_argument("--ours-cmd", default=None,
@@ -408,7 +438,10 @@ def main() -> None:
     global CLIENT_BATCH
     CLIENT_BATCH = args.client_batch
     order = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    scs = scenarios(args.duration, args.startup_repeats)
+    clients = tuple(c.strip() for c in args.clients.split(",") if c.strip())
+    if not clients or any(c not in ("raw", "aiohttp") for c in clients):
+        ap.error("--clients takes raw, aiohttp or raw,aiohttp")
+    scs = scenarios(args.duration, args.startup_repeats, clients)
     for s in order:
         if s not in scs:
             ap.error(f"unknown scenario {s!r}")

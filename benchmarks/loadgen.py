@@ -117,6 +117,25 @@ def tree_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def tree_write_calls(pid: int) -> int | None:
+    """Write-family system calls (``syscw`` of /proc/<pid>/io: write, writev...; how both servers send
+    on a socket) of pid and its live descendants; None where /proc does not say."""
+    kids = _children_map()
+    total, seen, stack = 0, False, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/io", "rb") as f:
+                for line in f:
+                    if line.startswith(b"syscw:"):
+                        total += int(line.split()[1])
+                        seen = True
+        except OSError:
+            pass
+        stack.extend(kids.get(p, ()))
+    return total if seen else None
+
+
 def tree_rss_kib(pid: int) -> int:
     total = 0
     kids = _children_map()
@@ -219,6 +238,7 @@ async def run_load(
         raise ValueError(f"unknown client {client!r}")
 
     srv0 = tree_cpu_seconds(server_pid) if server_pid else {}
+    w0 = tree_write_calls(server_pid) if server_pid else None
     m0 = machine_cpu()
     c0 = client_cpu()
     t0 = time.perf_counter()
@@ -237,6 +257,7 @@ async def run_load(
     c1 = client_cpu()
     m1 = machine_cpu()
     srv1 = tree_cpu_seconds(server_pid) if server_pid else {}
+    w1 = tree_write_calls(server_pid) if server_pid else None
     rss = tree_rss_kib(server_pid) if server_pid else None
     if closer:
         await closer()
@@ -280,6 +301,9 @@ async def run_load(
         "errors_by_kind": stats.errors,
         "error_samples": stats.error_samples,
         "server_cpu_s": server_cpu,
+        # everything the server tree has used since it started, as read at the end of the run
+        "server_cpu_total_s": sum(srv1.values()) if server_pid else None,
+        "server_write_calls": (w1 - w0) if w0 is not None and w1 is not None else None,
         "server_cpu_util": (server_cpu / elapsed) if server_cpu is not None and elapsed > 0 else None,
         "server_rss_mib_end": rss / 1024 if rss is not None else None,
         "client_cpu_s": c1 - c0,

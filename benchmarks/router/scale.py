@@ -41,7 +41,6 @@ import pstats
 import random
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -68,12 +67,8 @@ def rss_mb() -> float:
 
 
 def index_mb(router: KvRouter) -> float:
-    """The index's own memory, from the sizes of its dicts plus 32 bytes per int object they hold (block
-    names and sequence hashes are shared objects when the engine names blocks by sequence hash, as here)."""
-    tree = router.indexer.tree
-    dicts = sys.getsizeof(tree._holders) + sum(sys.getsizeof(d) for d in tree._lookup.values())
-    ints = 2 * len(tree._holders) + sum(len(d) for d in tree._lookup.values())
-    return (dicts + 32 * ints) / 2**20
+    """The index's own memory: its tables and worker sets, as the C core counts them."""
+    return router.indexer.tree.memory_bytes() / 2**20
 
 
 def pct(values: list[float], q: float) -> float:

@@ -30,20 +30,15 @@ from typing import Any, Iterable, Sequence
 
 from dynamo.kv.events import EventError, parse_cache_event
 from dynamo.kv.hashing import MASK64, block_hash_mm, compute_block_hashes, compute_seq_hashes
-from dynamo.kv.indexer import BlockIndex
+from dynamo.kv.indexer import JSON_PARENT_UNKNOWN, BlockIndex
 
 __all__ = ["OverlapScores", "RadixTree", "compute_block_hash_for_seq"]
 
-# The index keys a worker by one int: (dp_rank << 64) | worker_id.  For rank 0 (no data parallelism)
-# that is the worker id itself, so the index's own log lines name workers as the user does.
-_RANK_SHIFT = 64
+# The index keys a worker by the pair Dynamo reports it by, (worker_id, dp_rank): find_matches then hands
+# the index's answer over as it is, with no conversion per worker.
 
 # how many queries between two sweeps of expired access times (bounds the memory frequencies use)
 _SWEEP_EVERY = 1024
-
-
-def _key(worker_id: int, dp_rank: int) -> int:
-    return (dp_rank << _RANK_SHIFT) | worker_id
 
 
 def _check_worker_id(worker_id: int) -> int:
@@ -106,6 +101,16 @@ class RadixTree:
         with an optional ``"dp_rank"`` (default 0).  ``block_hash`` is the worker's name for a block,
         ``tokens_hash`` the local hash of its tokens (:func:`compute_block_hash_for_seq`)."""
         _check_worker_id(worker_id)
+        if isinstance(kv_cache_event_bytes, (bytes, str)):
+            # parsed and applied in C in one pass (rank 0 stored/removed: what engines send); the rest,
+            # errors included, is decoded below
+            code = self._index.apply_json(kv_cache_event_bytes, (worker_id, 0))
+            if code == 0:
+                return
+            if code == JSON_PARENT_UNKNOWN:
+                raise RuntimeError("Failed to apply event: parent block not found")
+            if code > 0:
+                raise RuntimeError("Failed to apply event: block not found")
         try:
             event, dp_rank = parse_cache_event(worker_id, kv_cache_event_bytes)
         except EventError as e:
@@ -113,7 +118,7 @@ class RadixTree:
         if event.kind == "cleared":
             self.clear_all_blocks(worker_id)
             return
-        key = _key(worker_id, dp_rank)
+        key = (worker_id, dp_rank)
         if event.kind == "stored":
             if not self._index.apply_stored(key, event.parent_hash, event.blocks):
                 raise RuntimeError("Failed to apply event: parent block not found")
@@ -124,7 +129,7 @@ class RadixTree:
         """Forget every block of ``worker_id``, all its data-parallel ranks."""
         _check_worker_id(worker_id)
         for key in self._index.workers():
-            if key & MASK64 == worker_id:
+            if key[0] == worker_id:
                 self._index.remove_worker(key)
 
     def clear_all_blocks(self, worker_id: int) -> None:
@@ -137,11 +142,10 @@ class RadixTree:
         """Score each worker by how many leading blocks of ``sequence`` (local block hashes, as
         :func:`compute_block_hash_for_seq` returns) it holds.  ``early_exit``: stop once one worker is
         left (it is credited the depth reached then)."""
-        seq = compute_seq_hashes(sequence)
-        found, looked_at = self._index.walk(seq, early_exit)
-        frequencies = self._count_uses(seq[:looked_at]) if self._expiration is not None else []
-        scores = {(key & MASK64, key >> _RANK_SHIFT): n for key, n in found.items()}
-        return OverlapScores(scores, frequencies)
+        # the sequence hashes are chained in C as the walk goes, only as far as some worker matches
+        found, looked_at = self._index.walk_local(sequence, early_exit)
+        frequencies = [] if self._expiration is None else self._count_uses(compute_seq_hashes(sequence[:looked_at]))
+        return OverlapScores(found, frequencies)
 
     def _count_uses(self, seq_hashes: Iterable[int]) -> list[int]:
         assert self._expiration is not None

@@ -2,23 +2,22 @@
 
 A block is known by its **sequence hash** (hashing.py), which names the block *and its whole prefix*, so
 a flat map ``sequence hash -> workers holding it`` answers the same questions as a radix tree of local
-hashes (a path from the root spells a prefix; so does a chain of sequence hashes), at a fraction of the
-cost in Python: no node objects, one dict lookup per block.  The indexer computes the sequence hash of
-each stored block itself, from its parent's and the block's ``tokens_hash`` (local hash), whatever the
-engine calls the block; each worker has a lookup from its own external block names (``block_hash`` in
-events) to sequence hashes, so ``removed`` events and ``parent_hash`` references can be resolved.
+hashes (a path from the root spells a prefix; so does a chain of sequence hashes): one table lookup per
+block.  The indexer computes the sequence hash of each stored block itself, from its parent's and the
+block's ``tokens_hash`` (local hash), whatever the engine calls the block; each worker has a lookup from
+its own external block names (``block_hash`` in events) to sequence hashes, so ``removed`` events and
+``parent_hash`` references can be resolved.
 
-The workers holding a block are a bitmask (an int, one bit per worker): walking a prompt's blocks is an
-AND per block whatever the number of workers, which keeps a decision fast with a prefix cached on
-hundreds of workers.  Bits are given out as workers appear and reused after a worker is removed.  Most
-blocks have one holder (a conversation's history lives where it ran): those store ``~index`` (a
-negative int) instead of a mask, which for worker 900 would be a 900-bit int per block.
+That map is :class:`BlockIndex`, in C (dynamo/kv/native/blockcore.c says why, with the measurement): there is no
+pure-Python twin, so the router, the frontend and ``RadixTree`` (api.py) all run the one implementation
+the tests check.  It takes the engines' JSON events as bytes (``apply_json``) and hands anything it does
+not parse back to :func:`dynamo.kv.events.parse_kv_event`, which decodes it or says what is wrong.
 
 Differences from the original, on purpose:
 
 * ``find_matches`` counts the *contiguous* prefix a worker holds: a worker that lost block 2 but still
   has block 3 scores 2 blocks, not 3 (an engine can only reuse a prefix without holes).  Blocks are
-  walked only while some worker still matches.
+  walked (and a query's sequence hashes computed) only while some worker still matches.
 * An engine that evicted a parent block before its children, and stores the parent again, has its
   children count again at once: they are keyed by content, not by a place in a tree.
 
@@ -37,15 +36,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import struct
 import time
-from typing import Annotated, Any, Callable, Iterable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import msgspec
-import xxhash
 
 from dynamo.kv.events import DEVICE, LOWER_TIERS, EventError, KvEvent, parse_kv_event
-from dynamo.kv.hashing import KV_HASH_SEED, compute_seq_hashes
+from dynamo.kv.native import BlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -53,232 +50,9 @@ WorkerId = int
 # worker -> how many leading blocks of the query it holds (only workers with > 0)
 Overlaps = dict[WorkerId, int]
 
-_xxh3 = xxhash.xxh3_64_intdigest
-_pack_pair = struct.Struct("<QQ").pack
-
-
-class BlockIndex:
-    """The block index and per-worker lookups.  Single-threaded: call it from one event loop.
-
-    It answers what a radix tree of local hashes would (a chain of sequence hashes *is* a path from the
-    root), so Dynamo's Python ``RadixTree`` (dynamo/kv/api.py) is a thin layer over it.
-    """
-
-    def __init__(self) -> None:
-        # sequence hash -> the workers holding it: a bitmask (>= 0), or ~index of the only one (< 0)
-        self._holders: dict[int, int] = {}
-        self._lookup: dict[WorkerId, dict[int, int]] = {}  # worker -> its block name -> sequence hash
-        self._bit: dict[WorkerId, int] = {}  # worker -> its bit (1 << index)
-        self._by_index: list[WorkerId | None] = []
-        self._free: list[int] = []  # indices of removed workers, for reuse
-
-    # -- workers and their bits ----------------------------------------------------------------
-    def _bit_of(self, worker: WorkerId) -> int:
-        bit = self._bit.get(worker)
-        if bit is None:
-            if self._free:
-                i = self._free.pop()
-                self._by_index[i] = worker
-            else:
-                i = len(self._by_index)
-                self._by_index.append(worker)
-            bit = self._bit[worker] = 1 << i
-        return bit
-
-    def _forget(self, worker: WorkerId) -> None:
-        bit = self._bit.pop(worker, None)
-        if bit is not None:
-            i = bit.bit_length() - 1
-            self._by_index[i] = None
-            self._free.append(i)
-
-    def _workers_in(self, mask: int) -> list[WorkerId]:
-        out = []
-        by_index = self._by_index
-        while mask:
-            low = mask & -mask
-            w = by_index[low.bit_length() - 1]
-            if w is not None:  # never expected: a bit is given back only once its worker holds nothing
-                out.append(w)
-            mask ^= low
-        return out
-
-    # -- events --------------------------------------------------------------------------------
-    def apply_stored(self, worker: WorkerId, parent_hash: int | None, blocks: Iterable[Any]) -> bool:
-        """Add ``blocks`` (a chain, the first one a child of ``parent_hash``) for ``worker``.  A block is
-        anything with ``block_hash`` and ``tokens_hash`` attributes (a :class:`StoredBlock`, a decoded
-        wire struct).
-
-        Returns False (and logs a warning) when ``parent_hash`` is not a block the worker is known to hold.
-        """
-        lookup = self._lookup.get(worker)
-        if parent_hash is None:
-            parent = None
-        else:
-            parent = lookup.get(parent_hash) if lookup is not None else None
-            if parent is None:
-                log.warning("KV event from worker %x: stored blocks under unknown parent %d; skipped",
-                            worker, parent_hash)
-                return False
-        if lookup is None:
-            lookup = self._lookup[worker] = {}
-        bit = self._bit_of(worker)
-        solo = ~(bit.bit_length() - 1)
-        holders = self._holders
-        get = holders.get
-        h, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
-        for block in blocks:
-            name = block.block_hash
-            local = block.tokens_hash
-            seq = local if parent is None else h(pack(parent, local), seed)
-            old = lookup.get(name)
-            if old != seq:
-                if old is not None:  # the engine re-used a name for other content: forget the old one
-                    self._clear(old, bit)
-                # the same int object for both when the engine names blocks by sequence hash (less memory)
-                lookup[name] = name if name == seq else seq
-            v = get(seq)
-            if v is None:
-                holders[seq] = solo
-            elif v < 0:
-                if v != solo:
-                    holders[seq] = (1 << ~v) | bit
-            else:
-                holders[seq] = v | bit
-            parent = seq
-        return True
-
-    def apply_own_chain(self, worker: WorkerId, seq_hashes: Sequence[int]) -> None:
-        """``worker`` holds these blocks, a chain from the root named by their sequence hashes (what the
-        approximate indexer records for its own decisions)."""
-        if not seq_hashes:
-            return
-        lookup = self._lookup.get(worker)
-        if lookup is None:
-            lookup = self._lookup[worker] = {}
-        bit = self._bit_of(worker)
-        solo = ~(bit.bit_length() - 1)
-        holders = self._holders
-        get = holders.get
-        for seq in seq_hashes:
-            lookup[seq] = seq
-            v = get(seq)
-            if v is None:
-                holders[seq] = solo
-            elif v < 0:
-                if v != solo:
-                    holders[seq] = (1 << ~v) | bit
-            else:
-                holders[seq] = v | bit
-
-    def apply_removed(self, worker: WorkerId, block_hashes: Iterable[int]) -> int:
-        """Forget these blocks of ``worker`` (by its names for them); returns how many it was not known to
-        hold (logged and skipped: the others are still removed)."""
-        lookup = self._lookup.get(worker)
-        unknown = 0
-        bit = self._bit.get(worker, 0)
-        for name in block_hashes:
-            seq = lookup.pop(name, None) if lookup is not None else None
-            if seq is None:
-                unknown += 1
-                continue
-            self._clear(seq, bit)
-        if unknown:
-            log.warning("KV event from worker %x: %d removed block(s) were not known; ignored", worker, unknown)
-        if lookup is not None and not lookup:
-            del self._lookup[worker]
-            self._forget(worker)
-        return unknown
-
-    def _clear(self, seq: int, bit: int) -> None:
-        holders = self._holders
-        v = holders.get(seq)
-        if v is None:
-            return
-        if v < 0:
-            if 1 << ~v == bit:
-                del holders[seq]
-            return
-        mask = v & ~bit
-        if mask & (mask - 1):
-            holders[seq] = mask  # still two or more
-        elif mask:
-            holders[seq] = ~(mask.bit_length() - 1)
-        else:
-            del holders[seq]
-
-    def remove_worker(self, worker: WorkerId) -> None:
-        """Forget everything ``worker`` holds (it left, or sent ``cleared``)."""
-        lookup = self._lookup.pop(worker, None)
-        if lookup:
-            bit = self._bit[worker]
-            for seq in lookup.values():
-                self._clear(seq, bit)
-        self._forget(worker)
-
-    clear_worker = remove_worker
-
-    # -- queries -------------------------------------------------------------------------------
-    def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> Overlaps:
-        """For each worker, how many leading blocks of ``local_hashes`` it holds (only workers with > 0).
-
-        ``seq_hashes`` (the prompt's sequence hashes, when the caller has them) saves hashing again."""
-        if seq_hashes is None:
-            seq_hashes = compute_seq_hashes(local_hashes)
-        return self.walk(seq_hashes)[0]
-
-    def walk(self, seq_hashes: Sequence[int], early_exit: bool = False) -> tuple[Overlaps, int]:
-        """(each worker's contiguous prefix of ``seq_hashes``, how many blocks were looked at).
-
-        The walk stops at the first block nobody holds, or once no worker's prefix reaches further.
-        ``early_exit`` also stops it as soon as a single worker is left (Dynamo's ``find_matches``
-        option: the caller only wants to know *who*, so that worker is credited the depth reached so
-        far, not its whole prefix).  The count of blocks looked at is what Dynamo's access frequencies
-        are kept for."""
-        get = self._holders.get
-        scores: Overlaps = {}
-        active = 0
-        depth = 0
-        for s in seq_hashes:
-            mask = get(s)
-            if mask is None:
-                break
-            if mask < 0:
-                mask = 1 << ~mask
-            if depth:
-                still = active & mask
-                if still != active:  # these workers' prefixes end here
-                    for w in self._workers_in(active ^ still):
-                        scores[w] = depth
-                    active = still
-                    if not active:
-                        return scores, depth + 1
-            else:
-                active = mask
-            depth += 1
-            if early_exit and not active & (active - 1):
-                break
-        if active:
-            for w in self._workers_in(active):
-                scores[w] = depth
-        return scores, depth
-
-    def holders(self, seq_hash: int) -> list[WorkerId]:
-        """The workers holding the block named ``seq_hash``."""
-        mask = self._holders.get(seq_hash)
-        if mask is None:
-            return []
-        return self._workers_in(1 << ~mask if mask < 0 else mask)
-
-    def workers(self) -> list[WorkerId]:
-        return list(self._lookup)
-
-    def num_blocks(self, worker: WorkerId) -> int:
-        return len(self._lookup.get(worker, ()))
-
-    def node_count(self) -> int:
-        """Distinct blocks held by at least one worker."""
-        return len(self._holders)
+# what BlockIndex.apply_json answers besides 0 (applied) and a count of unknown removed blocks
+JSON_FALLBACK = -1  # not a shape it parses: decode it in Python
+JSON_PARENT_UNKNOWN = -2  # stored blocks under a parent the worker is not known to hold: skipped
 
 
 class KvIndexer:
@@ -301,9 +75,17 @@ class KvIndexer:
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
         """Apply one wrapped KV event (parsed or raw JSON).  Bad events are logged and skipped (False).
 
-        JSON (what NATS delivers) is decoded straight into typed structs by msgspec, several times faster
-        than building dicts and checking them; anything that does not fit that shape exactly (signed
-        hashes, other spellings, errors) goes through :func:`parse_kv_event`, which says what is wrong."""
+        JSON (what the event plane delivers) of a device-tier ``stored`` or ``removed`` event is parsed
+        and applied in C in one call (BlockIndex.apply_json); other tiers and ``cleared`` are decoded into
+        typed structs by msgspec; anything that fits neither shape exactly (signed hashes, other
+        spellings, errors) goes through :func:`parse_kv_event`, which says what is wrong."""
+        if isinstance(event, (bytes, str)):
+            code = self.tree.apply_json(event)
+            if code == 0:
+                self.events_applied += 1
+                return True
+            if code != JSON_FALLBACK:
+                return self._count_json(code, event)
         if isinstance(event, (bytes, bytearray, memoryview, str)):
             try:
                 wire = _decode_wire(event)
@@ -324,12 +106,15 @@ class KvIndexer:
                 elif data.stored is not None and data.removed is None:
                     try:
                         ok = tree.apply_stored(wire.worker_id, data.stored.parent_hash, data.stored.blocks)
-                    except struct.error:  # a hash beyond u64 (msgspec checks only the lower bound)
+                    except OverflowError:  # a hash beyond u64 (msgspec checks only the lower bound)
                         log.warning("undecodable KV event skipped: a block hash does not fit in 64 bits")
-                        ok = False
+                        self.events_rejected += 1
+                        return False
+                    if not ok:
+                        _warn_parent(wire.worker_id, data.stored.parent_hash)
                     return self._count(ok)
                 elif data.removed is not None and data.stored is None:
-                    tree.apply_removed(wire.worker_id, data.removed.block_hashes)
+                    _warn_removed(wire.worker_id, tree.apply_removed(wire.worker_id, data.removed.block_hashes))
                     self.events_applied += 1
                     return True
         if not isinstance(event, KvEvent):
@@ -343,13 +128,29 @@ class KvIndexer:
         tree = self.tier_tree(event.tier or DEVICE)
         if event.kind == "stored":
             ok = tree.apply_stored(event.worker_id, event.parent_hash, event.blocks)
+            if not ok:
+                _warn_parent(event.worker_id, event.parent_hash)
         elif event.kind == "removed":
-            tree.apply_removed(event.worker_id, event.block_hashes)
+            _warn_removed(event.worker_id, tree.apply_removed(event.worker_id, event.block_hashes))
         elif event.tier is None:
             self.remove_worker(event.worker_id)
         else:
             tree.remove_worker(event.worker_id)
         return self._count(ok)
+
+    def _count_json(self, code: int, raw: bytes | str) -> bool:
+        """Count (and log) what the C parser found wrong with a device-tier event it applied or skipped."""
+        wire = _decode_wire(raw)  # it parsed in C, so it fits the wire shape: the details for the log
+        data = wire.event.data
+        assert not isinstance(data, str)
+        if code == JSON_PARENT_UNKNOWN:
+            assert data.stored is not None
+            _warn_parent(wire.worker_id, data.stored.parent_hash)
+            self.events_rejected += 1
+            return False
+        _warn_removed(wire.worker_id, code)
+        self.events_applied += 1
+        return True
 
     def _count(self, ok: bool) -> bool:
         if ok:
@@ -379,6 +180,15 @@ class KvIndexer:
         self.tree.remove_worker(worker)
         for tree in self.lower.values():
             tree.remove_worker(worker)
+
+
+def _warn_parent(worker: WorkerId, parent_hash: int | None) -> None:
+    log.warning("KV event from worker %x: stored blocks under unknown parent %s; skipped", worker, parent_hash)
+
+
+def _warn_removed(worker: WorkerId, unknown: int) -> None:
+    if unknown:
+        log.warning("KV event from worker %x: %d removed block(s) were not known; ignored", worker, unknown)
 
 
 def _union_prefix(trees: Sequence[BlockIndex], seq_hashes: Sequence[int]) -> Overlaps:
