@@ -180,12 +180,13 @@ def _make_certificates(files: SecureFiles, host: str) -> None:
         cert = builder.sign(ca_key, hashes.SHA256())
         return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
 
+    dns, ips = _server_names(host)
     # Neither certificate has a common name: with client certificates on, etcd refuses every JSON-gateway
     # request whose client certificate carries one ("CommonName of client sending a request against gateway
     # will be ignored"), and a certificate without one never stands for an etcd user by itself. The server's
     # serves as a client too: etcd's gateway dials etcd's own gRPC port with it.
     server_pem, server_key = issue("", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
-                                   _server_names(x509, host))
+                                   [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])
     client_pem, client_key = issue("", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
     _write_private(files.root / "tls" / "ca-key.pem", key_pem(ca_key))
     _write_private(files.ca, ca.public_bytes(serialization.Encoding.PEM))
@@ -195,15 +196,15 @@ def _make_certificates(files: SecureFiles, host: str) -> None:
     _write_private(files.client_cert, client_pem)
 
 
-def _server_names(x509: object, host: str) -> list:
-    """Loopback, the host asked for, and with a wildcard host the machine's name and its addresses."""
-    mod = x509  # the cryptography.x509 module, passed in so it is imported only with --secure
+def _server_names(host: str) -> tuple[list[str], list[str]]:
+    """The names and addresses the server certificate covers: loopback, the host asked for, and with a
+    wildcard host the machine's name and its addresses."""
     dns = {"localhost"}
     ips = {"127.0.0.1", "::1"}
     names = [host] if host not in WILDCARDS else [socket.gethostname(), socket.getfqdn()]
     if host in WILDCARDS:
         try:
-            ips.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+            ips.update(str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None))
         except OSError:
             pass
     for n in names:
@@ -211,8 +212,7 @@ def _server_names(x509: object, host: str) -> list:
             ips.add(str(ipaddress.ip_address(n)))
         except ValueError:
             dns.add(n)
-    return ([mod.DNSName(d) for d in sorted(dns)]  # type: ignore[attr-defined]
-            + [mod.IPAddress(ipaddress.ip_address(i)) for i in sorted(ips)])  # type: ignore[attr-defined]
+    return sorted(dns), sorted(ips)
 
 
 def etcd_tls_args(files: SecureFiles) -> list[str]:

@@ -28,7 +28,6 @@ from .config import EtcdSettings
 from .discovery import KeyValue, WatchEvent, encode_value
 from .errors import RuntimeConnectionError
 from .etcd_watch import PrefixWatch
-from .tls import client_context
 from .etcd_wire import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
@@ -41,6 +40,7 @@ from .etcd_wire import (
     kv_from_gateway,
     prefix_range_end,
 )
+from .tls import client_context
 
 log = logging.getLogger(__name__)
 

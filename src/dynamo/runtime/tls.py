@@ -46,4 +46,6 @@ def client_context(*, ca: str | None, cert: str | None, key: str | None, names: 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLError) and exc.reason:
         return str(exc.reason).lower().replace("_", " ")
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
