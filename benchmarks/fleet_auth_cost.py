@@ -7,11 +7,14 @@ Why beside dist_compare: the secret adds one handshake per connection and nothin
 (after the handshake the connection belongs to the plane's own protocol object, unchanged), so
 tokens/s through a whole fleet moves by less than the noise of a shared 2-core machine. This measures
 the two things that could move, alternating with and without the secret in every round (background load
-hits both alike), and prints the median and the spread (min-max) of each:
+hits both alike; which runs first alternates too), and prints the median and the spread (min-max) of each:
 
   handshake CPU   both sides' handshake computed in memory (HMACs, nonces), microseconds
   first request   a fresh client: connect (and handshake) + one request and its ack, milliseconds
   next requests   requests on an established connection, one at a time, microseconds each
+  CPU per request the process's CPU time (client and worker are both in it) per request on an established
+                  connection, microseconds: CPU time, unlike wall time, hardly moves with other processes'
+                  load, so its ratio is the sharpest test that the secret adds nothing per request
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ SECRET = b"fleet_auth_cost's secret, 32 chars"
 
 def handshake_us(n: int) -> float:
     auth = FleetAuth(SECRET)
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(n):
         d = auth.handshake(DIALER, "127.0.0.1:4000")
         li = auth.handshake(LISTENER, "127.0.0.1:4000")
@@ -37,14 +40,14 @@ def handshake_us(n: int) -> float:
         proof_d, _ = d.feed(li.hello + proof_l)
         li.feed(proof_d)
         assert d.done and li.done
-    return (time.perf_counter() - start) / n * 1e6
+    return (time.process_time() - start) / n * 1e6
 
 
 async def ack(request) -> None:
     await request.respond(b"")
 
 
-async def plane_round(auth: FleetAuth | None, connections: int, requests: int) -> tuple[float, float]:
+async def plane_round(auth: FleetAuth | None, connections: int, requests: int) -> tuple[float, float, float]:
     worker = TcpRequestPlane("127.0.0.1", auth=auth)
     address = (await worker.serve("bench", "gen", ack)).address
     try:
@@ -56,14 +59,15 @@ async def plane_round(auth: FleetAuth | None, connections: int, requests: int) -
         first_ms = (time.perf_counter() - start) / connections * 1e3
         client = TcpRequestPlane(auth=auth)
         await client.send(address, b"x", 5)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(requests):
             await client.send(address, b"x", 5)
         next_us = (time.perf_counter() - start) / requests * 1e6
+        cpu_us = (time.process_time() - cpu) / requests * 1e6
         await client.close()
     finally:
         await worker.close()
-    return first_ms, next_us
+    return first_ms, next_us, cpu_us
 
 
 def spread(values: list[float]) -> str:
@@ -78,15 +82,17 @@ def main() -> None:
     args = ap.parse_args()
     hs = [handshake_us(2000) for _ in range(args.rounds)]
     print(f"handshake CPU, both sides: {spread(hs)} us")
-    results: dict[str, list[tuple[float, float]]] = {"no secret": [], "secret": []}
-    for _ in range(args.rounds):
-        for name, auth in (("no secret", None), ("secret", FleetAuth(SECRET))):
+    results: dict[str, list[tuple[float, float, float]]] = {"no secret": [], "secret": []}
+    for i in range(args.rounds):
+        order = [("no secret", None), ("secret", FleetAuth(SECRET))]
+        for name, auth in order if i % 2 == 0 else order[::-1]:  # neither always runs second
             results[name].append(asyncio.run(plane_round(auth, args.connections, args.requests)))
     for name, runs in results.items():
         print(f"{name:>9}: first request on a new connection {spread([r[0] for r in runs])} ms; "
-              f"next requests {spread([r[1] for r in runs])} us each")
-    ratios = [s[1] / n[1] for s, n in zip(results["secret"], results["no secret"], strict=True)]
-    print(f"next requests, secret / no secret, per round: {spread(ratios)}")
+              f"next requests {spread([r[1] for r in runs])} us each, CPU {spread([r[2] for r in runs])} us each")
+    pairs = list(zip(results["secret"], results["no secret"], strict=True))
+    print(f"next requests, secret / no secret, per round: wall {spread([s[1] / n[1] for s, n in pairs])}, "
+          f"CPU {spread([s[2] / n[2] for s, n in pairs])}")
 
 
 if __name__ == "__main__":
