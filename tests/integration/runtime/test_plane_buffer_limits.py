@@ -1,7 +1,9 @@
-"""What the TCP request plane buffers for a peer without a fleet secret: a request announcing more than
-``MAX_REQUEST`` drops its connection from the 16-byte prefix alone, and requests left unfinished on many
-connections cannot together hold more than ``MAX_PENDING`` (the connection that would pass it is dropped).
-Each drop is one log line naming the peer; the plane keeps answering a real client."""
+"""What the open TCP planes buffer for a peer without a fleet secret. On a worker's request plane, a request
+announcing more than ``MAX_REQUEST`` drops its connection from the 16-byte prefix alone, and requests left
+unfinished on many connections cannot together hold more than ``MAX_PENDING``; on a frontend's call-home
+listener, envelopes left unfinished on many multiplexed connections are held to its own budget. The
+connection that would pass a budget is dropped, in one log line naming the peer; the plane keeps
+answering a real client."""
 
 from __future__ import annotations
 
@@ -81,3 +83,33 @@ async def test_unfinished_requests_on_many_connections_stay_under_the_budget(pla
         for s in conns:
             s.close()
     await until(lambda: worker.pending == 0, 5, "the closed connections' bytes released")
+
+
+async def test_a_frontends_call_home_listener_holds_unfinished_envelopes_to_its_budget(caplog, monkeypatch):
+    """Without a fleet secret anyone may open a multiplexed call-home connection (the handshake names no
+    stream); envelopes begun on many of them cannot together hold more than the listener's budget."""
+    from dynamo.runtime import mux_listener
+    from dynamo.runtime.mux import encode_mux_handshake
+    from dynamo.runtime.tcp_listener import TcpResponseServer
+
+    monkeypatch.setattr(mux_listener, "MAX_PENDING", 1024 * 1024)
+    server = TcpResponseServer("127.0.0.1")
+    await server.start()
+    host, port = server.address.rsplit(":", 1)
+    conns = []
+    try:
+        for _ in range(5):  # 5 x 300 KiB of envelopes that never end: the fourth passes 1 MiB
+            s = socket.create_connection((host, int(port)))
+            s.sendall(encode_mux_handshake(None) + pack_envelope(7, 10 * 1024 * 1024) + b"z" * (300 * 1024))
+            s.setblocking(False)
+            conns.append(s)
+            await asyncio.sleep(0.05)
+        await until(lambda: sum(closed_by_peer(s) for s in conns) >= 2, 5, "connections over the budget dropped")
+        assert server.pending_bytes <= 1024 * 1024
+        lines = [r.getMessage() for r in caplog.records if "response streams: dropping" in r.getMessage()]
+        assert len(lines) == 1 and "would exceed 1048576 bytes" in lines[0], lines
+    finally:
+        for s in conns:
+            s.close()
+    await until(lambda: server.pending_bytes == 0, 5, "the closed connections' bytes released")
+    await server.close()
