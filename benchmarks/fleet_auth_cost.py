@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the fleet secret costs on the TCP request plane, measured where it acts, in one process on loopback.
 
-    .venv/bin/python -m benchmarks.fleet_auth_cost [--rounds 5] [--connections 200] [--requests 5000]
+    .venv/bin/python -m benchmarks.fleet_auth_cost [--rounds 5] [--connections 200] [--requests 5000] [--batch 100]
 
 Why beside dist_compare: the secret adds one handshake per connection and nothing per request or token
 (after the handshake the connection belongs to the plane's own protocol object, unchanged), so
@@ -13,8 +13,11 @@ hits both alike; which runs first alternates too), and prints the median and the
   first request   a fresh client: connect (and handshake) + one request and its ack, milliseconds
   next requests   requests on an established connection, one at a time, microseconds each
   CPU per request the process's CPU time (client and worker are both in it) per request on an established
-                  connection, microseconds: CPU time, unlike wall time, hardly moves with other processes'
-                  load, so its ratio is the sharpest test that the secret adds nothing per request
+                  connection, microseconds
+  interleaved     both fleets (with and without the secret) in one event loop, requests sent in batches of
+                  --batch alternating between them, each side's CPU time summed: whatever the machine's
+                  other load does, it does to both within milliseconds, so this ratio is the sharpest
+                  measure of a per-request cost (by construction there is none)
 """
 
 from __future__ import annotations
@@ -70,6 +73,33 @@ async def plane_round(auth: FleetAuth | None, connections: int, requests: int) -
     return first_ms, next_us, cpu_us
 
 
+async def interleaved_round(requests: int, batch: int) -> dict[str, float]:
+    """CPU microseconds per request on an established connection, with and without the secret, measured in
+    alternating batches in one loop."""
+    sides = {}
+    for name, auth in (("no secret", None), ("secret", FleetAuth(SECRET))):
+        worker = TcpRequestPlane("127.0.0.1", auth=auth)
+        address = (await worker.serve("bench", "gen", ack)).address
+        client = TcpRequestPlane(auth=auth)
+        await client.send(address, b"x", 5)  # connected (and, with the secret, authenticated) before timing
+        sides[name] = (worker, client, address)
+    cpu = dict.fromkeys(sides, 0.0)
+    try:
+        names = list(sides)
+        for i in range(requests // batch):
+            for name in names if i % 2 == 0 else names[::-1]:
+                _, client, address = sides[name]
+                start = time.process_time()
+                for _ in range(batch):
+                    await client.send(address, b"x", 5)
+                cpu[name] += time.process_time() - start
+    finally:
+        for worker, client, _ in sides.values():
+            await client.close()
+            await worker.close()
+    return {name: total / (requests // batch * batch) * 1e6 for name, total in cpu.items()}
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
@@ -79,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--connections", type=int, default=200)
     ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--batch", type=int, default=100, help="requests per batch in the interleaved measurement")
     args = ap.parse_args()
     hs = [handshake_us(2000) for _ in range(args.rounds)]
     print(f"handshake CPU, both sides: {spread(hs)} us")
@@ -93,6 +124,10 @@ def main() -> None:
     pairs = list(zip(results["secret"], results["no secret"], strict=True))
     print(f"next requests, secret / no secret, per round: wall {spread([s[1] / n[1] for s, n in pairs])}, "
           f"CPU {spread([s[2] / n[2] for s, n in pairs])}")
+    inter = [asyncio.run(interleaved_round(args.requests, args.batch)) for _ in range(args.rounds)]
+    print(f"interleaved CPU per request: no secret {spread([r['no secret'] for r in inter])} us, secret "
+          f"{spread([r['secret'] for r in inter])} us; secret / no secret per round "
+          f"{spread([r['secret'] / r['no secret'] for r in inter])}")
 
 
 if __name__ == "__main__":

@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data_dir.resolve()
     if args.fresh:
         shutil.rmtree(data, ignore_errors=True)
-    (data / "etcd").mkdir(parents=True, exist_ok=True)
-    (data / "jetstream").mkdir(parents=True, exist_ok=True)
+    (data / "etcd").mkdir(mode=0o700, parents=True, exist_ok=True)  # etcd warns about anything wider
+    (data / "jetstream").mkdir(mode=0o700, parents=True, exist_ok=True)
     secure = None
     if args.secure:
         try:
             secure = prepare(data, args.host)
-        except (FileNotFoundError, OSError) as e:
+        except (ValueError, OSError) as e:
             print(f"dynamo-run-infra: {e}", file=sys.stderr)
             return 1
     scheme = "https" if secure else "http"

@@ -127,8 +127,16 @@ def prepare(root: Path, host: str) -> SecureFiles:
                         root_password=_secret_file(creds / "etcd-root-password"),
                         nats_token=_secret_file(creds / "nats-token"),
                         fleet_secret=_secret_file(creds / "fleet-secret"))
-    if not (files.ca.exists() and files.server_cert.exists() and files.client_cert.exists()):
+    made_for = root / "tls" / "host"
+    if files.ca.exists() and files.server_cert.exists() and files.client_cert.exists():
+        before = made_for.read_text().strip() if made_for.exists() else host
+        if before != host:
+            raise ValueError(f"the certificates in {root / 'tls'} were made for --host {before}, not {host}: "
+                             "start with the same --host, or add --fresh (new certificates and credentials, "
+                             "to be given to every process again)")
+    else:
         _make_certificates(files, host)
+        made_for.write_text(host + "\n")
     return files
 
 

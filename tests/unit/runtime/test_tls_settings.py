@@ -105,3 +105,9 @@ def test_prepare_refuses_nothing_but_makes_its_folder_private(tmp_path: Path):
     root.mkdir(mode=0o755)
     prepare(root, "localhost")
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_certificates_made_for_another_host_are_refused_in_one_line(tmp_path: Path):
+    prepare(tmp_path / "infra", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"made for --host 127\.0\.0\.1, not 10\.1\.2\.3: .*--fresh"):
+        prepare(tmp_path / "infra", "10.1.2.3")
