@@ -18,14 +18,23 @@ hits both alike; which runs first alternates too), and prints the median and the
                   --batch alternating between them, each side's CPU time summed: whatever the machine's
                   other load does, it does to both within milliseconds, so this ratio is the sharpest
                   measure of a per-request cost (by construction there is none)
+  ZMQ event CPU   a KV event (two frames: subject, a --event-bytes payload) published and received over ZMQ
+                  on loopback, plain and under CURVE (what the secret turns on), CPU microseconds of the
+                  process (both sockets and libzmq's I/O threads are in it): unlike the TCP planes, CURVE
+                  costs something per message, so this is the secret's one per-token cost (a worker
+                  publishes an event per KV block it fills: one per block-size tokens of each sequence)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
+
+import zmq
+from zmq.utils import z85
 
 from dynamo.runtime.fleet_auth import DIALER, LISTENER, FleetAuth
 from dynamo.runtime.tcp_request_plane import TcpRequestPlane
@@ -100,6 +109,43 @@ async def interleaved_round(requests: int, batch: int) -> dict[str, float]:
     return {name: total / (requests // batch * batch) * 1e6 for name, total in cpu.items()}
 
 
+def event_us(curve: bool, n: int, size: int) -> float:
+    """CPU microseconds per event published and received, plain or under CURVE (keys as the plane derives)."""
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        if curve:
+            auth = FleetAuth(SECRET)
+            server_secret = z85.encode(auth.derive("zmq curve publisher"))
+            client_secret = z85.encode(auth.derive("zmq curve subscriber"))
+            pub.curve_secretkey, pub.curve_publickey = server_secret, zmq.curve_public(server_secret)
+            pub.curve_server = True
+            sub.curve_secretkey, sub.curve_publickey = client_secret, zmq.curve_public(client_secret)
+            sub.curve_serverkey = zmq.curve_public(server_secret)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        while True:  # until the handshake is done and a message gets through
+            pub.send_multipart([b"warm\0", b""])
+            if sub.poll(50):
+                break
+        while sub.poll(50):
+            sub.recv_multipart()
+        payload = os.urandom(size)
+        start = time.process_time()
+        for _ in range(n):
+            pub.send_multipart([b"kv_events\0", payload])
+        for _ in range(n):
+            sub.recv_multipart()
+        return (time.process_time() - start) / n * 1e6
+    finally:
+        pub.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
@@ -110,6 +156,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=200)
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=100, help="requests per batch in the interleaved measurement")
+    ap.add_argument("--events", type=int, default=20000, help="ZMQ events per round and side")
+    ap.add_argument("--event-bytes", type=int, default=200, help="a KV event's payload (a stored event of a "
+                    "few blocks is 150-300 bytes of JSON)")
     args = ap.parse_args()
     hs = [handshake_us(2000) for _ in range(args.rounds)]
     print(f"handshake CPU, both sides: {spread(hs)} us")
@@ -128,6 +177,11 @@ def main() -> None:
     print(f"interleaved CPU per request: no secret {spread([r['no secret'] for r in inter])} us, secret "
           f"{spread([r['secret'] for r in inter])} us; secret / no secret per round "
           f"{spread([r['secret'] / r['no secret'] for r in inter])}")
+    events = [(event_us(False, args.events, args.event_bytes), event_us(True, args.events, args.event_bytes))
+              for _ in range(args.rounds)]
+    print(f"ZMQ event CPU ({args.event_bytes}-byte payload, publisher and subscriber): plain "
+          f"{spread([e[0] for e in events])} us, CURVE {spread([e[1] for e in events])} us; CURVE adds "
+          f"{spread([e[1] - e[0] for e in events])} us per event")
 
 
 if __name__ == "__main__":
