@@ -31,6 +31,16 @@ import time
 from pathlib import Path
 from typing import IO
 
+from dynamo.cli.infra_secure import (
+    WILDCARDS,
+    advertised_host,
+    enable_etcd_auth,
+    etcd_tls_args,
+    nats_config,
+    prepare,
+    write_env,
+)
+
 __all__ = ["etcd_binary", "nats_server_binary", "main"]
 
 
@@ -109,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=Path(".dynamo-infra"),
                    help="etcd data and JetStream storage live under this folder (default ./.dynamo-infra)")
     p.add_argument("--fresh", action="store_true", help="delete the data folder first")
+    p.add_argument("--secure", action="store_true", help=(
+        "TLS with client certificates and credentials on both servers (an etcd user and password, a NATS "
+        "token), generated into the data folder on first use, and a fleet secret; prints how to load the "
+        "settings every other process needs (docs/security.md)"))
     return p
 
 
@@ -174,21 +188,31 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data_dir.resolve()
     if args.fresh:
         shutil.rmtree(data, ignore_errors=True)
-    (data / "etcd").mkdir(parents=True, exist_ok=True)
-    (data / "jetstream").mkdir(parents=True, exist_ok=True)
-    client = f"http://{args.host}:{args.etcd_port}"
-    peer = f"http://{args.host}:{args.etcd_peer_port}"
+    (data / "etcd").mkdir(mode=0o700, parents=True, exist_ok=True)  # etcd warns about anything wider
+    (data / "jetstream").mkdir(mode=0o700, parents=True, exist_ok=True)
+    secure = None
+    if args.secure:
+        try:
+            secure = prepare(data, args.host)
+        except (ValueError, OSError) as e:
+            print(f"dynamo-run-infra: {e}", file=sys.stderr)
+            return 1
+    scheme = "https" if secure else "http"
+    client = f"{scheme}://{args.host}:{args.etcd_port}"
+    peer = f"{scheme}://{args.host}:{args.etcd_peer_port}"
+    etcd_url = f"{scheme}://{advertised_host(args.host)}:{args.etcd_port}"
+    nats_url = f"{'tls' if secure else 'nats'}://{advertised_host(args.host)}:{args.nats_port}"
     logs = open(data / "infra.log", "ab")
-    servers = [
-        Supervised("etcd", [etcd, "--name", "dynamo", "--data-dir", str(data / "etcd"),
-                            "--listen-client-urls", client, "--advertise-client-urls", client,
-                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                            "--initial-cluster", f"dynamo={peer}", "--log-level", "warn"],
-                   args.host, args.etcd_port, logs),
-        Supervised("nats-server", [nats, "-a", args.host, "-p", str(args.nats_port), "-js",
-                                   "-sd", str(data / "jetstream")],
-                   args.host, args.nats_port, logs),
-    ]
+    nats_cmd = [nats, "-a", args.host, "-p", str(args.nats_port), "-js", "-sd", str(data / "jetstream")]
+    etcd_cmd = [etcd, "--name", "dynamo", "--data-dir", str(data / "etcd"),
+                "--listen-client-urls", client, "--advertise-client-urls", etcd_url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"dynamo={peer}", "--log-level", "warn"]
+    if secure:
+        etcd_cmd += etcd_tls_args(secure)
+        nats_cmd += ["-c", str(nats_config(secure))]
+    servers = [Supervised("etcd", etcd_cmd, args.host, args.etcd_port, logs),
+               Supervised("nats-server", nats_cmd, args.host, args.nats_port, logs)]
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -204,9 +228,23 @@ def main(argv: list[str] | None = None) -> int:
             if not server.wait_ready(20.0):
                 print(f"dynamo-run-infra: {server.name} did not start; see {data / 'infra.log'}", file=sys.stderr)
                 return 1
-        print(f"etcd on {client}, NATS (JetStream) on nats://{args.host}:{args.nats_port}; data in {data}\n"
-              f"  export ETCD_ENDPOINTS={client} NATS_SERVER=nats://{args.host}:{args.nats_port}\n"
-              "Ctrl-C stops both; a server that dies is restarted.", flush=True)
+        if secure:
+            try:
+                enable_etcd_auth(secure, f"https://127.0.0.1:{args.etcd_port}" if args.host in WILDCARDS
+                                 else etcd_url)
+            except (RuntimeError, OSError) as e:
+                print(f"dynamo-run-infra: could not turn on etcd's authentication: {e}", file=sys.stderr)
+                return 1
+            write_env(secure, secure.environment(etcd_url, nats_url))
+            print(f"etcd on {etcd_url}, NATS (JetStream) on {nats_url}: TLS with client certificates, an etcd "
+                  f"user and a NATS token; data in {data}\n"
+                  f"  set -a; . {secure.env_file}; set +a     # in every terminal of the fleet\n"
+                  f"  ({', '.join(secure.environment(etcd_url, nats_url))})\n"
+                  "Ctrl-C stops both; a server that dies is restarted.", flush=True)
+        else:
+            print(f"etcd on {client}, NATS (JetStream) on {nats_url}; data in {data}\n"
+                  f"  export ETCD_ENDPOINTS={client} NATS_SERVER={nats_url}\n"
+                  "Ctrl-C stops both; a server that dies is restarted.", flush=True)
         while not stopping:
             for server in servers:
                 server.check()

@@ -89,6 +89,13 @@ class NatsSettings:
     token: str | None = None
     nkey_seed: str | None = None
     credentials_file: str | None = None
+    # TLS (Dynamo 1.x's names): the CA that signs the server's certificate, a client certificate and key for a
+    # server that verifies clients, and (development only) no verification at all. Any of them needs a
+    # tls:// server URL, which alone means TLS against the system's trust store.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_insecure: bool = False
     # True when the server was given (in code, or NATS_SERVER): then the request and event planes are
     # NATS's unless others are asked for; False only from_env without NATS_SERVER (the default rule probes)
     explicit: bool = True
@@ -103,6 +110,10 @@ class NatsSettings:
             token=_env("NATS_AUTH_TOKEN"),
             nkey_seed=_env("NATS_AUTH_NKEY"),
             credentials_file=_env("NATS_AUTH_CREDENTIALS_FILE"),
+            tls_ca=_env("NATS_TLS_CA_CERT_PATH"),
+            tls_cert=_env("NATS_TLS_CLIENT_CERT_PATH"),
+            tls_key=_env("NATS_TLS_CLIENT_KEY_PATH"),
+            tls_insecure=_bool_env("NATS_TLS_INSECURE", False),
         )
 
 

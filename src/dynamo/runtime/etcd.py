@@ -33,12 +33,14 @@ from .etcd_wire import (
     REQUEST_TIMEOUT,
     AuthExpired,
     EtcdError,
+    auth_hint,
     b64,
     describe,
     is_auth_error,
     kv_from_gateway,
     prefix_range_end,
 )
+from .tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +94,9 @@ class EtcdClient:
 
     def _ssl_context(self) -> ssl.SSLContext:
         """Verify the server's certificate, against ETCD_AUTH_CA if given, else the system trust store."""
-        ctx = ssl.create_default_context(cafile=self.settings.ca_file)
-        if self.settings.cert_file:
-            ctx.load_cert_chain(self.settings.cert_file, self.settings.key_file)
-        return ctx
+        s = self.settings
+        return client_context(ca=s.ca_file, cert=s.cert_file, key=s.key_file,
+                              names=("ETCD_AUTH_CA", "ETCD_AUTH_CLIENT_CERT", "ETCD_AUTH_CLIENT_KEY"))
 
     async def connect(self) -> None:
         """Open the HTTP session and check that some endpoint answers; raise RuntimeConnectionError otherwise."""
@@ -114,7 +115,7 @@ class EtcdClient:
                 errors.append(str(exc))
             except EtcdError as exc:
                 await self.close()
-                raise RuntimeConnectionError(f"cannot use etcd at {url}: {exc}") from None
+                raise RuntimeConnectionError(f"cannot use etcd at {url}: {auth_hint(str(exc))}") from None
             self._rotate()
         await self.close()
         raise RuntimeConnectionError("; ".join(errors))

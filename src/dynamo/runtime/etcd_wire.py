@@ -65,6 +65,16 @@ def is_auth_error(status: int, text: str) -> bool:
     return status == 401 or "invalid auth token" in lowered or '"grpc_code":16' in lowered.replace(" ", "")
 
 
+AUTH_REFUSALS = ("authentication failed", "user name is empty", "permission denied", "invalid auth token")
+
+
+def auth_hint(message: str) -> str:
+    """``message`` with the settings to check when etcd refused our credentials."""
+    if any(r in message.lower() for r in AUTH_REFUSALS):
+        return f"{message} (check ETCD_AUTH_USERNAME and ETCD_AUTH_PASSWORD)"
+    return message
+
+
 def describe(exc: BaseException) -> str:
     """A short lowercase reason for a connection failure, e.g. 'connection refused'."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -74,7 +84,11 @@ def describe(exc: BaseException) -> str:
         detail = cert_error.verify_message or str(cert_error)
         return f"certificate verify failed: {detail} (ETCD_AUTH_CA names the CA to trust)"
     if isinstance(exc, aiohttp.ClientSSLError):
-        return f"TLS failed: {str(exc).splitlines()[0]}"
+        text = str(exc).splitlines()[0]
+        if "BAD_CERTIFICATE" in text or "CERTIFICATE_REQUIRED" in text:
+            return ("TLS failed: etcd refused our client certificate, or we sent none "
+                    "(ETCD_AUTH_CLIENT_CERT and ETCD_AUTH_CLIENT_KEY name one signed by the CA etcd trusts)")
+        return f"TLS failed: {text}"
     os_err = getattr(exc, "os_error", None) or (exc if isinstance(exc, OSError) else None)
     if isinstance(os_err, OSError):
         if os_err.errno:

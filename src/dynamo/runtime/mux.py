@@ -96,13 +96,33 @@ def is_mux_handshake(ctl: Any) -> bool:
     return isinstance(ctl, dict) and ctl.get("stream_type") == "mux"
 
 
+class EnvelopeTooLarge(FrameError):
+    """An envelope announced more bytes than the reader accepts (raised from its 16-byte prefix, before any
+    of them is buffered)."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"an envelope of {length} bytes announced (at most {limit} accepted)")
+        self.length = length
+        self.limit = limit
+
+
 class EnvelopeDecoder:
-    """Incremental decoder of envelopes: ``feed(bytes)`` -> [(stream id, payload)] now complete."""
+    """Incremental decoder of envelopes: ``feed(bytes)`` -> [(stream id, payload)] now complete.
 
-    __slots__ = ("_buf",)
+    ``max_len`` bounds one envelope; a longer one raises :class:`EnvelopeTooLarge` as soon as its prefix
+    arrives, so a peer cannot make the reader buffer more than that by announcing it.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_buf", "max_len")
+
+    def __init__(self, max_len: int = MAX_ENVELOPE) -> None:
         self._buf = bytearray()
+        self.max_len = max_len
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for an envelope whose end has not arrived yet."""
+        return len(self._buf)
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         buf = self._buf
@@ -114,10 +134,11 @@ class EnvelopeDecoder:
         out: list[tuple[int, bytes]] = []
         pos = 0
         size = len(src)
+        limit = self.max_len
         while size - pos >= ENVELOPE_LEN:
             sid, length = unpack_envelope(src, pos)
-            if length > MAX_ENVELOPE:
-                raise FrameError("envelope too large")
+            if length > limit:
+                raise EnvelopeTooLarge(length, limit)
             start = pos + ENVELOPE_LEN
             end = start + length
             if end > size:

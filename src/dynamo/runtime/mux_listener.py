@@ -17,6 +17,7 @@ import orjson
 
 from .codec import PREFIX_LEN, FrameError
 from .errors import EngineError, StreamStalledError
+from .fleet_auth import peer_name, refusals
 from .mux import (
     CLIENT_CONTROL,
     ENVELOPE_LEN,
@@ -34,10 +35,19 @@ log = logging.getLogger(__name__)
 _loads = orjson.loads
 
 
+# The most a client process holds, over all its multiplexed connections, in envelopes whose end has not
+# arrived yet. A worker writes each envelope whole, so this is transient; it bounds what peers that reach
+# the call-home port without a fleet secret can make this process buffer (one envelope may be up to
+# MAX_ENVELOPE: a response item, a batch of embeddings, can legitimately be large). The connection that
+# would take the total over it is dropped.
+MAX_PENDING = 1024 * 1024 * 1024
+
+
 class MuxStreams(Protocol):
     """What a multiplexed connection needs from the listener that accepted it."""
 
     mux_connections: "set[MuxClientProtocol]"  # connections held to the liveness bound
+    pending_bytes: int  # bytes of unfinished envelopes over all its multiplexed connections (MAX_PENDING)
 
     def take_mux(self, mux_id: int) -> StreamState | None:
         """The request waiting for stream ``mux_id`` (no longer waiting after this), or None."""
@@ -53,6 +63,7 @@ class MuxClientProtocol(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = transport
         self._buf = bytearray()  # the start of an envelope whose end has not arrived yet
+        self._held = 0  # len(self._buf) as counted in server.pending_bytes
         # stream id -> its state; None: a stream we do not serve (withdrawn, killed) whose frames are
         # dropped until its sentinel
         self.streams: dict[int, StreamState | None] = {}
@@ -134,11 +145,27 @@ class MuxClientProtocol(asyncio.Protocol):
             return
         if pos < size:
             buf += src[pos:]
+        if len(buf) != self._held and self._count_held(len(buf), transport):
+            return
         high = StreamState.HIGH_WATER
         for sid, state in touched.items():
             if len(state.items) > high and not state.finished and not state.paused:
                 state.pause(_Control(self, sid, "pause"), _Control(self, sid, "resume"))
             state.wake()
+
+    def _count_held(self, held: int, transport: asyncio.Transport) -> bool:
+        """Count this connection's unfinished envelope in the listener's total; True if that dropped it."""
+        server = self.server
+        server.pending_bytes += held - self._held
+        self._held = held
+        if server.pending_bytes <= MAX_PENDING:
+            return False
+        peer = peer_name(transport)
+        refusals((peer.rpartition(":")[0], "pending"), f"response streams: dropping a connection from {peer}: "
+                 f"the responses not yet complete on all connections would exceed {MAX_PENDING} bytes (this one "
+                 f"holds {held})")
+        transport.close()
+        return True
 
     def _attach(self, sid: int) -> StreamState | None:
         state = self.server.take_mux(sid)
@@ -173,6 +200,8 @@ class MuxClientProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server.mux_connections.discard(self)
+        self.server.pending_bytes -= self._held
+        self._held = 0
         for state in list(self.streams.values()):
             if state is not None and not state.finished:
                 state.fail_incomplete()

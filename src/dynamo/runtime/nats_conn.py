@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from urllib.parse import urlsplit
 
@@ -16,9 +17,22 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from .config import NatsSettings
-from .errors import RuntimeConnectionError
+from .errors import RuntimeConfigError, RuntimeConnectionError
+from .tls import client_context
 
 log = logging.getLogger(__name__)
+
+
+class _SslEofNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" for every TLS
+    connection nats-py opens (its protocol asks to keep half-closed sockets, which TLS cannot): a line per
+    connection attempt that says nothing to an operator."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_SslEofNoise())
 
 CONNECT_TIMEOUT = 3.0
 
@@ -37,9 +51,36 @@ def redact_url(url: str) -> str:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return "timed out"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message or exc} (NATS_TLS_CA_CERT_PATH names the CA to trust)"
+    if isinstance(exc, ssl.SSLError):
+        if exc.reason in ("TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE"):
+            return ("TLS failed: the server refused our client certificate, or we sent none "
+                    "(NATS_TLS_CLIENT_CERT_PATH and NATS_TLS_CLIENT_KEY_PATH name one signed by the CA it trusts)")
+        return f"TLS failed: {exc.reason or exc}".lower().replace("_", " ")
     if isinstance(exc, OSError) and exc.errno:
         return os.strerror(exc.errno).lower()
-    return (str(exc) or type(exc).__name__).splitlines()[0]
+    text = (str(exc) or type(exc).__name__).splitlines()[0]
+    if "authorization violation" in text.lower():
+        return f"{text.strip()} (check NATS_AUTH_* or the URL's credentials)"
+    return text
+
+
+def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
+    """The TLS context for ``settings`` (None: plain TCP). TLS settings need a tls:// URL, as in Dynamo 1.x:
+    a nats:// URL would only use TLS if the server asked, so a setting could silently do nothing."""
+    wants = settings.tls_ca or settings.tls_cert or settings.tls_key or settings.tls_insecure
+    if not settings.server.startswith("tls://"):
+        if wants:
+            raise RuntimeConfigError(
+                f"NATS_TLS_* is set but NATS_SERVER={redact_url(settings.server)} is not a tls:// URL: "
+                "use tls://host:port to connect to NATS over TLS")
+        return None
+    if settings.tls_insecure:
+        log.warning("NATS_TLS_INSECURE: the NATS server's certificate is not verified (development only)")
+    return client_context(ca=settings.tls_ca, cert=settings.tls_cert, key=settings.tls_key,
+                          insecure=settings.tls_insecure,
+                          names=("NATS_TLS_CA_CERT_PATH", "NATS_TLS_CLIENT_CERT_PATH", "NATS_TLS_CLIENT_KEY_PATH"))
 
 
 async def _probe(url: str, timeout: float) -> None:
@@ -61,6 +102,7 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
     url = settings.server
     if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
         raise RuntimeConnectionError(f"invalid NATS_SERVER {url!r}: must start with nats://")
+    tls = tls_context(settings)
     await _probe(url, timeout)
 
     last_error: list[BaseException] = []
@@ -103,10 +145,14 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
         options["nkeys_seed_str"] = settings.nkey_seed
     if settings.credentials_file:
         options["user_credentials"] = settings.credentials_file
+    if tls is not None:
+        options["tls"] = tls
     try:
         nc = await asyncio.wait_for(nats.connect(url, **options), timeout)
     except (asyncio.TimeoutError, Exception) as exc:
-        cause = last_error[-1] if last_error else exc
+        # a refused credential is the reason even when a later try only saw the connection drop
+        refusals = [e for e in last_error if "authorization" in str(e).lower()]
+        cause = refusals[-1] if refusals else last_error[-1] if last_error else exc
         raise RuntimeConnectionError(f"cannot connect to NATS at {redact_url(url)}: {_reason(cause)}") from None
     client.append(nc)
     return nc

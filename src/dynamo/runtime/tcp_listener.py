@@ -47,6 +47,7 @@ class TcpResponseServer:
         self.mux = mux  # offer workers one shared connection for all streams (runtime/mux.py)
         self.mux_pending: dict[int, StreamState] = {}  # by mux id: streams no frame has arrived for yet
         self.mux_connections: set[MuxClientProtocol] = set()
+        self.pending_bytes = 0  # unfinished envelopes over all multiplexed connections (mux_listener.MAX_PENDING)
         self._next_mux_id = 0
         self._acceptor: Acceptor | None = None
         self._lock = asyncio.Lock()

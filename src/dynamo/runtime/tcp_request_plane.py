@@ -32,7 +32,7 @@ from dynamo.aio import finish
 from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .fleet_auth import FleetAuth, FleetAuthError, dial, guarded, is_fleet_hello, peer_name, refusals
-from .mux import EnvelopeDecoder, envelope
+from .mux import EnvelopeDecoder, EnvelopeTooLarge, envelope
 from .request_plane import NoResponders, RequestHandler, RequestPlaneError
 from .tcp import ANY_ADDRESS, CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
 from .transport import StreamState
@@ -43,6 +43,16 @@ SCHEME = "tcp://"
 NO_RESPONDERS = b'"no_responders"'
 _NO_RESPONDERS_REPLY = encode_frame(header=NO_RESPONDERS)
 _EMPTY_ACK = encode_frame()
+# The most one request may be: a request is a preprocessed prompt (token ids, sampling options), a few
+# hundred kilobytes even for a 128k-token context, and NATS, the other request plane, refuses messages over
+# 1 MiB by default; 32 MiB leaves room for large multimodal requests. Announcing more drops the connection
+# before a byte of it is buffered.
+MAX_REQUEST = 32 * 1024 * 1024
+# The most a worker holds, over all its connections, in requests whose end has not arrived yet. Clients send
+# each request whole, so this is transient and small; without a fleet secret anyone who reaches the port
+# could otherwise open a thousand connections and start a 32 MiB request on each. The connection that
+# would take the total over it is dropped.
+MAX_PENDING = 256 * 1024 * 1024
 
 
 def is_tcp_address(address: str) -> bool:
@@ -112,7 +122,8 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
     def __init__(self, plane: "TcpRequestPlane") -> None:
         super().__init__()
         self.plane = plane
-        self.decoder = EnvelopeDecoder()
+        self.decoder = EnvelopeDecoder(MAX_REQUEST)
+        self.held = 0  # bytes of an unfinished request this connection counts in plane.pending
         self.tasks: set[asyncio.Future] = set()  # handlers running (kept referenced until done)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -123,10 +134,23 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.plane.server_conns.discard(self)
+        self.plane.pending -= self.held
+        self.held = 0
+
+    def _drop(self, reason: str, what: str) -> None:
+        """Close this connection, naming the peer and what it did, in at most a line a minute per host."""
+        if self.transport is not None:
+            peer = peer_name(self.transport)
+            refusals((peer.rpartition(":")[0], reason), f"request plane: dropping a connection from {peer}: {what}")
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         try:
             envelopes = self.decoder.feed(data)
+        except EnvelopeTooLarge as exc:
+            self._drop("too large", f"it announced a request of {exc.length} bytes (at most {exc.limit} "
+                       "accepted)")
+            return
         except ValueError as exc:
             if self.transport is not None:
                 if is_fleet_hello(data):
@@ -140,6 +164,15 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
                              f"{peer} that sent garbage: {exc}")
                 self.transport.close()
             return
+        held = self.decoder.buffered
+        if held != self.held:
+            plane = self.plane
+            plane.pending += held - self.held
+            self.held = held
+            if plane.pending > MAX_PENDING:
+                self._drop("pending", f"the requests not yet complete on all connections would exceed "
+                           f"{MAX_PENDING} bytes (this one holds {held})")
+                return
         handlers = self.plane.handlers
         loop = asyncio.get_running_loop()
         for rid, payload in envelopes:
@@ -267,6 +300,7 @@ class TcpRequestPlane:
         self.serving = fallback if serve_on_fallback else None
         self.handlers: dict[str, RequestHandler] = {}
         self.server_conns: set[ServerConnection] = set()
+        self.pending = 0  # bytes held in unfinished requests over all server connections (MAX_PENDING)
         self._server: asyncio.AbstractServer | None = None
         self._advertised = ""
         self._listening = asyncio.Lock()

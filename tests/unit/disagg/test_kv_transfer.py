@@ -192,3 +192,31 @@ async def test_with_a_fleet_secret_only_a_member_pulls_a_state(caplog):
         assert srv.served == 1
     finally:
         await srv.close()
+
+
+@pytest.mark.parametrize("secret", [None, b"the fleet's secret for KV transfer"], ids=["no-secret", "secret"])
+async def test_strangers_bytes_and_a_flood_leave_the_transfer_server_serving(secret):
+    """Garbage, an HTTP request, truncated and oversized messages of every framing the fleet speaks, and a
+    flood of connections held open: a state put before them is still pulled whole, while the flood is held
+    and after."""
+    from dynamo.runtime.fleet_auth import FleetAuth
+    from harness.strangers import flood, payloads, poke
+
+    auth = FleetAuth(secret) if secret else None
+    store = ExportStore(max_bytes=1 << 20)
+    srv = TransferServer(store, chunk=4096, auth=auth)
+    await srv.start()
+    port = int(srv.address.rsplit(":", 1)[1])
+    try:
+        data = [os.urandom(30_000) for _ in range(2)]
+        tickets = [_ticket(srv.address, store.put(d)[0], d) for d in data]
+        await asyncio.gather(*(poke(port, p) for p in payloads().values()))
+
+        async def pull_first() -> None:
+            assert await pull(tickets[0], timeout=5, auth=auth) == data[0]
+
+        await flood([port], pull_first)
+        assert await pull(tickets[1], timeout=5, auth=auth) == data[1]
+        assert srv.served == 2
+    finally:
+        await srv.close()

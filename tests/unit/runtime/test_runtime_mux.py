@@ -298,6 +298,7 @@ class _FakeServer:
     def __init__(self, states: dict[int, StreamState]) -> None:
         self.states = states
         self.mux_connections: set = set()
+        self.pending_bytes = 0
 
     def take_mux(self, sid: int) -> StreamState | None:
         return self.states.pop(sid, None)
