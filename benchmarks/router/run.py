@@ -173,6 +173,12 @@ def engine_reuse(worker: DynamoWorker) -> tuple[int, int, int]:
     return sum(p for p, _ in pairs), sum(r for _, r in pairs), len(COPY_LINE.findall(raw))
 
 
+def engine_reuse_from_text(log: str) -> tuple[int, int, int]:
+    """llamacpp: (requests admitted, their prompt tokens, of them reused from the cache) from a debug log."""
+    pairs = [(int(m.group(1)), int(m.group(2))) for m in REUSE_LINE.finditer(log.encode())]
+    return len(pairs), sum(p for p, _ in pairs), sum(r for _, r in pairs)
+
+
 def smollm2_gguf() -> Path:
     import importlib.util
 

