@@ -14,6 +14,10 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``round-robin``: the same with ``--router-mode round-robin``, the floor;
 * ``sglang``: ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router --policy cache_aware``);
 * ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
+* ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
+* ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
+  engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
+  the event plane (docs/routing.md, several frontends);
 
 the two peers each in front of two ``dynamo-run in=http out=llamacpp`` servers (they probe ``GET /health``
 on each, sglang-router also ``/server_info`` and ``/model_info``, where our 404 is fine; vllm-router's
@@ -38,7 +42,10 @@ follow-ups, 64-token answers, 8 clients: there the engine costs nothing of the C
 decides the TTFT.
 
 The fleets of one (repeat, shape) run one after the other, in an order rotated from one to the next, so
-that whatever else the machine does falls on every fleet alike over the repeats.  Per fleet: TTFT p50 /
+that whatever else the machine does falls on every fleet alike over the repeats; or, with ``--at-once``,
+all at the same time (each with its own engines and model name), so that every fleet meets the same load
+at every moment: on a shared machine whose load swings within a minute, the ratios of one repeat then
+mean something.  Per fleet: TTFT p50 /
 mean / p90 / p99 (request written -> first content chunk, by the client, after ``--warmup`` seconds), the
 share of requests that were cache hits by the engine's own account (``usage.prompt_tokens_details
 .cached_tokens`` >= half the prompt) split into history and prefix hits, output tokens/s, requests per
@@ -54,14 +61,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -76,6 +86,7 @@ from harness.servers import EtcdServer, NatsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEETS = ("kv", "round-robin", "sglang", "vllm")
+TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in front of the same engines
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
 SHAPES: dict[str, dict[str, Any]] = {
@@ -128,12 +139,12 @@ def wait_ready(port: int, workers: int, proc: subprocess.Popen[bytes], log: Path
 def engine_servers(args: argparse.Namespace, model: Path, tag: str) -> list[DynamoRun]:
     """``--workers`` ``dynamo-run in=http out=<engine>`` servers for a peer router to front."""
     if args.engine == "llamacpp":
-        extra = Path(tempfile.gettempdir()) / f"peers-llamacpp-{os.getpid()}.json"
+        extra = Path(tempfile.gettempdir()) / f"peers-llamacpp-{os.getpid()}-{tag}.json"
         extra.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
         env = {"DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
         flags = ["out=llamacpp", str(model), "--context-length", str(args.context_length)]
     else:
-        extra = Path(tempfile.gettempdir()) / f"peers-mocker-{os.getpid()}.json"
+        extra = Path(tempfile.gettempdir()) / f"peers-mocker-{os.getpid()}-{tag}.json"
         extra.write_text(json.dumps({"num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
                                      "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
                                      "max_num_batched_tokens": args.max_num_batched_tokens}))
@@ -185,8 +196,10 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
     return summary
 
 
-def run_ours(mode: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, servers: dict[str, str],
+def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, servers: dict[str, str],
              model: Path, index: int) -> dict[str, Any]:
+    mode = fleet.removesuffix("-2fe")
+    args.frontends = 2 if fleet in TWO_FRONTENDS else 1
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines
         tag = f"{index:02d}-{mode}-{cfg.prefix_ratio:g}"
@@ -296,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup-ratio", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--at-once", action="store_true",
+                   help="run the fleets of a (repeat, shape) at the same time rather than one after the other: on "
+                        "a machine whose load swings from minute to minute, every fleet then meets the same load "
+                        "(and the others' engines), so their ratios compare like with like")
     p.add_argument("--think-time", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="workload seed of run 1 (run k uses seed + k - 1)")
     p.add_argument("--frontend-args", default="", help="extra flags for our frontends")
@@ -305,10 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    # Ctrl-C stops the whole benchmark (every fleet's processes are stopped on the way out); asyncio.run's
+    # own handler would only cancel the fleet being driven, and the next one would start
+    signal.signal(signal.SIGINT, _interrupt)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
     for f in fleets:
-        if f not in FLEETS:
-            raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS)})")
+        if f not in FLEETS + TWO_FRONTENDS and not f.startswith("kv+"):
+            raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS + TWO_FRONTENDS)}, or kv+<options> "
+                             "as in benchmarks/router/run.py: kv+w=1)")
+        if f.startswith("kv+"):
+            router_run.parse_mode(f)
     shapes = ["mocker"] if args.mocker else [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         if s not in SHAPES and s != "mocker":
@@ -356,17 +379,21 @@ def main(argv: list[str] | None = None) -> int:
                                      interleave=True, real_answers=not args.mocker)
                 convs = build(cfg, tokenizer)
                 rows: dict[str, dict[str, Any]] = {}
-                for fleet in fleet_order(run, si, fleets):
-                    index += 1
+                order = fleet_order(run, si, fleets)
+                first = index + 1
+                index += len(order)
+
+                def one(k: int, fleet: str, cfg: WorkloadConfig = cfg, convs: list[Any] = convs,
+                        shape: str = shape, run: int = run) -> dict[str, Any]:
                     t = time.monotonic()
+                    mine = copy.copy(args)  # run_ours sets its number of frontends on it
                     with LoadSampler() as load:
                         if fleet in PEERS:
-                            row = run_peer(fleet, cfg, convs, args, model, f"{index:02d}-{fleet}-{shape}")
+                            row = run_peer(fleet, cfg, convs, mine, model, f"{k:02d}-{fleet}-{shape}")
                         else:
-                            row = run_ours(fleet, cfg, convs, args, servers, model, index)
+                            row = run_ours(fleet, cfg, convs, mine, servers, model, k)
                     row.update({"load_min": round(min(load.samples), 2), "load_max": round(max(load.samples), 2),
-                                "load_mean": round(statistics.fmean(load.samples), 2), "order": index})
-                    rows[fleet] = row
+                                "load_mean": round(statistics.fmean(load.samples), 2), "order": k})
                     print(f"run {run + 1} {shape} {fleet}: TTFT p50 {row['ttft_p50_ms']} mean {row['ttft_mean_ms']} "
                           f"p90 {row.get('ttft_p90_ms')} ms, hits {row.get('hit_share')}, {row['tokens_per_s']} tok/s, "
                           f"{row['measured']} measured, errors {row['errors']}, engines {row.get('worker_requests')}, "
@@ -374,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
                     if row["errors"]:
                         print(f"  errors: {row.get('error_samples')}", file=sys.stderr, flush=True)
+                    return row
+
+                if args.at_once:
+                    with ThreadPoolExecutor(len(order)) as pool:
+                        futures = {f: pool.submit(one, first + i, f) for i, f in enumerate(order)}
+                        rows = {f: futures[f].result() for f in order}
+                else:
+                    rows = {f: one(first + i, f) for i, f in enumerate(order)}
                 res = {"run": run + 1, "shape": shape, "rows": rows, "vs_peer": compare(rows)}
                 results.append(res)
                 c = res["vs_peer"]
@@ -393,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
