@@ -224,7 +224,7 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             w.start(wait=False)
         for w in workers:
             w.wait_ready()
-        fe_env = {**servers}
+        fe_env = {**servers, **getattr(args, "frontend_env", {})}
         if args.logs:
             fe_env["DYN_LOG"] = "info,dynamo.kv.router=debug"  # one "kv route:" line per decision
             if base.startswith("kv"):  # the router's decision log (src/dynamo/kv/decision_log.py)

@@ -54,6 +54,18 @@ def peer_ttl() -> float:
         return DEFAULT_PEER_TTL_S
 
 
+def prefix_homes() -> bool:
+    """``DYN_ROUTER_PREFIX_HOMES=0`` turns off the tie-break by where a prefix was last routed (kv/homes.py),
+    for comparisons; anything but 0/false/off/no (or unset) keeps it on."""
+    raw = os.environ.get("DYN_ROUTER_PREFIX_HOMES", "").strip().lower()
+    if raw in ("", "1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    log.warning("DYN_ROUTER_PREFIX_HOMES=%r is not a boolean; keeping it on", raw)
+    return True
+
+
 def publishes_kv_events(entry: Any) -> bool:
     return bool((entry.runtime_config or {}).get(PUBLISHES_KV_EVENTS))
 
@@ -254,6 +266,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
         load_of=load_of,
+        prefix_homes=prefix_homes(),
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)

@@ -57,7 +57,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Generator, Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Collection, Generator, Iterable, Mapping, NamedTuple, Sequence
 
 WorkerId = int
 
@@ -291,7 +291,10 @@ def softmax_probabilities(logits: Sequence[float], temperature: float) -> list[f
     return [e / total for e in exps]
 
 
-def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.Random) -> WorkerCost:
+def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.Random,
+                  prefer: Callable[[Collection[WorkerId]], WorkerId | None] | None = None) -> WorkerCost:
+    """Temperature 0: the lowest logit; ties go to ``prefer``'s pick among them (the prefix's last home,
+    homes.py) if it makes one, else uniformly at random."""
     if not costs:
         raise ValueError("no workers to choose from")
     logits = costs.logits if isinstance(costs, CostTable) else [c.logit for c in costs]
@@ -299,7 +302,13 @@ def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.R
         best = min(logits)
         # ties within rounding error (0.1 * 48 / 16 + 2 vs 0.1 * 32 / 16 + 3) are ties
         limit = best + 1e-9 * max(1.0, abs(best))
-        return costs[rng.choice([i for i, v in enumerate(logits) if v <= limit])]
+        ties = [i for i, v in enumerate(logits) if v <= limit]
+        if prefer is not None and len(ties) > 1:
+            tied = {costs[i].worker_id: i for i in ties}
+            home = prefer(tied.keys())
+            if home is not None:
+                return costs[tied[home]]
+        return costs[rng.choice(ties)]
     probs = softmax_probabilities(logits, temperature)
     return costs[rng.choices(range(len(logits)), weights=probs, k=1)[0]]
 

@@ -437,7 +437,13 @@ def test_the_credit_ends_with_the_request_and_the_reported_blocks_take_over():
     r.on_first_token("a")
     r.on_finished("a")  # gone, and (say) evicted before it was ever reported: no credit left
     picks = {r.select(system + [9, 9, 9, i], [1, 2]).worker_id for i in range(40)}
-    assert picks == {1, 2}  # a plain miss everywhere again: ties spread
+    # a plain miss everywhere again: the tie goes to where the prefix was last sent (homes.py) ...
+    assert picks == {first.worker_id}
+    plain = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, prefix_homes=False)
+    plain.select(system + [1, 2, 3, 4], [1, 2], request_id="a")
+    plain.on_finished("a")
+    # ... or, without that memory, spreads
+    assert {plain.select(system + [9, 9, 9, i], [1, 2]).worker_id for i in range(40)} == {1, 2}
     publish_prefix(r, first.worker_id, system)  # reported now
     assert r.select(system + [5, 6, 7, 8], [1, 2]).worker_id == first.worker_id
 
