@@ -136,8 +136,8 @@ class KvRouterPolicy:
         cache itself) and its routers' in-flight bookkeeping."""
         if self.router.use_kv_events:
             await self.subscribe(component_event_subject(namespace, component, "kv_events"), self.router.apply_event)
-        if not self.router.owns_load:  # the router whose bookings it shares follows the peers
-            return
+        if not self.router.owns_load or self.router.publish_active_sequence is None:
+            return  # the router whose bookings it shares follows the peers; or no replica sync
         await self.subscribe(component_event_subject(namespace, component, "active_sequences_events"),
                              self.router.apply_active_sequence_event)
 
@@ -261,7 +261,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         use_kv_events=events,
         publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
         publish_active_sequence=publisher(
-            component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
+            component_event_subject(entry.namespace, entry.component, "active_sequences_events"))
+        if cfg.router_replica_sync else None,
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
@@ -274,7 +275,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
-    if load_of is None:
+    if load_of is None and cfg.router_replica_sync:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
                                router.apply_active_sequence_event)
     if events:
