@@ -82,7 +82,7 @@ from benchmarks.router.client import drive
 from benchmarks.router.real import LoadSampler
 from benchmarks.router.report import summarize
 from benchmarks.router.workload import WorkloadConfig, build
-from harness.proc import DynamoRun, free_port
+from harness.proc import DynamoRun, DynamoWorker, free_port
 from harness.servers import EtcdServer, NatsServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,24 +138,66 @@ def wait_ready(port: int, workers: int, proc: subprocess.Popen[bytes], log: Path
     raise RuntimeError(f"router not ready in {timeout}s: {last}\n{log.read_text()[-3000:]}")
 
 
-def engine_servers(args: argparse.Namespace, model: Path, tag: str) -> list[DynamoRun]:
-    """``--workers`` ``dynamo-run in=http out=<engine>`` servers for a peer router to front."""
+def serves_model(base_url: str, model: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url + "/v1/models", timeout=2) as resp:
+                last = json.loads(resp.read())
+            if any(m.get("id") == model for m in last.get("data") or ()):
+                return
+        except Exception as e:  # noqa: BLE001 - still starting
+            last = str(e)
+        time.sleep(0.1)
+    raise RuntimeError(f"{base_url} does not serve {model} after {timeout}s: {last}")
+
+
+class MockerBackend:
+    """One mocker engine behind an HTTP server of its own, for a peer router to front: ``out=mocker`` runs
+    only as a distributed worker, so each is a worker plus an ``in=http out=dyn`` frontend, the pair in a
+    file discovery store of its own (nothing shared with the other backends or fleets)."""
+
+    def __init__(self, model: Path, extra: Path, tag: str):
+        store = tempfile.mkdtemp(prefix=f"peers-{tag}-")
+        env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": store, "DYN_REQUEST_PLANE": "tcp",
+               "DYN_EVENT_PLANE": "zmq"}
+        self.worker = DynamoWorker("in=dyn://peer.mocker.generate", "out=mocker", str(model), "--model-name",
+                                   router_run.MODEL, "--extra-engine-args", str(extra), env=env, startup_timeout=90)
+        self.frontend = DynamoRun("out=dyn", env=env, startup_timeout=60)
+
+    @property
+    def base_url(self) -> str:
+        return self.frontend.base_url
+
+    def start(self) -> None:
+        self.worker.start()
+        self.frontend.start()
+
+    def stop(self) -> None:
+        self.frontend.stop()
+        self.worker.stop()
+
+    def stderr_text(self) -> str:
+        return self.worker.stderr_text()
+
+
+def engine_servers(args: argparse.Namespace, model: Path, tag: str) -> list[Any]:
+    """``--workers`` HTTP servers for a peer router to front: ``dynamo-run in=http out=llamacpp``, or
+    :class:`MockerBackend`."""
     if args.engine == "llamacpp":
         extra = Path(tempfile.gettempdir()) / f"peers-llamacpp-{os.getpid()}-{tag}.json"
         extra.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
-        env = {"DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
-        flags = ["out=llamacpp", str(model), "--context-length", str(args.context_length)]
-    else:
-        extra = Path(tempfile.gettempdir()) / f"peers-mocker-{os.getpid()}-{tag}.json"
-        extra.write_text(json.dumps({"num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
-                                     "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
-                                     "max_num_batched_tokens": args.max_num_batched_tokens}))
-        env = {}
-        flags = ["out=mocker", str(model)]
-    # a file store of its own: an in=http server needs no discovery, and must not meet the other fleets
-    env["DYN_FILE_KV"] = tempfile.mkdtemp(prefix=f"peers-{tag}-")
-    return [DynamoRun(*flags, "--model-name", router_run.MODEL, "--extra-engine-args", str(extra), env=env,
-                      startup_timeout=120) for _ in range(args.workers)]
+        # a file store of its own: an in=http server needs no discovery, and must not meet the other fleets
+        env = {"DYN_LOG": "info,dynamo.engines.llamacpp=debug", "DYN_FILE_KV": tempfile.mkdtemp(prefix=f"peers-{tag}-")}
+        return [DynamoRun("out=llamacpp", str(model), "--context-length", str(args.context_length), "--model-name",
+                          router_run.MODEL, "--extra-engine-args", str(extra), env=env, startup_timeout=120)
+                for _ in range(args.workers)]
+    extra = Path(tempfile.gettempdir()) / f"peers-mocker-{os.getpid()}-{tag}.json"
+    extra.write_text(json.dumps({"num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,
+                                 "speedup_ratio": args.speedup_ratio, "max_num_seqs": args.max_num_seqs,
+                                 "max_num_batched_tokens": args.max_num_batched_tokens}))
+    return [MockerBackend(model, extra, f"{tag}-{i}") for i in range(args.workers)]
 
 
 def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, model: Path,
@@ -167,6 +209,8 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
     try:
         for s in servers:
             s.start()
+        for s in servers:  # /v1/models answers before the engine has loaded the model
+            serves_model(s.base_url, router_run.MODEL)
         port = free_port()
         with router_log.open("wb") as out:
             proc = subprocess.Popen(peer_command(kind, args.venv, [s.base_url for s in servers], port, free_port()),
