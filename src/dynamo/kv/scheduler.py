@@ -346,7 +346,7 @@ FAST_PICK_MIN_WORKERS = 64  # below this, the plain pass over every worker is as
 class BaseCostIndex:
     """Workers grouped by their *base cost*, the part of the logit that does not depend on the prompt::
 
-        base_w = overlap_score_weight / block_size * active_tokens_w + active_blocks_w
+        base_w = overlap_score_weight / block_size * active_tokens_w + decoding_blocks_w
 
     For a worker that holds none of the prompt (no cached prefix, no in-flight request sharing its first
     block), ``logit_w = K + base_w`` with ``K = overlap_score_weight * isl / block_size + request blocks``
