@@ -235,6 +235,7 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
         (logs / f"{tag}-engine{i}.log").write_text(s.stderr_text())
     (logs / f"{tag}-records.json").write_text(json.dumps([asdict(r) for r in records]))
     summary = summarize(records, start, end, args.warmup)
+    summary["records_file"] = str(logs / f"{tag}-records.json")
     if args.engine == "llamacpp":
         reuse = [router_run.engine_reuse_from_text(s.stderr_text()) for s in servers]
         summary["worker_requests"] = [n for n, _, _ in reuse]
@@ -248,6 +249,7 @@ def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.N
     args.frontends = 2 if fleet in TWO_FRONTENDS else 1
     args.frontend_env = {"DYN_ROUTER_PREFIX_HOMES": "0"} if fleet == NO_HOMES else {}
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
+    row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines
         tag = f"{index:02d}-{mode}-{cfg.prefix_ratio:g}"
         reuse = [router_run.engine_reuse_from_text(p.read_text()) for p in sorted(Path(args.logs).glob(f"{tag}-worker*.log"))]
@@ -282,6 +284,36 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_s": ratio(kv["tokens_per_s"], p["tokens_per_s"]),
             "p50_vs_each": {f: ratio(kv["ttft_p50_ms"], rows[f]["ttft_p50_ms"]) for f in ("sglang", "vllm") if f in rows},
             "mean_vs_each": {f: ratio(kv["ttft_mean_ms"], rows[f]["ttft_mean_ms"]) for f in ("sglang", "vllm") if f in rows}}
+
+
+def explain(rows: dict[str, dict[str, Any]], peer: str, warmup: float) -> dict[str, Any]:
+    """Why ours and ``peer`` differ in one (repeat, shape): both served the same conversations, so the
+    requests both measured pair up by (conversation, turn).  The mean TTFT difference over the pairs, the
+    share of it that the three most different requests make, and for each of those the cached tokens on
+    both sides: a routing difference shows as different cached tokens, the machine as the same cache and
+    a different time."""
+    try:
+        mine = json.loads(Path(rows["kv"]["records_file"]).read_text())
+        theirs = json.loads(Path(rows[peer]["records_file"]).read_text())
+    except (KeyError, OSError, ValueError):
+        return {}
+
+    def keyed(recs: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(r["cid"], r["turn"]): r for r in recs
+                if r["status"] == 200 and r["ttft"] is not None and r["sent"] >= warmup}
+
+    a, b = keyed(mine), keyed(theirs)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return {}
+    diffs = sorted(((a[k]["ttft"] - b[k]["ttft"]) * 1000.0, k) for k in common)
+    total = sum(d for d, _ in diffs)
+    top = sorted(diffs, key=lambda x: -abs(x[0]))[:3]
+    return {"pairs": len(common), "mean_diff_ms": round(total / len(common), 1),
+            "median_diff_ms": round(statistics.median(d for d, _ in diffs), 1),
+            "top3_share": round(sum(d for d, _ in top) / total, 2) if total else None,
+            "top3": [{"conversation": k[0], "turn": k[1], "diff_ms": round(d), "prompt": a[k]["prompt_tokens"],
+                      "cached_kv": a[k]["cached_tokens"], "cached_peer": b[k]["cached_tokens"]} for d, k in top]}
 
 
 def fmt(v: Any, spec: str = "{:.0f}") -> str:
@@ -323,7 +355,8 @@ def spread_table(results: list[dict[str, Any]], fleets: list[str]) -> str:
 
 
 def goal_table(results: list[dict[str, Any]]) -> str:
-    head = "| shape | run | better peer | kv/peer p50 | kv/peer mean | kv/peer tok/s | kv/sglang p50, mean | kv/vllm p50, mean |"
+    head = ("| shape | run | better peer | kv/peer p50 | kv/peer mean | kv/peer tok/s | kv/sglang p50, mean | "
+            "kv/vllm p50, mean | paired requests: mean kv - peer ms (top 3's share) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for res in results:
         c = res.get("vs_peer") or {}
@@ -331,8 +364,11 @@ def goal_table(results: list[dict[str, Any]]) -> str:
             continue
         each = [f"{fmt(c['p50_vs_each'].get(f), '{:.2f}')}, {fmt(c['mean_vs_each'].get(f), '{:.2f}')}"
                 for f in ("sglang", "vllm")]
+        e = res.get("explain") or {}
+        paired = f"{e['pairs']}: {e['mean_diff_ms']:+.0f} ({fmt(e.get('top3_share'), '{:.2f}')})" if e else "-"
         lines.append(f"| {res['shape']} | {res['run']} | {c['peer']} | **{fmt(c['p50'], '{:.2f}')}** | "
-                     f"**{fmt(c['mean'], '{:.2f}')}** | {fmt(c['tokens_per_s'], '{:.2f}')} | {each[0]} | {each[1]} |")
+                     f"**{fmt(c['mean'], '{:.2f}')}** | {fmt(c['tokens_per_s'], '{:.2f}')} | {each[0]} | {each[1]} | "
+                     f"{paired} |")
     return "\n".join(lines)
 
 
@@ -457,11 +493,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     rows = {f: one(first + i, f) for i, f in enumerate(order)}
                 res = {"run": run + 1, "shape": shape, "rows": rows, "vs_peer": compare(rows)}
+                if res["vs_peer"]:
+                    res["explain"] = explain(rows, res["vs_peer"]["peer"], args.warmup)
                 results.append(res)
                 c = res["vs_peer"]
                 if c:
-                    print(f"  kv/{c['peer']}: p50 {c['p50']} mean {c['mean']} tok/s {c['tokens_per_s']}",
-                          file=sys.stderr, flush=True)
+                    print(f"  kv/{c['peer']}: p50 {c['p50']} mean {c['mean']} tok/s {c['tokens_per_s']}; paired "
+                          f"requests: {res.get('explain')}", file=sys.stderr, flush=True)
     md = "\n\n".join([run_table(results), spread_table(results, fleets), goal_table(results)])
     print(md)
     met = [r["vs_peer"] for r in results if r.get("vs_peer")]
