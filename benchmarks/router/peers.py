@@ -309,7 +309,11 @@ def explain(rows: dict[str, dict[str, Any]], peer: str, warmup: float) -> dict[s
     diffs = sorted(((a[k]["ttft"] - b[k]["ttft"]) * 1000.0, k) for k in common)
     total = sum(d for d, _ in diffs)
     top = sorted(diffs, key=lambda x: -abs(x[0]))[:3]
+    # pairs whose engines reused different amounts (the routing differed) against the same amount
+    routed = [d for d, k in diffs if abs((a[k]["cached_tokens"] or 0) - (b[k]["cached_tokens"] or 0)) >= 16]
     return {"pairs": len(common), "mean_diff_ms": round(total / len(common), 1),
+            "cache_differs": len(routed), "cache_differs_sum_ms": round(sum(routed)),
+            "same_cache_sum_ms": round(total - sum(routed)),
             "median_diff_ms": round(statistics.median(d for d, _ in diffs), 1),
             "top3_share": round(sum(d for d, _ in top) / total, 2) if total else None,
             "top3": [{"conversation": k[0], "turn": k[1], "diff_ms": round(d), "prompt": a[k]["prompt_tokens"],
@@ -356,7 +360,7 @@ def spread_table(results: list[dict[str, Any]], fleets: list[str]) -> str:
 
 def goal_table(results: list[dict[str, Any]]) -> str:
     head = ("| shape | run | better peer | kv/peer p50 | kv/peer mean | kv/peer tok/s | kv/sglang p50, mean | "
-            "kv/vllm p50, mean | paired requests: mean kv - peer ms (top 3's share) |")
+            "kv/vllm p50, mean | paired requests: mean kv - peer ms (top 3's share); summed by cache outcome |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for res in results:
         c = res.get("vs_peer") or {}
@@ -365,7 +369,9 @@ def goal_table(results: list[dict[str, Any]]) -> str:
         each = [f"{fmt(c['p50_vs_each'].get(f), '{:.2f}')}, {fmt(c['mean_vs_each'].get(f), '{:.2f}')}"
                 for f in ("sglang", "vllm")]
         e = res.get("explain") or {}
-        paired = f"{e['pairs']}: {e['mean_diff_ms']:+.0f} ({fmt(e.get('top3_share'), '{:.2f}')})" if e else "-"
+        paired = (f"{e['pairs']}: {e['mean_diff_ms']:+.0f} ({fmt(e.get('top3_share'), '{:.2f}')}); cache differs in "
+                  f"{e['cache_differs']}: {e['cache_differs_sum_ms']:+d} ms, same cache {e['same_cache_sum_ms']:+d} ms"
+                  if e else "-")
         lines.append(f"| {res['shape']} | {res['run']} | {c['peer']} | **{fmt(c['p50'], '{:.2f}')}** | "
                      f"**{fmt(c['mean'], '{:.2f}')}** | {fmt(c['tokens_per_s'], '{:.2f}')} | {each[0]} | {each[1]} | "
                      f"{paired} |")
