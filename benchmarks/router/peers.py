@@ -211,12 +211,21 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
             s.start()
         for s in servers:  # /v1/models answers before the engine has loaded the model
             serves_model(s.base_url, router_run.MODEL)
-        port = free_port()
-        with router_log.open("wb") as out:
-            proc = subprocess.Popen(peer_command(kind, args.venv, [s.base_url for s in servers], port, free_port()),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        wait_ready(port, len(servers), proc, router_log)
+        for attempt in range(3):
+            # a free port is free when asked, not when the router binds it: fleets started at once race
+            port = free_port()
+            with router_log.open("wb") as out:
+                proc = subprocess.Popen(peer_command(kind, args.venv, [s.base_url for s in servers], port,
+                                                     free_port()),
+                                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            try:
+                wait_ready(port, len(servers), proc, router_log)
+                break
+            except RuntimeError:
+                if attempt == 2 or "Address already in use" not in router_log.read_text(errors="replace"):
+                    raise
+                proc.wait()
         records, start, end = asyncio.run(drive(port, convs, cfg, router_run.MODEL))
     finally:
         if proc is not None:
@@ -456,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": router_run.git_revision(), "command": " ".join(sys.argv),
             "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}}
     results: list[dict[str, Any]] = []
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"router-peers-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     index = 0
     with tmp, EtcdServer() as etcd, NatsServer() as nats:
         servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
@@ -502,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 if res["vs_peer"]:
                     res["explain"] = explain(rows, res["vs_peer"]["peer"], args.warmup)
                 results.append(res)
+                out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))  # so far
                 c = res["vs_peer"]
                 if c:
                     print(f"  kv/{c['peer']}: p50 {c['p50']} mean {c['mean']} tok/s {c['tokens_per_s']}; paired "
@@ -512,8 +524,6 @@ def main(argv: list[str] | None = None) -> int:
     if met:
         ok = sum(1 for c in met if c["p50"] is not None and c["mean"] is not None and c["p50"] <= GOAL and c["mean"] <= GOAL)
         print(f"goal (kv p50 and mean <= {GOAL} x the better peer's): {ok} of {len(met)} (shape, run)s")
-    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"router-peers-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     print(f"results: {out}\nlogs: {args.logs}")
     if args.markdown:
