@@ -52,7 +52,10 @@ share of requests that were cache hits by the engine's own account (``usage.prom
 .cached_tokens`` >= half the prompt) split into history and prefix hits, output tokens/s, requests per
 engine, and the 1-minute load average sampled every 2 s (min-max).  Then per shape and fleet the spread
 over the repeats, and ours-kv against the better peer (the goal: p50 and mean <= 0.9x in every run, with no
-less throughput).  Results: ``benchmarks/results/router-peers-<time>.json``; ``--markdown FILE`` writes the
+less throughput), with where the difference comes from: both fleets served the same conversations, so
+their requests pair up by (conversation, turn), and the paired difference splits into requests whose
+engines reused different amounts (the routing differed) and requests whose engines reused the same (the
+machine: which busy process got a core when).  Results: ``benchmarks/results/router-peers-<time>.json``; ``--markdown FILE`` writes the
 tables; the kv fleets' decision logs (``DYN_ROUTER_LOG``) and every process's log go to ``--logs``
 (default ``benchmarks/results/router-peers-<time>/``; read a decision log with ``python -m
 benchmarks.router.decisions``).
