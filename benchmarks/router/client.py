@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import orjson
 
@@ -124,17 +124,19 @@ class Record:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
 
 
-async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model: str
+async def drive(port: int | Sequence[int], convs: list[Conversation], cfg: WorkloadConfig, model: str
                 ) -> tuple[list[Record], float, float]:
     """Run the conversations of the workload against the frontend on ``port`` (asking for ``model``): open
     loop at their start times, or closed loop with ``cfg.clients`` clients; every request's record, and the
-    times the first was sent and the last ended."""
-    client = ChatClient(port)
+    times the first was sent and the last ended.  Several ports (several frontends in front of the same
+    workers): client ``i`` talks to port ``i mod n`` (open loop: conversation ``cid mod n``)."""
+    ports = [port] if isinstance(port, int) else list(port)
+    chat_clients = [ChatClient(p) for p in ports]
     records: list[Record] = []
     start = time.perf_counter()
     said: dict[int, list[str]] = {}  # with cfg.real_answers: each conversation's answers so far (this run's)
 
-    async def send(c: Conversation, turn: int) -> bool:
+    async def send(c: Conversation, turn: int, via: int) -> bool:
         """Send turn ``turn`` of ``c`` and record it; False if it failed."""
         answers = said.setdefault(c.cid, []) if cfg.real_answers else None
         body: dict[str, Any] = {"model": model, "messages": c.messages(turn, answers), "max_tokens": cfg.osl,
@@ -143,7 +145,7 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
             body["temperature"] = 0
         sent = time.perf_counter()
         try:
-            req, status, err = await client.chat(body, keep_text=cfg.real_answers)
+            req, status, err = await chat_clients[via % len(chat_clients)].chat(body, keep_text=cfg.real_answers)
         except (OSError, ConnectionError, asyncio.TimeoutError) as e:
             records.append(Record(c.cid, turn, c.group, sent - start, -1, f"{type(e).__name__}: {e}"))
             return False
@@ -164,13 +166,13 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
         records.append(rec)
         return status == 200 and not rec.error
 
-    async def one(c: Conversation) -> bool:
+    async def one(c: Conversation, via: int | None = None) -> bool:
         """Run one conversation; False if a request failed (the conversation stops there)."""
         await asyncio.sleep(max(0.0, start + c.start - time.perf_counter()))
         for turn in range(cfg.turns):
             if turn:
                 await asyncio.sleep(c.thinks[turn - 1])
-            if not await send(c, turn):
+            if not await send(c, turn, c.cid if via is None else via):
                 return False
         return True
 
@@ -186,7 +188,7 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
         by_cid = {c.cid: c for c in convs}
         pick = random.Random(cfg.seed + 2)
 
-        async def interleaved_client() -> None:
+        async def interleaved_client(via: int) -> None:
             while time.perf_counter() - start < cfg.duration:
                 now = time.perf_counter()
                 ready = [i for i, (at, _) in enumerate(waiting) if at <= now]
@@ -198,25 +200,26 @@ async def drive(port: int, convs: list[Conversation], cfg: WorkloadConfig, model
                     if nxt is None:
                         return
                     c, turn = nxt, 0
-                if not await send(c, turn):
+                if not await send(c, turn, via):
                     return
                 if turn + 1 < cfg.turns:
                     next_turn[c.cid] = turn + 1
                     waiting.append((time.perf_counter() + c.thinks[turn], c.cid))
 
-        await asyncio.gather(*(interleaved_client() for _ in range(cfg.clients)))
+        await asyncio.gather(*(interleaved_client(i) for i in range(cfg.clients)))
     elif cfg.clients > 0:  # closed loop: each client runs the next conversation of the pool when done
         pool = iter(convs)
 
-        async def client_loop() -> None:
+        async def client_loop(via: int) -> None:
             while time.perf_counter() - start < cfg.duration:
                 c = next(pool, None)
-                if c is None or not await one(c):
+                if c is None or not await one(c, via):
                     return
 
-        await asyncio.gather(*(client_loop() for _ in range(cfg.clients)))
+        await asyncio.gather(*(client_loop(i) for i in range(cfg.clients)))
     else:
         await asyncio.gather(*(one(c) for c in convs))
     end = time.perf_counter()
-    client.close()
+    for cc in chat_clients:
+        cc.close()
     return records, start, end

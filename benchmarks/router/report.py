@@ -22,7 +22,7 @@ def summarize(records: list[Record], start: float, end: float, warmup: float) ->
         "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "error_samples": sorted({f"{r.status} {r.error}" for r in records if r not in ok})[:5],
         "measured": len(measured),
-        "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
+        "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p90_ms": _ms(pct(ttft, 90)), "ttft_p99_ms": _ms(pct(ttft, 99)),
         "ttft_mean_ms": _ms(statistics.fmean(ttft)) if ttft else None,
         "itl_p50_ms": _ms(pct(gaps, 50)), "itl_p99_ms": _ms(pct(gaps, 99)),
         "ttft_p50_by_turn_ms": {

@@ -173,6 +173,12 @@ def engine_reuse(worker: DynamoWorker) -> tuple[int, int, int]:
     return sum(p for p, _ in pairs), sum(r for _, r in pairs), len(COPY_LINE.findall(raw))
 
 
+def engine_reuse_from_text(log: str) -> tuple[int, int, int]:
+    """llamacpp: (requests admitted, their prompt tokens, of them reused from the cache) from a debug log."""
+    pairs = [(int(m.group(1)), int(m.group(2))) for m in REUSE_LINE.finditer(log.encode())]
+    return len(pairs), sum(p for p, _ in pairs), sum(r for _, r in pairs)
+
+
 def smollm2_gguf() -> Path:
     import importlib.util
 
@@ -210,7 +216,7 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
     # would all serve the model from every mode's workers
     name = f"{MODEL}-{run_index}" if args.concurrent else MODEL
     workers = worker_processes(args, ns, model_dir, run_index, name)
-    frontend = None
+    frontends: list[DynamoRun] = []
     watch = NatsWatch(servers["NATS_SERVER"], ns)
     load_before = os.getloadavg()
     try:
@@ -218,20 +224,27 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
             w.start(wait=False)
         for w in workers:
             w.wait_ready()
-        fe_env = {**servers}
+        fe_env = {**servers, **getattr(args, "frontend_env", {})}
         if args.logs:
             fe_env["DYN_LOG"] = "info,dynamo.kv.router=debug"  # one "kv route:" line per decision
             if base.startswith("kv"):  # the router's decision log (src/dynamo/kv/decision_log.py)
                 Path(args.logs).mkdir(parents=True, exist_ok=True)
                 fe_env["DYN_ROUTER_LOG"] = str(Path(args.logs) / f"{run_index:02d}-{mode}-{ratio:g}-decisions.jsonl")
-        frontend = DynamoRun("out=dyn", *flags, *args.frontend_args, env=fe_env, startup_timeout=60)
-        frontend.start()
-        wait_for_workers(frontend.base_url, args.workers, timeout=120, model=name)
+        # several frontends (getattr: callers that predate the flag): in front of the same workers, each
+        # client talking to one of them, their KV routers in step over the event plane
+        for k in range(max(1, getattr(args, "frontends", 1))):
+            env_k = dict(fe_env)
+            if k and "DYN_ROUTER_LOG" in env_k:
+                env_k["DYN_ROUTER_LOG"] = env_k["DYN_ROUTER_LOG"].replace("-decisions.jsonl", f"-decisions{k}.jsonl")
+            frontends.append(DynamoRun("out=dyn", *flags, *args.frontend_args, env=env_k, startup_timeout=60))
+            frontends[-1].start()
+        for fe in frontends:
+            wait_for_workers(fe.base_url, args.workers, timeout=120, model=name)
 
         async def go() -> tuple[list[Record], float, float]:
             await watch.start()
             try:
-                res = await drive(frontend.port, convs, cfg, name)
+                res = await drive([fe.port for fe in frontends], convs, cfg, name)
                 await asyncio.sleep(0.5)  # the last load metrics
                 return res
             finally:
@@ -239,9 +252,9 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
 
         records, start, end = asyncio.run(go())
     finally:
-        if frontend is not None:
+        for fe in frontends:
             try:
-                frontend.stop()
+                fe.stop()
             except Exception as e:
                 print(f"  frontend stop: {e}", file=sys.stderr)
         for w in workers:
@@ -256,8 +269,8 @@ def run_one(mode: str, ratio: float, convs: list[Conversation], cfg: WorkloadCon
         logs = Path(args.logs)
         logs.mkdir(parents=True, exist_ok=True)
         tag = f"{run_index:02d}-{mode}-{ratio:g}"
-        if frontend is not None:
-            (logs / f"{tag}-frontend.log").write_text(frontend.stderr_text())
+        for k, fe in enumerate(frontends):
+            (logs / f"{tag}-frontend{k or ''}.log").write_text(fe.stderr_text())
         for i, w in enumerate(workers):
             (logs / f"{tag}-worker{i}.log").write_text(w.stderr_text())
         (logs / f"{tag}-records.json").write_text(json.dumps([asdict(r) for r in records]))

@@ -32,6 +32,7 @@ class RunConfig:
     kv_overlap_score_weight: float = 2.0  # the original: 1.0 (docs/routing.md, "Benchmark")
     router_temperature: float = 0.0
     use_kv_events: bool = True
+    router_replica_sync: bool = True  # the original: false (docs/routing.md, "Several frontends")
     migration_limit: int = 0
     max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
     # worker: seconds a shutdown waits for requests in flight before handing them to other workers;

@@ -40,7 +40,7 @@ USAGE = (
     "[--model-config <hf folder>] [--context-length N] [--kv-cache-block-size 16] "
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
-    "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] "
+    "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] [--router-replica-sync true|false] "
     "[--migration-limit 0] [--max-inflight N] [--drain-timeout 30] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] [--namespace NS] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=2.0, help="KV router: weight of prefill cost vs decode load (default 2.0)")
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
+    p.add_argument("--router-replica-sync", type=_bool, default=True, metavar="true|false", help="KV router: share in-flight requests with the other frontends of the same workers over the event plane (default true; the original's default is false)")
     p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies or freezes (on a worker or the frontend; the larger applies; default 0)")
     p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 512); in=http: requests in progress in all, more get 503 (default 1024)")
     p.add_argument("--drain-timeout", type=_float("--drain-timeout", 0.0), metavar="SECONDS", help="worker: on SIGTERM it deregisters, stops taking requests and lets those in flight finish for this long, then hands the rest to other workers (default: DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, 30)")
@@ -319,6 +320,7 @@ def parse_args(argv: list[str], *, stdin_is_tty: bool | None = None) -> RunConfi
         kv_overlap_score_weight=ns.kv_overlap_score_weight,
         router_temperature=ns.router_temperature,
         use_kv_events=ns.use_kv_events,
+        router_replica_sync=ns.router_replica_sync,
         migration_limit=ns.migration_limit,
         max_inflight=ns.max_inflight,
         drain_timeout=ns.drain_timeout,

@@ -292,6 +292,7 @@ async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
     watcher = ModelWatcher(runtime, manager, RouterConfig(
         mode=cfg.router_mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,
         router_temperature=cfg.router_temperature, use_kv_events=cfg.use_kv_events,
+        router_replica_sync=cfg.router_replica_sync,
         migration_limit=cfg.migration_limit,
         queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
         max_local_prefill_length=cfg.max_local_prefill_length,

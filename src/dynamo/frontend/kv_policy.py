@@ -54,6 +54,18 @@ def peer_ttl() -> float:
         return DEFAULT_PEER_TTL_S
 
 
+def prefix_homes() -> bool:
+    """``DYN_ROUTER_PREFIX_HOMES=0`` turns off the tie-break by where a prefix was last routed (kv/homes.py),
+    for comparisons; anything but 0/false/off/no (or unset) keeps it on."""
+    raw = os.environ.get("DYN_ROUTER_PREFIX_HOMES", "").strip().lower()
+    if raw in ("", "1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    log.warning("DYN_ROUTER_PREFIX_HOMES=%r is not a boolean; keeping it on", raw)
+    return True
+
+
 def publishes_kv_events(entry: Any) -> bool:
     return bool((entry.runtime_config or {}).get(PUBLISHES_KV_EVENTS))
 
@@ -124,8 +136,8 @@ class KvRouterPolicy:
         cache itself) and its routers' in-flight bookkeeping."""
         if self.router.use_kv_events:
             await self.subscribe(component_event_subject(namespace, component, "kv_events"), self.router.apply_event)
-        if not self.router.owns_load:  # the router whose bookings it shares follows the peers
-            return
+        if not self.router.owns_load or self.router.publish_active_sequence is None:
+            return  # the router whose bookings it shares follows the peers; or no replica sync
         await self.subscribe(component_event_subject(namespace, component, "active_sequences_events"),
                              self.router.apply_active_sequence_event)
 
@@ -249,11 +261,13 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         use_kv_events=events,
         publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
         publish_active_sequence=publisher(
-            component_event_subject(entry.namespace, entry.component, "active_sequences_events")),
+            component_event_subject(entry.namespace, entry.component, "active_sequences_events"))
+        if cfg.router_replica_sync else None,
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
         load_of=load_of,
+        prefix_homes=prefix_homes(),
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
@@ -261,7 +275,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)
-    if load_of is None:
+    if load_of is None and cfg.router_replica_sync:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
                                router.apply_active_sequence_event)
     if events:

@@ -80,6 +80,8 @@ class RouterConfig:
     kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
     router_temperature: float = 0.0
     use_kv_events: bool = True
+    # --router-replica-sync: share the KV router's in-flight bookings with the other frontends (kv_policy.py)
+    router_replica_sync: bool = True
     # --migration-limit on the frontend: a request may move this many times, or as many as the worker's
     # card allows if that is more (Dynamo 1.x sets it on the frontend, 0.x on the worker)
     migration_limit: int = 0

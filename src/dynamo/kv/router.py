@@ -38,6 +38,7 @@ from dynamo.kv.events import (
     parse_kv_event,
 )
 from dynamo.kv.hashing import compute_block_hashes, compute_seq_hashes
+from dynamo.kv.homes import PrefixHomes
 from dynamo.kv.indexer import DEFAULT_APPROX_TTL_S, ApproxKvIndexer, KvIndexer, Overlaps
 from dynamo.kv.publisher import Publisher, emit
 from dynamo.kv.scheduler import (
@@ -84,7 +85,8 @@ class KvRouter:
                  publish_active_sequence: Publisher | None = None,
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
                  tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
-                 decision_log: DecisionLog | None = None, load_of: KvRouter | None = None):
+                 decision_log: DecisionLog | None = None, load_of: KvRouter | None = None,
+                 prefix_homes: bool = True):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -120,6 +122,8 @@ class KvRouter:
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
         self.decision_log = decision_log  # opt-in JSON lines of decisions and events (decision_log.py)
+        # where each prefix was last routed, to break ties between equally good workers (homes.py)
+        self.homes: PrefixHomes | None = PrefixHomes() if prefix_homes else None
         self.owns_load = load_of is None
         if load_of is not None:
             if (load_of.block_size, load_of.overlap_score_weight) != (block_size, overlap_score_weight):
@@ -172,7 +176,9 @@ class KvRouter:
         else:
             costs = compute_costs(candidates, overlaps, blocks, len(token_ids), self.block_size,
                                   self.overlap_score_weight, self.trackers, restorable, now=self.clock())
-            choice = select_worker(costs, self.temperature, self.rng)
+            homes = self.homes
+            prefer = None if homes is None else (lambda among: homes.pick(seq, among))
+            choice = select_worker(costs, self.temperature, self.rng, prefer)
         self.last_costs = costs
         if log.isEnabledFor(logging.DEBUG):
             log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s%s",
@@ -193,6 +199,8 @@ class KvRouter:
             inflight = tracker.shared_prefix(blocks) if tracker is not None else 0
             prefill = len(token_ids) - max(choice.overlap_blocks, inflight) * self.block_size
             self._add(request_id, choice.worker_id, blocks, prefill)
+            if self.homes is not None:
+                self.homes.record(seq, choice.worker_id)
             emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
                 "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
                                "overlap": choice.overlap_blocks}}), "active sequence event")
@@ -304,6 +312,8 @@ class KvRouter:
                 blocks = [int(b) for b in add["token_sequence"]]
                 prefill = int(add["isl"]) - int(add.get("overlap", 0)) * self.block_size
                 self._add(request_id, worker, blocks, prefill)
+                if self.homes is not None:
+                    self.homes.record(blocks, worker)
                 if peer is not None:
                     self._peer_of[request_id] = str(peer)
             elif data == "MarkPrefillCompleted":
@@ -351,6 +361,8 @@ class KvRouter:
         self.indexer.remove_worker(worker_id)
         self._resync.pop(worker_id, None)
         self._dumped_upto.pop(worker_id, None)
+        if self.homes is not None:
+            self.homes.forget_worker(worker_id)
         if not self.owns_load:
             return
         tracker = self.trackers.pop(worker_id, None)

@@ -3,6 +3,7 @@
 Per worker, :class:`ActiveSequences` tracks the requests this router sent there and has not seen finish:
 
 * ``active_blocks``: the number of *unique* blocks those requests occupy (shared prefixes count once);
+* ``decoding_blocks``: the same, over the requests past their prefill (first token seen) only;
 * ``active_tokens``: the prompt tokens still to prefill, summed over requests that have not produced
   their first token yet.
 
@@ -10,8 +11,15 @@ For a new request of ``isl`` tokens whose first ``o_w`` blocks are cached on wor
 ``f_w`` blocks are blocks of requests in flight there::
 
     prefill_tokens_w = (isl - max(o_w, f_w) * block_size) + active_tokens_w
-    decode_blocks_w  = |request blocks not already active on w| + active_blocks_w
+    decode_blocks_w  = |request blocks not already active on w| + decoding_blocks_w
     logit_w          = overlap_score_weight * prefill_tokens_w / block_size + decode_blocks_w
+
+A request still prefilling is charged once, in ``active_tokens``; its blocks join the decode load with
+its first token.  Charged twice (Dynamo's formula counts every active block as decode load), a worker
+prefilling a cold prompt looked dearer than an idle one by that prompt's blocks on top of its tokens,
+and a conversation's next turn went to compute its whole history again elsewhere: in the peers
+benchmark (docs/routing.md) one such decision cost 7.6 s against about 1 s for the hit, and was the
+whole of the difference between our mean and sglang-router's in that run.
 
 Offloaded blocks (docs/routing.md): ``r_w``, the blocks past ``o_w`` that worker ``w`` can restore from
 host memory or disk, each weighted by its tier (``KvRouter.tier_weights``), also come off the prefill:
@@ -57,7 +65,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Generator, Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Collection, Generator, Iterable, Mapping, NamedTuple, Sequence
 
 WorkerId = int
 
@@ -87,6 +95,10 @@ class ActiveSequences:
     active_tokens: int = 0
     num_blocks: int = 0
     heads: dict[int | str, int] = field(default_factory=dict)
+    # the unique blocks of the requests past their prefill: the decode load (a request still prefilling is
+    # charged in ``active_tokens`` instead, not twice)
+    decode_refs: dict[int | str, int] = field(default_factory=dict)
+    decoding_blocks: int = 0
     # the requests still prefilling, oldest first, and what the worker's past prefills say of its speed
     prefilling: dict[str, _Req] = field(default_factory=dict)
     prefill_rate: float = 0.0  # prompt tokens per second (0: not measured yet)
@@ -147,6 +159,10 @@ class ActiveSequences:
             return False
         req.prefilling = False
         self.active_tokens -= req.prefill_tokens
+        refs = self.decode_refs
+        for b in req.blocks:
+            refs[b] = refs.get(b, 0) + 1
+        self.decoding_blocks = len(refs)
         oldest = next(iter(self.prefilling), None) == request_id
         del self.prefilling[request_id]
         if now is not None and oldest:
@@ -179,6 +195,15 @@ class ActiveSequences:
         if req.prefilling:
             self.active_tokens -= req.prefill_tokens
             del self.prefilling[request_id]
+        else:
+            drefs = self.decode_refs
+            for b in req.blocks:
+                n = drefs[b] - 1
+                if n:
+                    drefs[b] = n
+                else:
+                    del drefs[b]
+            self.decoding_blocks = len(drefs)
         refs = self.block_refs
         for b in req.blocks:
             n = refs[b] - 1
@@ -264,7 +289,7 @@ def compute_costs(workers: Sequence[WorkerId], overlaps: Mapping[WorkerId, int],
         if seqs is None:
             decode = n
         else:
-            decode = n + seqs.num_blocks
+            decode = n + seqs.decoding_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
@@ -291,7 +316,10 @@ def softmax_probabilities(logits: Sequence[float], temperature: float) -> list[f
     return [e / total for e in exps]
 
 
-def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.Random) -> WorkerCost:
+def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.Random,
+                  prefer: Callable[[Collection[WorkerId]], WorkerId | None] | None = None) -> WorkerCost:
+    """Temperature 0: the lowest logit; ties go to ``prefer``'s pick among them (the prefix's last home,
+    homes.py) if it makes one, else uniformly at random."""
     if not costs:
         raise ValueError("no workers to choose from")
     logits = costs.logits if isinstance(costs, CostTable) else [c.logit for c in costs]
@@ -299,7 +327,13 @@ def select_worker(costs: Sequence[WorkerCost], temperature: float, rng: random.R
         best = min(logits)
         # ties within rounding error (0.1 * 48 / 16 + 2 vs 0.1 * 32 / 16 + 3) are ties
         limit = best + 1e-9 * max(1.0, abs(best))
-        return costs[rng.choice([i for i, v in enumerate(logits) if v <= limit])]
+        ties = [i for i, v in enumerate(logits) if v <= limit]
+        if prefer is not None and len(ties) > 1:
+            tied = {costs[i].worker_id: i for i in ties}
+            home = prefer(tied.keys())
+            if home is not None:
+                return costs[tied[home]]
+        return costs[rng.choice(ties)]
     probs = softmax_probabilities(logits, temperature)
     return costs[rng.choices(range(len(logits)), weights=probs, k=1)[0]]
 
@@ -312,7 +346,7 @@ FAST_PICK_MIN_WORKERS = 64  # below this, the plain pass over every worker is as
 class BaseCostIndex:
     """Workers grouped by their *base cost*, the part of the logit that does not depend on the prompt::
 
-        base_w = overlap_score_weight / block_size * active_tokens_w + active_blocks_w
+        base_w = overlap_score_weight / block_size * active_tokens_w + decoding_blocks_w
 
     For a worker that holds none of the prompt (no cached prefix, no in-flight request sharing its first
     block), ``logit_w = K + base_w`` with ``K = overlap_score_weight * isl / block_size + request blocks``
@@ -333,7 +367,7 @@ class BaseCostIndex:
         self.heap: list[float] = []
 
     def update(self, worker: WorkerId, seqs: ActiveSequences | None) -> None:
-        new = 0.0 if seqs is None else self.scale * seqs.active_tokens + seqs.num_blocks
+        new = 0.0 if seqs is None else self.scale * seqs.active_tokens + seqs.decoding_blocks
         old = self.base.get(worker)
         if old == new:
             return
@@ -411,7 +445,7 @@ def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], 
         decode = n
         seqs = trackers.get(w)
         if seqs is not None:
-            decode += seqs.num_blocks
+            decode += seqs.decoding_blocks
             if first in seqs.heads:
                 hint = seqs.shared_prefix(request_blocks, hint)
                 decode -= hint
@@ -449,7 +483,7 @@ def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], 
     if not isinstance(pick, WorkerCost):
         seqs = trackers.get(pick)
         tokens = seqs.active_tokens if seqs is not None else 0
-        blocks = seqs.num_blocks if seqs is not None else 0
+        blocks = seqs.decoding_blocks if seqs is not None else 0
         prefill = isl + tokens
         pick = WorkerCost(pick, 0, prefill, n + blocks, scale * prefill + n + blocks)
     return FastPick(pick, evaluated)

@@ -60,7 +60,7 @@ def test_every_flag_of_the_usage_line_parses(tmp_path: Path):
         "--kv-cache-block-size", "32", "--tensor-parallel-size", "2", "--num-nodes", "2",
         "--node-rank", "1", "--leader-addr", "10.0.0.1:9876", "--base-gpu-id", "3",
         "--extra-engine-args", str(args), "--router-mode", "kv", "--kv-overlap-score-weight", "2.5",
-        "--router-temperature", "0.3", "--use-kv-events", "false", "--migration-limit", "3", "-vv",
+        "--router-temperature", "0.3", "--use-kv-events", "false", "--router-replica-sync", "false", "--migration-limit", "3", "-vv",
         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     )
     assert cfg.http_port == 1234 and cfg.http_host == "127.0.0.1"
@@ -70,7 +70,7 @@ def test_every_flag_of_the_usage_line_parses(tmp_path: Path):
     assert cfg.leader_addr == "10.0.0.1:9876" and cfg.base_gpu_id == 3
     assert cfg.extra_engine_args == args
     assert cfg.router_mode == "kv" and cfg.kv_overlap_score_weight == 2.5
-    assert cfg.router_temperature == 0.3 and cfg.use_kv_events is False
+    assert cfg.router_temperature == 0.3 and cfg.use_kv_events is False and cfg.router_replica_sync is False
     assert cfg.migration_limit == 3 and cfg.verbosity == 2
     assert cfg.tool_call_parser == "hermes" and cfg.reasoning_parser == "qwen3"
 
@@ -110,6 +110,7 @@ def test_abbreviated_flags_are_not_guessed():
         (["--migration-limit", "2000"], "--migration-limit"),
         (["--router-mode", "fastest"], "invalid choice"),
         (["--use-kv-events", "maybe"], "true or false"),
+        (["--router-replica-sync", "maybe"], "true or false"),
         (["--kv-overlap-score-weight", "-1"], "at least 0"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["--tool-call-parser", "xml"], "--tool-call-parser 'xml' is not a known parser. Valid: auto, none, hermes"),

@@ -61,8 +61,13 @@ def test_cost_formula():
     c1, c2 = costs
     # worker 1: prefill 18 - 3*4 = 6 tokens; decode = 5 new blocks + 0 active
     assert (c1.prefill_tokens, c1.decode_blocks, c1.logit) == (6, 5, 6 / 4 + 5)
-    # worker 2: prefill 18 - 4 + 8 = 22 tokens; decode = 5 + 3
-    assert (c2.prefill_tokens, c2.decode_blocks, c2.logit) == (22, 8, 22 / 4 + 8)
+    # worker 2: prefill 18 - 4 + 8 = 22 tokens; decode = 5 new blocks + 0: "x" is still prefilling, charged
+    # in the prefill term only
+    assert (c2.prefill_tokens, c2.decode_blocks, c2.logit) == (22, 5, 22 / 4 + 5)
+    # once "x" produced its first token its 3 blocks are decode load and its 8 tokens are no longer pending
+    busy.mark_prefill_completed("x")
+    c2 = compute_costs([2], {2: 1}, request_blocks, 18, BS, 1.0, trackers)[0]
+    assert (c2.prefill_tokens, c2.decode_blocks, c2.logit) == (14, 8, 14 / 4 + 8)
     # the weight scales the prefill term only
     w2 = compute_costs([1], {1: 3}, request_blocks, 18, BS, 2.0, trackers)[0]
     assert w2.logit == 2.0 * 6 / 4 + 5
@@ -73,6 +78,12 @@ def test_cost_formula():
 def test_decode_blocks_count_shared_active_blocks_once():
     t = ActiveSequences()
     t.add_request("x", [1, 2], prefill_tokens=0)
+    t.mark_prefill_completed("x")
+    t.add_request("y", [1, 2, 5], prefill_tokens=0)
+    t.mark_prefill_completed("y")
+    c = compute_costs([1], {}, [1, 2, 3], isl=12, block_size=BS, overlap_score_weight=1.0, trackers={1: t})[0]
+    assert c.decode_blocks == 1 + 3  # block 3 new; 1, 2 and 5 active, 1 and 2 once though both hold them
+    t.free("y")
     c = compute_costs([1], {}, [1, 2, 3], isl=12, block_size=BS, overlap_score_weight=1.0, trackers={1: t})[0]
     assert c.decode_blocks == 1 + 2
 
@@ -157,13 +168,17 @@ def test_router_tracks_prefill_and_decode_load():
 
 
 def test_router_overlap_reduces_prefill_cost():
-    r = KvRouter(block_size=BS, seed=0)
+    r = KvRouter(block_size=BS, seed=0, clock=lambda: 0.0)  # no prefill rate measured: all pending
     prompt = list(range(1, 33))
     publish_prefix(r, 1, prompt)  # all 8 blocks cached on 1
-    # worker 1 is busier (one 16-token request in prefill, 4 blocks) but holds the prefix
-    r.select([500 + i for i in range(16)], [1], request_id="busy")
+    # worker 1 is busier (one 16-token request decoding, 4 blocks, and one of 16 tokens in prefill) but
+    # holds the prefix
+    r.select([500 + i for i in range(16)], [1], request_id="decoding")
+    r.on_first_token("decoding")
+    r.select([700 + i for i in range(16)], [1], request_id="busy")
     d = r.select(prompt, [1, 2], request_id="new")
     costs = {c.worker_id: c for c in r.last_costs}
+    # the prefilling request counts in the prefill term, the decoding one in the decode term
     assert costs[1].prefill_tokens == 0 + 16 and costs[1].decode_blocks == 8 + 4
     assert costs[2].prefill_tokens == 32 and costs[2].decode_blocks == 8
     # 16/4 + 12 == 32/4 + 8: a tie, either may win
@@ -173,13 +188,17 @@ def test_router_overlap_reduces_prefill_cost():
 
 def test_router_weight_changes_the_decision():
     prompt = list(range(1, 33))
-    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0)
+    r = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, clock=lambda: 0.0)
     publish_prefix(r, 1, prompt)
-    r.select([500 + i for i in range(16)], [1], request_id="busy")
+    r.select([500 + i for i in range(16)], [1], request_id="decoding")
+    r.on_first_token("decoding")
+    r.select([700 + i for i in range(16)], [1], request_id="busy")
     assert r.select(prompt, [1, 2]).worker_id == 1  # 2*16/4+12 = 20 < 2*32/4+8 = 24
-    r = KvRouter(block_size=BS, overlap_score_weight=0.5, seed=0)
+    r = KvRouter(block_size=BS, overlap_score_weight=0.5, seed=0, clock=lambda: 0.0)
     publish_prefix(r, 1, prompt)
-    r.select([500 + i for i in range(16)], [1], request_id="busy")
+    r.select([500 + i for i in range(16)], [1], request_id="decoding")
+    r.on_first_token("decoding")
+    r.select([700 + i for i in range(16)], [1], request_id="busy")
     assert r.select(prompt, [1, 2]).worker_id == 2  # 0.5*16/4+12 = 14 > 0.5*32/4+8 = 12
 
 
@@ -295,6 +314,8 @@ def test_shared_prefix_agrees_with_counting_every_block():
             g = rng.choice(groups)
             blocks = g[: rng.randrange(0, len(g) + 1)] + [rng.getrandbits(64)]
             s.add_request(f"r{i}", blocks, 10)
+            if rng.random() < 0.5:
+                s.mark_prefill_completed(f"r{i}")
             live.append(f"r{i}")
         for rid in rng.sample(live, rng.randrange(0, len(live) + 1)):
             s.free(rid)
@@ -306,7 +327,9 @@ def test_shared_prefix_agrees_with_counting_every_block():
         assert s.num_blocks == len(s.block_refs) == s.active_blocks
         assert set(s.heads) == {r.blocks[0] for r in s.requests.values() if r.blocks}
         costs = compute_costs([1], {}, request, 16 * len(request), BS, 1.0, {1: s})
-        assert costs[0].decode_blocks == s.new_blocks(request) + s.active_blocks
+        decoding = {b for r in s.requests.values() if not r.prefilling for b in r.blocks}
+        assert s.decoding_blocks == len(s.decode_refs) == len(decoding)
+        assert costs[0].decode_blocks == s.new_blocks(request) + len(decoding)
 
 
 def test_cost_table_reads_like_a_list_of_worker_costs():
@@ -314,11 +337,15 @@ def test_cost_table_reads_like_a_list_of_worker_costs():
     t.add_request("x", [7, 8], prefill_tokens=4)
     costs = compute_costs([1, 2, 3], {2: 2}, [7, 8, 9], 12, BS, 2.0, {1: t})
     assert len(costs) == 3 and [c.worker_id for c in costs] == [1, 2, 3]
-    # worker 1: blocks 7 and 8 are in flight there (computed by the time this one runs), 4 tokens pending
-    assert costs[0] == WorkerCost(1, 0, 4 + 4, 1 + 2, 2.0 * 8 / 4 + 3)
+    # worker 1: blocks 7 and 8 are in flight there (computed by the time this one runs), 4 tokens pending;
+    # "x" still prefilling adds no decode blocks
+    assert costs[0] == WorkerCost(1, 0, 4 + 4, 1, 2.0 * 8 / 4 + 1)
     assert costs[1] == WorkerCost(2, 2, 4, 3, 2.0 * 4 / 4 + 3)
     assert costs[-1].worker_id == 3 and costs[1:] == [costs[1], costs[2]]
     assert select_worker(costs, 0.0, random.Random(0)).worker_id == 2
+    t.mark_prefill_completed("x")  # now decoding: its 2 blocks are load, nothing pending
+    costs = compute_costs([1, 2, 3], {2: 2}, [7, 8, 9], 12, BS, 2.0, {1: t})
+    assert costs[0] == WorkerCost(1, 0, 4, 1 + 2, 2.0 * 4 / 4 + 3)
 
 
 # -- many workers: the decision visits only the workers the prompt touches (scheduler.fast_pick) ---------
@@ -437,7 +464,13 @@ def test_the_credit_ends_with_the_request_and_the_reported_blocks_take_over():
     r.on_first_token("a")
     r.on_finished("a")  # gone, and (say) evicted before it was ever reported: no credit left
     picks = {r.select(system + [9, 9, 9, i], [1, 2]).worker_id for i in range(40)}
-    assert picks == {1, 2}  # a plain miss everywhere again: ties spread
+    # a plain miss everywhere again: the tie goes to where the prefix was last sent (homes.py) ...
+    assert picks == {first.worker_id}
+    plain = KvRouter(block_size=BS, overlap_score_weight=2.0, seed=0, prefix_homes=False)
+    plain.select(system + [1, 2, 3, 4], [1, 2], request_id="a")
+    plain.on_finished("a")
+    # ... or, without that memory, spreads
+    assert {plain.select(system + [9, 9, 9, i], [1, 2]).worker_id for i in range(40)} == {1, 2}
     publish_prefix(r, first.worker_id, system)  # reported now
     assert r.select(system + [5, 6, 7, 8], [1, 2]).worker_id == first.worker_id
 
@@ -463,15 +496,15 @@ def test_a_prefill_nearly_done_on_the_worker_holding_the_prefix_is_waited_for():
     r.on_finished("warm")
     assert r.trackers[1].prefill_rate == 400.0
     now[0] = 10.0
-    r.add_request("cold", [9000 + i for i in range(100)], 1)  # prefilling on worker 1 from t = 10
+    r.add_request("cold", [9000 + i for i in range(300)], 1)  # prefilling on worker 1 from t = 10
     group = system + [1, 2, 3, 4, 5, 6, 7, 8]
-    assert r.select(group, [1, 2]).worker_id == 2  # just routed: all 100 tokens ahead of it
-    now[0] = 10.125  # 50 of its 100 tokens done, by worker 1's rate
+    assert r.select(group, [1, 2]).worker_id == 2  # just routed: all 300 tokens ahead of it
+    now[0] = 10.625  # 250 of its 300 tokens done, by worker 1's rate
     assert r.select(group, [1, 2]).worker_id == 1
     costs = {c.worker_id: c for c in r.last_costs}
     assert costs[1].prefill_tokens == 8 + 50 and costs[2].prefill_tokens == 136
     now[0] = 30.0  # overdue: nothing more is counted than the whole prompt, and never less than 0
-    assert r.trackers[1].prefill_progress(now[0]) == 100
+    assert r.trackers[1].prefill_progress(now[0]) == 300
 
 
 def test_the_rate_is_measured_on_the_oldest_prefill_only():
@@ -484,3 +517,24 @@ def test_the_rate_is_measured_on_the_oldest_prefill_only():
     assert s.mark_prefill_completed("b", now=2.0)  # 100 tokens in 1 s (from 1.0), not 1.5 s
     assert s.prefill_rate == 100.0
     assert s.prefill_progress(5.0) == 0  # nothing pending
+
+
+def test_a_request_still_prefilling_is_charged_once_so_the_holder_keeps_its_prefix():
+    """The decision log's ``elsewhere`` case of the peers benchmark (docs/routing.md): worker 1 holds a
+    conversation's 480-token history and is prefilling another, cold 462-token prompt; the next turn (520
+    tokens) waits there behind 462 + 40 tokens, or computes all 520 on idle worker 2.  Counted as pending
+    prefill *and* as decode blocks, the cold prompt made worker 1 the dearer (an extra 29 blocks) and the
+    turn was computed again elsewhere: 7.6 s instead of about 1 s.  Charged once, worker 1 keeps it."""
+    r = KvRouter(block_size=16, overlap_score_weight=2.0, seed=0, clock=lambda: 0.0)
+    history = list(range(10_000, 10_480))
+    publish_prefix(r, 1, history)
+    r.add_request("cold", list(range(50_000, 50_462)), 1)
+    turn = history + list(range(20_000, 20_040))
+    assert r.select(turn, [1, 2]).worker_id == 1
+    costs = {c.worker_id: c for c in r.last_costs}
+    assert costs[1].prefill_tokens == 40 + 462 and costs[1].decode_blocks == 33
+    # once the cold prompt decodes, its blocks are load, and its prefill is no longer ahead of the turn
+    r.on_first_token("cold")
+    r.select(turn, [1, 2])
+    costs = {c.worker_id: c for c in r.last_costs}
+    assert costs[1].prefill_tokens == 40 and costs[1].decode_blocks == 33 + 29
