@@ -66,6 +66,16 @@ def test_model_is_listed_with_vllms_context_length(client: openai.OpenAI) -> Non
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
 
 
+def test_an_image_to_a_text_model_is_a_400(client: openai.OpenAI) -> None:
+    """A vLLM model without a vision encoder announces no images (tests/vllm/test_vllm_images.py serves
+    one that has): an image is refused in the API's shape, never dropped, and the server keeps serving."""
+    url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    with pytest.raises(openai.BadRequestError, match="does not accept images"):
+        client.chat.completions.create(model="tiny-chat", max_tokens=2, messages=[{"role": "user", "content": [  # type: ignore[misc,list-item]
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}])
+    assert greedy(client, 2).choices[0].message.content
+
+
 def test_streaming_chat_returns_tokens_and_length(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model="tiny-chat", messages=PROMPT, max_tokens=8, stream=True,
                                             stream_options={"include_usage": True},

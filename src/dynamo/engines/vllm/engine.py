@@ -74,8 +74,9 @@ from dynamo.engines.token_engine_common import (
     one_line,
     relay_outputs,
 )
+from dynamo.engines.vllm.images import VllmVision, probe_vision
 from dynamo.engines.vllm.lora import VllmAdapters, lora_engine_args
-from dynamo.errors import EngineError, ModelError, UserError
+from dynamo.errors import EngineError, ModelError, RequestError, UserError
 from dynamo.llm.engine import Context
 from dynamo.llm.lora import runtime_lora_allowed
 from dynamo.llm.model_card import ModelCard
@@ -332,6 +333,12 @@ class VllmEngine:
         self._metrics: Any = None  # SchedulerStatsMetrics
         self._loras = VllmAdapters()  # LoRA adapters served (lora.py)
         self._lora_lock = asyncio.Lock()  # one load or unload at a time
+        self._vision: VllmVision | None = None  # a model that takes images (images.py)
+
+    @property
+    def image_tokens(self) -> int:
+        """Positions an image takes in a prompt (0: the model takes no images; images.py)."""
+        return self._vision.image_tokens if self._vision is not None else 0
 
     # -- LoRA adapters (lora.py) ----------------------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:
@@ -367,6 +374,11 @@ class VllmEngine:
             self._adopt_engine_config()
             self._loras.adopt(self._llm.vllm_config)
             self._start_kv_events()
+            if not self.pooling:
+                self._vision = await probe_vision(self._llm)
+                if self._vision is not None:
+                    log.info("vllm: %s takes images (%d positions each)", self.card.display_name,
+                             self._vision.image_tokens)
 
     # -- KV events and load metrics --------------------------------------------------------------------
     def _prepare_kv_events(self) -> None:
@@ -565,9 +577,17 @@ class VllmEngine:
         lora = self._loras.request(request.model)  # None: the base model
         rid = f"{context.id}-{next(self._ids)}"
         llm = self._llm
+        if request.multi_modal_data:
+            if self._vision is None:
+                raise RequestError(f"{self.card.display_name} takes no images", param="messages")
+            if want_prompt:  # vLLM's prompt (its image tokens) is not the one our post-processor holds
+                raise RequestError("prompt_logprobs cannot be combined with images", param="prompt_logprobs")
+            prompt = await self._vision.engine_input(llm, request.token_ids, request.multi_modal_data)
+        else:
+            prompt = make_prompt(list(request.token_ids))
         if context.is_stopped:  # stopped before it started: vLLM never sees it
             return
-        stream = llm.generate(make_prompt(list(request.token_ids)), params, rid, lora_request=lora)
+        stream = llm.generate(prompt, params, rid, lora_request=lora)
         # errors: EngineDeadError, EngineGenerateError, a rejected request; abort: the coroutine AsyncLLM.abort
         first = [True]
         prefill = self.mode is DisaggregationMode.PREFILL
