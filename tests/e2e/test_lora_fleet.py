@@ -88,7 +88,7 @@ def test_run_time_adapters_reach_every_worker_through_the_frontend(servers, gguf
             r = http.post("/v1/load_lora_adapter", json=body)
             assert r.status_code == 200 and "added successfully" in r.text, r.text
             # listed and routable as soon as the call returns, on both workers
-            assert listed(client)["strong"] == {"root": str(adapter), "parent": "smol"}
+            assert listed(client)["strong"] == {"root": str(adapter), "parent": "smol", "input_modalities": ["text"]}
             for w in ws:
                 assert "LoRA adapter strong loaded from" in w.stderr_text()
             strong = {lora_answer(client, "strong") for _ in range(4)}  # round-robin: both workers answer
@@ -182,7 +182,7 @@ def test_a_worker_killed_during_a_load_leaves_the_fleet_and_the_load_stands_on_t
             # listed because a live worker serves it; its requests are answered with the adapter's weights
             models = listed(client)
             assert set(models) == {"smol", "strong"}
-            assert models["strong"] == {"root": str(adapter), "parent": "smol"}
+            assert models["strong"] == {"root": str(adapter), "parent": "smol", "input_modalities": ["text"]}
             strong = lora_answer(client, "strong")
             assert strong != base and lora_answer(client, "smol") == base
             assert "LoRA adapter strong withdrawn" not in ws[0].stderr_text()  # never undone

@@ -36,7 +36,7 @@ def test_start_and_run_time_adapters_over_http(gguf, adapter, args_file, tmp_pat
         client = openai.OpenAI(base_url=srv.api_url, api_key=KEY)
         listed = {m.id: m for m in client.models.list().data}
         assert set(listed) == {"smol", "strong"}
-        assert listed["strong"].model_extra == {"root": str(adapter), "parent": "smol"}
+        assert listed["strong"].model_extra == {"root": str(adapter), "parent": "smol", "input_modalities": ["text"]}
         base, strong = lora_answer(client, "smol"), lora_answer(client, "strong")
         assert base and strong and base != strong
         post = httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -109,7 +109,7 @@ def test_an_adapters_requests_go_only_to_the_worker_that_has_it(servers, gguf, a
             wait_until(lambda: re.search(r"added model strong", fe.stderr_text()), 30, "the adapter's model")
             client = openai.OpenAI(base_url=fe.api_url, api_key="none")
             models = {m.id: m for m in client.models.list().data}
-            assert models["strong"].model_extra == {"root": str(adapter), "parent": "smol"}
+            assert models["strong"].model_extra == {"root": str(adapter), "parent": "smol", "input_modalities": ["text"]}
             base = lora_answer(client, "smol")
             strong = [lora_answer(client, "strong") for _ in range(4)]  # round-robin would alternate workers
             assert len(set(strong)) == 1 and strong[0] != base

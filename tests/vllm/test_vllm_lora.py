@@ -83,7 +83,7 @@ def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
 def test_start_adapters_are_listed_with_their_parent(client: openai.OpenAI, adapters: dict[str, Path]) -> None:
     listed = {m.id: m for m in client.models.list().data}
     assert set(listed) == {"tiny-chat", "strong", "zero"}
-    assert listed["strong"].model_extra == {"root": str(adapters["strong"]), "parent": "tiny-chat"}
+    assert listed["strong"].model_extra == {"root": str(adapters["strong"]), "parent": "tiny-chat", "input_modalities": ["text"]}
 
 
 def test_an_adapter_changes_greedy_output_and_a_zero_one_does_not(client: openai.OpenAI) -> None:
@@ -98,7 +98,7 @@ def test_run_time_load_and_unload(client: openai.OpenAI, http: httpx.Client, ada
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(adapters["other"])})
     assert r.status_code == 200 and "added successfully" in r.text, r.text
     listed = {m.id: m for m in client.models.list().data}
-    assert listed["other"].model_extra == {"root": str(adapters["other"]), "parent": "tiny-chat"}
+    assert listed["other"].model_extra == {"root": str(adapters["other"]), "parent": "tiny-chat", "input_modalities": ["text"]}
     other = greedy(client, "other")
     assert other not in (base, strong)
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "other"})

@@ -7,6 +7,7 @@ first (a one-line error within seconds) and bound the real connect with a timeou
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import ssl
@@ -64,6 +65,11 @@ def _reason(exc: BaseException) -> str:
     if "authorization violation" in text.lower():
         return f"{text.strip()} (check NATS_AUTH_* or the URL's credentials)"
     return text
+
+
+def _dropped_after_handshake(exc: BaseException) -> bool:
+    return isinstance(exc, (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE))
 
 
 def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
@@ -153,6 +159,12 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
         # a refused credential is the reason even when a later try only saw the connection drop
         refusals = [e for e in last_error if "authorization" in str(e).lower()]
         cause = refusals[-1] if refusals else last_error[-1] if last_error else exc
-        raise RuntimeConnectionError(f"cannot connect to NATS at {redact_url(url)}: {_reason(cause)}") from None
+        reason = _reason(cause)
+        if tls is not None and not settings.tls_cert and _dropped_after_handshake(cause):
+            # TLS 1.3: a server that requires a client certificate says so after our side of the handshake
+            # has finished, so the alert races the drop and we may only see the connection go
+            reason += (" (a server that requires client certificates drops a client without one: "
+                       "NATS_TLS_CLIENT_CERT_PATH and NATS_TLS_CLIENT_KEY_PATH name one signed by the CA it trusts)")
+        raise RuntimeConnectionError(f"cannot connect to NATS at {redact_url(url)}: {reason}") from None
     client.append(nc)
     return nc
