@@ -196,22 +196,8 @@ class ActiveSequences:
             self.active_tokens -= req.prefill_tokens
             del self.prefilling[request_id]
         else:
-            drefs = self.decode_refs
-            for b in req.blocks:
-                n = drefs[b] - 1
-                if n:
-                    drefs[b] = n
-                else:
-                    del drefs[b]
-            self.decoding_blocks = len(drefs)
-        refs = self.block_refs
-        for b in req.blocks:
-            n = refs[b] - 1
-            if n:
-                refs[b] = n
-            else:
-                del refs[b]
-        self.num_blocks = len(refs)
+            self.decoding_blocks = _unref(self.decode_refs, req.blocks)
+        self.num_blocks = _unref(self.block_refs, req.blocks)
         if req.blocks:
             heads, head = self.heads, req.blocks[0]
             n = heads[head] - 1
@@ -487,6 +473,17 @@ def fast_pick(candidates: Iterable[WorkerId], overlaps: Mapping[WorkerId, int], 
         prefill = isl + tokens
         pick = WorkerCost(pick, 0, prefill, n + blocks, scale * prefill + n + blocks)
     return FastPick(pick, evaluated)
+
+
+def _unref(refs: dict, blocks: Sequence) -> int:
+    """Drop one reference to each of ``blocks``, forgetting blocks no one holds; the blocks still held."""
+    for b in blocks:
+        n = refs[b] - 1
+        if n:
+            refs[b] = n
+        else:
+            del refs[b]
+    return len(refs)
 
 
 def _limit(best: float) -> float:
