@@ -156,7 +156,7 @@ def test_a_remote_pystr_worker_gets_images_loaded_by_the_frontend(fleet_env: dic
     still arrives, because the frontend loaded it and the worker got a ``data:`` URL.  The worker's card
     says it takes images, so the frontend's ``/v1/models`` does."""
     with DynamoWorker(f"in=dyn://{MODEL}.pystr.generate", f"out=pystr:{ENGINE}", "--model-name", MODEL,
-                      env={**fleet_env, "DYN_MM_ALLOW_INTERNAL": "0"}) as worker, \
+                      env={**fleet_env, "DYN_MM_ALLOW_INTERNAL": "0"}), \
             DynamoRun("out=dyn", env={**fleet_env, "DYN_MM_ALLOW_INTERNAL": "1"}) as fe:
         oai = client(fe)
         wait_until(lambda: [m.id for m in oai.models.list().data] == [MODEL], 30, "the frontend to see the worker")
