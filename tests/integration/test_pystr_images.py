@@ -11,12 +11,14 @@ fetch.  The same file without the declaration keeps refusing images.
 
 from __future__ import annotations
 
+import base64
 import http.server
 import re
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -31,10 +33,18 @@ MODEL = "sizes"
 ANSWER = re.compile(r"^(image/\w+) (\d+)x(\d+) (mm-[0-9a-f]{16})$")
 
 
+HUNG = threading.Event()  # set by /hang once the fetcher closed the connection it never got an answer on
+
+
 class _Picture(http.server.BaseHTTPRequestHandler):
-    """``/photo.jpg``: a 40x30 JPEG (named and typed as one, and one); anything else 404."""
+    """``/photo.jpg``: a 40x30 JPEG (named and typed as one, and one); ``/hang``: never answers, and
+    notes when the other side gives up (:data:`HUNG`); anything else 404."""
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        if self.path == "/hang":
+            if self.connection.recv(1) == b"":  # blocks until the fetcher closes its side
+                HUNG.set()
+            return
         if self.path != "/photo.jpg":
             self.send_error(404)
             return
@@ -97,7 +107,8 @@ def modalities(oai: openai.OpenAI) -> list[str]:
 
 @pytest.fixture(scope="module")
 def https_only() -> Iterator[DynamoRun]:
-    with DynamoRun(f"out=pystr:{ENGINE}", "--model-name", MODEL, env={"DYN_MM_ALLOW_INTERNAL": "0"}) as srv:
+    with DynamoRun(f"out=pystr:{ENGINE}", "--model-name", MODEL, "--enable-anthropic-api",
+                   env={"DYN_MM_ALLOW_INTERNAL": "0"}) as srv:
         yield srv
 
 
@@ -123,10 +134,30 @@ def test_loopback_http_is_refused_by_default_and_the_server_keeps_serving(https_
     assert ask(oai, data_url(image_bytes(3, 2)))[0][:3] == ("image/png", 3, 2)
 
 
+def test_anthropic_and_responses_images_reach_the_engine_too(https_only: DynamoRun):
+    png = image_bytes(9, 4)
+    ant = anthropic.Anthropic(base_url=https_only.base_url, api_key="none", max_retries=0, timeout=60)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}
+    answer = ant.messages.create(model=MODEL, max_tokens=20, messages=[{"role": "user", "content": [
+        {"type": "image", "source": source}, {"type": "text", "text": "What size?"}]}])
+    assert ANSWER.match(answer.content[0].text).groups()[:3] == ("image/png", "9", "4")  # type: ignore[union-attr]
+    response = client(https_only).responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What size?"}, {"type": "input_image", "image_url": data_url(png), "detail": "auto"}]}])
+    assert ANSWER.match(response.output_text).groups()[:3] == ("image/png", "9", "4")  # type: ignore[union-attr]
+
+
 def test_loopback_http_is_fetched_by_the_frontend_when_allowed(photo_url: str):
     with DynamoRun(f"out=pystr:{ENGINE}", "--model-name", MODEL, env={"DYN_MM_ALLOW_INTERNAL": "1"}) as srv:
-        (got,) = ask(client(srv), photo_url)
+        oai = client(srv)
+        (got,) = ask(oai, photo_url)
         assert got[:3] == ("image/jpeg", 40, 30)
+        # a client that leaves while its image is being fetched ends the fetch, and the server keeps serving
+        hang = photo_url.replace("/photo.jpg", "/hang")
+        impatient = oai.with_options(timeout=2)
+        with pytest.raises(openai.APITimeoutError):
+            ask(impatient, hang)
+        assert HUNG.wait(15), "the frontend kept fetching the image of a request whose client went away"
+        assert ask(oai, photo_url) == [got]
 
 
 def test_an_engine_that_does_not_declare_images_still_refuses_them(tmp_path: Path):
