@@ -33,7 +33,8 @@ async def inline_images(raw: dict[str, Any], policy: MediaPolicy) -> tuple[dict[
     """``raw`` (a chat request as sent) with each ``image_url`` part's URL replaced by its checked
     ``data:`` URL, and the images in order; refused or broken images are a :class:`MediaError`.  The
     client's dict is not changed: messages with images are copied.  Base64 runs in a thread, as the
-    loading does: 20 MiB take 60-130 ms on this (shared) machine."""
+    loading does: a 12.6 MB PNG takes 57-124 ms on this (shared) machine, a third of its decode
+    (benchmarks/media_decode.py)."""
     images = await load_images(image_parts(raw.get("messages")), policy)
     if not images:
         return raw, images
