@@ -445,6 +445,12 @@ class PyStrEngine(_PythonEngine):
     mode = "pystr"
     wants_raw_request = True  # FullPipeline passes the client's dict as ``raw=``
 
+    @property
+    def image_urls(self) -> bool:
+        """The file takes images and says so with ``generate.images = True``: a chat's ``image_url`` parts
+        then reach it as ``data:`` URLs the frontend loaded and checked (else images are 400s)."""
+        return bool(getattr(self._generate, "images", False))
+
     async def generate(self, request: Any, context: Context, raw: dict[str, Any] | None = None) -> AsyncIterator[dict[str, Any]]:
         if raw is None:
             raw = request if isinstance(request, dict) else _struct_dict(request)

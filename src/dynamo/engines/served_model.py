@@ -79,6 +79,7 @@ async def build_served_model(cfg: RunConfig, card: ModelCard, engine_name: str) 
         if value not in (None, "auto", "none"):
             raise UserError(f"{flag} works with token engines; out={engine_name} reads the OpenAI request and "
                             "writes the answer itself, so parsing is its own")
+    card.image_urls = caps.image_urls
     tokenizer = None
     if card.has_tokenizer:
         from dynamo.llm.tokenizer import Tokenizer

@@ -191,11 +191,13 @@ class EngineCapabilities:
     logprobs: bool = False
     prompt_logprobs: bool = False
     wants_raw_request: bool = False  # full engines that read the client's JSON as sent
+    # full engines given the JSON as sent that take a chat's images as image_url parts (checked data: URLs)
+    image_urls: bool = False
     image_tokens: int = 0  # positions an image takes in a prompt (0: no images)
 
 
 _SAMPLING_DEFAULTS = {"guided_decoding": False, "logit_bias": False, "logprobs": False, "prompt_logprobs": False,
-                      "wants_raw_request": False}
+                      "wants_raw_request": False, "image_urls": False}
 
 
 def capabilities_of(engine: object) -> EngineCapabilities:
@@ -214,6 +216,7 @@ def capabilities_of(engine: object) -> EngineCapabilities:
         logprobs=bool(declared["logprobs"]),
         prompt_logprobs=bool(declared["logprobs"]) and bool(declared["prompt_logprobs"]),
         wants_raw_request=bool(declared["wants_raw_request"]),
+        image_urls=bool(declared["wants_raw_request"]) and bool(declared["image_urls"]),
         image_tokens=int(engine.image_tokens) if isinstance(engine, TakesImages) else 0,
     )
 

@@ -51,6 +51,14 @@ class ModelCard:
     # images: the placeholder positions one image takes in a prompt (the worker's image encoder decides;
     # a projector that tiles by size may use more, and the engine rewrites the run); 0: text only
     image_tokens: int = 0
+    # images for an engine given the request as sent (a pystr file that sets ``generate.images = True``):
+    # the frontend loads them and hands them on as checked ``data:`` URLs (llm/media/inline.py)
+    image_urls: bool = False
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether requests with images reach the engine (else they are 400s)."""
+        return bool(self.image_tokens or self.image_urls)
 
     @property
     def lora_name(self) -> str | None:
@@ -96,6 +104,7 @@ class ModelCard:
             "prompt_logprobs": self.prompt_logprobs,
             "lora": self.lora,
             "image_tokens": self.image_tokens,
+            "image_urls": self.image_urls,
         }
 
     @classmethod

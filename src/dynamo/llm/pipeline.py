@@ -19,7 +19,7 @@ from dynamo.llm.engine import Context, Engine, capabilities_of
 from dynamo.llm.fanout import child_contexts, merge_choices
 from dynamo.llm.first_token import stamp
 from dynamo.llm.logprobs import Entry
-from dynamo.llm.media import MediaError, image_parts
+from dynamo.llm.media import MediaError, current_policy, image_parts, inline_images
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.openai import (
@@ -307,7 +307,9 @@ class FullPipeline:
 
     Usage is appended when the client asked for it and the engine did not send one; the engine reports
     counts through ``ctx`` when it knows them.  An engine with ``wants_raw_request = True`` (pystr) also
-    gets the request dict exactly as the client sent it: ``generate(req, ctx, raw=raw)``.
+    gets the request dict exactly as the client sent it: ``generate(req, ctx, raw=raw)``; when its card
+    says ``image_urls`` (pystr with ``generate.images = True``, a remote worker serving one), a chat's
+    images are loaded under the media policy first and reach it as checked ``data:`` URLs.
     """
 
     def __init__(self, name: str, card: ModelCard, engine: Engine, tokenizer: Tokenizer | None = None):
@@ -320,10 +322,27 @@ class FullPipeline:
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_n(req)
         if image_parts(raw.get("messages")):
-            # an engine given the request as sent (pystr, a remote Chat worker) would get the image URLs
-            # unchecked, and might fetch them under no policy at all
-            raise MediaError(f"model {self.card.display_name!r} does not accept images")
+            # an engine given the request as sent must never get a client's URL to fetch under no policy:
+            # one that takes images gets them loaded and checked here, the others none
+            if not (self.card.image_urls and self._pass_raw):
+                raise MediaError(f"model {self.card.display_name!r} does not accept images")
+            return self._chat_images(req, raw, ctx)
         return self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
+
+    async def _chat_images(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context
+                           ) -> AsyncIterator[StreamItem]:
+        """The images loaded (and refused) first, so errors come with the first item; the engine gets the
+        request with each image as a ``data:`` URL of its checked bytes.  A remote worker serving such an
+        engine loads them again under its own policy (``data:`` URLs pass it): one more decode per image,
+        and a worker reached by something other than a frontend still fetches nothing."""
+        raw, images = await inline_images(raw, current_policy())
+        stamp(ctx.stamps, "images loaded", f"{len(images)}")
+        stream = self._stream(req, raw, ChatChunks(req.model, ctx.id), ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     def completions(self, req: CompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         self._check_n(req)

@@ -1,7 +1,8 @@
 """``GET /v1/models``: every served model (chat, completion and embedding models), in the OpenAI shape;
 LoRA adapters also carry vLLM's ``root`` (the adapter's file) and ``parent`` (the base model's id), and every
 model its ``input_modalities`` (OpenRouter's name): ``["text", "image"]`` for a model whose engine takes
-images (its card's ``image_tokens``), else ``["text"]``."""
+images (its card's ``image_tokens``, or ``image_urls`` for an engine given the request as sent), else
+``["text"]``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class ModelsRoute:
         for name in self.models.names():
             entry = {"id": name, "object": "model", "created": self.models.created(name), "owned_by": "dynamo"}
             card = self.models.get(name).card
-            entry["input_modalities"] = ["text", "image"] if card.image_tokens else ["text"]
+            entry["input_modalities"] = ["text", "image"] if card.takes_images else ["text"]
             lora = card.lora
             if lora:  # a LoRA adapter, listed as vLLM lists one: its file and its base model
                 entry.update(root=lora.get("path"), parent=lora.get("base_model"))
