@@ -62,6 +62,17 @@ def finish(call: Any, signal: Any) -> Generator[Any, Any, Any]:
                 return stop.value
 
 
+async def rethrow(call: Any, exc: BaseException) -> Any:
+    """The rest of a started ``__anext__()`` call whose awaited future failed or whose waiter was
+    cancelled: ``exc`` goes into the call, as the task would have thrown it, and the call is finished
+    as :func:`finish` does.  For writers that wait on the call's future themselves."""
+    try:
+        signal = call.throw(exc)
+    except StopIteration as stop:
+        return stop.value
+    return await finish(call, signal)
+
+
 class Pending:
     """The rest of an ``__anext__()`` call that :func:`next_now` started and that had to wait.
 

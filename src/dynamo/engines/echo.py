@@ -18,9 +18,13 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Any, AsyncIterator
 
+import orjson
+
 from dynamo.errors import RequestError
+from dynamo.lazyjson import LazyJson
 from dynamo.llm.chunks import ChatChunks, CompletionChunks
 from dynamo.llm.embeddings import EmbeddingInput, Embeddings
 from dynamo.llm.engine import Context
@@ -29,6 +33,7 @@ from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.llm.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    include_usage,
     last_user_text,
     max_tokens_of,
     prompt_text,
@@ -53,39 +58,84 @@ def echo_delay_seconds() -> float:
     return value / 1000
 
 
+class _Ticks:
+    """One loop's paced waits, grouped by the millisecond they fall due in: one loop timer per
+    millisecond that has any, which wakes each of its waits in turn.
+
+    Why: a loop timer per token (a timer handle, a timer-heap insert and removal, and a Python callback
+    when it fires) was about a tenth of a paced token's CPU with 256 streams, when about 25 streams
+    fall due in each millisecond (docs/performance.md).  uvloop's timers count whole milliseconds
+    anyway, so each token keeps its own deadline, as precise as before; tokio, under the original's
+    echo engine, groups its timers the same way (a timer wheel).
+    """
+
+    __slots__ = ("due", "_later")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.due: dict[int, list[asyncio.Future[None]]] = {}
+        self._later = loop.call_later
+
+    def add(self, tick: int, fut: "asyncio.Future[None]", pause: float) -> None:
+        """Wake ``fut`` at millisecond ``tick``, which is ``pause`` seconds away."""
+        self.due[tick] = [fut]
+        self._later(pause, self._fire, tick)
+
+    def _fire(self, tick: int) -> None:
+        for fut in self.due.pop(tick):
+            if not fut.done():  # not cancelled meanwhile (the client left)
+                fut.set_result(None)
+
+
+_TICKS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ticks]" = weakref.WeakKeyDictionary()
+
+
 class _Pacer:
     """When each item is due; with no delay, a turn of the loop now and then for fairness.
 
     An item that is already overdue (the loop was busy) goes out at once, without a turn of the loop
     in between: the items that fell due together leave together, in one frame batch and one write,
     as a real engine's queued tokens do, so a busy server catches up cheaply instead of paying a
-    full loop turn and a send per late token.  ``wait()`` hands back the future to await (a timer of
-    the loop sets it) rather than being a coroutine around ``asyncio.sleep``: two frames and a
-    ``get_running_loop`` (a ``getpid`` system call on Python 3.11) less per paced token.
+    full loop turn and a send per late token.  On an idle loop every item waits for its own deadline
+    (:class:`_Ticks`), so each token is its own event and its own write.
+
+    ``wait()`` hands back the future to await rather than being a coroutine around ``asyncio.sleep``:
+    two frames and a ``get_running_loop`` (a ``getpid`` system call on Python 3.11) less per paced token.
     """
 
-    __slots__ = ("delay", "_due", "_n", "_loop")
+    __slots__ = ("delay", "_due", "_n", "_create", "_ticks", "_due_at", "_loop")
 
     def __init__(self, delay: float):
         self.delay = delay
         self._due = time.monotonic()
         self._n = 0
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._create = loop.create_future
+        ticks = _TICKS.get(loop)
+        if ticks is None:
+            ticks = _TICKS[loop] = _Ticks(loop)
+        self._ticks = ticks
+        self._due_at = ticks.due
 
     def wait(self) -> "asyncio.Future[None] | None":
         """A future to await before the next item, or None when it is due now."""
         if self.delay > 0:
-            self._due += self.delay
-            pause = self._due - time.monotonic()
+            due = self._due = self._due + self.delay
+            pause = due - time.monotonic()
             if pause <= 0:
                 return None
-        else:
-            self._n += 1
-            if self._n % 16:
-                return None
-            pause = 0
-        fut = self._loop.create_future()
-        self._loop.call_later(pause, _wake, fut)
+            fut = self._create()
+            tick = int(due * 1000 + 0.5)
+            waiting = self._due_at.get(tick)
+            if waiting is None:
+                self._ticks.add(tick, fut, pause)
+            else:
+                waiting.append(fut)
+            return fut
+        self._n += 1
+        if self._n % 16:
+            return None
+        fut = self._create()
+        self._loop.call_soon(_wake, fut)
         return fut
 
 
@@ -95,7 +145,17 @@ def _wake(fut: "asyncio.Future[None]") -> None:
 
 
 class EchoFullEngine:
+    """Echoes the last user message (or the prompt) one character per chunk.
+
+    Its stream is what the client gets (``sends_usage``): the usage chunk when the request asks for
+    it, so the pipeline adds no layer of its own.  After the first chunk (the role's) each chunk is
+    rendered from the stream's byte template (``text_template``) as a :class:`LazyJson`, which the SSE
+    writer sends as it is and any other reader decodes: one string encoded per token instead of a
+    nested dict built and encoded.
+    """
+
     kind = "full"
+    sends_usage = True
 
     def __init__(self, delay: float | None = None):
         self.delay = echo_delay_seconds() if delay is None else delay
@@ -112,22 +172,28 @@ class EchoFullEngine:
             chunks = CompletionChunks(request.model, context.id)
         limit = max_tokens_of(request)
         context.prompt_tokens = len(text)  # no tokenizer: a character counts as a token
+        if limit is not None and limit < len(text):
+            text, reason = text[:limit], "length"
+        else:
+            reason = "stop"
+        prefix, suffix = chunks.text_template()
+        dumps = orjson.dumps
         pacer = _Pacer(self.delay)
-        reason = "stop"
+        wait = pacer.wait
         sent = 0
         for ch in text:
             if context.is_stopped:
+                reason = "stop"
                 break
-            if limit is not None and sent >= limit:
-                reason = "length"
-                break
-            due = pacer.wait()
+            due = wait()
             if due is not None:
                 await due
             sent += 1
             context.completion_tokens = sent
-            yield chunks.delta(ch)
+            yield LazyJson(prefix + dumps(ch) + suffix) if sent > 1 else chunks.delta(ch)
         yield chunks.delta(None, reason)
+        if include_usage(request):
+            yield chunks.usage(context.prompt_tokens, sent)
 
 
 class EchoCoreEngine:

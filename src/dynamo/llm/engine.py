@@ -191,11 +191,14 @@ class EngineCapabilities:
     logprobs: bool = False
     prompt_logprobs: bool = False
     wants_raw_request: bool = False  # full engines that read the client's JSON as sent
+    # full engines whose stream is the client's as it is: a usage chunk exactly when the request asks
+    # for one (``include_usage``), so the pipeline passes it on without a layer of its own
+    sends_usage: bool = False
     image_tokens: int = 0  # positions an image takes in a prompt (0: no images)
 
 
 _SAMPLING_DEFAULTS = {"guided_decoding": False, "logit_bias": False, "logprobs": False, "prompt_logprobs": False,
-                      "wants_raw_request": False}
+                      "wants_raw_request": False, "sends_usage": False}
 
 
 def capabilities_of(engine: object) -> EngineCapabilities:
@@ -214,6 +217,7 @@ def capabilities_of(engine: object) -> EngineCapabilities:
         logprobs=bool(declared["logprobs"]),
         prompt_logprobs=bool(declared["logprobs"]) and bool(declared["prompt_logprobs"]),
         wants_raw_request=bool(declared["wants_raw_request"]),
+        sends_usage=bool(declared["sends_usage"]),
         image_tokens=int(engine.image_tokens) if isinstance(engine, TakesImages) else 0,
     )
 

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import orjson
 from aiohttp import web
 
-from dynamo.aio import abandon, finish
+from dynamo.aio import abandon, finish, rethrow
 from dynamo.errors import EngineError, RequestError
 from dynamo.frontend.http.errors import error_body
 from dynamo.frontend.http.metrics import RequestMetrics
@@ -41,6 +41,7 @@ from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 
 log = logging.getLogger(__name__)
+Future = asyncio.Future  # what a paced engine's wait yields (uvloop's and asyncio's futures alike)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 SSE_BATCH = 256  # events at most in one write when a stream has a backlog
@@ -193,9 +194,13 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                 rm: RequestMetrics, first: Any, fmt: SseFormat) -> bool:
     """Write the stream's items as SSE events; whether it ended without error.
 
-    Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it,
-    and finished with ``aio.finish`` when it must wait (``aio.next_now`` does the same through a helper
-    object: two Python calls more per token, on the per-token path of every stream).
+    Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it
+    (``aio.next_now`` does the same through a helper object: two Python calls more per token, on the
+    per-token path of every stream).  When it must wait on a future (a paced engine's timer, a queue's
+    getter), the pump awaits that future itself and then resumes the call; anything else it yields,
+    and a future that fails or a cancellation, go through ``aio.finish`` / ``aio.rethrow``, which relay
+    them both ways as a task would.  Awaiting the future here rather than through ``finish`` saves a
+    generator frame resumption per token (docs/performance.md).
     """
     encode = fmt.item
     tokens = rm.tokens
@@ -222,15 +227,38 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                 else:
                     # not ready: what was gathered leaves now, then wait for the item as the task would
                     in_a_row = 0
+                    step = call  # a failed write (or a cancellation) must end the call it interrupted
                     if parts:
-                        step = call  # a failed write must end the call it interrupted
                         w = sink.write(parts)
                         if w is not None:
                             await w
                         if ctx.stamps is not None:
                             first_token.report(ctx)
-                        step = None
-                    item = await finish(call, signal)
+                    while True:
+                        if type(signal) is not Future:  # anything but a future: relayed by aio.finish
+                            step = None
+                            item = await finish(call, signal)
+                            break
+                        signal._asyncio_future_blocking = False  # taken over from the call, as the task does
+                        try:
+                            await signal  # the future the call waits on: no relaying frame per token
+                        except GeneratorExit:
+                            step = None
+                            call.close()
+                            raise
+                        except BaseException as e:  # it failed, or we were cancelled: the call sees it
+                            step = None
+                            item = await rethrow(call, e)
+                            break
+                        try:
+                            signal = call.send(None)
+                        except StopIteration as done:
+                            item = done.value
+                            break
+                        except StopAsyncIteration:
+                            step = None
+                            raise
+                    step = None
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
                 data = encode(item)
                 if data:
