@@ -46,6 +46,7 @@ Future = asyncio.Future  # what a paced engine's wait yields (uvloop's and async
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 SSE_BATCH = 256  # events at most in one write when a stream has a backlog
 DONE = b"data: [DONE]\n\n"
+DRAIN_EVERY = 0x10000  # aiohttp's own LIMIT: bytes between two flow-control checks of a stream
 
 
 class SseFormat(Protocol):
@@ -125,8 +126,6 @@ class ChunkSink:
 
     __slots__ = ("_resp", "_request", "_transport", "_writer", "_chunked", "_since_drain")
 
-    DRAIN_EVERY = 0x10000  # aiohttp's own LIMIT: bytes between two flow-control checks
-
     def __init__(self, resp: web.StreamResponse, request: web.Request):
         self._resp = resp
         self._request = request
@@ -144,9 +143,10 @@ class ChunkSink:
             return self._first(data)
         if transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        self._since_drain += len(data)
-        if self._since_drain > self.DRAIN_EVERY:
+        n = len(data)
+        transport.write(b"%x\r\n%b\r\n" % (n, data) if self._chunked else data)
+        self._since_drain += n
+        if self._since_drain > DRAIN_EVERY:
             self._since_drain = 0
             return self._writer.drain()
         return None
@@ -197,10 +197,11 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
     Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it
     (``aio.next_now`` does the same through a helper object: two Python calls more per token, on the
     per-token path of every stream).  When it must wait on a future (a paced engine's timer, a queue's
-    getter), the pump awaits that future itself and then resumes the call; anything else it yields,
+    getter), the pump awaits that future itself and then awaits the call, which resumes it natively
+    (its item, or a further wait handed to the task as any ``await`` does); anything else it yielded,
     and a future that fails or a cancellation, go through ``aio.finish`` / ``aio.rethrow``, which relay
-    them both ways as a task would.  Awaiting the future here rather than through ``finish`` saves a
-    generator frame resumption per token (docs/performance.md).
+    them both ways as a task would.  Against finishing every wait through ``finish``: no generator
+    frame and no ``StopIteration`` caught in Python per token (docs/performance.md).
     """
     encode = fmt.item
     tokens = rm.tokens
@@ -234,14 +235,10 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                             await w
                         if ctx.stamps is not None:
                             first_token.report(ctx)
-                    while True:
-                        if type(signal) is not Future:  # anything but a future: relayed by aio.finish
-                            step = None
-                            item = await finish(call, signal)
-                            break
-                        signal._asyncio_future_blocking = False  # taken over from the call, as the task does
+                    if type(signal) is Future:  # the usual wait: on the future itself, no relaying frame
+                        signal._asyncio_future_blocking = False  # taken over from the call, as a task does
                         try:
-                            await signal  # the future the call waits on: no relaying frame per token
+                            await signal
                         except GeneratorExit:
                             step = None
                             call.close()
@@ -249,16 +246,12 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                         except BaseException as e:  # it failed, or we were cancelled: the call sees it
                             step = None
                             item = await rethrow(call, e)
-                            break
-                        try:
-                            signal = call.send(None)
-                        except StopIteration as done:
-                            item = done.value
-                            break
-                        except StopAsyncIteration:
+                        else:
                             step = None
-                            raise
-                    step = None
+                            item = await call  # resumed natively; a further wait goes to the task
+                    else:  # anything else it yielded: relayed by aio.finish
+                        step = None
+                        item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
                 data = encode(item)
                 if data:
