@@ -62,6 +62,19 @@ def finish(call: Any, signal: Any) -> Generator[Any, Any, Any]:
                 return stop.value
 
 
+def _future_iter_type() -> type:
+    loop = asyncio.new_event_loop()
+    try:
+        return type(loop.create_future().__await__())
+    finally:
+        loop.close()
+
+
+# the type of ``future.__await__()`` (the C one has no importable name): a stream whose ``__anext__``
+# returns a future hands its writer that iterator, and the future's result is the item
+FUTURE_ITER = _future_iter_type()
+
+
 async def rethrow(call: Any, exc: BaseException) -> Any:
     """The rest of a started ``__anext__()`` call whose awaited future failed or whose waiter was
     cancelled: ``exc`` goes into the call, as the task would have thrown it, and the call is finished

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import orjson
 from aiohttp import web
 
-from dynamo.aio import abandon, finish, rethrow
+from dynamo.aio import FUTURE_ITER, abandon, finish, rethrow
 from dynamo.errors import EngineError, RequestError
 from dynamo.frontend.http.errors import error_body
 from dynamo.frontend.http.metrics import RequestMetrics
@@ -238,7 +238,7 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                     if type(signal) is Future:  # the usual wait: on the future itself, no relaying frame
                         signal._asyncio_future_blocking = False  # taken over from the call, as a task does
                         try:
-                            await signal
+                            got = await signal
                         except GeneratorExit:
                             step = None
                             call.close()
@@ -248,7 +248,9 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                             item = await rethrow(call, e)
                         else:
                             step = None
-                            item = await call  # resumed natively; a further wait goes to the task
+                            # a stream that hands out the future of its item: that is the item; else the
+                            # call resumes natively (a further wait goes to the task)
+                            item = got if type(call) is FUTURE_ITER else await call
                     else:  # anything else it yielded: relayed by aio.finish
                         step = None
                         item = await finish(call, signal)
