@@ -70,20 +70,8 @@ def _future_iter_type() -> type:
         loop.close()
 
 
-# the type of ``future.__await__()`` (the C one has no importable name): a stream whose ``__anext__``
-# returns a future hands its writer that iterator, and the future's result is the item
+# the type of ``future.__await__()`` (asyncio's C iterator has no importable name)
 FUTURE_ITER = _future_iter_type()
-
-
-async def rethrow(call: Any, exc: BaseException) -> Any:
-    """The rest of a started ``__anext__()`` call whose awaited future failed or whose waiter was
-    cancelled: ``exc`` goes into the call, as the task would have thrown it, and the call is finished
-    as :func:`finish` does.  For writers that wait on the call's future themselves."""
-    try:
-        signal = call.throw(exc)
-    except StopIteration as stop:
-        return stop.value
-    return await finish(call, signal)
 
 
 class Pending:

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import orjson
 from aiohttp import web
 
-from dynamo.aio import FUTURE_ITER, abandon, finish, rethrow
+from dynamo.aio import FUTURE_ITER, abandon, finish
 from dynamo.errors import EngineError, RequestError
 from dynamo.frontend.http.errors import error_body
 from dynamo.frontend.http.metrics import RequestMetrics
@@ -196,12 +196,14 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
 
     Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it
     (``aio.next_now`` does the same through a helper object: two Python calls more per token, on the
-    per-token path of every stream).  When it must wait on a future (a paced engine's timer, a queue's
-    getter), the pump awaits that future itself and then awaits the call, which resumes it natively
-    (its item, or a further wait handed to the task as any ``await`` does); anything else it yielded,
-    and a future that fails or a cancellation, go through ``aio.finish`` / ``aio.rethrow``, which relay
-    them both ways as a task would.  Against finishing every wait through ``finish``: no generator
-    frame and no ``StopIteration`` caught in Python per token (docs/performance.md).
+    per-token path of every stream).  When the call waits on a future (a paced engine's timer, a queue's
+    getter: nearly always), the pump hands the future back to it and awaits the call itself: resumed,
+    the future's ``await`` yields it again, this time to the task (asyncio's C future does so when it is
+    marked as not yet taken, which is what a task does when it takes one), and the item, a further wait,
+    a failure or a cancellation then pass natively, as under ``await stream.__anext__()``.  Anything else
+    it yielded goes through ``aio.finish``, which relays it.  Against relaying every wait through
+    ``finish``: no generator frame and no ``StopIteration`` caught in Python per token
+    (docs/performance.md).
     """
     encode = fmt.item
     tokens = rm.tokens
@@ -235,24 +237,15 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                             await w
                         if ctx.stamps is not None:
                             first_token.report(ctx)
-                    if type(signal) is Future:  # the usual wait: on the future itself, no relaying frame
-                        signal._asyncio_future_blocking = False  # taken over from the call, as a task does
-                        try:
-                            got = await signal
-                        except GeneratorExit:
-                            step = None
-                            call.close()
-                            raise
-                        except BaseException as e:  # it failed, or we were cancelled: the call sees it
-                            step = None
-                            item = await rethrow(call, e)
-                        else:
-                            step = None
-                            # a stream that hands out the future of its item: that is the item; else the
-                            # call resumes natively (a further wait goes to the task)
-                            item = got if type(call) is FUTURE_ITER else await call
+                    step = None
+                    if type(signal) is Future:
+                        # the usual wait (a paced engine's timer, a queue): the future goes back to the
+                        # call's own ``await``, which yields it again when resumed, now to the task
+                        signal._asyncio_future_blocking = False
+                        # (a stream that handed out the future itself: its iterator cannot be awaited,
+                        # the future can, and gives the same)
+                        item = await signal if type(call) is FUTURE_ITER else await call
                     else:  # anything else it yielded: relayed by aio.finish
-                        step = None
                         item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
                 data = encode(item)
