@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp.http_writer import StreamWriter
 from aiohttp.test_utils import make_mocked_request
 
+from benchmarks.loadgen import install_uvloop, make_prompt
 from dynamo.engines.echo import EchoFullEngine
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.sse import stream_sse
@@ -31,8 +32,6 @@ from dynamo.llm.engine import Context
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.pipeline import FullPipeline
 from dynamo.llm.protocols.openai import parse_chat_request
-
-from benchmarks.loadgen import install_uvloop, make_prompt
 
 
 class NullTransport(asyncio.Transport):
