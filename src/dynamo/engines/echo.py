@@ -63,11 +63,11 @@ class _Ticks:
     """One loop's paced items, grouped by the millisecond they fall due in: one loop timer per
     millisecond that has any, which resolves each of its futures in turn (with its item).
 
-    Why: a loop timer per token (a timer handle, a timer-heap insert and removal, and a Python callback
-    when it fires) was about a tenth of a paced token's CPU with 256 streams, when about 25 streams
-    fall due in each millisecond (docs/performance.md).  uvloop's timers count whole milliseconds
-    anyway, so each token keeps its own deadline, as precise as before; tokio, under the original's
-    echo engine, groups its timers the same way (a timer wheel).
+    Why: a loop timer per token is a timer handle, a timer-heap insert and removal and a Python callback
+    when it fires; with 256 streams at 10 ms about 25 streams fall due in each millisecond, and they now
+    share one (docs/performance.md, "CPU per token").  uvloop's timers count whole milliseconds anyway,
+    so each token keeps its own deadline, as precise as before; tokio, under the original's echo engine,
+    groups its timers the same way (a timer wheel).
     """
 
     __slots__ = ("due", "_later")
