@@ -62,18 +62,6 @@ def finish(call: Any, signal: Any) -> Generator[Any, Any, Any]:
                 return stop.value
 
 
-def _future_iter_type() -> type:
-    loop = asyncio.new_event_loop()
-    try:
-        return type(loop.create_future().__await__())
-    finally:
-        loop.close()
-
-
-# the type of ``future.__await__()`` (asyncio's C iterator has no importable name)
-FUTURE_ITER = _future_iter_type()
-
-
 class Pending:
     """The rest of an ``__anext__()`` call that :func:`next_now` started and that had to wait.
 

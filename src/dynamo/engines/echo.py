@@ -83,8 +83,10 @@ class _Ticks:
 
     def _fire(self, tick: int) -> None:
         for fut, value in self.due.pop(tick):
-            if not fut.done():  # not cancelled meanwhile (the client left)
+            try:
                 fut.set_result(value)
+            except asyncio.InvalidStateError:  # cancelled meanwhile (the client left)
+                pass
 
 
 _TICKS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ticks]" = weakref.WeakKeyDictionary()

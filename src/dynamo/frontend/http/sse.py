@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import orjson
 from aiohttp import web
 
-from dynamo.aio import FUTURE_ITER, abandon, finish
+from dynamo.aio import abandon, finish
 from dynamo.errors import EngineError, RequestError
 from dynamo.frontend.http.errors import error_body
 from dynamo.frontend.http.metrics import RequestMetrics
@@ -201,7 +201,8 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
     the future's ``await`` yields it again, this time to the task (asyncio's C future does so when it is
     marked as not yet taken, which is what a task does when it takes one), and the item, a further wait,
     a failure or a cancellation then pass natively, as under ``await stream.__anext__()``.  Anything else
-    it yielded goes through ``aio.finish``, which relays it.  Against relaying every wait through
+    it yielded goes through ``aio.finish``, which relays it.  A stream whose ``__anext__`` returns a
+    future (echo_full) is awaited on that future directly.  Against relaying every wait through
     ``finish``: no generator frame and no ``StopIteration`` caught in Python per token
     (docs/performance.md).
     """
@@ -219,14 +220,25 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
             anext = stream.__anext__
             in_a_row = 0
             while True:
-                call: Any = anext().__await__()  # an async generator's asend object itself
-                try:
-                    signal = call.send(None)
-                except StopIteration as done:
-                    item = done.value
+                nxt: Any = anext()
+                if type(nxt) is Future:  # a stream that hands out the future of its item (echo_full)
+                    call = None
+                    ready = nxt.done()
+                    if ready:
+                        item = nxt.result()
+                else:
+                    call = nxt.__await__()  # an async generator's asend object itself
+                    try:
+                        signal = call.send(None)
+                    except StopIteration as done:
+                        item = done.value
+                        ready = True
+                    except StopAsyncIteration:
+                        break
+                    else:
+                        ready = False
+                if ready:
                     in_a_row += 1
-                except StopAsyncIteration:
-                    break
                 else:
                     # not ready: what was gathered leaves now, then wait for the item as the task would
                     in_a_row = 0
@@ -238,13 +250,13 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                         if ctx.stamps is not None:
                             first_token.report(ctx)
                     step = None
-                    if type(signal) is Future:
+                    if call is None:
+                        item = await nxt
+                    elif type(signal) is Future:
                         # the usual wait (a paced engine's timer, a queue): the future goes back to the
                         # call's own ``await``, which yields it again when resumed, now to the task
                         signal._asyncio_future_blocking = False
-                        # (a stream that handed out the future itself: its iterator cannot be awaited,
-                        # the future can, and gives the same)
-                        item = await signal if type(call) is FUTURE_ITER else await call
+                        item = await call
                     else:  # anything else it yielded: relayed by aio.finish
                         item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
