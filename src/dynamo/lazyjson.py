@@ -43,7 +43,8 @@ class LazyJson(dict):
     __slots__ = ("raw", "_loaded")
 
     def __init__(self, raw: bytes) -> None:
-        super().__init__()
+        # (no ``dict.__init__``: the dict is empty until load, and the call was a third of the
+        # construction, which a pre-rendered stream pays per token)
         self.raw: bytes | None = raw
         self._loaded = False
 

@@ -10,6 +10,8 @@ import time
 import uuid
 from typing import Any
 
+import orjson
+
 from dynamo.llm.logprobs import CompletionLogprobs, Entry
 
 
@@ -49,6 +51,19 @@ class ChatChunks:
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}],
         }
+
+    def text_template(self) -> tuple[bytes, bytes]:
+        """The JSON of a later chunk (no role, no logprobs, no finish reason) around its content: a
+        stream's chunk is ``prefix + orjson.dumps(text) + suffix``, the same bytes as :meth:`delta`'s
+        dict encoded, at a fraction of the cost (one string encoded instead of three dicts built and
+        encoded per token)."""
+        return _split_at({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}],
+        }, b'"content":')
 
     def parsed(self, delta: dict[str, Any], logprobs: list[Entry] | None = None) -> dict[str, Any]:
         """A chunk for a delta from the response parser (reasoning_content or tool_calls or content)."""
@@ -101,6 +116,16 @@ class CompletionChunks:
             "choices": [{"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}],
         }
 
+    def text_template(self) -> tuple[bytes, bytes]:
+        """As :meth:`ChatChunks.text_template`: a chunk with text only, around its text."""
+        return _split_at({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}],
+        }, b'"text":')
+
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -110,6 +135,14 @@ class CompletionChunks:
             "choices": [],
             "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
         }
+
+
+def _split_at(chunk: dict[str, Any], key: bytes) -> tuple[bytes, bytes]:
+    """``chunk``'s JSON split around the empty string value of ``key`` (which occurs once: a quote inside
+    a JSON string, such as the model name, is escaped)."""
+    raw = orjson.dumps(chunk)
+    at = raw.index(key + b'""') + len(key)
+    return raw[:at], raw[at + 2:]
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:

@@ -25,12 +25,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, runtime_ch
 class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
-    __slots__ = ("id", "_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
+    __slots__ = ("id", "is_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
                  "annotations", "_callbacks", "stamps")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
-        self._stopped = False
+        # the engine asks per token: a plain attribute (a property was a Python call per token); only
+        # ``stop_generating`` and ``kill`` set it
+        self.is_stopped = False
         self._killed = False
         self._event: asyncio.Event | None = None
         # filled by the pipeline as it goes; the HTTP layer reads them for metrics and usage
@@ -48,17 +50,13 @@ class Context:
         self._callbacks.append(callback)
 
     @property
-    def is_stopped(self) -> bool:
-        return self._stopped
-
-    @property
     def is_killed(self) -> bool:
         return self._killed
 
     def stop_generating(self) -> None:
         """Ask the engine to finish; what it already produced is still wanted."""
-        if not self._stopped:
-            self._stopped = True
+        if not self.is_stopped:
+            self.is_stopped = True
             if self._event is not None:
                 self._event.set()
             for cb in self._callbacks:
@@ -69,8 +67,8 @@ class Context:
         if self._killed:
             return
         self._killed = True
-        if not self._stopped:
-            self._stopped = True
+        if not self.is_stopped:
+            self.is_stopped = True
             if self._event is not None:
                 self._event.set()
         for cb in self._callbacks:
@@ -78,7 +76,7 @@ class Context:
 
     async def stopped(self) -> None:
         """Wait until the request is stopped (for engines that wait on something else meanwhile)."""
-        if self._stopped:
+        if self.is_stopped:
             return
         if self._event is None:
             self._event = asyncio.Event()
@@ -193,11 +191,14 @@ class EngineCapabilities:
     wants_raw_request: bool = False  # full engines that read the client's JSON as sent
     # full engines given the JSON as sent that take a chat's images as image_url parts (checked data: URLs)
     image_urls: bool = False
+    # full engines whose stream is the client's as it is: a usage chunk exactly when the request asks
+    # for one (``include_usage``), so the pipeline passes it on without a layer of its own
+    sends_usage: bool = False
     image_tokens: int = 0  # positions an image takes in a prompt (0: no images)
 
 
 _SAMPLING_DEFAULTS = {"guided_decoding": False, "logit_bias": False, "logprobs": False, "prompt_logprobs": False,
-                      "wants_raw_request": False, "image_urls": False}
+                      "wants_raw_request": False, "image_urls": False, "sends_usage": False}
 
 
 def capabilities_of(engine: object) -> EngineCapabilities:
@@ -217,6 +218,7 @@ def capabilities_of(engine: object) -> EngineCapabilities:
         prompt_logprobs=bool(declared["logprobs"]) and bool(declared["prompt_logprobs"]),
         wants_raw_request=bool(declared["wants_raw_request"]),
         image_urls=bool(declared["wants_raw_request"]) and bool(declared["image_urls"]),
+        sends_usage=bool(declared["sends_usage"]),
         image_tokens=int(engine.image_tokens) if isinstance(engine, TakesImages) else 0,
     )
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import orjson
 
+from dynamo.lazyjson import LazyJson
+
 from .annotated import Annotated
 from .codec import PREFIX_LEN, FrameError, encode_frame
 from .transport import (
@@ -75,7 +77,7 @@ def encode_plain_item(item: Any) -> bytes:
     item's JSON (Annotated items, errors included, keep the ordinary frame)."""
     if isinstance(item, Annotated):
         return encode_item(item)
-    body = _dumps(item)
+    body = item.raw if type(item) is LazyJson and item.raw is not None else _dumps(item)  # (see encode_item)
     return _pack_prefix(ITEM_HEADER_LEN, len(body), 0) + ITEM_HEADER + body
 END_OK = FRAME_COMPLETE + FRAME_SENTINEL
 

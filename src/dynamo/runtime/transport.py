@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import orjson
 
+from dynamo.lazyjson import LazyJson
+
 from .annotated import DRAINED_EVENT, Annotated
 from .codec import encode_frame
 from .errors import EngineError, StreamIncompleteError
@@ -58,6 +60,8 @@ def encode_item(item: Any) -> bytes:
     """One stream item as a data frame. Plain values are wrapped as ``Annotated{data: item}``."""
     if isinstance(item, Annotated):
         body = b'{"data":' + _dumps(item.to_dict()) + b',"complete_final":false}'
+    elif type(item) is LazyJson and item.raw is not None:  # its bytes (orjson would see an empty dict)
+        body = _ITEM_PREFIX + item.raw + _ITEM_SUFFIX
     else:
         body = _ITEM_PREFIX + _dumps(item) + _ITEM_SUFFIX
     return _pack_prefix(0, len(body), 0) + body  # encode_frame inlined: this runs once per item

@@ -156,7 +156,7 @@ class RequestMetrics:
     """
 
     __slots__ = ("_s", "model", "endpoint", "request_type", "_start", "_last", "_tokens", "_itl", "_first",
-                 "_bounds", "_itl_counts", "_itl_sum", "_itl_pending", "_queued")
+                 "_bounds", "_itl_counts", "_flushed_at", "_flushed_tokens", "_queued")
 
     def __init__(self, m: FrontendMetrics, model: str, endpoint: str, request_type: str):
         s = self._s = m.for_model(model)
@@ -169,14 +169,16 @@ class RequestMetrics:
         self._itl = s.itl
         self._bounds = self._itl._upper_bounds  # the histogram's own bucket bounds (+Inf last)
         self._itl_counts = [0] * len(self._bounds)
-        self._itl_sum = 0.0
-        self._itl_pending = 0
+        # the latencies binned but not yet in the histogram are those after these: their sum telescopes
+        # to the time between, so only the bucket counts are kept per token
+        self._flushed_at = self._start
+        self._flushed_tokens = 0
         s.inflight.inc()
         self._queued = s.queued  # until the first token (Dynamo's queued_requests)
         self._queued.inc()
 
     def tokens(self, total_tokens: int, prompt_tokens: int) -> None:
-        """Called after each chunk with the running output count."""
+        """Called after each chunk with the running output count (on the per-token path: kept lean)."""
         new = total_tokens - self._tokens
         if new <= 0:
             return
@@ -186,19 +188,22 @@ class RequestMetrics:
             self._queued.dec()
             self._s.ttft.observe(now - self._start)
             self._s.isl.observe(prompt_tokens)
+            self._flushed_at = now
+            self._flushed_tokens = total_tokens
         else:
-            gap = (now - self._last) / new
-            # the bucket Histogram.observe would pick: the first bound >= gap
-            self._itl_counts[bisect_left(self._bounds, gap)] += new
-            self._itl_sum += gap * new
-            self._itl_pending += new
-            if self._itl_pending >= ITL_FLUSH_EVERY:
+            # the bucket Histogram.observe would pick: the first bound >= the gap, once per token
+            self._itl_counts[bisect_left(self._bounds, (now - self._last) / new)] += new
+            if total_tokens - self._flushed_tokens >= ITL_FLUSH_EVERY:
+                self._last = now
+                self._tokens = total_tokens
                 self._flush_itl()
+                return
         self._last = now
         self._tokens = total_tokens
 
     def _flush_itl(self) -> None:
-        if not self._itl_pending:
+        """Hand the binned latencies up to the last token to the histogram."""
+        if self._tokens == self._flushed_tokens:
             return
         child = self._itl
         counts = self._itl_counts
@@ -206,9 +211,9 @@ class RequestMetrics:
             if n:
                 child._buckets[i].inc(n)
                 counts[i] = 0
-        child._sum.inc(self._itl_sum)
-        self._itl_sum = 0.0
-        self._itl_pending = 0
+        child._sum.inc(self._last - self._flushed_at)
+        self._flushed_at = self._last
+        self._flushed_tokens = self._tokens
 
     def done(self, ok: bool) -> None:
         self._flush_itl()

@@ -41,10 +41,12 @@ from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 
 log = logging.getLogger(__name__)
+Future = asyncio.Future  # what a paced engine's wait yields (uvloop's and asyncio's futures alike)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 SSE_BATCH = 256  # events at most in one write when a stream has a backlog
 DONE = b"data: [DONE]\n\n"
+DRAIN_EVERY = 0x10000  # aiohttp's own LIMIT: bytes between two flow-control checks of a stream
 
 
 class SseFormat(Protocol):
@@ -124,8 +126,6 @@ class ChunkSink:
 
     __slots__ = ("_resp", "_request", "_transport", "_writer", "_chunked", "_since_drain")
 
-    DRAIN_EVERY = 0x10000  # aiohttp's own LIMIT: bytes between two flow-control checks
-
     def __init__(self, resp: web.StreamResponse, request: web.Request):
         self._resp = resp
         self._request = request
@@ -143,9 +143,10 @@ class ChunkSink:
             return self._first(data)
         if transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        self._since_drain += len(data)
-        if self._since_drain > self.DRAIN_EVERY:
+        n = len(data)
+        transport.write(b"%x\r\n%b\r\n" % (n, data) if self._chunked else data)
+        self._since_drain += n
+        if self._since_drain > DRAIN_EVERY:
             self._since_drain = 0
             return self._writer.drain()
         return None
@@ -193,9 +194,17 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                 rm: RequestMetrics, first: Any, fmt: SseFormat) -> bool:
     """Write the stream's items as SSE events; whether it ended without error.
 
-    Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it,
-    and finished with ``aio.finish`` when it must wait (``aio.next_now`` does the same through a helper
-    object: two Python calls more per token, on the per-token path of every stream).
+    Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it
+    (``aio.next_now`` does the same through a helper object: two Python calls more per token, on the
+    per-token path of every stream).  When the call waits on a future (a paced engine's timer, a queue's
+    getter: nearly always), the pump hands the future back to it and awaits the call itself: resumed,
+    the future's ``await`` yields it again, this time to the task (asyncio's C future does so when it is
+    marked as not yet taken, which is what a task does when it takes one), and the item, a further wait,
+    a failure or a cancellation then pass natively, as under ``await stream.__anext__()``.  Anything else
+    it yielded goes through ``aio.finish``, which relays it.  A stream whose ``__anext__`` returns a
+    future (echo_full) is awaited on that future directly.  Against relaying every wait through
+    ``finish``: no generator frame and no ``StopIteration`` caught in Python per token
+    (docs/performance.md).
     """
     encode = fmt.item
     tokens = rm.tokens
@@ -211,26 +220,45 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
             anext = stream.__anext__
             in_a_row = 0
             while True:
-                call: Any = anext().__await__()  # an async generator's asend object itself
-                try:
-                    signal = call.send(None)
-                except StopIteration as done:
-                    item = done.value
+                nxt: Any = anext()
+                if type(nxt) is Future:  # a stream that hands out the future of its item (echo_full)
+                    call = None
+                    ready = nxt.done()
+                    if ready:
+                        item = nxt.result()
+                else:
+                    call = nxt.__await__()  # an async generator's asend object itself
+                    try:
+                        signal = call.send(None)
+                    except StopIteration as done:
+                        item = done.value
+                        ready = True
+                    except StopAsyncIteration:
+                        break
+                    else:
+                        ready = False
+                if ready:
                     in_a_row += 1
-                except StopAsyncIteration:
-                    break
                 else:
                     # not ready: what was gathered leaves now, then wait for the item as the task would
                     in_a_row = 0
+                    step = call  # a failed write (or a cancellation) must end the call it interrupted
                     if parts:
-                        step = call  # a failed write must end the call it interrupted
                         w = sink.write(parts)
                         if w is not None:
                             await w
                         if ctx.stamps is not None:
                             first_token.report(ctx)
-                        step = None
-                    item = await finish(call, signal)
+                    step = None
+                    if call is None:
+                        item = await nxt
+                    elif type(signal) is Future:
+                        # the usual wait (a paced engine's timer, a queue): the future goes back to the
+                        # call's own ``await``, which yields it again when resumed, now to the task
+                        signal._asyncio_future_blocking = False
+                        item = await call
+                    else:  # anything else it yielded: relayed by aio.finish
+                        item = await finish(call, signal)
                 tokens(ctx.completion_tokens, ctx.prompt_tokens)
                 data = encode(item)
                 if data:
