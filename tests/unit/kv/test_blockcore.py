@@ -208,6 +208,21 @@ def test_walk_counts_blocks_looked_at_and_stops_early_on_one_worker():
     assert ix.walk_local(local) == ({2: 2}, 2) and ix.holders(seq[0]) == [2] and ix.holders(seq[3]) == []
 
 
+def test_query_hashes_take_the_whole_u64_range_and_nothing_outside_it():
+    ix = BlockIndex()
+    local = [0, 1, (1 << 30) - 1, 1 << 30, (1 << 60) + 3, MASK]  # one, two and three 30-bit digits
+    seq = Model().seqs(local)
+    ix.apply_stored(7, None, list(zip(seq, local, strict=True)))
+    assert ix.walk_local(local) == ({7: 6}, 6)
+    assert ix.find_matches(local, seq) == {7: 6}
+    for bad, error in [(-1, OverflowError), (1 << 64, OverflowError), (-(1 << 70), OverflowError),
+                       (1.0, TypeError), (True, TypeError), ("1", TypeError)]:
+        with pytest.raises(error):
+            ix.walk_local(local[:2] + [bad])
+        with pytest.raises(error):
+            ix.find_matches([bad])
+
+
 @pytest.mark.parametrize("raw", [
     b'{"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": -1, "tokens_hash": 2}]}}}',
     b'{"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 1.5, "tokens_hash": 2}]}}}',
