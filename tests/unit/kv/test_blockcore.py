@@ -208,6 +208,43 @@ def test_walk_counts_blocks_looked_at_and_stops_early_on_one_worker():
     assert ix.walk_local(local) == ({2: 2}, 2) and ix.holders(seq[0]) == [2] and ix.holders(seq[3]) == []
 
 
+def test_an_index_that_outgrows_small_pages_keeps_every_block():
+    # past 4 MiB (262,144 nodes) the node array moves to a mapping of its own, then grows by moving its pages
+    rng = random.Random(3)
+    ix, model = BlockIndex(), Model()
+    chains = []
+    for w in range(1, 4):
+        local = [rng.getrandbits(64) for _ in range(200_000)]
+        seqs = model.seqs(local)
+        names = [rng.getrandbits(64) for _ in seqs]
+        parent = None
+        for i in range(0, len(seqs), 5_000):
+            assert ix.apply_stored(w, parent, list(zip(names[i:i + 5_000], local[i:i + 5_000], strict=True)))
+            parent = names[i + 4_999]
+        chains.append(local)
+    assert ix.node_count() == 600_000
+    for w, local in enumerate(chains, start=1):
+        assert ix.walk_local(local) == ({w: 200_000}, 200_000)
+        assert ix.find_matches(local[:1_000] + [rng.getrandbits(64)]) == {w: 1_000}
+    ix.remove_worker(2)
+    assert ix.find_matches(chains[1][:10]) == {} and ix.find_matches(chains[2][:10]) == {3: 10}
+
+
+def test_query_hashes_take_the_whole_u64_range_and_nothing_outside_it():
+    ix = BlockIndex()
+    local = [0, 1, (1 << 30) - 1, 1 << 30, (1 << 60) + 3, MASK]  # one, two and three 30-bit digits
+    seq = Model().seqs(local)
+    ix.apply_stored(7, None, list(zip(seq, local, strict=True)))
+    assert ix.walk_local(local) == ({7: 6}, 6)
+    assert ix.find_matches(local, seq) == {7: 6}
+    for bad, error in [(-1, OverflowError), (1 << 64, OverflowError), (-(1 << 70), OverflowError),
+                       (1.0, TypeError), (True, TypeError), ("1", TypeError)]:
+        with pytest.raises(error):
+            ix.walk_local(local[:2] + [bad])
+        with pytest.raises(error):
+            ix.find_matches([bad])
+
+
 @pytest.mark.parametrize("raw", [
     b'{"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": -1, "tokens_hash": 2}]}}}',
     b'{"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 1.5, "tokens_hash": 2}]}}}',

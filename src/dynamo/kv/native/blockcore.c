@@ -90,14 +90,24 @@ static int map_get(const Map *m, uint64_t k, uint64_t *v) {
  * per block, and with 4 KiB pages most of those also miss the TLB. */
 #define BIG_TABLE (4u << 20)
 
-static void *big_alloc(size_t bytes) {
-    if (bytes < BIG_TABLE) return calloc(1, bytes);
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* zeroed pages at a huge-page boundary (so that all of them can be huge), asking for huge pages */
+static void *huge_map(size_t bytes) {
+    size_t span = bytes + HUGE_PAGE;
+    char *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
+    char *a = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (a > p) munmap(p, (size_t)(a - p));
+    if (p + span > a + bytes) munmap(a + bytes, (size_t)(p + span - (a + bytes)));
 #ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
+    madvise(a, bytes, MADV_HUGEPAGE);
 #endif
-    return p;
+    return a;
+}
+
+static void *big_alloc(size_t bytes) {
+    return bytes < BIG_TABLE ? calloc(1, bytes) : huge_map(bytes);
 }
 
 static void big_free(void *p, size_t bytes) {
@@ -250,6 +260,34 @@ static int blocks_grow(Blocks *b) {
     return 0;
 }
 
+/* The node array from BIG_TABLE up is a mapping of its own on huge pages, as the tables are: a walk reads
+ * a node wherever a query crosses from one stored event's blocks to the next, and on 4 KiB pages each
+ * such read also missed the TLB (realloc had left 2/3 of a 128 MB array on small pages).  It grows by
+ * moving its pages to a bigger mapping (mremap), not by copying them, so the peak memory stays that of
+ * the array itself.  NULL on no memory (the old array is then untouched). */
+static Node *nodes_resize(Node *old, size_t old_bytes, size_t new_bytes) {
+    if (new_bytes < BIG_TABLE) return realloc(old, new_bytes);
+    char *fresh = huge_map(new_bytes);
+    if (!fresh) return NULL;
+    if (old_bytes < BIG_TABLE) {
+        if (old_bytes) memcpy(fresh, old, old_bytes);
+        free(old);
+        return (Node *)fresh;
+    }
+#if defined(MREMAP_MAYMOVE) && defined(MREMAP_FIXED)
+    /* the old pages replace the start of the new mapping, huge pages staying huge (both are aligned) */
+    if (mremap(old, old_bytes, old_bytes, MREMAP_MAYMOVE | MREMAP_FIXED, fresh) != MAP_FAILED) {
+#ifdef MADV_HUGEPAGE
+        madvise(fresh, new_bytes, MADV_HUGEPAGE);
+#endif
+        return (Node *)fresh;
+    }
+#endif
+    memcpy(fresh, old, old_bytes);
+    munmap(old, old_bytes);
+    return (Node *)fresh;
+}
+
 /* a new node for block `s` with holders `v`: its index, or -1 on no memory */
 static int64_t blocks_insert(Blocks *b, uint64_t s, uint64_t v) {
     if ((b->n + 1) * 4 > b->cap * 3 && blocks_grow(b) < 0) return -1;
@@ -259,16 +297,8 @@ static int64_t blocks_insert(Blocks *b, uint64_t s, uint64_t v) {
     } else {
         if (b->nnodes == b->capnodes) {
             uint32_t c = b->capnodes ? b->capnodes * 2 : 64;
-            Node *fresh = realloc(b->nodes, (size_t)c * sizeof(Node));
+            Node *fresh = nodes_resize(b->nodes, (size_t)b->capnodes * sizeof(Node), (size_t)c * sizeof(Node));
             if (!fresh) { PyErr_NoMemory(); return -1; }
-#ifdef MADV_HUGEPAGE
-            size_t bytes = (size_t)c * sizeof(Node);
-            if (bytes >= BIG_TABLE) {
-                uintptr_t lo = ((uintptr_t)fresh + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
-                uintptr_t hi = ((uintptr_t)fresh + bytes) & ~(uintptr_t)((2u << 20) - 1);
-                if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-            }
-#endif
             b->nodes = fresh;
             b->capnodes = c;
         }
@@ -310,7 +340,7 @@ static void blocks_delete(Blocks *b, uint32_t idx) {
 }
 
 static void blocks_free(Blocks *b) {
-    free(b->nodes);
+    big_free(b->nodes, (size_t)b->capnodes * sizeof(Node));
     free(b->free_nodes);
     big_free(b->slots, b->cap * sizeof(ISlot));
     memset(b, 0, sizeof(*b));

@@ -7,7 +7,14 @@ static int as_u64(PyObject *o, uint64_t *out) {
         PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s", Py_TYPE(o)->tp_name);
         return -1;
     }
+    /* PyLong_AsUnsignedLong, not ...LongLong: on CPython 3.11 the latter converts a hash of more than
+     * 30 bits through _PyLong_AsByteArray, which was 37% of a 256-block walk (perf); the former shifts
+     * the digits in, with the same range checks.  unsigned long is 64 bits on every LP64 platform. */
+#if ULONG_MAX == UINT64_MAX
+    *out = PyLong_AsUnsignedLong(o);
+#else
     *out = PyLong_AsUnsignedLongLong(o);
+#endif
     if (*out == (uint64_t)-1 && PyErr_Occurred()) {
         PyErr_SetString(PyExc_OverflowError, "a block hash must be an unsigned 64-bit integer");
         return -1;
@@ -135,6 +142,14 @@ static inline void prefetch_sets_ahead(const Index *ix, int64_t idx) {
     }
 }
 
+/* a few workers at most, most often one: a loop the compiler inlines, not a call to memcmp (which was
+ * a fifth of a 256-block walk, called once a block) */
+static inline int same_u32(const uint32_t *a, const uint32_t *b, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
 /* blocks converted and hashed at a time: few enough that a query matching nothing early costs little */
 #define WALK_AHEAD 32
 
@@ -146,7 +161,7 @@ static PyObject *walk(Index *ix, PyObject *hashes, int local, int early_exit) {
     if (!scores) { Py_DECREF(seq); return NULL; }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), depth = 0, looked = -1;
     uint32_t nactive = 0;
-    uint64_t prev = 0, ahead[WALK_AHEAD];
+    uint64_t prev = 0, prev_v = 0, ahead[WALK_AHEAD];
     int64_t node = -1;
     int done = 0;
     for (Py_ssize_t start = 0; start < n && !done; start += WALK_AHEAD) {
@@ -162,13 +177,18 @@ static PyObject *walk(Index *ix, PyObject *hashes, int local, int early_exit) {
             node = idx;
             prefetch_sets_ahead(ix, idx);
             uint64_t v = ix->blocks.nodes[idx].v;
+            if (depth > 0 && v == prev_v) {  /* one worker, the same as the block before's */
+                depth++;
+                continue;
+            }
+            prev_v = v;
             uint32_t one = (uint32_t)(v >> 1), hn = 1, *hw = &one;
             if (v & 1) { hn = set_at(ix, v)[0]; hw = set_at(ix, v) + 2; }
             if (depth == 0) {
                 if (grow_u32(&ix->scratch, &ix->capscratch, hn) < 0) goto fail;
                 memcpy(ix->scratch, hw, (size_t)hn * sizeof(uint32_t));
                 nactive = hn;
-            } else if (hn == nactive && memcmp(hw, ix->scratch, (size_t)hn * sizeof(uint32_t)) == 0) {
+            } else if (hn == nactive && same_u32(hw, ix->scratch, hn)) {
                 /* the same workers as the block before (a prefix they share): nobody drops out */
             } else {
                 uint32_t keep = 0, h = 0;
