@@ -1,15 +1,18 @@
-"""Talking to a frontend of workers in a test: which models and instances it sees, its metrics, chat
+"""Starting a frontend of workers in a test and talking to it: workers started together, a KV-routing
+frontend returned once it sees what the test needs; which models and instances it sees, its metrics, chat
 requests with a request id, which worker served a request (from the workers' debug logs); and the command
 line of a mocker worker that a planner or profiler starts."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 import openai
@@ -117,3 +120,75 @@ def sse_events(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             yield line[6:]
+
+
+# -- starting a fleet ------------------------------------------------------------------------------------
+
+def write_engine_args(path: Path, args: dict[str, Any]) -> Path:
+    """``args`` as the JSON file a worker's ``--extra-engine-args`` names; returns ``path``."""
+    path.write_text(json.dumps(args))
+    return path
+
+
+@contextmanager
+def workers_running(workers: Sequence[DynamoWorker]) -> Iterator[list[DynamoWorker]]:
+    """``workers`` started together and yielded once every one of them serves; all killed -9 on the way out
+    (a crash: their leases expire by themselves, nothing waits for a graceful shutdown).
+
+    All are started before any is awaited, so their model loads overlap: a fleet of llama.cpp workers
+    costs the slowest one's start-up rather than the sum."""
+    started = list(workers)
+    try:
+        for worker in started:
+            worker.start(wait=False)
+        for worker in started:
+            worker.wait_ready()
+        yield started
+    finally:
+        for worker in started:
+            worker.kill()
+
+
+def health(frontend: DynamoRun) -> dict[str, Any]:
+    """The frontend's ``/health`` document (its ``models`` and ``instances``)."""
+    return httpx.get(frontend.base_url + "/health").json()
+
+
+def sees_model(model: str, instances: int) -> Callable[[DynamoRun], bool]:
+    """A frontend ``/health`` lists ``model`` and at least ``instances`` worker instances."""
+    def check(frontend: DynamoRun) -> bool:
+        doc = health(frontend)
+        return model in doc.get("models", []) and len(doc.get("instances", [])) >= instances
+    return check
+
+
+def sees_instances(workers: Iterable[DynamoWorker], models: int = 1) -> Callable[[DynamoRun], bool]:
+    """A frontend's ``/health`` lists every one of ``workers`` (by instance id) and ``models`` models."""
+    want = {w.instance_id for w in workers}
+
+    def check(frontend: DynamoRun) -> bool:
+        doc = health(frontend)
+        return want <= {i["instance_id"] for i in doc.get("instances", [])} and len(doc.get("models", [])) >= models
+    return check
+
+
+def read_kv_states(workers: int) -> Callable[[DynamoRun], bool]:
+    """A KV-routing frontend logged the KV state of ``workers`` workers: its router knows what they hold,
+    so a routing decision from now on sees the blocks cached before it started."""
+    return lambda frontend: len(re.findall(r"KV state of worker", frontend.stderr_text())) >= workers
+
+
+def kv_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
+                timeout: float = 30.0) -> DynamoRun:
+    """A started ``dynamo-run in=http out=dyn --router-mode kv`` frontend, returned once ``ready(frontend)``
+    holds (stopped, and the test failed, when it does not within ``timeout`` s).
+
+    Its HTTP port answers before discovery has shown it the workers; a request sent then would fail or
+    be routed by a router that does not know them yet, so each test names what it must see first."""
+    frontend = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env=env).start()
+    try:
+        wait_until(lambda: ready(frontend), timeout, what)
+    except BaseException:
+        frontend.stop()
+        raise
+    return frontend
