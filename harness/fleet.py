@@ -192,3 +192,32 @@ def kv_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], A
         frontend.stop()
         raise
     return frontend
+
+
+def stream_killing_its_worker(frontend: DynamoRun, model: str, prompt: str, workers: list[DynamoWorker], *,
+                              after_chunks: int, rid: str) -> tuple[list[dict[str, Any]], DynamoWorker, bool]:
+    """Stream a chat completion of ``prompt`` (40 tokens, ``ignore_eos``) with request id ``rid``; once
+    ``after_chunks`` content chunks have arrived, kill -9 the worker of ``workers`` that serves it.
+
+    Returns (the parsed data events, the killed worker, whether the stream ended with ``[DONE]``): what a
+    client sees of a worker crashing mid-stream, with migration on (the stream goes on elsewhere) or off
+    (an error event).  The serving worker is found from its debug log (:data:`WORKER_LOG`)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": 40, "ignore_eos": True}
+    events: list[dict[str, Any]] = []
+    victim = None
+    done = False
+    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
+                      headers={"x-request-id": rid}) as resp:
+        assert resp.status_code == 200
+        for data in sse_events(resp):
+            if data == "[DONE]":
+                done = True
+                continue
+            events.append(json.loads(data))
+            content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+            if victim is None and len(content) >= after_chunks:
+                victim = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")[0]
+                victim.kill()
+    assert victim is not None, "stream ended before the worker could be killed"
+    return events, victim, done
