@@ -1,6 +1,6 @@
 """Starting a frontend of workers in a test and talking to it: workers started together, a KV-routing
-frontend returned once it sees what the test needs; which models and instances it sees, its metrics, chat
-requests with a request id, which worker served a request (from the workers' debug logs); and the command
+frontend returned once it sees what the test needs; which models and instances it sees, its metrics (where it
+had prompts prefilled), a stream whose worker is killed mid-way, chat requests with a request id, which worker served a request (from the workers' debug logs); and the command
 line of a mocker worker that a planner or profiler starts."""
 
 from __future__ import annotations
@@ -178,20 +178,36 @@ def read_kv_states(workers: int) -> Callable[[DynamoRun], bool]:
     return lambda frontend: len(re.findall(r"KV state of worker", frontend.stderr_text())) >= workers
 
 
-def kv_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
-                timeout: float = 30.0) -> DynamoRun:
-    """A started ``dynamo-run in=http out=dyn --router-mode kv`` frontend, returned once ``ready(frontend)``
-    holds (stopped, and the test failed, when it does not within ``timeout`` s).
+def dyn_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
+                 timeout: float = 30.0) -> DynamoRun:
+    """A started ``dynamo-run in=http out=dyn`` frontend, returned once ``ready(frontend)`` holds (stopped,
+    and the test failed, when it does not within ``timeout`` s).
 
     Its HTTP port answers before discovery has shown it the workers; a request sent then would fail or
     be routed by a router that does not know them yet, so each test names what it must see first."""
-    frontend = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env=env).start()
+    frontend = DynamoRun("out=dyn", *flags, env=env).start()
     try:
         wait_until(lambda: ready(frontend), timeout, what)
     except BaseException:
         frontend.stop()
         raise
     return frontend
+
+
+def kv_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
+                timeout: float = 30.0) -> DynamoRun:
+    """:func:`dyn_frontend` with ``--router-mode kv``."""
+    return dyn_frontend(env, "--router-mode", "kv", *flags, ready=ready, what=what, timeout=timeout)
+
+
+def disagg_prefills(frontend: DynamoRun, model: str) -> dict[str, float]:
+    """Where the frontend had ``model``'s prompts prefilled so far (``remote``, ``local``, ``fallback``), from
+    its ``dynamo_frontend_disagg_prefill_total`` counters (0 for a place not used yet)."""
+    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
+    for m in re.finditer(rf'disagg_prefill_total\{{model="{re.escape(model)}",where="(\w+)"\}} ([0-9.e+]+)',
+                         httpx.get(frontend.base_url + "/metrics").text):
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 def stream_killing_its_worker(frontend: DynamoRun, model: str, prompt: str, workers: list[DynamoWorker], *,
