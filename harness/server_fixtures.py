@@ -45,8 +45,8 @@ def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch
 def no_default_infra() -> None:
     """Skip the module when an etcd or NATS answers on this machine's default ports: the zero-infrastructure
     default rule would use it, and the module would not test what it claims to.  A module opts in with
-    ``pytest.mark.usefixtures("no_default_infra")`` in its ``pytestmark``; module-scoped, so the check
-    comes before the module's fleet starts."""
+    ``pytest.mark.usefixtures("no_default_infra")`` in its ``pytestmark`` (or its fleet fixture names it);
+    module-scoped, so the check comes before the module's fleet starts."""
     from harness.fleet import infra_on_default_ports  # openai and prometheus, only for the modules that ask
 
     if infra_on_default_ports():
