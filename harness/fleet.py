@@ -1,15 +1,18 @@
-"""Talking to a frontend of workers in a test: which models and instances it sees, its metrics, chat
-requests with a request id, which worker served a request (from the workers' debug logs); and the command
+"""Starting a frontend of workers in a test and talking to it: workers started together, a KV-routing
+frontend returned once it sees what the test needs; which models and instances it sees, its metrics (where it
+had prompts prefilled), a stream whose worker is killed mid-way, chat requests with a request id, which worker served a request (from the workers' debug logs); and the command
 line of a mocker worker that a planner or profiler starts."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 import openai
@@ -117,3 +120,120 @@ def sse_events(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             yield line[6:]
+
+
+# -- starting a fleet ------------------------------------------------------------------------------------
+
+def write_engine_args(path: Path, args: dict[str, Any]) -> Path:
+    """``args`` as the JSON file a worker's ``--extra-engine-args`` names; returns ``path``."""
+    path.write_text(json.dumps(args))
+    return path
+
+
+@contextmanager
+def workers_running(workers: Sequence[DynamoWorker]) -> Iterator[list[DynamoWorker]]:
+    """``workers`` started together and yielded once every one of them serves; all killed -9 on the way out
+    (a crash: their leases expire by themselves, nothing waits for a graceful shutdown).
+
+    All are started before any is awaited, so their model loads overlap: a fleet of llama.cpp workers
+    costs the slowest one's start-up rather than the sum."""
+    started = list(workers)
+    try:
+        for worker in started:
+            worker.start(wait=False)
+        for worker in started:
+            worker.wait_ready()
+        yield started
+    finally:
+        for worker in started:
+            worker.kill()
+
+
+def health(frontend: DynamoRun) -> dict[str, Any]:
+    """The frontend's ``/health`` document (its ``models`` and ``instances``)."""
+    return httpx.get(frontend.base_url + "/health").json()
+
+
+def sees_model(model: str, instances: int) -> Callable[[DynamoRun], bool]:
+    """A frontend ``/health`` lists ``model`` and at least ``instances`` worker instances."""
+    def check(frontend: DynamoRun) -> bool:
+        doc = health(frontend)
+        return model in doc.get("models", []) and len(doc.get("instances", [])) >= instances
+    return check
+
+
+def sees_instances(workers: Iterable[DynamoWorker], models: int = 1) -> Callable[[DynamoRun], bool]:
+    """A frontend's ``/health`` lists every one of ``workers`` (by instance id) and ``models`` models."""
+    want = {w.instance_id for w in workers}
+
+    def check(frontend: DynamoRun) -> bool:
+        doc = health(frontend)
+        return want <= {i["instance_id"] for i in doc.get("instances", [])} and len(doc.get("models", [])) >= models
+    return check
+
+
+def read_kv_states(workers: int) -> Callable[[DynamoRun], bool]:
+    """A KV-routing frontend logged the KV state of ``workers`` workers: its router knows what they hold,
+    so a routing decision from now on sees the blocks cached before it started."""
+    return lambda frontend: len(re.findall(r"KV state of worker", frontend.stderr_text())) >= workers
+
+
+def dyn_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
+                 timeout: float = 30.0) -> DynamoRun:
+    """A started ``dynamo-run in=http out=dyn`` frontend, returned once ``ready(frontend)`` holds (stopped,
+    and the test failed, when it does not within ``timeout`` s).
+
+    Its HTTP port answers before discovery has shown it the workers; a request sent then would fail or
+    be routed by a router that does not know them yet, so each test names what it must see first."""
+    frontend = DynamoRun("out=dyn", *flags, env=env).start()
+    try:
+        wait_until(lambda: ready(frontend), timeout, what)
+    except BaseException:
+        frontend.stop()
+        raise
+    return frontend
+
+
+def kv_frontend(env: dict[str, str], *flags: str, ready: Callable[[DynamoRun], Any], what: str,
+                timeout: float = 30.0) -> DynamoRun:
+    """:func:`dyn_frontend` with ``--router-mode kv``."""
+    return dyn_frontend(env, "--router-mode", "kv", *flags, ready=ready, what=what, timeout=timeout)
+
+
+def disagg_prefills(frontend: DynamoRun, model: str) -> dict[str, float]:
+    """Where the frontend had ``model``'s prompts prefilled so far (``remote``, ``local``, ``fallback``), from
+    its ``dynamo_frontend_disagg_prefill_total`` counters (0 for a place not used yet)."""
+    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
+    for m in re.finditer(rf'disagg_prefill_total\{{model="{re.escape(model)}",where="(\w+)"\}} ([0-9.e+]+)',
+                         httpx.get(frontend.base_url + "/metrics").text):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def stream_killing_its_worker(frontend: DynamoRun, model: str, prompt: str, workers: list[DynamoWorker], *,
+                              after_chunks: int, rid: str) -> tuple[list[dict[str, Any]], DynamoWorker, bool]:
+    """Stream a chat completion of ``prompt`` (40 tokens, ``ignore_eos``) with request id ``rid``; once
+    ``after_chunks`` content chunks have arrived, kill -9 the worker of ``workers`` that serves it.
+
+    Returns (the parsed data events, the killed worker, whether the stream ended with ``[DONE]``): what a
+    client sees of a worker crashing mid-stream, with migration on (the stream goes on elsewhere) or off
+    (an error event).  The serving worker is found from its debug log (:data:`WORKER_LOG`)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": 40, "ignore_eos": True}
+    events: list[dict[str, Any]] = []
+    victim = None
+    done = False
+    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
+                      headers={"x-request-id": rid}) as resp:
+        assert resp.status_code == 200
+        for data in sse_events(resp):
+            if data == "[DONE]":
+                done = True
+                continue
+            events.append(json.loads(data))
+            content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+            if victim is None and len(content) >= after_chunks:
+                victim = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")[0]
+                victim.kill()
+    assert victim is not None, "stream ended before the worker could be killed"
+    return events, victim, done

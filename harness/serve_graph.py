@@ -64,7 +64,8 @@ class Graph(DynamoWorker):
 
 class GraphStarter:
     """A test fixture's body: ``start(MODULE:Service, args..., cwd=, want=)`` starts a graph on a free port
-    (``--<Service>.port``) and waits for its replicas; :meth:`stop_all` stops every graph it started."""
+    (``--<Service>.port``) and waits for its replicas; :meth:`stop_all` (or leaving its ``with`` block)
+    stops every graph it started."""
 
     def __init__(self, tmp_path: Path, default_cwd: Path) -> None:
         self.tmp_path = tmp_path
@@ -87,3 +88,9 @@ class GraphStarter:
     def stop_all(self) -> None:
         for g in self.started:
             g.stop(timeout=60)
+
+    def __enter__(self) -> "GraphStarter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()

@@ -1,6 +1,6 @@
 """The pytest fixtures over harness/servers.py: real etcd and nats-server, session-scoped (starting etcd
 costs ~0.5 s, and tests isolate themselves by using unique namespaces rather than fresh servers; tests that
-kill a server start their own).
+kill a server start their own); and ``no_default_infra``, for the modules that must find none.
 
 tests/conftest.py loads this module as a plugin (``pytest_plugins``), so every test can name the fixtures
 without importing them; a module of its own so that harness/servers.py, which the benchmarks use too,
@@ -39,3 +39,15 @@ def runtime_env(runtime_servers: RuntimeServers, monkeypatch: pytest.MonkeyPatch
     for key, value in runtime_servers.env.items():
         monkeypatch.setenv(key, value)
     return runtime_servers.env
+
+
+@pytest.fixture(scope="module")
+def no_default_infra() -> None:
+    """Skip the module when an etcd or NATS answers on this machine's default ports: the zero-infrastructure
+    default rule would use it, and the module would not test what it claims to.  A module opts in with
+    ``pytest.mark.usefixtures("no_default_infra")`` in its ``pytestmark`` (or its fleet fixture names it);
+    module-scoped, so the check comes before the module's fleet starts."""
+    from harness.fleet import infra_on_default_ports  # openai and prometheus, only for the modules that ask
+
+    if infra_on_default_ports():
+        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")

@@ -27,7 +27,9 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from dynamo.cli.infra import etcd_binary, nats_server_binary
 
@@ -35,6 +37,7 @@ __all__ = [
     "EtcdServer",
     "NatsServer",
     "RuntimeServers",
+    "etcd_and_nats_env",
     "free_port",
     "etcd_binary",
     "nats_server_binary",
@@ -236,3 +239,13 @@ class RuntimeServers:
     @property
     def env(self) -> dict[str, str]:
         return {"ETCD_ENDPOINTS": self.etcd.url, "NATS_SERVER": self.nats.url}
+
+
+@contextmanager
+def etcd_and_nats_env(**extra: str) -> Iterator[dict[str, str]]:
+    """A fresh etcd and nats-server for one fleet, as the environment its processes get (``extra`` added).
+
+    Unlike the session's ``runtime_servers`` (harness/server_fixtures.py), these hold nothing but this
+    fleet's registrations, KV events and router decisions, and go away with it."""
+    with EtcdServer() as etcd, NatsServer() as nats:
+        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, **extra}

@@ -36,7 +36,7 @@ from harness.fleet import (
     model_ids,
     request_id,
     served_by,
-    sse_events,
+    stream_killing_its_worker,
     wait_for_model,
 )
 from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
@@ -353,41 +353,13 @@ def test_seed_python_worker_served_by_frontend(frontend, rt_env, tiny_model, dis
 # -- migration ---------------------------------------------------------------------------------------
 
 
-def _stream_and_kill(frontend: DynamoRun, model: str, workers: list[DynamoWorker], after_chunks: int
-                     ) -> tuple[list[dict], DynamoWorker, bool]:
-    """Stream a slow echo; after ``after_chunks`` content chunks kill -9 the worker serving it.
-
-    Returns (the parsed data events, the victim, whether the stream ended with [DONE]).
-    """
-    rid = request_id(model)
-    body = {"model": model, "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True,
-            "max_tokens": 40, "ignore_eos": True}
-    events: list[dict] = []
-    victim = None
-    done = False
-    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
-                      headers={"x-request-id": rid}) as resp:
-        assert resp.status_code == 200
-        for data in sse_events(resp):
-            if data == "[DONE]":
-                done = True
-                continue
-            events.append(json.loads(data))
-            content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
-            if victim is None and len(content) >= after_chunks:
-                serving = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")
-                victim = serving[0]
-                victim.kill()
-    assert victim is not None, "stream ended before the worker could be killed"
-    return events, victim, done
-
-
 @pytest.mark.slow
 def test_migration_continues_stream_on_other_worker(frontend, fleet):
     workers = [fleet["mig1"], fleet["mig2"]]
     wait_for_model(frontend, "mig", "dyn://mig.backend.generate", 2)
     start = time.monotonic()
-    events, victim, done = _stream_and_kill(frontend, "mig", workers, after_chunks=8)
+    events, victim, done = stream_killing_its_worker(frontend, "mig", LONG_PROMPT, workers, after_chunks=8,
+                                                    rid=request_id("mig"))
     assert done
     assert not [e for e in events if "error" in e], events
     finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
@@ -401,7 +373,8 @@ def test_migration_continues_stream_on_other_worker(frontend, fleet):
 @pytest.mark.slow
 def test_no_migration_gives_error_event_and_clean_end(frontend, fleet):
     wait_for_model(frontend, "nomig", "dyn://nomig.backend.generate", 1)
-    events, victim, done = _stream_and_kill(frontend, "nomig", [fleet["nomig"]], after_chunks=5)
+    events, victim, done = stream_killing_its_worker(frontend, "nomig", LONG_PROMPT, [fleet["nomig"]],
+                                                    after_chunks=5, rid=request_id("nomig"))
     errors = [e["error"] for e in events if "error" in e]
     assert len(errors) == 1 and errors[0]["message"], events
     assert "error" in events[-1]  # nothing after the error but [DONE]

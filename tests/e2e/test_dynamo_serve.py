@@ -18,29 +18,21 @@ from typing import Iterator
 import httpx
 import pytest
 
-from harness.fleet import infra_on_default_ports
 from harness.proc import cli_env, free_port, in_thread
 from harness.serve_graph import SERVE, STARTED, GraphStarter, alive, env_for
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = Path(__file__).parent / "data" / "serve_graphs"
 HELLO = ROOT / "examples" / "hello_world"
 
 
-@pytest.fixture(autouse=True)
-def _no_infra() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
-
-
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[GraphStarter]:
-    starter = GraphStarter(tmp_path, GRAPHS)
-    yield starter
-    starter.stop_all()
+    with GraphStarter(tmp_path, GRAPHS) as starter:
+        yield starter
 
 
 def test_hello_world_answers_through_three_processes(serve):

@@ -16,28 +16,20 @@ import httpx
 import openai
 import pytest
 
-from harness.fleet import infra_on_default_ports
 from harness.proc import cli_env, free_port
 from harness.serve_graph import SERVE, STARTED, Graph, GraphStarter, alive, env_for
 from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(300)]
 
 LLM = Path(__file__).resolve().parents[2] / "examples" / "llm"
 
 
-@pytest.fixture(autouse=True)
-def _no_infra() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
-
-
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[GraphStarter]:
-    starter = GraphStarter(tmp_path, LLM)
-    yield starter
-    starter.stop_all()
+    with GraphStarter(tmp_path, LLM) as starter:
+        yield starter
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, WORKER_LOG, infra_on_default_ports, scrape, served_by, wait_for_model
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, scrape, served_by, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker, cli_env, run_cli
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(180)]
 
 NS, COMP = "sec", "mocker"
 ENDPOINT = f"dyn://{NS}.{COMP}.generate"
@@ -40,12 +40,6 @@ OTHER = "another fleet's secret, not ours"
 PEER = Path(__file__).with_name("fleet_peer.py")
 UNSET = {**NO_INFRA_ENV, "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_FLEET_SECRET": "",
          "DYN_FLEET_SECRET_FILE": ""}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_default_servers() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
 def worker_args(model: Path, mocker_args: Path) -> list[str]:

@@ -26,13 +26,13 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, infra_on_default_ports
+from harness.fleet import NO_INFRA_ENV
 from harness.proc import DynamoRun, DynamoWorker
 from harness.sockets import listening_sockets, proc_net_available
 from harness.strangers import flood, payloads, poke
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(240),
               pytest.mark.skipif(not proc_net_available(), reason="reads the socket table from /proc (Linux)")]
 
 MODEL = "lstr"
@@ -40,12 +40,6 @@ SECRET = "the listener strangers' secret, 32"
 UNSET = {**NO_INFRA_ENV, "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_FLEET_SECRET": "",
          "DYN_FLEET_SECRET_FILE": "", "DYN_SYSTEM_HOST": ""}
 MOCKER_ARGS = {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 20.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_default_servers() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
 def logged_port(proc: DynamoWorker | DynamoRun, pattern: str) -> int:

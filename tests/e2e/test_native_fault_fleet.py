@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, WORKER_LOG, infra_on_default_ports, served_by, wait_for_model
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, served_by, wait_for_model
 from harness.native_fault import native_fault_env
 from harness.proc import DynamoRun, DynamoWorker
 from harness.smollm2 import SMOLLM2_MODEL
@@ -27,9 +27,7 @@ ENDPOINT = "dyn://ns.backend.generate"
 
 
 @pytest.fixture(scope="module")
-def fleet(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
+def fleet(gguf: Path, no_default_infra: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("native-fault")
     env = {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp / "store")}
     args = (f"in={ENDPOINT}", "out=llamacpp", str(gguf), "--context-length", "512")

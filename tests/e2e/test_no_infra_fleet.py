@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, WORKER_LOG, infra_on_default_ports, served_by, wait_for_model
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, served_by, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker
 from harness.smollm2 import SMOLLM2_MODEL, NotInstalled, smollm2_gguf
 from harness.wait import wait_until
@@ -30,13 +30,11 @@ ENDPOINT = "dyn://ns.backend.generate"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def fleet(no_default_infra: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         gguf = smollm2_gguf()
     except NotInstalled as e:
         pytest.skip(str(e))
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
     tmp = tmp_path_factory.mktemp("noinfra")
     env = {**NO_INFRA_ENV, "DYN_FILE_KV": str(tmp / "store")}
     decisions = tmp / "decisions.jsonl"

@@ -23,12 +23,12 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, infra_on_default_ports, wait_for_model
+from harness.fleet import NO_INFRA_ENV, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker, cli_command, run_cli
 from harness.sockets import Listening, listening_sockets, proc_net_available
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(120),
               pytest.mark.skipif(not proc_net_available(), reason="reads the socket table from /proc (Linux)")]
 
 ENDPOINT = "dyn://sec.backend.generate"
@@ -36,12 +36,6 @@ MODEL = "sec"
 UNSET = {**NO_INFRA_ENV, "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_SYSTEM_HOST": "", "DYN_FILE_KV": ""}
 UMASK_000 = ["sh", "-c", 'umask 000 && exec "$@"', "sh"]  # the modes must come from the code, not the umask
 REFUSED_AS_ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_default_servers() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
 def worker_args(model: Path) -> list[str]:

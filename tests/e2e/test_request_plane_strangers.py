@@ -25,11 +25,11 @@ import pytest
 
 from dynamo.runtime.codec import encode_frame
 from dynamo.runtime.mux import envelope
-from harness.fleet import NO_INFRA_ENV, infra_on_default_ports, wait_for_model
+from harness.fleet import NO_INFRA_ENV, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker, cli_env
 from harness.wait import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pytest.mark.timeout(180)]
 
 NS, COMP = "strangers", "backend"
 ENDPOINT = f"dyn://{NS}.{COMP}.generate"
@@ -39,12 +39,6 @@ PEER = Path(__file__).with_name("fleet_peer.py")
 UNSET = {**NO_INFRA_ENV, "DYN_TCP_RPC_HOST": "", "DYN_TCP_RPC_PORT": "", "DYN_FLEET_SECRET": "",
          "DYN_FLEET_SECRET_FILE": ""}
 FLOOD = 300
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_default_servers() -> None:
-    if infra_on_default_ports():
-        pytest.skip("an etcd or NATS answers on this machine's default ports: the default rule would use it")
 
 
 @pytest.fixture(scope="module", params=[None, SECRET], ids=["no-secret", "secret"])

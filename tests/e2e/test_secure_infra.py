@@ -21,7 +21,15 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import WORKER_LOG, chat, client_for, request_id, served_by, sse_events, wait_for_model
+from harness.fleet import (
+    WORKER_LOG,
+    chat,
+    client_for,
+    request_id,
+    served_by,
+    stream_killing_its_worker,
+    wait_for_model,
+)
 from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
 from harness.wait import wait_until
 
@@ -148,22 +156,7 @@ def test_a_stream_migrates_when_its_worker_is_killed(fleet_env, workers):
     with DynamoRun("out=dyn", *FLAGS, env=fleet_env) as fe:
         wait_for_model(fe, "smig", "dyn://smig.backend.generate", 2, timeout=30)
         rid = request_id("smig")
-        body = {"model": "smig", "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True,
-                "max_tokens": 40, "ignore_eos": True}
-        events: list[dict] = []
-        victim, done = None, False
-        with httpx.stream("POST", fe.api_url + "/chat/completions", json=body, timeout=30,
-                          headers={"x-request-id": rid}) as resp:
-            assert resp.status_code == 200
-            for data in sse_events(resp):
-                if data == "[DONE]":
-                    done = True
-                    continue
-                events.append(json.loads(data))
-                content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
-                if victim is None and len(content) >= 8:
-                    victim = wait_until(lambda: served_by(mig, rid), 2, "the worker serving the stream")[0]
-                    victim.kill()
+        events, victim, done = stream_killing_its_worker(fe, "smig", LONG_PROMPT, mig, after_chunks=8, rid=rid)
         assert victim is not None and done
         assert not [e for e in events if "error" in e], events
         finishes = [e["choices"][0]["finish_reason"] for e in events

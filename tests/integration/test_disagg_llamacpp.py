@@ -11,8 +11,6 @@ prefill worker is killed -9.
 from __future__ import annotations
 
 import hashlib
-import re
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +22,7 @@ from dynamo.disagg.worker import DisaggWorkerEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
 from harness.dist_configs import DistConfig
+from harness.fleet import disagg_prefills, dyn_frontend, sees_instances, workers_running
 from harness.proc import DynamoRun, DynamoWorker
 
 pytestmark = pytest.mark.timeout(240)
@@ -109,30 +108,15 @@ def cluster(gguf: Path, dist_config: DistConfig) -> Iterator[dict[str, Any]]:
     env = {**dist_config.env, "DYN_KV_TRANSFER_TIMEOUT": "5"}
     common = ["out=llamacpp", str(gguf), "--context-length", "512"]
     ws = {"prefill": DynamoWorker("in=dyn://dis.prefill.generate", *common, "--model-name", "dis",
-                                  "--disaggregation-mode", "prefill", env=env).start(wait=False),
+                                  "--disaggregation-mode", "prefill", env=env, startup_timeout=120),
           "decode": DynamoWorker("in=dyn://dis.backend.generate", *common, "--model-name", "dis",
-                                 "--disaggregation-mode", "decode", env=env).start(wait=False),
-          "agg": DynamoWorker("in=dyn://agg.backend.generate", *common, "--model-name", "agg",
-                              env=env).start(wait=False)}
-    fe = None
-    try:
-        for w in ws.values():
-            w.wait_ready(timeout=120)
-        fe = DynamoRun("out=dyn", "--max-local-prefill-length", "8", env=env).start()
-        want = {w.instance_id for w in ws.values()}
-        deadline = time.monotonic() + 30
-        while True:
-            health = httpx.get(fe.base_url + "/health").json()
-            if want <= {i["instance_id"] for i in health.get("instances", [])} and len(health["models"]) >= 2:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.05)
-        yield {"workers": ws, "frontend": fe}
-    finally:
-        if fe is not None:
-            fe.stop()
-        for w in ws.values():
-            w.kill()
+                                 "--disaggregation-mode", "decode", env=env, startup_timeout=120),
+          "agg": DynamoWorker("in=dyn://agg.backend.generate", *common, "--model-name", "agg", env=env,
+                              startup_timeout=120)}
+    with workers_running(ws.values()):
+        with dyn_frontend(env, "--max-local-prefill-length", "8", ready=sees_instances(ws.values(), models=2),
+                          what="the frontend to see the workers") as fe:
+            yield {"workers": ws, "frontend": fe}
 
 
 def ask(fe: DynamoRun, model: str, q: str) -> str:
@@ -142,24 +126,16 @@ def ask(fe: DynamoRun, model: str, q: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def prefills(fe: DynamoRun) -> dict[str, float]:
-    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
-    for m in re.finditer(r'disagg_prefill_total\{model="dis",where="(\w+)"\} ([0-9.e+]+)',
-                         httpx.get(fe.base_url + "/metrics").text):
-        out[m.group(1)] = float(m.group(2))
-    return out
-
-
 def test_distributed_answers_equal_aggregated_and_survive_prefill_worker_kill(cluster):
     fe = cluster["frontend"]
     for q in QUESTIONS[:3]:
         assert ask(fe, "dis", q) == ask(fe, "agg", q)
-    assert prefills(fe)["remote"] == 3
+    assert disagg_prefills(fe, "dis")["remote"] == 3
     # every state reached the decode worker (with DYN_FLEET_SECRET set, through the handshake too)
     assert "no KV state from the prefill worker" not in cluster["workers"]["decode"].stderr_text()
     cluster["workers"]["prefill"].kill()
-    before = prefills(fe)
+    before = disagg_prefills(fe, "dis")
     for q in QUESTIONS[:3]:
         assert ask(fe, "dis", q) == ask(fe, "agg", q)
-    after = prefills(fe)
+    after = disagg_prefills(fe, "dis")
     assert after["local"] - before["local"] == 3 and after["remote"] == before["remote"]

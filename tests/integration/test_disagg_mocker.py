@@ -9,10 +9,7 @@ the (simulated) state, from its debug log.
 
 from __future__ import annotations
 
-import json
 import random
-import re
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +17,7 @@ import httpx
 import pytest
 
 from harness.dist_configs import DistConfig
+from harness.fleet import disagg_prefills, kv_frontend, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,40 +33,24 @@ def servers(dist_config: DistConfig) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def fleet(servers, tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, DynamoWorker]]:
-    args_file = tmp_path_factory.mktemp("mocker") / "mocker.json"
-    args_file.write_text(json.dumps(MOCKER_ARGS))
+    args_file = write_engine_args(tmp_path_factory.mktemp("mocker") / "mocker.json", MOCKER_ARGS)
     common = ["out=mocker", str(tiny_model), "--model-name", MODEL, "--extra-engine-args", str(args_file)]
     env = {**servers, "DYN_LOG": "info,dynamo.engines.mocker=debug"}
     ws = {"prefill": DynamoWorker(f"in=dyn://{MODEL}.prefill.generate", *common, "--disaggregation-mode", "prefill",
-                                  env=env).start(wait=False),
+                                  env=env),
           "decode": DynamoWorker(f"in=dyn://{MODEL}.backend.generate", *common, "--disaggregation-mode", "decode",
-                                 env=env).start(wait=False)}
-    try:
-        for w in ws.values():
-            w.wait_ready()
+                                 env=env)}
+    with workers_running(ws.values()):
         assert ws["prefill"].ready_match.group("type") == "Prefill"
         assert ws["decode"].ready_match.group("type") == "Backend"
         yield ws
-    finally:
-        for w in ws.values():
-            w.kill()
 
 
 @pytest.fixture(scope="module")
 def frontend(servers, fleet) -> Iterator[DynamoRun]:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", "--max-local-prefill-length", "32", env=servers).start()
-    want = {w.instance_id for w in fleet.values()}
-    deadline = time.monotonic() + 30
-    try:
-        while True:
-            health = httpx.get(fe.base_url + "/health").json()
-            if want <= {i["instance_id"] for i in health.get("instances", [])} and health.get("models"):
-                break
-            assert time.monotonic() < deadline, f"frontend did not see the workers: {health}"
-            time.sleep(0.05)
+    with kv_frontend(servers, "--max-local-prefill-length", "32",
+                     ready=sees_instances(fleet.values()), what="the frontend to see the workers") as fe:
         yield fe
-    finally:
-        fe.stop()
 
 
 _rng = random.Random(13)
@@ -85,19 +67,11 @@ def complete(fe: DynamoRun, prompt: str, max_tokens: int = 4) -> None:
     assert r.json()["usage"]["completion_tokens"] == max_tokens
 
 
-def prefills(fe: DynamoRun) -> dict[str, float]:
-    out = {"remote": 0.0, "local": 0.0, "fallback": 0.0}
-    for m in re.finditer(r'disagg_prefill_total\{model="dis",where="(\w+)"\} ([0-9.e+]+)',
-                         httpx.get(fe.base_url + "/metrics").text):
-        out[m.group(1)] = float(m.group(2))
-    return out
-
-
 def test_long_prompts_go_to_the_prefill_worker_short_ones_stay_local(fleet, frontend):
-    before = prefills(frontend)
+    before = disagg_prefills(frontend, MODEL)
     complete(frontend, text(100))  # hundreds of tokens: remote prefill
     complete(frontend, "hi")  # a few tokens: local
-    after = prefills(frontend)
+    after = disagg_prefills(frontend, MODEL)
     assert after["remote"] - before["remote"] == 1
     assert after["local"] - before["local"] == 1
     assert "imported the KV state" in fleet["decode"].stderr_text()
@@ -106,8 +80,8 @@ def test_long_prompts_go_to_the_prefill_worker_short_ones_stay_local(fleet, fron
 def test_prefill_worker_killed_requests_still_answered(fleet, frontend):
     complete(frontend, text(100))
     fleet["prefill"].kill()
-    before = prefills(frontend)
+    before = disagg_prefills(frontend, MODEL)
     for _ in range(3):
         complete(frontend, text(100))  # no prefill worker (or a dead one not yet noticed): local prefill
-    after = prefills(frontend)
+    after = disagg_prefills(frontend, MODEL)
     assert after["local"] - before["local"] == 3 and after["remote"] == before["remote"]

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from harness.fleet import kv_frontend, sees_model, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 from tests.integration.test_kv_routing import gauge, scrape, text
@@ -43,28 +44,16 @@ def env(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(env, tiny_model: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
-    args_file = tmp_path_factory.mktemp("mocker") / "mocker.json"
-    args_file.write_text(json.dumps(MOCKER_ARGS))
-    ws = [DynamoWorker(f"in=dyn://{MODEL}.mocker.generate", "out=mocker", str(tiny_model), "--model-name", MODEL,
-                       "--extra-engine-args", str(args_file), env=env).start(wait=False) for _ in range(2)]
-    try:
-        for w in ws:
-            w.wait_ready()
+    args_file = write_engine_args(tmp_path_factory.mktemp("mocker") / "mocker.json", MOCKER_ARGS)
+    with workers_running([DynamoWorker(f"in=dyn://{MODEL}.mocker.generate", "out=mocker", str(tiny_model),
+                                       "--model-name", MODEL, "--extra-engine-args", str(args_file), env=env)
+                          for _ in range(2)]) as ws:
         yield ws
-    finally:
-        for w in ws:
-            w.kill()
 
 
 def frontend(env: dict[str, str], decisions: Path) -> DynamoRun:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env={**env, "DYN_ROUTER_LOG": str(decisions)}).start()
-
-    def sees_workers() -> bool:
-        health = httpx.get(fe.base_url + "/health").json()
-        return MODEL in health.get("models", []) and len(health.get("instances", [])) >= 2
-
-    wait_until(sees_workers, 30, "the frontend to see both workers")
-    return fe
+    return kv_frontend({**env, "DYN_ROUTER_LOG": str(decisions)}, ready=sees_model(MODEL, 2),
+                       what="the frontend to see both workers")
 
 
 def booked(fe: DynamoRun, worker: DynamoWorker) -> float:

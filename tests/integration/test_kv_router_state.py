@@ -21,8 +21,9 @@ import httpx
 import nats
 import pytest
 
+from harness.fleet import kv_frontend, sees_model, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import EtcdServer, NatsServer, etcd_and_nats_env
 from tests.integration.test_kv_routing import route_until_cached, routed, text
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,35 +34,21 @@ PEER_TTL = 3.0
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url, "DYN_ROUTER_PEER_TTL": str(PEER_TTL)}
+    with etcd_and_nats_env(DYN_ROUTER_PEER_TTL=str(PEER_TTL)) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
 def mockers(servers, tiny_model: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
-    args_file = tmp_path_factory.mktemp("mocker") / "mocker.json"
-    args_file.write_text(json.dumps(MOCKER_ARGS))
-    ws = [DynamoWorker("in=dyn://kvst.mocker.generate", "out=mocker", str(tiny_model), "--model-name", "kvst",
-                       "--extra-engine-args", str(args_file), env=servers).start(wait=False) for _ in range(2)]
-    try:
-        for w in ws:
-            w.wait_ready()
+    args_file = write_engine_args(tmp_path_factory.mktemp("mocker") / "mocker.json", MOCKER_ARGS)
+    with workers_running([DynamoWorker("in=dyn://kvst.mocker.generate", "out=mocker", str(tiny_model),
+                                       "--model-name", "kvst", "--extra-engine-args", str(args_file), env=servers)
+                          for _ in range(2)]) as ws:
         yield ws
-    finally:
-        for w in ws:
-            w.kill()
 
 
 def frontend(servers: dict[str, str], model: str, n_workers: int, *flags: str) -> DynamoRun:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env=servers).start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        health = httpx.get(fe.base_url + "/health").json()
-        if model in health.get("models", []) and len(health.get("instances", [])) >= n_workers:
-            return fe
-        time.sleep(0.05)
-    fe.stop()
-    raise AssertionError(f"frontend did not see the workers: {health}")
+    return kv_frontend(servers, *flags, ready=sees_model(model, n_workers), what="the frontend to see the workers")
 
 
 def wait_log(proc: Any, pattern: str, count: int = 1, timeout: float = 10.0) -> list[str]:
@@ -159,30 +146,23 @@ def test_a_killed_frontends_bookings_expire_on_its_peer(servers, mockers):
 
 
 def test_workers_without_kv_events_get_the_approximate_indexer(servers, tiny_model: Path):
-    ws = [DynamoWorker("in=dyn://kvecho.echo.generate", "out=echo_core", str(tiny_model), "--model-name", "kvecho",
-                       env=servers).start(wait=False) for _ in range(2)]
-    fe = None
-    try:
-        for w in ws:
-            w.wait_ready()
+    with workers_running([DynamoWorker("in=dyn://kvecho.echo.generate", "out=echo_core", str(tiny_model),
+                                       "--model-name", "kvecho", env=servers) for _ in range(2)]):
         fe = frontend(servers, "kvecho", 2)
-        wait_log(fe, r"KV router for kvecho: .*approximate indexer \(its workers do not publish KV events\)")
-        prefix = text(120)
-        (first,) = routed(servers, fe, "kvecho", prefix + " " + text(10))
-        (second,) = routed(servers, fe, "kvecho", prefix + " " + text(10))
-        # no events will ever come: the router assumed what it routed is cached, at once
-        assert second["worker_id"] == first["worker_id"]
-        assert second["overlap_blocks"] >= first["isl_blocks"] - 4 > 0
-    finally:
-        if fe is not None:
+        try:
+            wait_log(fe, r"KV router for kvecho: .*approximate indexer \(its workers do not publish KV events\)")
+            prefix = text(120)
+            (first,) = routed(servers, fe, "kvecho", prefix + " " + text(10))
+            (second,) = routed(servers, fe, "kvecho", prefix + " " + text(10))
+            # no events will ever come: the router assumed what it routed is cached, at once
+            assert second["worker_id"] == first["worker_id"]
+            assert second["overlap_blocks"] >= first["isl_blocks"] - 4 > 0
+        finally:
             fe.stop()
-        for w in ws:
-            w.kill()
 
 
 def test_after_a_nats_restart_the_frontend_asks_again(tiny_model: Path, tmp_path):
-    args_file = tmp_path / "mocker.json"
-    args_file.write_text(json.dumps(MOCKER_ARGS))
+    args_file = write_engine_args(tmp_path / "mocker.json", MOCKER_ARGS)
     with EtcdServer() as etcd:
         nats_srv = NatsServer().start()
         env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}

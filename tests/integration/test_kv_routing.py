@@ -23,8 +23,9 @@ import httpx
 import nats
 import pytest
 
+from harness.fleet import kv_frontend, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import etcd_and_nats_env
 from harness.wait import until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,62 +39,36 @@ MOCKER_ARGS = {"num_gpu_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "speedup_
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+    with etcd_and_nats_env() as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
 def workers(servers, tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, list[DynamoWorker]]]:
-    args_file = tmp_path_factory.mktemp("mocker") / "mocker.json"
-    args_file.write_text(json.dumps(MOCKER_ARGS))
-    fleet: dict[str, list[DynamoWorker]] = {}
-    try:
-        for ns in ("kvev", "kvkill"):
-            fleet[ns] = [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(tiny_model),
-                                      "--model-name", ns, "--extra-engine-args", str(args_file),
-                                      env=servers).start(wait=False) for _ in range(2)]
-        for ws in fleet.values():
-            for w in ws:
-                w.wait_ready()
+    args_file = write_engine_args(tmp_path_factory.mktemp("mocker") / "mocker.json", MOCKER_ARGS)
+    fleet = {ns: [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(tiny_model), "--model-name", ns,
+                               "--extra-engine-args", str(args_file), env=servers) for _ in range(2)]
+             for ns in ("kvev", "kvkill")}
+    with workers_running([w for ws in fleet.values() for w in ws]):
         yield fleet
-    finally:
-        for ws in fleet.values():
-            for w in ws:
-                w.kill()
 
 
 def _frontend(servers: dict[str, str], workers, *flags: str, env: dict[str, str] | None = None) -> DynamoRun:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", *flags, env={**servers, **(env or {})}).start()
-    want = {w.instance_id for ws in workers.values() for w in ws}
-
-    def sees_all() -> bool:
-        health = httpx.get(fe.base_url + "/health").json()
-        return want <= {i["instance_id"] for i in health.get("instances", [])} and len(health.get("models", [])) >= 2
-
-    try:
-        wait_until(sees_all, 30, "the frontend to see the workers")
-    except BaseException:
-        fe.stop()
-        raise
-    return fe
+    return kv_frontend({**servers, **(env or {})}, *flags,
+                       ready=sees_instances([w for ws in workers.values() for w in ws], models=2),
+                       what="the frontend to see the workers")
 
 
 @pytest.fixture(scope="module")
 def frontend(servers, workers) -> Iterator[DynamoRun]:
-    fe = _frontend(servers, workers)
-    try:
+    with _frontend(servers, workers) as fe:
         yield fe
-    finally:
-        fe.stop()
 
 
 @pytest.fixture(scope="module")
 def approx_frontend(servers, workers) -> Iterator[DynamoRun]:
-    fe = _frontend(servers, workers, "--use-kv-events", "false")
-    try:
+    with _frontend(servers, workers, "--use-kv-events", "false") as fe:
         yield fe
-    finally:
-        fe.stop()
 
 
 # -- helpers -----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from harness.fleet import kv_frontend, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, free_port
 from harness.wait import until, wait_until
@@ -44,9 +45,7 @@ def servers() -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def args_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("mocker") / "mocker.json"
-    path.write_text(json.dumps(MOCKER_ARGS))
-    return path
+    return write_engine_args(tmp_path_factory.mktemp("mocker") / "mocker.json", MOCKER_ARGS)
 
 
 def mocker(servers: dict[str, str], tiny_model: Path, args_file: Path, **env: str) -> DynamoWorker:
@@ -56,39 +55,19 @@ def mocker(servers: dict[str, str], tiny_model: Path, args_file: Path, **env: st
 
 @pytest.fixture(scope="module")
 def workers(servers, tiny_model, args_file) -> Iterator[list[DynamoWorker]]:
-    fleet = [mocker(servers, tiny_model, args_file).start(wait=False) for _ in range(2)]
-    try:
-        for w in fleet:
-            w.wait_ready()
+    with workers_running([mocker(servers, tiny_model, args_file) for _ in range(2)]) as fleet:
         yield fleet
-    finally:
-        for w in fleet:
-            w.kill()
 
 
 def start_frontend(servers: dict[str, str], workers: list[DynamoWorker]) -> DynamoRun:
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", *PLANES, env=servers).start()
-    want = {w.instance_id for w in workers if w.running}
-
-    def sees_all() -> bool:
-        health = httpx.get(fe.base_url + "/health").json()
-        return want <= {i["instance_id"] for i in health.get("instances", [])} and bool(health.get("models"))
-
-    try:
-        wait_until(sees_all, 30, "the frontend to see the workers")
-    except BaseException:
-        fe.stop()
-        raise
-    return fe
+    return kv_frontend(servers, *PLANES, ready=sees_instances([w for w in workers if w.running]),
+                       what="the frontend to see the workers")
 
 
 @pytest.fixture(scope="module")
 def frontend(servers, workers) -> Iterator[DynamoRun]:
-    fe = start_frontend(servers, workers)
-    try:
+    with start_frontend(servers, workers) as fe:
         yield fe
-    finally:
-        fe.stop()
 
 
 _rng = random.Random(7)

@@ -19,9 +19,10 @@ import httpx
 import nats
 import pytest
 
+from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
-from harness.wait import until, wait_until
+from harness.servers import etcd_and_nats_env
+from harness.wait import until
 from tests.integration.test_kv_routing import frontend_caught_up, text
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,12 +31,12 @@ MODEL = "tierllama"
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+    with etcd_and_nats_env() as env:
+        yield env
 
 
 def _worker(servers: dict[str, str], gguf: Path, args_file: Path, args: dict[str, Any]) -> DynamoWorker:
-    args_file.write_text(json.dumps(args))
+    write_engine_args(args_file, args)
     return DynamoWorker(f"in=dyn://{MODEL}.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", MODEL,
                         "--context-length", "512", "--extra-engine-args", str(args_file),
                         env={**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}, startup_timeout=120)
@@ -97,17 +98,6 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
 def test_a_prefix_offloaded_on_a_worker_brings_its_request_back_there(gguf, servers, tmp_path):
     a = _worker(servers, gguf, tmp_path / "a.json", {"n_parallel": 1, "n_threads": 1, "host_cache_mb": 64})
     b = _worker(servers, gguf, tmp_path / "b.json", {"n_parallel": 1, "n_threads": 1})
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers)
-    try:
-        a.start(wait=False)
-        b.start(wait=False)
-        a.wait_ready()
-        b.wait_ready()
-        fe.start()
-        wait_until(lambda: len(re.findall(r"KV state of worker", fe.stderr_text())) >= 2, 30,
-                   "the frontend to read both workers' KV state")
-        asyncio.run(_scenario(servers, fe, a, b))
-    finally:
-        fe.stop()
-        a.kill()
-        b.kill()
+    with workers_running([a, b]):
+        with kv_frontend(servers, ready=read_kv_states(2), what="the frontend to read both workers' KV state") as fe:
+            asyncio.run(_scenario(servers, fe, a, b))

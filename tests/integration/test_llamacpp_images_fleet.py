@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,9 +20,10 @@ import openai
 import pytest
 
 from harness.colour_projector import QUESTION
+from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
-from harness.wait import until, wait_until
+from harness.servers import etcd_and_nats_env
+from harness.wait import until
 from tests.integration.test_kv_routing import frontend_caught_up
 from tests.integration.test_llamacpp_images import colours_named, image_part, image_url
 
@@ -34,12 +34,12 @@ EVENTS = f"namespace.{MODEL}.component.llamacpp.kv_events"
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+    with etcd_and_nats_env() as env:
+        yield env
 
 
 def _worker(servers: dict[str, str], gguf: Path, projector: Path, args_file: Path) -> DynamoWorker:
-    args_file.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
+    write_engine_args(args_file, {"n_parallel": 2, "n_threads": 1})
     return DynamoWorker(f"in=dyn://{MODEL}.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", MODEL,
                         "--mmproj", str(projector), "--context-length", "512", "--extra-engine-args",
                         str(args_file), env=servers, startup_timeout=120)
@@ -96,17 +96,6 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
 def test_the_same_image_goes_back_to_the_worker_that_cached_it(gguf, colour_projector, servers, tmp_path):
     a = _worker(servers, gguf, colour_projector, tmp_path / "a.json")
     b = _worker(servers, gguf, colour_projector, tmp_path / "b.json")
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers)
-    try:
-        a.start(wait=False)
-        b.start(wait=False)
-        a.wait_ready()
-        b.wait_ready()
-        fe.start()
-        wait_until(lambda: len(re.findall(r"KV state of worker", fe.stderr_text())) >= 2, 30,
-                   "the frontend to read both workers' KV state")
-        asyncio.run(_scenario(servers, fe, a, b))
-    finally:
-        fe.stop()
-        a.kill()
-        b.kill()
+    with workers_running([a, b]):
+        with kv_frontend(servers, ready=read_kv_states(2), what="the frontend to read both workers' KV state") as fe:
+            asyncio.run(_scenario(servers, fe, a, b))

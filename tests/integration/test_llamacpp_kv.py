@@ -24,9 +24,10 @@ from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
-from harness.wait import until, wait_until
+from harness.servers import etcd_and_nats_env
+from harness.wait import until
 from tests.integration.test_kv_routing import frontend_caught_up, text
 
 pytestmark = pytest.mark.timeout(180)
@@ -208,25 +209,19 @@ async def test_a_new_conversation_of_a_group_keeps_the_groups_live_conversation(
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
-    with EtcdServer() as etcd, NatsServer() as nats_srv:
-        yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats_srv.url}
+    with etcd_and_nats_env() as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
 def llama_workers(servers, gguf: Path, tmp_path_factory) -> Iterator[list[DynamoWorker]]:
-    args = tmp_path_factory.mktemp("llamacpp") / "args.json"
-    args.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
+    args = write_engine_args(tmp_path_factory.mktemp("llamacpp") / "args.json", {"n_parallel": 2, "n_threads": 1})
     env = {**servers, "DYN_LOG": "info,dynamo.engines.llamacpp=debug"}
-    ws = [DynamoWorker("in=dyn://kvllama.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", "kvllama",
-                       "--context-length", "512", "--extra-engine-args", str(args), env=env,
-                       startup_timeout=120).start(wait=False) for _ in range(2)]
-    try:
-        for w in ws:
-            w.wait_ready()
+    with workers_running([DynamoWorker("in=dyn://kvllama.llamacpp.generate", "out=llamacpp", str(gguf),
+                                       "--model-name", "kvllama", "--context-length", "512",
+                                       "--extra-engine-args", str(args), env=env, startup_timeout=120)
+                          for _ in range(2)]) as ws:
         yield ws
-    finally:
-        for w in ws:
-            w.kill()
 
 
 async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blocks: int = 0
@@ -268,10 +263,9 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
 
 
 def test_the_router_sends_a_shared_prefix_to_the_llamacpp_worker_that_caches_it(servers, llama_workers):
-    fe = DynamoRun("out=dyn", "--router-mode", "kv", env=servers).start()
+    fe = kv_frontend(servers, ready=lambda fe: re.search(r"KV router for kvllama: .*KV events", fe.stderr_text())
+                     and read_kv_states(2)(fe), what="the frontend's KV router and both KV states")
     try:
-        wait_until(lambda: re.search(r"KV router for kvllama: .*KV events", fe.stderr_text()) and len(
-            re.findall(r"KV state of worker", fe.stderr_text())) >= 2, 30, "the frontend's KV router and both KV states")
         prefix = text(60)
         first, stored = asyncio.run(_request(servers, fe, prefix + " " + text(5), want_blocks=6))
         assert first["overlap_blocks"] == 0 and first["isl_blocks"] >= 6
