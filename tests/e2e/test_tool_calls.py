@@ -182,7 +182,8 @@ def test_malformed_tool_choice_is_a_400(client: openai.OpenAI, choice: Any):
 def test_worker_killed_mid_call_the_answer_continues_on_another(qwen3: Path):
     import httpx
 
-    from tests.e2e.test_distributed import served_by, sse_events, wait_for_model, wait_until
+    from harness.fleet import served_by, sse_events, wait_for_model
+    from harness.wait import wait_until
 
     engine_args = ("--", "--model-path", str(qwen3))
     with EtcdServer() as etcd, NatsServer() as nats:

@@ -10,16 +10,15 @@ Local files are served from ``--allowed-local-media-path`` only, symbolic links 
 from __future__ import annotations
 
 import base64
-import http.server
-import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import anthropic
 import openai
 import pytest
 
 from harness.colour_projector import COLOURS, QUESTION, solid_png
+from harness.images import ImageHandler, image_server
 from harness.proc import DynamoRun
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,7 +41,7 @@ def pictures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-class _Pictures(http.server.BaseHTTPRequestHandler):
+class _Pictures(ImageHandler):
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         if self.path == "/moved":
             self.send_response(302)
@@ -53,24 +52,13 @@ class _Pictures(http.server.BaseHTTPRequestHandler):
         if colour not in COLOURS:
             self.send_error(404)
             return
-        body = png(colour)
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.send_image(png(colour), "image/png")
 
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pictures)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
+    with image_server(_Pictures) as host:
+        yield host
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,16 @@ fetch.  The same file without the declaration keeps refusing images.
 from __future__ import annotations
 
 import base64
-import http.server
 import re
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import anthropic
 import openai
 import pytest
 
-from harness.images import GREEN, data_url, image_bytes
+from harness.images import GREEN, ImageHandler, data_url, image_bytes, image_server
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
@@ -36,7 +35,7 @@ ANSWER = re.compile(r"^(image/\w+) (\d+)x(\d+) (mm-[0-9a-f]{16})$")
 HUNG = threading.Event()  # set by /hang once the fetcher closed the connection it never got an answer on
 
 
-class _Picture(http.server.BaseHTTPRequestHandler):
+class _Picture(ImageHandler):
     """``/photo.jpg``: a 40x30 JPEG (named and typed as one, and one); ``/hang``: never answers, and
     notes when the other side gives up (:data:`HUNG`); anything else 404."""
 
@@ -48,27 +47,13 @@ class _Picture(http.server.BaseHTTPRequestHandler):
         if self.path != "/photo.jpg":
             self.send_error(404)
             return
-        body = image_bytes(40, 30, GREEN, "JPEG")
-        self.send_response(200)
-        self.send_header("Content-Type", "image/jpeg")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.send_image(image_bytes(40, 30, GREEN, "JPEG"), "image/jpeg")
 
 
 @pytest.fixture(scope="module")
 def photo_url() -> Iterator[str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Picture)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/photo.jpg"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with image_server(_Picture) as host:
+        yield f"http://{host}/photo.jpg"
 
 
 def client(srv: DynamoRun) -> openai.OpenAI:
