@@ -177,7 +177,7 @@ static PyObject *walk(Index *ix, PyObject *hashes, int local, int early_exit) {
             node = idx;
             prefetch_sets_ahead(ix, idx);
             uint64_t v = ix->blocks.nodes[idx].v;
-            if (depth > 0 && v == prev_v) {  /* one worker, the same as the block before's */
+            if (depth > 0 && v == prev_v) {  /* the very holders of the block before (one worker, or the same set): nobody drops out */
                 depth++;
                 continue;
             }
