@@ -195,19 +195,22 @@ class TransferServer:
             writer.close()
 
 
-async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Read and verify one response; raises TransferError on any mismatch or early end."""
+async def read_state(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_BYTES,
+                     expect: Ticket | None = None) -> bytes:
+    """Read and verify one response (each chunk's crc32, the whole state's sha256 and size against its
+    header, and the header against ``expect``'s size and digest when given).  TransferError on any
+    mismatch or early end, or a state over ``max_bytes``."""
     try:
         magic, status, total, digest = _RESP_HEAD.unpack(await reader.readexactly(_RESP_HEAD.size))
         if magic != RESP_MAGIC:
             raise TransferError("KV transfer: not a KV state response")
         if status == 1:
-            raise TransferError("KV transfer: the prefill worker no longer holds this state (expired or evicted)")
+            raise TransferError("KV transfer: the worker no longer holds this state (expired or evicted)")
         if status != 0:
             raise TransferError(f"KV transfer: status {status}")
         if total > max_bytes:
             raise TransferError(f"KV transfer: {total} bytes exceeds the limit of {max_bytes}")
-        if total != expect.size or digest.hex() != expect.sha256:
+        if expect is not None and (total != expect.size or digest.hex() != expect.sha256):
             raise TransferError("KV transfer: the state does not match its ticket")
         buf = bytearray()
         while True:
@@ -227,6 +230,11 @@ async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes:
     if hashlib.sha256(buf).digest() != digest:
         raise TransferError("KV transfer: sha256 mismatch")
     return bytes(buf)
+
+
+async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Read and verify the response to a ticket's pull; raises TransferError on any mismatch or early end."""
+    return await read_state(reader, max_bytes, expect)
 
 
 async def pull(ticket: Ticket, timeout: float = 30.0, max_bytes: int = DEFAULT_MAX_BYTES,

@@ -30,9 +30,9 @@ from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import KV_STATE_ENDPOINT
 from dynamo.kv.hashing import compute_hashes_async
-from dynamo.kv.router import DEFAULT_PEER_TTL_S
+from dynamo.kv.router import DEFAULT_PEER_TTL_S, DEFAULT_PREFIX_FETCH_WEIGHT
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS, ModelEntry
+from dynamo.llm.model_entry import KV_PREFIX_SHARE, PUBLISHES_KV_EVENTS, ModelEntry
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
@@ -64,6 +64,23 @@ def prefix_homes() -> bool:
         return False
     log.warning("DYN_ROUTER_PREFIX_HOMES=%r is not a boolean; keeping it on", raw)
     return True
+
+
+def prefix_fetch_weight() -> float:
+    """``DYN_ROUTER_PREFIX_FETCH_WEIGHT`` (0..1, default 0.9): what a block the chosen worker can fetch from
+    another worker (disagg/prefix_share.py) saves of a resident block's prefill; 0 never names a source."""
+    raw = os.environ.get("DYN_ROUTER_PREFIX_FETCH_WEIGHT", "").strip()
+    if not raw:
+        return DEFAULT_PREFIX_FETCH_WEIGHT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        log.warning("DYN_ROUTER_PREFIX_FETCH_WEIGHT=%r is not a number from 0 to 1; keeping %g", raw,
+                    DEFAULT_PREFIX_FETCH_WEIGHT)
+        return DEFAULT_PREFIX_FETCH_WEIGHT
+    return value
 
 
 def publishes_kv_events(entry: Any) -> bool:
@@ -113,6 +130,8 @@ class KvRouterPolicy:
         decision = self.router.select(request.token_ids, candidates, request_id=body_id, hashes=hashes)
         self._tracked.add(body_id)
         request.estimated_prefix_hit_num_blocks = decision.overlap_blocks
+        if decision.prefix_source is not None:
+            request.prefix_source = {"address": decision.prefix_source[0], "tokens": decision.prefix_source[1]}
         log.debug("request %s -> worker %x (%d cached blocks)", body_id, decision.worker_id, decision.overlap_blocks)
         return client.direct(request.to_dict(), decision.worker_id, context=rt_ctx)
 
@@ -153,6 +172,9 @@ class KvRouterPolicy:
         if entry.instance_id in self._workers:
             return
         self._workers[entry.instance_id] = entry
+        lends = (entry.runtime_config or {}).get(KV_PREFIX_SHARE)
+        if events and isinstance(lends, str) and lends:
+            self.router.lenders[entry.instance_id] = lends
         if events and self._runtime is not None and publishes_kv_events(entry):
             self._spawn(self._resync(entry))
 
@@ -268,6 +290,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         lora_name=card.lora_name,
         load_of=load_of,
         prefix_homes=prefix_homes(),
+        prefix_fetch_weight=prefix_fetch_weight(),
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)

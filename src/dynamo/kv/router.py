@@ -58,11 +58,30 @@ DEFAULT_PEER_TTL_S = 10.0
 # An offloaded block saves this fraction of a resident block's prefill (docs/decisions.md): restoring
 # costs something (a copy back, a read and a checksum), and the entry may be gone when the request comes.
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {HOST: 0.8, DISK: 0.5}
+# A block another worker holds and the chosen worker can fetch from it (disagg/prefix_share.py) saves this
+# fraction of a resident block's prefill: loading a state is milliseconds where computing a block is tens
+# (SmolLM2 on one core: 64 ms per 16-token block), but the holder answers only between two of its steps.
+DEFAULT_PREFIX_FETCH_WEIGHT = 0.9
+PREFIX_FETCH_MIN_BLOCKS = 2  # a fetch saving less than this is not worth a round trip
 
 
-class RoutingDecision(NamedTuple):
+class _Choice(NamedTuple):
     worker_id: WorkerId
     overlap_blocks: int
+
+
+class RoutingDecision(_Choice):
+    """(worker, its cached blocks), as a pair (callers unpack it), plus ``prefix_source``: (share address,
+    tokens) of a worker holding more of the prompt, for the chosen one to fetch from (None: no fetch)."""
+
+    prefix_source: tuple[str, int] | None = None
+
+    def __new__(cls, worker_id: WorkerId, overlap_blocks: int,
+                prefix_source: tuple[str, int] | None = None) -> "RoutingDecision":
+        self = super().__new__(cls, worker_id, overlap_blocks)
+        if prefix_source is not None:
+            self.prefix_source = prefix_source
+        return self
 
 
 class KvRouter:
@@ -86,7 +105,7 @@ class KvRouter:
                  router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
                  tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
                  decision_log: DecisionLog | None = None, load_of: KvRouter | None = None,
-                 prefix_homes: bool = True):
+                 prefix_homes: bool = True, prefix_fetch_weight: float = DEFAULT_PREFIX_FETCH_WEIGHT):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if overlap_score_weight < 0:
@@ -97,6 +116,11 @@ class KvRouter:
         for tier, weight in self.tier_weights.items():
             if tier not in LOWER_TIERS or not 0 <= weight <= 1:
                 raise ValueError(f"tier weight {tier}={weight}: tiers are {LOWER_TIERS}, weights 0..1")
+        if not 0 <= prefix_fetch_weight <= 1:
+            raise ValueError(f"prefix_fetch_weight {prefix_fetch_weight}: 0..1")
+        self.prefix_fetch_weight = prefix_fetch_weight
+        # workers that lend and borrow cached prefixes: worker id -> the address they lend them from
+        self.lenders: dict[WorkerId, str] = {}
         self.block_size = block_size
         self.lora_name = lora_name or None
         self.overlap_score_weight = overlap_score_weight
@@ -151,6 +175,9 @@ class KvRouter:
             local, seq = hashes
         overlaps = self.indexer.find_matches(local, seq)
         restorable = self._restorable(seq, overlaps)
+        holder = self._best_lender(overlaps)
+        if holder is not None:
+            restorable = self._fetchable(holder, overlaps, restorable)
         # offloaded blocks of this prompt somewhere: the full pass, which prices them (the fast pick
         # only knows resident overlaps)
         many = self.temperature <= 0 and not restorable and isinstance(workers, (list, tuple, set, frozenset)) \
@@ -192,12 +219,18 @@ class KvRouter:
                           {f"{w:x}": round(v, 2) for w, v in restorable.items()})
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
+        source = None
+        if holder is not None and choice.worker_id in self.lenders and choice.worker_id != holder[0] \
+                and holder[1] - choice.overlap_blocks >= PREFIX_FETCH_MIN_BLOCKS:
+            source = (self.lenders[holder[0]], holder[1] * self.block_size)
         if self.decision_log is not None:
-            self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs)
+            self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs,
+                               holder if source is not None else None)
         if request_id is not None:
             tracker = self.trackers.get(choice.worker_id)
             inflight = tracker.shared_prefix(blocks) if tracker is not None else 0
-            prefill = len(token_ids) - max(choice.overlap_blocks, inflight) * self.block_size
+            fetched = source[1] // self.block_size if source is not None else 0
+            prefill = len(token_ids) - max(choice.overlap_blocks, inflight, fetched) * self.block_size
             self._add(request_id, choice.worker_id, blocks, prefill)
             if self.homes is not None:
                 self.homes.record(seq, choice.worker_id)
@@ -206,7 +239,7 @@ class KvRouter:
                                "overlap": choice.overlap_blocks}}), "active sequence event")
         emit(self.publish_hit_rate, {"worker_id": choice.worker_id, "isl_blocks": len(local),
                                      "overlap_blocks": choice.overlap_blocks}, "kv hit rate event")
-        return RoutingDecision(choice.worker_id, choice.overlap_blocks)
+        return RoutingDecision(choice.worker_id, choice.overlap_blocks, source)
 
     def add_request(self, request_id: str, token_ids: Sequence[int], worker_id: WorkerId,
                     overlap_blocks: int = 0) -> None:
@@ -358,6 +391,7 @@ class KvRouter:
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """A worker left: forget its cached blocks and the requests tracked on it."""
+        self.lenders.pop(worker_id, None)
         self.indexer.remove_worker(worker_id)
         self._resync.pop(worker_id, None)
         self._dumped_upto.pop(worker_id, None)
@@ -394,8 +428,9 @@ class KvRouter:
 
     # -- internals -----------------------------------------------------------------------------
     def _log_decision(self, request_id: str | None, worker: WorkerId, isl: int, blocks: Sequence[int | str],
-                      costs: Sequence[WorkerCost]) -> None:
-        """One ``route`` line (decision_log.py): what the router saw of each candidate when it chose."""
+                      costs: Sequence[WorkerCost], fetch_from: tuple[WorkerId, int] | None = None) -> None:
+        """One ``route`` line (decision_log.py): what the router saw of each candidate when it chose, and
+        the worker it named to fetch the prefix from, with its blocks."""
         assert self.decision_log is not None
         cands: dict[str, Any] = {}
         for c in costs:
@@ -408,7 +443,9 @@ class KvRouter:
                 "requests": len(t.requests) if t is not None else 0}
         self.decision_log.write({"ev": "route", "id": request_id, "worker": f"{worker:x}", "isl": isl,
                                  "blocks": list(blocks[:isl // self.block_size]),
-                                 "candidates": cands})
+                                 "candidates": cands,
+                                 **({"fetch": {"from": f"{fetch_from[0]:x}", "blocks": fetch_from[1]}}
+                                    if fetch_from is not None else {})})
 
     def _restorable(self, seq: Sequence[int], overlaps: Overlaps) -> dict[WorkerId, float]:
         """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
@@ -428,6 +465,30 @@ class KvRouter:
                     reached = n
             if c > 0:
                 credit[w] = c
+        return credit
+
+    def _best_lender(self, overlaps: Overlaps) -> tuple[WorkerId, int] | None:
+        """The lending worker holding most of the prompt, and how many blocks (None: no fetch is worth it)."""
+        lenders = self.lenders
+        if self.prefix_fetch_weight <= 0 or len(lenders) < 2 or not overlaps:
+            return None
+        best: tuple[WorkerId, int] | None = None
+        for w, n in overlaps.items():
+            if n >= PREFIX_FETCH_MIN_BLOCKS and w in lenders and (best is None or n > best[1]):
+                best = (w, n)
+        return best
+
+    def _fetchable(self, holder: tuple[WorkerId, int], overlaps: Overlaps,
+                   restorable: dict[WorkerId, float]) -> dict[WorkerId, float]:
+        """``restorable`` with every other lender credited with the blocks it could fetch from ``holder``
+        past its own prefix, at ``prefix_fetch_weight`` (its own offloaded blocks, if worth more, stay)."""
+        credit = dict(restorable)
+        best, held = holder
+        weight = self.prefix_fetch_weight
+        for w in self.lenders:
+            gain = held - overlaps.get(w, 0)
+            if w != best and gain >= PREFIX_FETCH_MIN_BLOCKS and weight * gain > credit.get(w, 0.0):
+                credit[w] = weight * gain
         return credit
 
     def _request_blocks(self, seq_hashes: list[int], isl: int) -> list[int]:

@@ -152,6 +152,14 @@ class ExportsSequenceState(Protocol):
 
 
 @runtime_checkable
+class LendsKvPrefixes(Protocol):
+    """Exports the KV state of its cache sharing the longest prefix with a prompt, for another worker,
+    and takes such a state in ``generate(..., prefix_state=...)`` (disagg/prefix_share.py)."""
+
+    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None: ...
+
+
+@runtime_checkable
 class ServesLoraAdapters(Protocol):
     """Serves LoRA adapters of its model by name: a request whose ``model`` names a loaded adapter runs
     with it (llm/lora.py).  ``load_lora`` and ``unload_lora`` raise UserError for what the user got wrong

@@ -29,6 +29,9 @@ OBJECT_BUCKET = "dynamo_mdc"
 # runtime_config key: true when the worker publishes KV events (and answers the kv_state query); a KV
 # router uses the approximate indexer for a model whose workers do not say so
 PUBLISHES_KV_EVENTS = "publishes_kv_events"
+# runtime_config key: the address a worker lends its cached KV prefixes from (disagg/prefix_share.py); a KV
+# router names it to another such worker that it sends a prompt whose prefix this one holds
+KV_PREFIX_SHARE = "kv_prefix_share"
 
 
 @dataclass

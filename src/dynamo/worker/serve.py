@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import cast
 
 from dynamo.engines.served_model import build_served_model
 from dynamo.errors import UserError
 from dynamo.heap import settle_heap
 from dynamo.llm.embeddings import embedding_handler
-from dynamo.llm.engine import Engine, EngineCapabilities, ServesLoraAdapters, capabilities_of, close_engine
+from dynamo.disagg.prefix_share import PrefixSharingEngine, sharing_enabled
+from dynamo.llm.engine import (Engine, EngineCapabilities, LendsKvPrefixes, ServesLoraAdapters, capabilities_of,
+                               close_engine)
 from dynamo.llm.lora import RUNTIME_LORA_KEY, runtime_lora_allowed
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
@@ -27,6 +30,7 @@ from dynamo.llm.register import publish_model
 from dynamo.run_config import RunConfig
 from dynamo.runtime import EndpointId
 from dynamo.runtime.distributed import connect_runtime
+from dynamo.runtime.tcp import advertise_host
 from dynamo.worker.handlers import backend_handler, chat_handler
 from dynamo.worker.kv_publishing import serve_kv_state, serve_load_metrics, worker_event_publishers
 from dynamo.worker.lora_control import LoraControl
@@ -72,6 +76,13 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
                                          advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
             await wrapped.start()
             engine = owned = wrapped  # closed below, with its transfer server
+        elif mode == "agg" and publishes_kv_events and isinstance(engine, LendsKvPrefixes) and sharing_enabled():
+            # a KV router may send a prompt here with another worker's cached prefix to fetch (prefix_share.py)
+            hosts = runtime.listen_hosts
+            lending = PrefixSharingEngine(engine, host=hosts.callhome if hosts else advertise_host(os.environ.get("DYN_TCP_RPC_HOST")),
+                                          advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
+            await lending.start()
+            engine = owned = lending  # type: ignore[assignment]  # closed below, with its share server
         if engine.kind == "embedding":
             handler, model_type = embedding_handler(engine), ModelType.Embedding  # type: ignore[arg-type]
         elif engine.kind == "core":

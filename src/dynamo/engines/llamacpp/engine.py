@@ -323,8 +323,13 @@ class LlamaCppEngine:
             pass
 
     # -- the asyncio side ---------------------------------------------------------------------
+    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None:
+        """For another worker (disagg/prefix_share.py): the state of the cache here sharing the longest
+        prefix with ``tokens`` (tokens it covers, tokens shared, state), exported between two steps."""
+        return await asyncio.wrap_future(self.scheduler.call(lambda: self.caches.export_prefix(tokens)))
+
     async def generate(self, request: PreprocessedRequest, context: Context,
-                       state_io: Any = None) -> AsyncIterator[EngineOutput]:
+                       state_io: Any = None, prefix_state: Any = None) -> AsyncIterator[EngineOutput]:
         if self.scheduler.thread is None or self._samplers is None:
             raise EngineError("llamacpp engine is not started")
         sc = request.stop_conditions
@@ -352,6 +357,7 @@ class LlamaCppEngine:
         oo = request.output_options
         req = Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
                       grammar=self._samplers.grammar(request.sampling_options.guided_decoding), state_io=state_io,
+                      prefix_state=prefix_state,
                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps,
                       adapter=adapter, images=images)
         self.scheduler.submit(req)

@@ -69,6 +69,7 @@ class Request:
     grammar: str | None = None  # GBNF from guided decoding (grammar.py)
     cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
     state_io: Any = None  # disaggregation (disagg/worker.py StateIO): export or import the sequence state
+    prefix_state: Any = None  # another worker's KV of this prompt's prefix (disagg/prefix_share.py PrefixState)
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
     stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
@@ -122,6 +123,8 @@ class SlotCaches:
         self.disk_tier: DiskKvTier | None = None  # made by open_disk
         self.copies = 0
         self.state_copies = 0  # copies made through the sequence state (copy_cache)
+        self.borrowed = 0  # prefixes loaded from another worker's state (load_prefix)
+        self.lent = 0  # prefix states exported for another worker (export_prefix)
         # a donor holding at most this many tokens is copied through its state, a longer one with seq_cp
         self.state_copy_max_tokens = n_ctx_seq // 4
         self._llama: Llama | None = None
@@ -236,6 +239,8 @@ class SlotCaches:
             best.cached = donor.cached[:keep]
         else:
             self.offload(best, keep)
+        if req.prefix_state is not None and uid == 0:
+            keep = self.load_prefix(best, req, keep)
         best.take_adapter(req)
         if uid == 0:
             keep = self.restore(best, req.prompt, keep)
@@ -379,6 +384,58 @@ class SlotCaches:
         log.debug("slot %d: restored %d cached tokens from the %s tier", slot.seq_id, n,
                   "disk" if tier is disk else "host")
         return n
+
+    def load_prefix(self, slot: Slot, req: Request, keep: int) -> int:
+        """Load another worker's state of this prompt's prefix (``req.prefix_state``) into ``slot`` if it
+        saves COPY_MIN_TOKENS of prefill over ``keep``; returns the tokens now reusable.  The state covers
+        that worker's whole cache: the tokens past the shared prefix are dropped (the caller truncates)."""
+        state, req.prefix_state = req.prefix_state, None
+        n = min(state.n_shared, len(req.prompt) - 1)
+        if n < keep + COPY_MIN_TOKENS:
+            return keep
+        L, lctx, mem = self.llama.L, self.llama.lctx, self.llama.mem
+        t0 = time.perf_counter()
+        L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+        data = state.data
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = (L.llama_state_seq_set_data(lctx, buf, len(data), slot.seq_id) == len(data)
+              and L.llama_memory_seq_pos_max(mem, slot.seq_id) == state.n_state - 1)
+        if self.tracking:
+            self.slot_blocks.truncate(slot.seq_id, 0)
+        if not ok:
+            L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            log.warning("request %s: llama.cpp refused another worker's KV prefix (%d bytes); computing the "
+                        "prompt", req.ctx.id, len(data))
+            return 0
+        slot.cached = req.prompt[:n]
+        if self.tracking:
+            self.slot_blocks.extend(slot.seq_id, slot.cached, slot.lora_name)
+        self.borrowed += 1
+        log.debug("request %s: slot %d loaded %d prompt tokens from another worker's KV (%d bytes) in %.1f ms",
+                  req.ctx.id, slot.seq_id, n, len(data), 1e3 * (time.perf_counter() - t0))
+        return n
+
+    def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None:
+        """For another worker: the state of the base-model cache sharing the longest prefix with
+        ``tokens`` (a slot's, or a host-tier entry's), as (tokens it covers, tokens shared, state); None
+        when no cache shares COPY_MIN_TOKENS.  Between two steps every slot's cache is exactly its
+        ``cached`` tokens."""
+        best = max((s for s in self.slots if s.lora_uid == 0), key=lambda s: common_prefix(s.cached, tokens),
+                   default=None)
+        shared = common_prefix(best.cached, tokens) if best is not None else 0
+        host = self.host_tier
+        found = host.best(tokens) if host is not None and len(host) else None
+        if found is not None and found[1] > shared:
+            data = host.get(found[0])  # type: ignore[union-attr]
+            if data is not None and found[1] >= COPY_MIN_TOKENS:
+                self.lent += 1
+                return len(found[0]), found[1], data
+        if best is None or shared < COPY_MIN_TOKENS:
+            return None
+        data = self.export_state(best)
+        self.lent += 1
+        return len(best.cached), shared, data
 
     def export_state(self, slot: Slot) -> bytes:
         """The slot's sequence state (its KV cache of the prompt), for a decode worker or the host tier."""

@@ -87,6 +87,9 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=False):
     # disaggregated serving: the prefill worker's KV transfer ticket (disagg/transfer.py), set by the
     # frontend on the request it sends to the decode worker
     disaggregated_params: dict[str, Any] | None = None
+    # ours: another worker holding the prompt's prefix, named by the KV router for the chosen worker to
+    # fetch that prefix's KV from instead of computing it (disagg/prefix_share.py): {"address", "tokens"}
+    prefix_source: dict[str, Any] | None = None
     parsing: ResponseParsing | None = None  # ours: tool-call and reasoning parsing (parsers/stage.py)
     # images in the prompt (engines whose card has ``image_tokens``), in prompt order
     multi_modal_data: list[ImageInput] | None = None

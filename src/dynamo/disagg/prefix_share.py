@@ -1,0 +1,243 @@
+"""Aggregated workers lending each other cached prompt prefixes: the KV of a prefix another worker holds is
+fetched from it instead of computed again.
+
+Why: a KV-aware router sends a prompt to the worker that holds its prefix, unless that worker is busy;
+then the prompt goes to an idle worker, which computes the prefix a second time (SmolLM2-135M on one
+core of this machine: about 4 ms per prompt token, 1.2 s for a 300-token system prompt and question).
+A router that sees only request text (sglang-router, vllm-router) can only choose between those two: wait
+behind the busy holder, or recompute.  An engine that exports a sequence's KV state (llama.cpp) offers a
+third: the idle worker asks the holder for the state of its cache that shares the longest prefix with the
+prompt, loads it (milliseconds: 23 KB per token here), and computes only the rest.
+
+Who decides: the router (kv/router.py) counts a prefix another worker holds as cached on a worker that
+can fetch it, at a weight below a resident one, and names the holder's share address in the request's
+``prefix_source``; the chosen worker fetches before it admits the request, within
+``DYN_KV_PREFIX_FETCH_TIMEOUT`` seconds (default 2), and computes the prompt itself on any failure (the
+holder evicted it meanwhile, went away, timed out): a fetch never fails a request.  The holder exports
+between two of its engine steps, so a fetch waits at most one step there (a long prefill's step, about a
+second here, is the worst case).
+
+Wire format, on transfer.py's framing (big-endian)::
+
+    request   b"DKVQ" | u32 n | n x u32 token ids (the prompt's prefix the router saw on the holder)
+    response  u32 tokens the state covers | u32 of them the same as the request's | transfer.py's response
+              (status 1: nothing shared)
+
+The state covers the holder's whole cache of that sequence; the fetching engine keeps the shared tokens
+and drops the rest.  With a fleet secret both ends prove it first, as for every other plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from dynamo.llm.engine import Context, close_engine
+from dynamo.llm.model_entry import KV_PREFIX_SHARE
+from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.runtime.fleet_auth import DIALER, LISTENER, FleetAuth, FleetAuthError, handshake_streams, refusals
+
+from .transfer import CHUNK, DEFAULT_MAX_BYTES, RESP_MAGIC, TransferError, encode_response, read_state
+
+log = logging.getLogger(__name__)
+
+QUERY_MAGIC = b"DKVQ"
+MAX_QUERY_TOKENS = 1 << 20  # a query longer than this is not a prompt: the connection is dropped
+_QUERY_HEAD = struct.Struct(">4sI")
+_COVER = struct.Struct(">II")
+_NOTHING = struct.Struct(">4sBQ32s").pack(RESP_MAGIC, 1, 0, b"\0" * 32)
+
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """A sequence's KV state from another worker: it covers ``n_state`` tokens, of which the first
+    ``n_shared`` are the requesting prompt's."""
+
+    n_state: int
+    n_shared: int
+    data: bytes
+
+
+Export = Callable[[list[int]], Awaitable[tuple[int, int, bytes] | None]]
+
+
+def sharing_enabled() -> bool:
+    """DYN_KV_PREFIX_SHARING (default on): whether a worker whose engine can lend prefixes does."""
+    return os.environ.get("DYN_KV_PREFIX_SHARING", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def fetch_timeout() -> float:
+    try:
+        return max(0.01, float(os.environ.get("DYN_KV_PREFIX_FETCH_TIMEOUT", 2.0)))
+    except ValueError:
+        return 2.0
+
+
+class PrefixShareServer:
+    """Answers prefix queries from ``export`` (the engine's), one query per connection."""
+
+    def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 auth: FleetAuth | None = None, chunk: int = CHUNK) -> None:
+        self.export, self.host, self.port, self.chunk = export, host, port, chunk
+        self.auth = auth
+        self._advertise = advertise
+        self._server: asyncio.base_events.Server | None = None
+        self.address = ""
+        self.served = 0
+        self.missed = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"{self._advertise or self.host}:{port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if self.auth is not None:
+                try:
+                    await handshake_streams(self.auth, LISTENER, self.address, reader, writer)
+                except FleetAuthError as exc:
+                    peer = writer.get_extra_info("peername")
+                    host = str(peer[0]) if isinstance(peer, tuple) else "?"
+                    refusals((host, str(exc)), f"KV prefix sharing: refused a connection from {host}: {exc}")
+                    return
+            magic, n = _QUERY_HEAD.unpack(await asyncio.wait_for(reader.readexactly(_QUERY_HEAD.size), 10.0))
+            if magic != QUERY_MAGIC or n > MAX_QUERY_TOKENS:
+                return
+            raw = await asyncio.wait_for(reader.readexactly(4 * n), 10.0)
+            tokens = list(struct.unpack(f">{n}I", raw))
+            found = await self.export(tokens)
+            if found is None:
+                self.missed += 1
+                writer.write(_COVER.pack(0, 0) + _NOTHING)
+                await writer.drain()
+                return
+            n_state, n_shared, data = found
+            writer.write(_COVER.pack(n_state, n_shared))
+            for frame in encode_response(data, hashlib.sha256(data).hexdigest(), self.chunk):
+                writer.write(frame)
+                await writer.drain()  # back-pressure, as transfer.py's server
+            self.served += 1
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, struct.error) as e:
+            log.debug("KV prefix query connection ended: %r", e)
+        except Exception:  # noqa: BLE001 - the engine failed to export: the fetcher computes the prompt
+            log.exception("KV prefix export failed")
+        finally:
+            writer.close()
+
+
+async def fetch_prefix(address: str, tokens: list[int], *, timeout: float = 2.0, max_bytes: int = DEFAULT_MAX_BYTES,
+                       auth: FleetAuth | None = None) -> PrefixState:
+    """The state of ``address``'s cache sharing the longest prefix with ``tokens``; TransferError when it
+    holds none, or the fetch fails or takes longer than ``timeout``."""
+    host, _, port = address.rpartition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                if auth is not None:
+                    try:
+                        await handshake_streams(auth, DIALER, address, reader, writer)
+                    except FleetAuthError as exc:
+                        raise TransferError(f"KV prefix from {address}: {exc}") from None
+                writer.write(_QUERY_HEAD.pack(QUERY_MAGIC, len(tokens)) + struct.pack(f">{len(tokens)}I", *tokens))
+                await writer.drain()
+                try:
+                    n_state, n_shared = _COVER.unpack(await reader.readexactly(_COVER.size))
+                except asyncio.IncompleteReadError:
+                    raise TransferError(f"KV prefix from {address}: the stream ended early") from None
+                data = await read_state(reader, max_bytes)
+            finally:
+                writer.close()
+    except TimeoutError:
+        raise TransferError(f"KV prefix from {address} timed out after {timeout:g} s") from None
+    except (OSError, ValueError, struct.error) as e:
+        raise TransferError(f"KV prefix from {address} failed: {e}") from None
+    if not 0 < n_shared <= min(n_state, len(tokens)):
+        raise TransferError(f"KV prefix from {address}: it claims {n_shared} shared tokens of {n_state}")
+    return PrefixState(n_state, n_shared, data)
+
+
+class PrefixSharingEngine:
+    """A core engine that lends its cached prefixes (a :class:`PrefixShareServer`) and borrows others'
+    when the router names a ``prefix_source``.  Everything else is the wrapped engine's."""
+
+    kind = "core"
+
+    def __init__(self, engine: Any, *, host: str = "127.0.0.1", advertise: str | None = None,
+                 auth: FleetAuth | None = None, timeout: float | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.engine = engine
+        self.auth = auth
+        self.timeout = fetch_timeout() if timeout is None else timeout
+        self.max_bytes = max_bytes
+        self.server = PrefixShareServer(engine.export_prefix, host=host, advertise=advertise, auth=auth)
+        self.fetched = 0  # prefixes loaded from another worker
+        self.failed = 0  # fetches that failed (the prompt was computed here)
+
+    def __getattr__(self, name: str) -> Any:  # attach, load_metrics, capacity, ...
+        return getattr(self.engine, name)
+
+    @property
+    def runtime_config(self) -> dict[str, Any]:
+        return {**(getattr(self.engine, "runtime_config", None) or {}), KV_PREFIX_SHARE: self.server.address}
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("lending cached KV prefixes at %s", self.server.address)
+
+    async def close(self) -> None:
+        await self.server.close()
+        await close_engine(self.engine)
+
+    def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        # no source named (most requests): the engine's own stream, without a layer per token.  A prompt
+        # with images is expanded by the engine, so its token ids are not the cache's: not fetched
+        if not request.prefix_source or request.multi_modal_data:
+            return self.engine.generate(request, context)
+        return self._borrowing(request, context)
+
+    async def _borrowing(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        state = await self._fetch(request, context)
+        gen = (self.engine.generate(request, context, prefix_state=state) if state is not None
+               else self.engine.generate(request, context))
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()
+
+    async def _fetch(self, request: PreprocessedRequest, context: Context) -> PrefixState | None:
+        src = request.prefix_source or {}
+        try:
+            address, n = str(src["address"]), int(src["tokens"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("request %s: malformed prefix_source %r; computing the prompt", context.id, src)
+            return None
+        if address == self.server.address:
+            return None
+        tokens = list(request.token_ids[:max(1, min(n, len(request.token_ids)))])
+        t0 = time.perf_counter()
+        try:
+            state = await fetch_prefix(address, tokens, timeout=self.timeout, max_bytes=self.max_bytes, auth=self.auth)
+        except TransferError as e:
+            self.failed += 1
+            log.info("request %s: no KV prefix from %s (%s); computing the prompt", context.id, address, e)
+            return None
+        self.fetched += 1
+        log.debug("request %s: KV prefix of %d tokens (state of %d, %d bytes) from %s in %.1f ms", context.id,
+                  state.n_shared, state.n_state, len(state.data), address, 1e3 * (time.perf_counter() - t0))
+        return state

@@ -1,0 +1,165 @@
+"""llama.cpp workers lending each other cached prefixes, for real (SmolLM2 GGUF, in process, real TCP).
+
+A worker told to fetch a prompt's prefix from another loads that worker's KV state and computes only the
+rest: its greedy answer is the one it gives when the same prefix comes from its own cache, and it reports
+the fetched tokens as cached.  (Not always the one it gives computing the whole prompt at once: llama.cpp's
+results depend on how the prompt was split into batches, so greedy answers from a cache split at another
+token can part after a few tokens; measured here, a fetched prefix of 64 or 104 tokens did, 100 or 108 did
+not, and a local cache split at the same token gave the fetched answer every time.)  A holder that no longer has the prefix, is gone, or stalls costs the fetcher its own prefill,
+never the answer; a holder busy generating lends between two of its steps and its own stream is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from dynamo.disagg.prefix_share import PrefixSharingEngine
+from dynamo.llm.engine import Context
+from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+
+pytestmark = pytest.mark.timeout(240)
+
+SYSTEM = ("You are a patient assistant for a bookshop. You answer questions about opening hours, orders, "
+          "returns and recommendations. Keep every answer short and polite, and never invent a title. ") * 3
+
+
+LIGHTHOUSE = ("You are a storyteller for children. Your stories are gentle, have a clear beginning, middle and "
+              "end, and always include an animal that helps the hero. ") * 3
+
+
+def chat(tok: Any, user: str, system: str = SYSTEM) -> list[int]:
+    return tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+
+
+def req(prompt: list[int], n: int = 12, source: dict[str, Any] | None = None) -> PreprocessedRequest:
+    return PreprocessedRequest(token_ids=list(prompt), stop_conditions=StopConditions(max_tokens=n),
+                               sampling_options=SamplingOptions(temperature=0), eos_token_ids=[2],
+                               prefix_source=source)
+
+
+async def answer(engine: Any, r: PreprocessedRequest) -> tuple[list[int], int]:
+    """(the tokens, the cached prompt tokens it reported)."""
+    toks, cached = [], None
+    async for out in engine.generate(r, Context()):
+        toks += out.token_ids
+        if cached is None and out.cached_tokens is not None:
+            cached = out.cached_tokens
+    return toks, cached or 0
+
+
+async def computed_here(gguf: Path, prompt: list[int], cached: int, n: int = 12) -> list[int]:
+    """The greedy answer of a fresh engine whose own cache holds ``prompt[:cached]``: the reference."""
+    engine = await _engine(gguf)
+    try:
+        if cached:
+            await answer(engine, req(prompt[:cached], n=1))
+        toks, reused = await answer(engine, req(prompt, n=n))
+        assert reused == cached
+        return toks
+    finally:
+        await engine.close()
+
+
+async def _engine(gguf: Path) -> Any:
+    from dynamo.engines.llamacpp.engine import LlamaCppEngine
+
+    engine = LlamaCppEngine(gguf, context_length=1024, args={"n_parallel": 2, "n_threads": 1})
+    await engine.start()
+    return engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(gguf):
+    holder = PrefixSharingEngine(await _engine(gguf), host="127.0.0.1")
+    fetcher = PrefixSharingEngine(await _engine(gguf), host="127.0.0.1", timeout=10)
+    for e in (holder, fetcher):
+        await e.start()
+    try:
+        yield holder, fetcher, gguf
+    finally:
+        for e in (holder, fetcher):
+            await e.close()
+
+
+def source(engine: PrefixSharingEngine, tokens: int) -> dict[str, Any]:
+    return {"address": engine.server.address, "tokens": tokens}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_fetched_prefix_gives_the_answer_computed_alone(fleet, tok):
+    holder, fetcher, gguf = fleet
+    first, second = chat(tok, "When do you open on Sundays?"), chat(tok, "Can I return a book without a receipt?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > 100  # the system prompt
+    await answer(holder, req(first))  # the holder now caches the system prompt
+    lent = holder.engine.caches.lent
+    got, cached = await answer(fetcher, req(second, source=source(holder, shared)))
+    assert cached == shared  # the fetched tokens were not computed again
+    assert got == await computed_here(gguf, second, shared)
+    assert fetcher.fetched == 1 and holder.engine.caches.lent == lent + 1
+    assert fetcher.engine.caches.borrowed == 1
+    # the fetched prefix is the fetcher's own now: the next prompt of that system prompt reuses it locally
+    third = chat(tok, "Do you sell gift cards?")
+    got, cached = await answer(fetcher, req(third))
+    assert cached >= shared and got == await computed_here(gguf, third, cached)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_holder_without_the_prefix_costs_only_the_prefill(fleet, tok):
+    holder, fetcher, gguf = fleet
+    prompt = tok.encode("<|im_start|>user\nA question nobody asked before, about trains.<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    failed = fetcher.failed
+    got, cached = await answer(fetcher, req(prompt, source=source(holder, len(prompt))))
+    assert cached == 0 and got == await computed_here(gguf, prompt, 0)
+    assert fetcher.failed == failed + 1
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_gone_or_stalled_holder_costs_the_timeout_and_the_answer_is_right(fleet, tok):
+    _, fetcher, gguf = fleet
+    prompt = chat(tok, "What is your phone number?")
+    # a holder that accepts and never answers (a SIGSTOPped worker): the fetch gives up after its timeout
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    fetcher.timeout = 0.5
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got, cached = await answer(fetcher, req(prompt, source={"address": f"127.0.0.1:{port}", "tokens": 200}))
+        assert loop.time() - t0 < 10 and got == await computed_here(gguf, prompt, cached)
+        silent.close()
+        await silent.wait_closed()
+        got, cached = await answer(fetcher, req(prompt, source={"address": f"127.0.0.1:{port}", "tokens": 200}))
+        assert got == await computed_here(gguf, prompt, cached)  # nobody listening there any more
+    finally:
+        fetcher.timeout = 10
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_busy_holder_lends_between_steps_and_its_own_stream_is_unchanged(fleet, tok):
+    holder, fetcher, gguf = fleet
+    long_one = chat(tok, "Tell me a long story about a lighthouse keeper and his cat.", LIGHTHOUSE)
+    want_long = await computed_here(gguf, long_one, 0, n=80)
+    stream = holder.generate(req(long_one, n=80), Context())
+    got_long = []
+    async for out in stream:  # the holder is generating: its slot holds the system prompt and the story
+        got_long += out.token_ids
+        if len(got_long) == 10:
+            break
+    q = chat(tok, "Tell me a story about a baker and a goose.", LIGHTHOUSE)
+    borrowed = fetcher.engine.caches.borrowed
+    fetching = asyncio.create_task(answer(fetcher, req(q, source=source(holder, len(long_one) - 20))))
+    async for out in stream:
+        got_long += out.token_ids
+    await stream.aclose()
+    got, cached = await fetching
+    assert got_long == want_long
+    assert fetcher.engine.caches.borrowed == borrowed + 1 and cached > 100
+    assert got == await computed_here(gguf, q, cached)

@@ -1,0 +1,95 @@
+"""The router and workers that lend cached prefixes: a prompt whose prefix a busy worker holds goes to an
+idle one that can fetch it, named in the decision; otherwise nothing changes."""
+
+from dynamo.kv.events import kv_event, stored_data
+from dynamo.kv.hashing import compute_hashes
+from dynamo.kv.router import KvRouter
+
+BS = 4
+PROMPT = list(range(1, 41))  # 10 blocks
+LENDERS = {1: "10.0.0.1:7001", 2: "10.0.0.2:7002", 3: "10.0.0.3:7003"}
+
+
+def publish_prefix(router, worker, tokens):
+    local, seq = compute_hashes(tokens, router.block_size)
+    router.apply_event(kv_event(worker, 1, stored_data(None, list(zip(seq, local, strict=True)))))
+
+
+def router(**kw) -> KvRouter:
+    r = KvRouter(block_size=BS, seed=0, clock=lambda: 0.0, **kw)
+    r.lenders.update(LENDERS)
+    return r
+
+
+def keep_busy(r: KvRouter, worker: int, tag: str = "x") -> None:
+    """One request decoding on ``worker`` (24 blocks of decode load) and its prefill done."""
+    r.select([9000 + i for i in range(96)], [worker], request_id=f"{tag}-decoding")
+    r.on_first_token(f"{tag}-decoding")
+
+
+def test_a_busy_holder_lends_its_prefix_to_an_idle_worker():
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])  # 8 of the 10 blocks on worker 1
+    keep_busy(r, 1)
+    d = r.select(PROMPT, [1, 2], request_id="new")
+    assert d == (2, 0)  # the idle worker, which holds nothing itself
+    assert d.prefix_source == ("10.0.0.1:7001", 32)  # fetch the 32 tokens worker 1 holds
+    costs = {c.worker_id: c for c in r.last_costs}
+    # worker 2 computes 40 - 0.9 * 32 tokens; booked as if only the 8 unfetched ones were left
+    assert costs[2].prefill_tokens == 40 - int(0.9 * 8) * BS
+    assert r.worker_load(2)["active_tokens"] == 40 - 32
+
+
+def test_an_idle_holder_keeps_its_prefix_and_no_fetch_is_named():
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])
+    d = r.select(PROMPT, [1, 2, 3], request_id="new")
+    assert d == (1, 8) and d.prefix_source is None
+
+
+def test_the_worker_holding_less_fetches_only_the_difference_worth_a_trip():
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])
+    publish_prefix(r, 2, PROMPT[:28])  # one block short of worker 1: not worth a fetch
+    keep_busy(r, 1)
+    d = r.select(PROMPT, [1, 2])
+    assert d == (2, 7) and d.prefix_source is None
+    publish_prefix(r, 3, PROMPT[:16])  # 4 blocks: 4 to fetch from worker 1
+    keep_busy(r, 2, "y")
+    d = r.select(PROMPT, [1, 2, 3])
+    assert d == (3, 4) and d.prefix_source == ("10.0.0.1:7001", 32)
+
+
+def test_only_workers_that_lend_are_credited_or_named():
+    r = router()
+    del r.lenders[2]  # worker 2's engine cannot fetch (another engine, or sharing turned off)
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_busy(r, 1)
+    costs_seen = r.select(PROMPT, [1, 2])
+    assert costs_seen.prefix_source is None
+    assert {c.worker_id: c.prefill_tokens for c in r.last_costs}[2] == 40  # no credit: it computes it all
+    r.remove_worker(3)
+    assert 3 not in r.lenders
+
+
+def test_weight_zero_turns_fetching_off():
+    r = router(prefix_fetch_weight=0.0)
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_busy(r, 1)
+    d = r.select(PROMPT, [1, 2])
+    assert d.prefix_source is None
+    assert {c.worker_id: c.prefill_tokens for c in r.last_costs}[2] == 40
+
+
+def test_the_decision_log_names_the_source(tmp_path):
+    from dynamo.kv.decision_log import DecisionLog
+    import json
+
+    path = tmp_path / "decisions.jsonl"
+    r = router(decision_log=DecisionLog(path))
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_busy(r, 1)
+    r.select(PROMPT, [1, 2], request_id="new")
+    r.decision_log.close()
+    routes = [x for x in map(json.loads, path.read_text().splitlines()) if x["ev"] == "route" and x["id"] == "new"]
+    assert routes[0]["worker"] == "2" and routes[0]["fetch"] == {"from": "1", "blocks": 8}
