@@ -15,6 +15,8 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``sglang``: ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router --policy cache_aware``);
 * ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
 * ``kv-nohome``: ours without the tie-break by where a prefix was last routed (``DYN_ROUTER_PREFIX_HOMES=0``);
+* ``kv-noshare``: ours without an idle worker fetching a busy one's cached prefix (disagg/prefix_share.py;
+  ``DYN_ROUTER_PREFIX_FETCH_WEIGHT=0``): the router of before, on the same engines;
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
 * ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
   engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
@@ -92,6 +94,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FLEETS = ("kv", "round-robin", "sglang", "vllm")
 TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in front of the same engines
 NO_HOMES = "kv-nohome"  # ours without the tie-break by where a prefix was last routed (kv/homes.py)
+NO_SHARE = "kv-noshare"  # ours without workers fetching a prefix from the worker holding it (prefix_share.py)
+VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, NO_SHARE: {"DYN_ROUTER_PREFIX_FETCH_WEIGHT": "0"}}
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
 SHAPES: dict[str, dict[str, Any]] = {
@@ -257,9 +261,9 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
 
 def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, servers: dict[str, str],
              model: Path, index: int) -> dict[str, Any]:
-    mode = "kv" if fleet == NO_HOMES else fleet.removesuffix("-2fe")
+    mode = "kv" if fleet in VARIANTS else fleet.removesuffix("-2fe")
     args.frontends = 2 if fleet in TWO_FRONTENDS else 1
-    args.frontend_env = {"DYN_ROUTER_PREFIX_HOMES": "0"} if fleet == NO_HOMES else {}
+    args.frontend_env = dict(VARIANTS.get(fleet, {}))
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines
@@ -428,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
     for f in fleets:
-        if f not in FLEETS + TWO_FRONTENDS + (NO_HOMES,) and not f.startswith("kv+"):
+        if f not in FLEETS + TWO_FRONTENDS + tuple(VARIANTS) and not f.startswith("kv+"):
             raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS + TWO_FRONTENDS)}, or kv+<options> "
                              "as in benchmarks/router/run.py: kv+w=1)")
         if f.startswith("kv+"):

@@ -30,7 +30,6 @@ and drops the rest.  With a fleet secret both ends prove it first, as for every 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import struct
@@ -43,7 +42,7 @@ from dynamo.llm.model_entry import KV_PREFIX_SHARE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime.fleet_auth import DIALER, LISTENER, FleetAuth, FleetAuthError, handshake_streams, refusals
 
-from .transfer import CHUNK, DEFAULT_MAX_BYTES, RESP_MAGIC, TransferError, encode_response, read_state
+from .transfer import DEFAULT_MAX_BYTES, NO_DIGEST, RESP_MAGIC, TransferError, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ QUERY_MAGIC = b"DKVQ"
 MAX_QUERY_TOKENS = 1 << 20  # a query longer than this is not a prompt: the connection is dropped
 _QUERY_HEAD = struct.Struct(">4sI")
 _COVER = struct.Struct(">II")
-_NOTHING = struct.Struct(">4sBQ32s").pack(RESP_MAGIC, 1, 0, b"\0" * 32)
+_NOTHING = struct.Struct(">4sBQ32s").pack(RESP_MAGIC, 1, 0, NO_DIGEST)
 
 
 
@@ -62,10 +61,10 @@ class PrefixState:
 
     n_state: int
     n_shared: int
-    data: bytes
+    data: bytearray  # (writable: the engine loads it in place)
 
 
-Export = Callable[[list[int]], Awaitable[tuple[int, int, bytes] | None]]
+Export = Callable[[list[int]], Awaitable[tuple[int, int, Any] | None]]  # (.., .., a bytes-like state)
 
 
 def sharing_enabled() -> bool:
@@ -84,7 +83,7 @@ class PrefixShareServer:
     """Answers prefix queries from ``export`` (the engine's), one query per connection."""
 
     def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 auth: FleetAuth | None = None, chunk: int = CHUNK) -> None:
+                 auth: FleetAuth | None = None, chunk: int = 1 << 20) -> None:
         self.export, self.host, self.port, self.chunk = export, host, port, chunk
         self.auth = auth
         self._advertise = advertise
@@ -127,9 +126,7 @@ class PrefixShareServer:
                 return
             n_state, n_shared, data = found
             writer.write(_COVER.pack(n_state, n_shared))
-            for frame in encode_response(data, hashlib.sha256(data).hexdigest(), self.chunk):
-                writer.write(frame)
-                await writer.drain()  # back-pressure, as transfer.py's server
+            await write_state(writer, data, None, self.chunk)  # (crc32 per chunk; no sha256 to compute)
             self.served += 1
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, struct.error) as e:
             log.debug("KV prefix query connection ended: %r", e)

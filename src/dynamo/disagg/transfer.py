@@ -139,6 +139,23 @@ def encode_response(data: bytes, digest_hex: str, chunk: int = CHUNK) -> list[by
     return frames
 
 
+NO_DIGEST = b"\0" * 32  # a response without a sha256 (prefix sharing: each chunk's crc32 guards it)
+
+
+async def write_state(writer: asyncio.StreamWriter, data: Any, digest_hex: str | None, chunk: int = CHUNK) -> None:
+    """Send an ok response for ``data`` (any bytes-like object: sent from its own memory, chunk by chunk,
+    awaiting ``drain()`` after each, so a slow reader slows the writer); ``digest_hex`` None: no sha256."""
+    view = memoryview(data).cast("B")
+    writer.write(_RESP_HEAD.pack(RESP_MAGIC, 0, len(view), bytes.fromhex(digest_hex) if digest_hex else NO_DIGEST))
+    for off in range(0, len(view), chunk):
+        part = view[off:off + chunk]
+        writer.write(_CHUNK_HEAD.pack(len(part), zlib.crc32(part)))
+        writer.write(part)
+        await writer.drain()  # back-pressure: never more than a chunk or two queued per reader
+    writer.write(_CHUNK_HEAD.pack(0, 0))
+    await writer.drain()
+
+
 class TransferServer:
     """Serves :class:`ExportStore` entries to decode workers on a TCP port of the prefill worker."""
 
@@ -184,9 +201,7 @@ class TransferServer:
                 return
             data, digest = item
             t0 = time.perf_counter()
-            for frame in encode_response(data, digest, self.chunk):
-                writer.write(frame)
-                await writer.drain()  # back-pressure: never more than a chunk or two queued per reader
+            await write_state(writer, data, digest, self.chunk)
             self.served += 1
             log.debug("KV state %s: %d bytes sent in %.1f ms", key, len(data), 1e3 * (time.perf_counter() - t0))
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
@@ -196,10 +211,11 @@ class TransferServer:
 
 
 async def read_state(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_BYTES,
-                     expect: Ticket | None = None) -> bytes:
-    """Read and verify one response (each chunk's crc32, the whole state's sha256 and size against its
-    header, and the header against ``expect``'s size and digest when given).  TransferError on any
-    mismatch or early end, or a state over ``max_bytes``."""
+                     expect: Ticket | None = None) -> bytearray:
+    """Read and verify one response (each chunk's crc32, the whole state's size and, unless it came
+    without one (NO_DIGEST, and no ``expect``), its sha256 against the header; the header against
+    ``expect``'s size and digest when given).  TransferError on any mismatch or early end, or a state
+    over ``max_bytes``."""
     try:
         magic, status, total, digest = _RESP_HEAD.unpack(await reader.readexactly(_RESP_HEAD.size))
         if magic != RESP_MAGIC:
@@ -227,14 +243,14 @@ async def read_state(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_
         raise TransferError("KV transfer: the stream ended early (truncated)") from None
     if len(buf) != total:
         raise TransferError(f"KV transfer: got {len(buf)} of {total} bytes (truncated)")
-    if hashlib.sha256(buf).digest() != digest:
+    if (digest != NO_DIGEST or expect is not None) and hashlib.sha256(buf).digest() != digest:
         raise TransferError("KV transfer: sha256 mismatch")
-    return bytes(buf)
+    return buf
 
 
 async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """Read and verify the response to a ticket's pull; raises TransferError on any mismatch or early end."""
-    return await read_state(reader, max_bytes, expect)
+    return bytes(await read_state(reader, max_bytes, expect))
 
 
 async def pull(ticket: Ticket, timeout: float = 30.0, max_bytes: int = DEFAULT_MAX_BYTES,

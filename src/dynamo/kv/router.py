@@ -176,8 +176,9 @@ class KvRouter:
         overlaps = self.indexer.find_matches(local, seq)
         restorable = self._restorable(seq, overlaps)
         holder = self._best_lender(overlaps)
+        fetchers: set[WorkerId] = set()  # the workers credited with fetching the holder's prefix
         if holder is not None:
-            restorable = self._fetchable(holder, overlaps, restorable)
+            restorable, fetchers = self._fetchable(holder, overlaps, restorable, self.clock())
         # offloaded blocks of this prompt somewhere: the full pass, which prices them (the fast pick
         # only knows resident overlaps)
         many = self.temperature <= 0 and not restorable and isinstance(workers, (list, tuple, set, frozenset)) \
@@ -220,9 +221,11 @@ class KvRouter:
         if isinstance(self.indexer, ApproxKvIndexer):
             self.indexer.process_routing_decision(choice.worker_id, local, seq)
         source = None
-        if holder is not None and choice.worker_id in self.lenders and choice.worker_id != holder[0] \
-                and holder[1] - choice.overlap_blocks >= PREFIX_FETCH_MIN_BLOCKS:
-            source = (self.lenders[holder[0]], holder[1] * self.block_size)
+        if holder is not None and choice.worker_id in fetchers:
+            tracker = self.trackers.get(choice.worker_id)
+            has = max(choice.overlap_blocks, tracker.shared_prefix(blocks) if tracker is not None else 0)
+            if holder[1] - has >= PREFIX_FETCH_MIN_BLOCKS:  # (a prefix it is computing already: no fetch)
+                source = (self.lenders[holder[0]], holder[1] * self.block_size)
         if self.decision_log is not None:
             self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs,
                                holder if source is not None else None)
@@ -478,18 +481,27 @@ class KvRouter:
                 best = (w, n)
         return best
 
-    def _fetchable(self, holder: tuple[WorkerId, int], overlaps: Overlaps,
-                   restorable: dict[WorkerId, float]) -> dict[WorkerId, float]:
+    def _fetchable(self, holder: tuple[WorkerId, int], overlaps: Overlaps, restorable: dict[WorkerId, float],
+                   now: float) -> tuple[dict[WorkerId, float], set[WorkerId]]:
         """``restorable`` with every other lender credited with the blocks it could fetch from ``holder``
-        past its own prefix, at ``prefix_fetch_weight`` (its own offloaded blocks, if worth more, stay)."""
+        past its own prefix, at ``prefix_fetch_weight``, less the wait for the holder's next step boundary
+        (it exports between two steps: what is left of the prefill it is computing, in blocks).  A credit
+        that does not beat the worker's own offloaded blocks leaves them.  Returns the credits and the
+        workers credited with a fetch."""
         credit = dict(restorable)
+        fetchers: set[WorkerId] = set()
         best, held = holder
+        tracker = self.trackers.get(best)
+        wait = tracker.current_prefill_left(now) / self.block_size if tracker is not None else 0.0
         weight = self.prefix_fetch_weight
         for w in self.lenders:
             gain = held - overlaps.get(w, 0)
-            if w != best and gain >= PREFIX_FETCH_MIN_BLOCKS and weight * gain > credit.get(w, 0.0):
-                credit[w] = weight * gain
-        return credit
+            if w != best and gain >= PREFIX_FETCH_MIN_BLOCKS:
+                c = weight * gain - wait
+                if c > credit.get(w, 0.0):
+                    credit[w] = c
+                    fetchers.add(w)
+        return credit, fetchers
 
     def _request_blocks(self, seq_hashes: list[int], isl: int) -> list[int]:
         if isl % self.block_size:

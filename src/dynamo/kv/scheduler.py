@@ -184,6 +184,14 @@ class ActiveSequences:
         elapsed = now - max(req.routed_at, self.prefill_done_at)
         return min(req.prefill_tokens, int(self.prefill_rate * elapsed)) if elapsed > 0 else 0
 
+    def current_prefill_left(self, now: float | None) -> int:
+        """Prompt tokens left of the prefill in progress (the oldest), as far as the measured rate says:
+        how long anything that needs this worker's next step boundary waits (None: all of it)."""
+        if not self.prefilling:
+            return 0
+        req = next(iter(self.prefilling.values()))
+        return req.prefill_tokens - (0 if now is None else self.prefill_progress(now))
+
     def pending_tokens(self, now: float | None) -> int:
         """``active_tokens`` less what the oldest prefill has done by ``now`` (None: all of it pending)."""
         return self.active_tokens if now is None else self.active_tokens - self.prefill_progress(now)

@@ -156,7 +156,7 @@ class LendsKvPrefixes(Protocol):
     """Exports the KV state of its cache sharing the longest prefix with a prompt, for another worker,
     and takes such a state in ``generate(..., prefix_state=...)`` (disagg/prefix_share.py)."""
 
-    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None: ...
+    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None: ...
 
 
 @runtime_checkable

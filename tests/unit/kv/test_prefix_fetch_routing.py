@@ -93,3 +93,29 @@ def test_the_decision_log_names_the_source(tmp_path):
     r.decision_log.close()
     routes = [x for x in map(json.loads, path.read_text().splitlines()) if x["ev"] == "route" and x["id"] == "new"]
     assert routes[0]["worker"] == "2" and routes[0]["fetch"] == {"from": "1", "blocks": 8}
+
+
+def test_a_holder_in_the_middle_of_a_long_prefill_lends_only_after_it():
+    """The holder exports between two steps: while it computes a long prompt, a fetch waits for that
+    step, so the credit shrinks by what is left of it and the fetch loses to computing the prompt."""
+    now = [0.0]
+    r = KvRouter(block_size=BS, seed=0, clock=lambda: now[0])
+    r.lenders.update(LENDERS)
+    publish_prefix(r, 1, PROMPT[:32])
+    r.select([5000 + i for i in range(400)], [1], request_id="long")  # 400 tokens to prefill on worker 1
+    d = r.select(PROMPT, [1, 2, 3])
+    assert d.worker_id in (2, 3) and d.prefix_source is None  # 0.9 * 8 blocks - 100 blocks of wait: no credit
+    r.on_first_token("long")  # its prefill is done: the holder is between steps again
+    d = r.select(PROMPT, [2, 3])
+    assert d.prefix_source == ("10.0.0.1:7001", 32)
+
+
+def test_a_prefix_the_chosen_worker_is_computing_already_is_not_fetched():
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_busy(r, 1)
+    first = r.select(PROMPT, [1, 2], request_id="a")
+    assert first == (2, 0) and first.prefix_source is not None
+    # the same prompt again, while worker 2 is still prefilling it: it will hold it without a fetch
+    second = r.select(PROMPT, [2], request_id="b")
+    assert second.worker_id == 2 and second.prefix_source is None

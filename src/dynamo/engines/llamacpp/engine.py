@@ -323,7 +323,7 @@ class LlamaCppEngine:
             pass
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None:
+    async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None:
         """For another worker (disagg/prefix_share.py): the state of the cache here sharing the longest
         prefix with ``tokens`` (tokens it covers, tokens shared, state), exported between two steps."""
         return await asyncio.wrap_future(self.scheduler.call(lambda: self.caches.export_prefix(tokens)))

@@ -397,7 +397,8 @@ class SlotCaches:
         t0 = time.perf_counter()
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         data = state.data
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        buf = (ctypes.c_uint8 * len(data))
+        buf = buf.from_buffer(data) if isinstance(data, bytearray) else buf.from_buffer_copy(data)
         ok = (L.llama_state_seq_set_data(lctx, buf, len(data), slot.seq_id) == len(data)
               and L.llama_memory_seq_pos_max(mem, slot.seq_id) == state.n_state - 1)
         if self.tracking:
@@ -416,7 +417,7 @@ class SlotCaches:
                   req.ctx.id, slot.seq_id, n, len(data), 1e3 * (time.perf_counter() - t0))
         return n
 
-    def export_prefix(self, tokens: list[int]) -> tuple[int, int, bytes] | None:
+    def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None:
         """For another worker: the state of the base-model cache sharing the longest prefix with
         ``tokens`` (a slot's, or a host-tier entry's), as (tokens it covers, tokens shared, state); None
         when no cache shares COPY_MIN_TOKENS.  Between two steps every slot's cache is exactly its
@@ -433,20 +434,28 @@ class SlotCaches:
                 return len(found[0]), found[1], data
         if best is None or shared < COPY_MIN_TOKENS:
             return None
-        data = self.export_state(best)
+        L, lctx = self.llama.L, self.llama.lctx
+        size = L.llama_state_seq_get_size(lctx, best.seq_id)
+        buf = self.llama.np.empty(size, dtype=self.llama.np.uint8)  # (not zero-filled; sent from here as is)
+        if L.llama_state_seq_get_data(lctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                      best.seq_id) != size:
+            return None
         self.lent += 1
-        return len(best.cached), shared, data
+        return len(best.cached), shared, buf
 
     def export_state(self, slot: Slot) -> bytes:
-        """The slot's sequence state (its KV cache of the prompt), for a decode worker or the host tier."""
-        L = self.llama.L
+        """The slot's sequence state (its KV cache of the prompt), for a decode worker or the host tier.
+        Read into an uninitialised numpy buffer: a zero-filled ctypes array turned into bytes took 16 ms
+        for 246 tokens here (5.7 MB), this 1.3 ms plus one copy."""
+        L, np = self.llama.L, self.llama.np
         t0 = time.perf_counter()
         size = L.llama_state_seq_get_size(self.llama.lctx, slot.seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = L.llama_state_seq_get_data(self.llama.lctx, buf, size, slot.seq_id)
+        buf = np.empty(size, dtype=np.uint8)
+        n = L.llama_state_seq_get_data(self.llama.lctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                       slot.seq_id)
         if n != size:
             raise EngineError(f"llama.cpp exported {n} of {size} bytes of sequence state")
-        data = bytes(buf)
+        data = buf.tobytes()
         log.debug("slot %d: exported the KV state of %d tokens (%d bytes) in %.1f ms", slot.seq_id, len(slot.cached),
                   size, 1e3 * (time.perf_counter() - t0))
         return data
