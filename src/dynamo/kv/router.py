@@ -174,8 +174,9 @@ class KvRouter:
         else:
             local, seq = hashes
         overlaps = self.indexer.find_matches(local, seq)
-        restorable = self._restorable(seq, overlaps)
-        holder = self._best_lender(overlaps)
+        lower = self._lower_matches(seq)
+        restorable = self._restorable(lower, overlaps)
+        holder = self._best_lender(overlaps, lower)
         fetchers: set[WorkerId] = set()  # the workers credited with fetching the holder's prefix
         if holder is not None:
             restorable, fetchers = self._fetchable(holder, overlaps, restorable, self.clock())
@@ -427,7 +428,7 @@ class KvRouter:
         """Per worker, the weighted blocks of ``token_ids`` it could restore from a lower tier beyond its
         resident prefix (what :meth:`select` credits)."""
         seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
-        return self._restorable(seq, self.indexer.find_matches([], seq))
+        return self._restorable(self._lower_matches(seq), self.indexer.find_matches([], seq))
 
     # -- internals -----------------------------------------------------------------------------
     def _log_decision(self, request_id: str | None, worker: WorkerId, isl: int, blocks: Sequence[int | str],
@@ -450,11 +451,14 @@ class KvRouter:
                                  **({"fetch": {"from": f"{fetch_from[0]:x}", "blocks": fetch_from[1]}}
                                     if fetch_from is not None else {})})
 
-    def _restorable(self, seq: Sequence[int], overlaps: Overlaps) -> dict[WorkerId, float]:
-        """Blocks past each worker's resident prefix that it holds offloaded, each counted at its tier's
-        weight (a block reachable through host memory is priced as host, through disk as disk)."""
-        find = getattr(self.indexer, "find_lower_matches", None)
-        lower = find(seq) if find is not None else None
+    def _lower_matches(self, seq: Sequence[int]) -> dict[str, Overlaps] | None:
+        """The prompt's matches per lower tier (None: the approximate indexer, which has no tiers)."""
+        return None if isinstance(self.indexer, ApproxKvIndexer) else self.indexer.find_lower_matches(seq)
+
+    def _restorable(self, lower: Mapping[str, Overlaps] | None, overlaps: Overlaps) -> dict[WorkerId, float]:
+        """Blocks past each worker's resident prefix that it holds offloaded (``lower``: the prompt's
+        matches per lower tier), each counted at its tier's weight (a block reachable through host memory
+        is priced as host, through disk as disk)."""
         if not lower:
             return {}
         credit: dict[WorkerId, float] = {}
@@ -470,30 +474,35 @@ class KvRouter:
                 credit[w] = c
         return credit
 
-    def _best_lender(self, overlaps: Overlaps) -> tuple[WorkerId, int] | None:
-        """The lending worker holding most of the prompt, and how many blocks (None: no fetch is worth it)."""
+    def _best_lender(self, overlaps: Overlaps, lower: Mapping[str, Overlaps] | None) -> tuple[WorkerId, int, float] | None:
+        """The lending worker holding most of the prompt, in its cache or its host-memory tier (it lends
+        from both), how many blocks, and what a fetched block is worth there (``prefix_fetch_weight``;
+        times the host tier's weight for blocks the holder would load from its host memory itself: a fetch
+        of them is never cheaper than the holder's own restore).  None: no fetch is worth it."""
         lenders = self.lenders
-        if self.prefix_fetch_weight <= 0 or len(lenders) < 2 or not overlaps:
+        host = (lower or {}).get(HOST) or {}
+        if self.prefix_fetch_weight <= 0 or len(lenders) < 2 or not (overlaps or host):
             return None
-        best: tuple[WorkerId, int] | None = None
-        for w, n in overlaps.items():
-            if n >= PREFIX_FETCH_MIN_BLOCKS and w in lenders and (best is None or n > best[1]):
-                best = (w, n)
+        best: tuple[WorkerId, int, float] | None = None
+        weight = self.prefix_fetch_weight
+        for held, w_factor in ((overlaps, weight), (host, weight * self.tier_weights.get(HOST, 0.0))):
+            for w, n in held.items():
+                if n >= PREFIX_FETCH_MIN_BLOCKS and w in lenders and (best is None or n > best[1]):
+                    best = (w, n, w_factor)
         return best
 
-    def _fetchable(self, holder: tuple[WorkerId, int], overlaps: Overlaps, restorable: dict[WorkerId, float],
-                   now: float) -> tuple[dict[WorkerId, float], set[WorkerId]]:
+    def _fetchable(self, holder: tuple[WorkerId, int, float], overlaps: Overlaps,
+                   restorable: dict[WorkerId, float], now: float) -> tuple[dict[WorkerId, float], set[WorkerId]]:
         """``restorable`` with every other lender credited with the blocks it could fetch from ``holder``
-        past its own prefix, at ``prefix_fetch_weight``, less the wait for the holder's next step boundary
-        (it exports between two steps: what is left of the prefill it is computing, in blocks).  A credit
+        past its own prefix, at the holder's weight, less the wait for the holder's next step boundary (it
+        exports between two steps: what is left of the prefill it is computing, in blocks).  A credit
         that does not beat the worker's own offloaded blocks leaves them.  Returns the credits and the
         workers credited with a fetch."""
         credit = dict(restorable)
         fetchers: set[WorkerId] = set()
-        best, held = holder
+        best, held, weight = holder
         tracker = self.trackers.get(best)
         wait = tracker.current_prefill_left(now) / self.block_size if tracker is not None else 0.0
-        weight = self.prefix_fetch_weight
         for w in self.lenders:
             gain = held - overlaps.get(w, 0)
             if w != best and gain >= PREFIX_FETCH_MIN_BLOCKS:

@@ -105,7 +105,7 @@ def test_the_same_prefix_saved_again_keeps_its_blocks_announced(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"disk_cache_mb": 64}, "needs host_cache_mb"),
+    ({"host_cache_mb": 0, "disk_cache_mb": 64}, "needs host_cache_mb"),  # (the host tier is on unless 0)
     ({"host_cache_mb": 64, "disk_cache_dir": "/tmp/x"}, "disk_cache_mb is not"),
     ({"host_cache_mb": 64, "disk_cache_mb": -1}, "at least 0"),
 ])

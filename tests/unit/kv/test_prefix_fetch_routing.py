@@ -119,3 +119,19 @@ def test_a_prefix_the_chosen_worker_is_computing_already_is_not_fetched():
     # the same prompt again, while worker 2 is still prefilling it: it will hold it without a fetch
     second = r.select(PROMPT, [2], request_id="b")
     assert second.worker_id == 2 and second.prefix_source is None
+
+
+def test_a_prefix_in_the_holders_host_memory_is_fetched_at_that_tiers_price():
+    """A holder lends from its host-memory tier too, but a fetch of those blocks is never cheaper than the
+    holder restoring them itself: an idle holder keeps its prompt, a busy one lends it."""
+    from dynamo.kv.events import HOST
+
+    r = router()
+    local, seq = compute_hashes(PROMPT[:32], BS)
+    r.apply_event(kv_event(1, 1, stored_data(None, list(zip(seq, local, strict=True))), HOST))
+    d = r.select(PROMPT, [1, 2])
+    assert d == (1, 0) and d.prefix_source is None  # 0.8 * 8 restored at home beats 0.72 * 8 fetched
+    keep_busy(r, 1)
+    d = r.select(PROMPT, [1, 2])
+    assert d.worker_id == 2 and d.prefix_source == ("10.0.0.1:7001", 32)
+    assert {c.worker_id: c.prefill_tokens for c in r.last_costs}[2] == 40 - int(0.9 * 0.8 * 8 * BS)

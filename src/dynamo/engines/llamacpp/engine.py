@@ -57,6 +57,9 @@ DEFAULT_N_PARALLEL = 8
 DEFAULT_MAX_CTX_PER_SEQ = 8192
 ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_gpu_layers", "flash_attn",
                "type_k", "type_v", "seed", "host_cache_mb", "disk_cache_mb", "disk_cache_dir"}
+# the host-memory tier's size when --extra-engine-args does not say (MiB): llama-server's default for its
+# host-memory prompt cache (--cache-ram); entries are only made when a slot's cache is overwritten
+DEFAULT_HOST_CACHE_MB = 8192
 METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
 
 
@@ -101,7 +104,9 @@ class LlamaCppEngine:
         self.type_k = model.kv_type(args.get("type_k"), "type_k")
         self.type_v = model.kv_type(args.get("type_v"), "type_v")
         self.seed = int(args["seed"]) if args.get("seed") is not None else None
-        host_mb = float(args.get("host_cache_mb", 0) or 0)
+        # on by default, as llama-server's host-memory prompt cache (--cache-ram, 8192 MiB); 0 turns it off
+        raw_host = args.get("host_cache_mb")
+        host_mb = float(DEFAULT_HOST_CACHE_MB if raw_host is None else raw_host)
         if host_mb < 0:
             raise UserError("--extra-engine-args: host_cache_mb must be at least 0")
         # KV offloading (host_tier.py): slot caches about to be overwritten are kept in host memory,
