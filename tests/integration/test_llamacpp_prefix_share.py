@@ -163,3 +163,45 @@ async def test_a_busy_holder_lends_between_steps_and_its_own_stream_is_unchanged
     assert got_long == want_long
     assert fetcher.engine.caches.borrowed == borrowed + 1 and cached > 100
     assert got == await computed_here(gguf, q, cached)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_request_waiting_for_its_prefix_keeps_its_place_in_line_without_spinning(fleet, tok):
+    """While a fetch is on its way, the request is in line already: one that arrives after it is not
+    admitted before it (it would take the engine's next step), and the engine sleeps meanwhile."""
+    import time
+
+    _, fetcher, gguf = fleet
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # a holder that never answers
+    port = silent.sockets[0].getsockname()[1]
+    fetcher.timeout = 0.6
+    first = chat(tok, "Which languages do you stock books in?")
+    later = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    try:
+        loop = asyncio.get_running_loop()
+        t0, cpu0 = loop.time(), time.process_time()
+        waiting = asyncio.create_task(answer(fetcher, req(first, source={"address": f"127.0.0.1:{port}",
+                                                                         "tokens": len(first)})))
+        await asyncio.sleep(0.05)
+        stamps: list[float] = []
+
+        async def after() -> list[int]:
+            toks = []
+            async for out in fetcher.generate(req(later), Context()):
+                stamps.append(loop.time())
+                toks += out.token_ids
+            return toks
+
+        later_task = asyncio.create_task(after())
+        await asyncio.sleep(0.4)
+        assert time.process_time() - cpu0 < 0.2  # both wait, and nothing spins meanwhile
+        assert not stamps
+        later_toks = await later_task
+        assert stamps[0] - t0 >= 0.55  # it waited behind the fetching request until that fetch gave up
+        got, cached = await waiting
+        assert got == await computed_here(gguf, first, cached)
+        assert later_toks == await computed_here(gguf, later, 0)
+    finally:
+        fetcher.timeout = 10
+        silent.close()
+        await silent.wait_closed()

@@ -30,6 +30,7 @@ and drops the rest.  With a fleet secret both ends prove it first, as for every 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import struct
@@ -208,13 +209,19 @@ class PrefixSharingEngine:
         return self._borrowing(request, context)
 
     async def _borrowing(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
-        state = await self._fetch(request, context)
-        gen = (self.engine.generate(request, context, prefix_state=state) if state is not None
-               else self.engine.generate(request, context))
+        # the request goes in line at once and the engine admits it when the state is there (or the fetch
+        # failed): fetched first and queued after, a request that came meanwhile took the engine's next
+        # step and this one waited for that whole prefill
+        arrived: concurrent.futures.Future[PrefixState | None] = concurrent.futures.Future()
+        fetching = asyncio.create_task(self._fetch(request, context))
+        fetching.add_done_callback(lambda t: arrived.set_result(
+            None if t.cancelled() or t.exception() is not None else t.result()))
+        gen = self.engine.generate(request, context, prefix_state=arrived)
         try:
             async for out in gen:
                 yield out
         finally:
+            fetching.cancel()
             await gen.aclose()
 
     async def _fetch(self, request: PreprocessedRequest, context: Context) -> PrefixState | None:

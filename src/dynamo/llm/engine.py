@@ -154,7 +154,9 @@ class ExportsSequenceState(Protocol):
 @runtime_checkable
 class LendsKvPrefixes(Protocol):
     """Exports the KV state of its cache sharing the longest prefix with a prompt, for another worker,
-    and takes such a state in ``generate(..., prefix_state=...)`` (disagg/prefix_share.py)."""
+    and takes such a state in ``generate(..., prefix_state=...)``: a ``concurrent.futures.Future`` of one
+    (or of None: compute the prompt), the request keeping its place in line until it is done
+    (disagg/prefix_share.py)."""
 
     async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None: ...
 

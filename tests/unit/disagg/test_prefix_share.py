@@ -137,7 +137,7 @@ class _Engine:
         return await holder_export(tokens)
 
     async def generate(self, request, context, prefix_state=None):
-        self.given.append(prefix_state)
+        self.given.append(await asyncio.wrap_future(prefix_state) if prefix_state is not None else None)
         yield EngineOutput(token_ids=[1], finish_reason="length")
 
 

@@ -28,9 +28,11 @@ prompt tokens came from the cache (``EngineOutput.cached_tokens``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -60,6 +62,9 @@ ENGINE_ARGS = {"n_parallel", "n_threads", "n_threads_batch", "n_batch", "n_ubatc
 # the host-memory tier's size when --extra-engine-args does not say (MiB): llama-server's default for its
 # host-memory prompt cache (--cache-ram); entries are only made when a slot's cache is overwritten
 DEFAULT_HOST_CACHE_MB = 8192
+# the longest a request waits in line for another worker's prefix state (the fetch has its own, shorter,
+# timeout: this only bounds a fetch that never reports back)
+PREFIX_WAIT_LIMIT_S = 10.0
 METRICS_INTERVAL_S = 0.01  # load metrics are pushed at most this often
 
 
@@ -362,9 +367,13 @@ class LlamaCppEngine:
         oo = request.output_options
         req = Request(prompt, max_tokens, eos, request.sampling_options, context, asyncio.Queue(), loop,
                       grammar=self._samplers.grammar(request.sampling_options.guided_decoding), state_io=state_io,
-                      prefix_state=prefix_state,
+                      prefix_state=None if isinstance(prefix_state, concurrent.futures.Future) else prefix_state,
                       logprobs=oo.logprobs, prompt_logprobs=oo.prompt_logprobs, stamps=context.stamps,
                       adapter=adapter, images=images)
+        if isinstance(prefix_state, concurrent.futures.Future):
+            # the state is being fetched: the request keeps its place in line meanwhile (scheduler.py)
+            req.prefix_wait, req.prefix_deadline = prefix_state, time.monotonic() + PREFIX_WAIT_LIMIT_S
+            prefix_state.add_done_callback(lambda _: self.scheduler.wake())
         self.scheduler.submit(req)
         stamp(req.stamps, "queued")
         self._metrics_changed()

@@ -106,6 +106,11 @@ class Scheduler:
             self.waiting.append(req)
             self.cv.notify()
 
+    def wake(self) -> None:
+        """Look at the waiting requests again (a prefix state a request waits for has arrived)."""
+        with self.cv:
+            self.cv.notify()
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn`` on the scheduler thread between two steps (it owns the llama.cpp calls); its result
         or exception in the future."""
@@ -168,6 +173,11 @@ class Scheduler:
                     commands, self.commands = list(self.commands), deque()
                     self._reap()
                     self._admit()
+                    if not commands and not any(s.req for s in self.caches.slots):
+                        blocked = self._head_waits()
+                        if blocked:  # only a request waiting for its prefix state: sleep until it comes
+                            self.cv.wait(blocked)
+                            continue
                 for fn, fut in commands:
                     try:
                         fut.set_result(fn())
@@ -220,11 +230,34 @@ class Scheduler:
         finally:
             self.waiting.extendleft(reversed(deferred))
 
+    def _head_waits(self) -> float:
+        """Seconds the first waiting request may still wait for another worker's prefix state (0: none)."""
+        if not self.waiting or self.waiting[0].prefix_wait is None:
+            return 0.0
+        return max(0.0, self.waiting[0].prefix_deadline - time.monotonic())
+
+    def _prefix_arrived(self, req: Request) -> bool:
+        """Whether ``req`` (first in line) can be admitted: its prefix state came (or the fetch failed, or
+        it waited its deadline out, or it was cancelled).  Later requests wait behind it, in arrival order:
+        admitted first, a request that came during the fetch took the step and the fetched one waited for
+        that whole prefill (150 to 780 ms in the peers benchmark)."""
+        fut = req.prefix_wait
+        if fut is None:
+            return True
+        if fut.done():
+            req.prefix_state = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        elif time.monotonic() < req.prefix_deadline and not (req.cancelled or req.ctx.is_stopped):
+            return False
+        req.prefix_wait = None
+        return True
+
     def _admit_some(self, deferred: list[Request]) -> None:
         while self.waiting:
             free = [s for s in self.caches.slots if s.req is None]
             if not free:
                 return
+            if not self._prefix_arrived(self.waiting[0]):
+                return  # (the state's arrival wakes the thread)
             req = self.waiting.popleft()
             stamp(req.stamps, "taken")
             if req.cancelled or req.ctx.is_stopped:

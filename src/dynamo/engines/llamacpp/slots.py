@@ -70,6 +70,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the cache (set on admission)
     state_io: Any = None  # disaggregation (disagg/worker.py StateIO): export or import the sequence state
     prefix_state: Any = None  # another worker's KV of this prompt's prefix (disagg/prefix_share.py PrefixState)
+    # the prefix state still on its way (a concurrent future of one, or of None); admitted once it is
+    # done or at ``prefix_deadline`` (time.monotonic()), whichever is first
+    prefix_wait: Any = None
+    prefix_deadline: float = 0.0
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens: the whole prompt is computed
     stamps: Stamps | None = None  # time-to-first-token stamps (first_token.py; -v only)
