@@ -15,8 +15,8 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``sglang``: ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router --policy cache_aware``);
 * ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
 * ``kv-nohome``: ours without the tie-break by where a prefix was last routed (``DYN_ROUTER_PREFIX_HOMES=0``);
-* ``kv-noshare``: ours without an idle worker fetching a busy one's cached prefix (disagg/prefix_share.py;
-  ``DYN_ROUTER_PREFIX_FETCH_WEIGHT=0``): the router of before, on the same engines;
+* ``kv-fetch``: ours with an idle worker fetching a busy one's cached prefix instead of computing it
+  (disagg/prefix_share.py; ``DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.9``; off by default);
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
 * ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
   engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
@@ -94,8 +94,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FLEETS = ("kv", "round-robin", "sglang", "vllm")
 TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in front of the same engines
 NO_HOMES = "kv-nohome"  # ours without the tie-break by where a prefix was last routed (kv/homes.py)
-NO_SHARE = "kv-noshare"  # ours without workers fetching a prefix from the worker holding it (prefix_share.py)
-VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, NO_SHARE: {"DYN_ROUTER_PREFIX_FETCH_WEIGHT": "0"}}
+FETCH = "kv-fetch"  # ours with an idle worker fetching a busy one's cached prefix (prefix_share.py)
+VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {"DYN_ROUTER_PREFIX_FETCH_WEIGHT": "0.9"}}
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
 SHAPES: dict[str, dict[str, Any]] = {

@@ -95,7 +95,7 @@ def source(engine: PrefixSharingEngine, tokens: int) -> dict[str, Any]:
 async def test_a_fetched_prefix_gives_the_answer_computed_alone(fleet, tok):
     holder, fetcher, gguf = fleet
     first, second = chat(tok, "When do you open on Sundays?"), chat(tok, "Can I return a book without a receipt?")
-    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert shared > 100  # the system prompt
     await answer(holder, req(first))  # the holder now caches the system prompt
     lent = holder.engine.caches.lent

@@ -59,9 +59,11 @@ DEFAULT_PEER_TTL_S = 10.0
 # costs something (a copy back, a read and a checksum), and the entry may be gone when the request comes.
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {HOST: 0.8, DISK: 0.5}
 # A block another worker holds and the chosen worker can fetch from it (disagg/prefix_share.py) saves this
-# fraction of a resident block's prefill: loading a state is milliseconds where computing a block is tens
-# (SmolLM2 on one core: 64 ms per 16-token block), but the holder answers only between two of its steps.
-DEFAULT_PREFIX_FETCH_WEIGHT = 0.9
+# fraction of a resident block's prefill (0: the router never names a source).  Off by default: loading a
+# state is milliseconds where computing a block is tens (SmolLM2 on one core: 64 ms per 16-token block),
+# but in the peers benchmark on this 2-core machine the requests sent to fetch were slower than those sent
+# to wait at the busy holder (docs/routing.md); 0.9 is the weight measured there.
+DEFAULT_PREFIX_FETCH_WEIGHT = 0.0
 PREFIX_FETCH_MIN_BLOCKS = 2  # a fetch saving less than this is not worth a round trip
 
 
@@ -229,7 +231,7 @@ class KvRouter:
                 source = (self.lenders[holder[0]], holder[1] * self.block_size)
         if self.decision_log is not None:
             self._log_decision(request_id, choice.worker_id, len(token_ids), blocks, costs,
-                               holder if source is not None else None)
+                               holder[:2] if holder is not None and source is not None else None)
         if request_id is not None:
             tracker = self.trackers.get(choice.worker_id)
             inflight = tracker.shared_prefix(blocks) if tracker is not None else 0

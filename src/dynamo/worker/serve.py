@@ -15,13 +15,19 @@ import logging
 import os
 from typing import cast
 
+from dynamo.disagg.prefix_share import PrefixSharingEngine, sharing_enabled
 from dynamo.engines.served_model import build_served_model
 from dynamo.errors import UserError
 from dynamo.heap import settle_heap
 from dynamo.llm.embeddings import embedding_handler
-from dynamo.disagg.prefix_share import PrefixSharingEngine, sharing_enabled
-from dynamo.llm.engine import (Engine, EngineCapabilities, LendsKvPrefixes, ServesLoraAdapters, capabilities_of,
-                               close_engine)
+from dynamo.llm.engine import (
+    Engine,
+    EngineCapabilities,
+    LendsKvPrefixes,
+    ServesLoraAdapters,
+    capabilities_of,
+    close_engine,
+)
 from dynamo.llm.lora import RUNTIME_LORA_KEY, runtime_lora_allowed
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS
@@ -82,7 +88,7 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
             lending = PrefixSharingEngine(engine, host=hosts.callhome if hosts else advertise_host(os.environ.get("DYN_TCP_RPC_HOST")),
                                           advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
             await lending.start()
-            engine = owned = lending  # type: ignore[assignment]  # closed below, with its share server
+            engine = owned = lending  # closed below, with its share server
         if engine.kind == "embedding":
             handler, model_type = embedding_handler(engine), ModelType.Embedding  # type: ignore[arg-type]
         elif engine.kind == "core":

@@ -401,8 +401,8 @@ class SlotCaches:
         t0 = time.perf_counter()
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         data = state.data
-        buf = (ctypes.c_uint8 * len(data))
-        buf = buf.from_buffer(data) if isinstance(data, bytearray) else buf.from_buffer_copy(data)
+        array = ctypes.c_uint8 * len(data)
+        buf = array.from_buffer(data) if isinstance(data, bytearray) else array.from_buffer_copy(data)
         ok = (L.llama_state_seq_set_data(lctx, buf, len(data), slot.seq_id) == len(data)
               and L.llama_memory_seq_pos_max(mem, slot.seq_id) == state.n_state - 1)
         if self.tracking:
