@@ -16,7 +16,7 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
 * ``kv-nohome``: ours without the tie-break by where a prefix was last routed (``DYN_ROUTER_PREFIX_HOMES=0``);
 * ``kv-fetch``: ours with an idle worker fetching a busy one's cached prefix instead of computing it
-  (disagg/prefix_share.py; ``DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.9``; off by default);
+  (disagg/prefix_share.py; its workers get ``DYN_KV_PREFIX_SHARING=1``; off by default);
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
 * ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
   engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
@@ -95,7 +95,8 @@ FLEETS = ("kv", "round-robin", "sglang", "vllm")
 TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in front of the same engines
 NO_HOMES = "kv-nohome"  # ours without the tie-break by where a prefix was last routed (kv/homes.py)
 FETCH = "kv-fetch"  # ours with an idle worker fetching a busy one's cached prefix (prefix_share.py)
-VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {"DYN_ROUTER_PREFIX_FETCH_WEIGHT": "0.9"}}
+VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {}}
+WORKER_VARIANTS = {FETCH: {"DYN_KV_PREFIX_SHARING": "1"}}  # the environment its workers get
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
 SHAPES: dict[str, dict[str, Any]] = {
@@ -264,6 +265,7 @@ def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.N
     mode = "kv" if fleet in VARIANTS else fleet.removesuffix("-2fe")
     args.frontends = 2 if fleet in TWO_FRONTENDS else 1
     args.frontend_env = dict(VARIANTS.get(fleet, {}))
+    args.worker_env = dict(WORKER_VARIANTS.get(fleet, {}))
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines

@@ -190,7 +190,8 @@ def smollm2_gguf() -> Path:
 
 def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: int, name: str) -> list[DynamoWorker]:
     if args.engine == "llamacpp":
-        env = {**args.servers, "DYN_LOG": "info,dynamo.worker.handlers=debug,dynamo.engines.llamacpp=debug,dynamo.disagg.prefix_share=debug"}
+        env = {**args.servers, "DYN_LOG": "info,dynamo.worker.handlers=debug,dynamo.engines.llamacpp=debug,"
+                                          "dynamo.disagg.prefix_share=debug", **getattr(args, "worker_env", {})}
         engine_args = Path(tempfile.gettempdir()) / f"router-bench-llamacpp-{os.getpid()}-{run_index}.json"
         engine_args.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
         return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", name,

@@ -1,5 +1,5 @@
-"""Workers lending cached prefixes, in a fleet: real llama.cpp workers, real etcd and NATS, our KV router
-with fetching turned on (``DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.9``).
+"""Workers lending cached prefixes, in a fleet: real llama.cpp workers started with
+``DYN_KV_PREFIX_SHARING=1``, real etcd and NATS, our KV router.
 
 Worker A computes a long shared prompt and is then kept busy generating; the same prompt's next request
 goes to idle worker B, which fetches the prefix's KV from A instead of computing it (the router names A
@@ -42,7 +42,7 @@ def _worker(servers: dict[str, str], gguf: Path, args_file: Path) -> DynamoWorke
     write_engine_args(args_file, {"n_parallel": 2, "n_threads": 1})
     return DynamoWorker(f"in=dyn://{MODEL}.llamacpp.generate", "out=llamacpp", str(gguf), "--model-name", MODEL,
                         "--context-length", "1024", "--extra-engine-args", str(args_file),
-                        env={**servers, "DYN_KV_PREFIX_FETCH_TIMEOUT": "1",
+                        env={**servers, "DYN_KV_PREFIX_FETCH_TIMEOUT": "1", "DYN_KV_PREFIX_SHARING": "1",
                              "DYN_LOG": "info,dynamo.disagg.prefix_share=debug"}, startup_timeout=120)
 
 
@@ -141,7 +141,6 @@ def test_an_idle_worker_fetches_the_busy_holders_prefix_and_survives_a_stopped_o
     a = _worker(servers, gguf, tmp_path / "a.json")
     b = _worker(servers, gguf, tmp_path / "b.json")
     with workers_running([a, b]):
-        with kv_frontend({**servers, "DYN_ROUTER_LOG": str(tmp_path / "decisions.jsonl"),
-                          "DYN_ROUTER_PREFIX_FETCH_WEIGHT": "0.9"}, ready=read_kv_states(2),
+        with kv_frontend({**servers, "DYN_ROUTER_LOG": str(tmp_path / "decisions.jsonl")}, ready=read_kv_states(2),
                          what="the frontend to read both workers' KV state") as fe:
             asyncio.run(_scenario(servers, fe, a, b))

@@ -16,7 +16,6 @@ def publish_prefix(router, worker, tokens):
 
 
 def router(**kw) -> KvRouter:
-    kw.setdefault("prefix_fetch_weight", 0.9)
     r = KvRouter(block_size=BS, seed=0, clock=lambda: 0.0, **kw)
     r.lenders.update(LENDERS)
     return r
@@ -73,8 +72,7 @@ def test_only_workers_that_lend_are_credited_or_named():
     assert 3 not in r.lenders
 
 
-def test_weight_zero_turns_fetching_off_and_is_the_default():
-    assert KvRouter().prefix_fetch_weight == 0.0
+def test_weight_zero_turns_fetching_off():
     r = router(prefix_fetch_weight=0.0)
     publish_prefix(r, 1, PROMPT[:32])
     keep_busy(r, 1)
@@ -102,7 +100,7 @@ def test_a_holder_in_the_middle_of_a_long_prefill_lends_only_after_it():
     """The holder exports between two steps: while it computes a long prompt, a fetch waits for that
     step, so the credit shrinks by what is left of it and the fetch loses to computing the prompt."""
     now = [0.0]
-    r = KvRouter(block_size=BS, seed=0, clock=lambda: now[0], prefix_fetch_weight=0.9)
+    r = KvRouter(block_size=BS, seed=0, clock=lambda: now[0])
     r.lenders.update(LENDERS)
     publish_prefix(r, 1, PROMPT[:32])
     r.select([5000 + i for i in range(400)], [1], request_id="long")  # 400 tokens to prefill on worker 1
