@@ -41,9 +41,17 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from dynamo.llm.engine import Context, close_engine
 from dynamo.llm.model_entry import KV_PREFIX_SHARE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
-from dynamo.runtime.fleet_auth import DIALER, LISTENER, FleetAuth, FleetAuthError, handshake_streams, refusals
+from dynamo.runtime.fleet_auth import DIALER, FleetAuth, FleetAuthError, handshake_streams
 
-from .transfer import DEFAULT_MAX_BYTES, NO_DIGEST, RESP_MAGIC, TransferError, read_state, write_state
+from .transfer import (
+    DEFAULT_MAX_BYTES,
+    NO_DIGEST,
+    RESP_MAGIC,
+    StateServer,
+    TransferError,
+    read_state,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,61 +90,37 @@ def fetch_timeout() -> float:
         return 2.0
 
 
-class PrefixShareServer:
+class PrefixShareServer(StateServer):
     """Answers prefix queries from ``export`` (the engine's), one query per connection."""
+
+    what = "KV prefix sharing"
 
     def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  auth: FleetAuth | None = None, chunk: int = 1 << 20) -> None:
-        self.export, self.host, self.port, self.chunk = export, host, port, chunk
-        self.auth = auth
-        self._advertise = advertise
-        self._server: asyncio.base_events.Server | None = None
-        self.address = ""
-        self.served = 0
+        super().__init__(host, port, advertise, chunk, auth)
+        self.export = export
         self.missed = 0
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        port = self._server.sockets[0].getsockname()[1]
-        self.address = f"{self._advertise or self.host}:{port}"
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        magic, n = _QUERY_HEAD.unpack(await asyncio.wait_for(reader.readexactly(_QUERY_HEAD.size), 10.0))
+        if magic != QUERY_MAGIC or n > MAX_QUERY_TOKENS:
+            return
+        raw = await asyncio.wait_for(reader.readexactly(4 * n), 10.0)
+        tokens = list(struct.unpack(f">{n}I", raw))
         try:
-            if self.auth is not None:
-                try:
-                    await handshake_streams(self.auth, LISTENER, self.address, reader, writer)
-                except FleetAuthError as exc:
-                    peer = writer.get_extra_info("peername")
-                    host = str(peer[0]) if isinstance(peer, tuple) else "?"
-                    refusals((host, str(exc)), f"KV prefix sharing: refused a connection from {host}: {exc}")
-                    return
-            magic, n = _QUERY_HEAD.unpack(await asyncio.wait_for(reader.readexactly(_QUERY_HEAD.size), 10.0))
-            if magic != QUERY_MAGIC or n > MAX_QUERY_TOKENS:
-                return
-            raw = await asyncio.wait_for(reader.readexactly(4 * n), 10.0)
-            tokens = list(struct.unpack(f">{n}I", raw))
             found = await self.export(tokens)
-            if found is None:
-                self.missed += 1
-                writer.write(_COVER.pack(0, 0) + _NOTHING)
-                await writer.drain()
-                return
-            n_state, n_shared, data = found
-            writer.write(_COVER.pack(n_state, n_shared))
-            await write_state(writer, data, None, self.chunk)  # (crc32 per chunk; no sha256 to compute)
-            self.served += 1
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, struct.error) as e:
-            log.debug("KV prefix query connection ended: %r", e)
         except Exception:  # noqa: BLE001 - the engine failed to export: the fetcher computes the prompt
             log.exception("KV prefix export failed")
-        finally:
-            writer.close()
+            return
+        if found is None:
+            self.missed += 1
+            writer.write(_COVER.pack(0, 0) + _NOTHING)
+            await writer.drain()
+            return
+        n_state, n_shared, data = found
+        writer.write(_COVER.pack(n_state, n_shared))
+        await write_state(writer, data, None, self.chunk)  # (crc32 per chunk; no sha256 to compute)
+        self.served += 1
 
 
 async def fetch_prefix(address: str, tokens: list[int], *, timeout: float = 2.0, max_bytes: int = DEFAULT_MAX_BYTES,

@@ -156,13 +156,17 @@ async def write_state(writer: asyncio.StreamWriter, data: Any, digest_hex: str |
     await writer.drain()
 
 
-class TransferServer:
-    """Serves :class:`ExportStore` entries to decode workers on a TCP port of the prefill worker."""
+class StateServer:
+    """A TCP listener that hands out KV states, one request per connection: the fleet-secret handshake
+    first when there is one (a refused peer is one log line and never reaches :meth:`answer`), then the
+    subclass's :meth:`answer`.  ``what`` names it in log lines."""
 
-    def __init__(self, store: ExportStore, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, chunk: int = CHUNK, auth: FleetAuth | None = None) -> None:
-        self.store, self.host, self.port, self.chunk = store, host, port, chunk
-        self.auth = auth  # the fleet secret's keys: a decode worker proves it before its key is read
+    what = "KV transfer"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None, chunk: int = CHUNK,
+                 auth: FleetAuth | None = None) -> None:
+        self.host, self.port, self.chunk = host, port, chunk
+        self.auth = auth  # the fleet secret's keys: a peer proves it before its request is read
         self._advertise = advertise
         self._server: asyncio.base_events.Server | None = None
         self.address = ""
@@ -187,27 +191,42 @@ class TransferServer:
                 except FleetAuthError as exc:
                     peer = writer.get_extra_info("peername")
                     host = str(peer[0]) if isinstance(peer, tuple) else "?"
-                    refusals((host, str(exc)), f"KV transfer: refused a connection from {host}: {exc}")
+                    refusals((host, str(exc)), f"{self.what}: refused a connection from {host}: {exc}")
                     return
-            head = await asyncio.wait_for(reader.readexactly(6), 10.0)
-            magic, n = struct.unpack(">4sH", head)
-            if magic != REQ_MAGIC:
-                return
-            key = (await asyncio.wait_for(reader.readexactly(n), 10.0)).decode("utf-8", "replace")
-            item = self.store.take(key)
-            if item is None:
-                writer.write(_RESP_HEAD.pack(RESP_MAGIC, 1, 0, b"\0" * 32))
-                await writer.drain()
-                return
-            data, digest = item
-            t0 = time.perf_counter()
-            await write_state(writer, data, digest, self.chunk)
-            self.served += 1
-            log.debug("KV state %s: %d bytes sent in %.1f ms", key, len(data), 1e3 * (time.perf_counter() - t0))
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
-            log.debug("KV transfer connection ended: %r", e)
+            await self.answer(reader, writer)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, struct.error) as e:
+            log.debug("%s connection ended: %r", self.what, e)
         finally:
             writer.close()
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class TransferServer(StateServer):
+    """Serves :class:`ExportStore` entries to decode workers on a TCP port of the prefill worker."""
+
+    def __init__(self, store: ExportStore, host: str = "127.0.0.1", port: int = 0,
+                 advertise: str | None = None, chunk: int = CHUNK, auth: FleetAuth | None = None) -> None:
+        super().__init__(host, port, advertise, chunk, auth)
+        self.store = store
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await asyncio.wait_for(reader.readexactly(6), 10.0)
+        magic, n = struct.unpack(">4sH", head)
+        if magic != REQ_MAGIC:
+            return
+        key = (await asyncio.wait_for(reader.readexactly(n), 10.0)).decode("utf-8", "replace")
+        item = self.store.take(key)
+        if item is None:
+            writer.write(_RESP_HEAD.pack(RESP_MAGIC, 1, 0, NO_DIGEST))
+            await writer.drain()
+            return
+        data, digest = item
+        t0 = time.perf_counter()
+        await write_state(writer, data, digest, self.chunk)
+        self.served += 1
+        log.debug("KV state %s: %d bytes sent in %.1f ms", key, len(data), 1e3 * (time.perf_counter() - t0))
 
 
 async def read_state(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_BYTES,
