@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from dynamo.llm.engine import Context, close_engine
 from dynamo.llm.model_entry import KV_PREFIX_SHARE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
-from dynamo.runtime.fleet_auth import DIALER, FleetAuth, FleetAuthError, handshake_streams
+from dynamo.runtime.fleet_auth import FleetAuth
 
 from .transfer import (
     DEFAULT_MAX_BYTES,
@@ -49,6 +49,7 @@ from .transfer import (
     RESP_MAGIC,
     StateServer,
     TransferError,
+    dial,
     read_state,
     write_state,
 )
@@ -127,16 +128,10 @@ async def fetch_prefix(address: str, tokens: list[int], *, timeout: float = 2.0,
                        auth: FleetAuth | None = None) -> PrefixState:
     """The state of ``address``'s cache sharing the longest prefix with ``tokens``; TransferError when it
     holds none, or the fetch fails or takes longer than ``timeout``."""
-    host, _, port = address.rpartition(":")
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await dial(address, auth, "KV prefix")
             try:
-                if auth is not None:
-                    try:
-                        await handshake_streams(auth, DIALER, address, reader, writer)
-                    except FleetAuthError as exc:
-                        raise TransferError(f"KV prefix from {address}: {exc}") from None
                 writer.write(_QUERY_HEAD.pack(QUERY_MAGIC, len(tokens)) + struct.pack(f">{len(tokens)}I", *tokens))
                 await writer.drain()
                 try:

@@ -272,21 +272,29 @@ async def read_response(reader: asyncio.StreamReader, expect: Ticket, max_bytes:
     return bytes(await read_state(reader, max_bytes, expect))
 
 
+async def dial(address: str, auth: FleetAuth | None, what: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a state server at ``host:port`` and, with a fleet secret, prove it both ways (a refusal
+    is a TransferError naming ``what``).  The caller bounds the time and closes the writer."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    if auth is not None:
+        try:
+            await handshake_streams(auth, DIALER, address, reader, writer)
+        except FleetAuthError as exc:
+            writer.close()
+            raise TransferError(f"{what} from {address}: {exc}") from None
+    return reader, writer
+
+
 async def pull(ticket: Ticket, timeout: float = 30.0, max_bytes: int = DEFAULT_MAX_BYTES,
                auth: FleetAuth | None = None) -> bytes:
     """Fetch the state a ticket names from its prefill worker; TransferError when that fails (``auth``:
     the fleet secret's keys, proved both ways before the key is sent)."""
-    host, _, port = ticket.address.rpartition(":")
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await dial(ticket.address, auth, "KV transfer")
             try:
-                if auth is not None:
-                    try:
-                        await handshake_streams(auth, DIALER, ticket.address, reader, writer)
-                    except FleetAuthError as exc:
-                        raise TransferError(f"KV transfer from {ticket.address}: {exc}") from None
                 key = ticket.key.encode()
                 writer.write(struct.pack(">4sH", REQ_MAGIC, len(key)) + key)
                 await writer.drain()
