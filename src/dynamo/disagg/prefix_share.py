@@ -38,15 +38,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from dynamo.llm.engine import Context, close_engine
+from dynamo.llm.engine import Context, HasRuntimeConfig, close_engine
 from dynamo.llm.model_entry import KV_PREFIX_SHARE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime.fleet_auth import FleetAuth
 
 from .transfer import (
     DEFAULT_MAX_BYTES,
-    NO_DIGEST,
-    RESP_MAGIC,
+    NOT_HELD,
     StateServer,
     TransferError,
     dial,
@@ -57,11 +56,10 @@ from .transfer import (
 log = logging.getLogger(__name__)
 
 QUERY_MAGIC = b"DKVQ"
+DEFAULT_FETCH_TIMEOUT_S = 2.0
 MAX_QUERY_TOKENS = 1 << 20  # a query longer than this is not a prompt: the connection is dropped
 _QUERY_HEAD = struct.Struct(">4sI")
 _COVER = struct.Struct(">II")
-_NOTHING = struct.Struct(">4sBQ32s").pack(RESP_MAGIC, 1, 0, NO_DIGEST)
-
 
 
 @dataclass(frozen=True)
@@ -85,10 +83,14 @@ def sharing_enabled() -> bool:
 
 
 def fetch_timeout() -> float:
+    """``DYN_KV_PREFIX_FETCH_TIMEOUT`` (seconds, default 2): the longest a worker waits for a prefix."""
+    raw = os.environ.get("DYN_KV_PREFIX_FETCH_TIMEOUT", "").strip()
     try:
-        return max(0.01, float(os.environ.get("DYN_KV_PREFIX_FETCH_TIMEOUT", 2.0)))
+        return max(0.01, float(raw)) if raw else DEFAULT_FETCH_TIMEOUT_S
     except ValueError:
-        return 2.0
+        log.warning("DYN_KV_PREFIX_FETCH_TIMEOUT=%r is not a number of seconds; keeping %g", raw,
+                    DEFAULT_FETCH_TIMEOUT_S)
+        return DEFAULT_FETCH_TIMEOUT_S
 
 
 class PrefixShareServer(StateServer):
@@ -115,7 +117,7 @@ class PrefixShareServer(StateServer):
             return
         if found is None:
             self.missed += 1
-            writer.write(_COVER.pack(0, 0) + _NOTHING)
+            writer.write(_COVER.pack(0, 0) + NOT_HELD)
             await writer.drain()
             return
         n_state, n_shared, data = found
@@ -172,7 +174,8 @@ class PrefixSharingEngine:
 
     @property
     def runtime_config(self) -> dict[str, Any]:
-        return {**(getattr(self.engine, "runtime_config", None) or {}), KV_PREFIX_SHARE: self.server.address}
+        own = self.engine.runtime_config if isinstance(self.engine, HasRuntimeConfig) else {}
+        return {**(own or {}), KV_PREFIX_SHARE: self.server.address}
 
     async def start(self) -> None:
         await self.server.start()

@@ -140,6 +140,7 @@ def encode_response(data: bytes, digest_hex: str, chunk: int = CHUNK) -> list[by
 
 
 NO_DIGEST = b"\0" * 32  # a response without a sha256 (prefix sharing: each chunk's crc32 guards it)
+NOT_HELD = _RESP_HEAD.pack(RESP_MAGIC, 1, 0, NO_DIGEST)  # the response when the server has no such state
 
 
 async def write_state(writer: asyncio.StreamWriter, data: Any, digest_hex: str | None, chunk: int = CHUNK) -> None:
@@ -219,7 +220,7 @@ class TransferServer(StateServer):
         key = (await asyncio.wait_for(reader.readexactly(n), 10.0)).decode("utf-8", "replace")
         item = self.store.take(key)
         if item is None:
-            writer.write(_RESP_HEAD.pack(RESP_MAGIC, 1, 0, NO_DIGEST))
+            writer.write(NOT_HELD)
             await writer.drain()
             return
         data, digest = item

@@ -120,6 +120,7 @@ class KvRouterPolicy:
         body_id = rt_ctx.id()
         entry = self._prepared.pop(id(request), None)
         hashes = entry[1] if entry is not None and entry[0] is request.token_ids else None
+        request.prefix_source = None  # (a migration retry carries the last decision's: never reuse it)
         if request.backend_instance_id is not None:
             self.router.add_request(body_id, request.token_ids, request.backend_instance_id)
             self._tracked.add(body_id)

@@ -108,6 +108,7 @@ def test_the_same_prefix_saved_again_keeps_its_blocks_announced(tmp_path):
     ({"host_cache_mb": 0, "disk_cache_mb": 64}, "needs host_cache_mb"),  # (the host tier is on unless 0)
     ({"host_cache_mb": 64, "disk_cache_dir": "/tmp/x"}, "disk_cache_mb is not"),
     ({"host_cache_mb": 64, "disk_cache_mb": -1}, "at least 0"),
+    ({"host_cache_mb": "lots"}, "host_cache_mb must be a number"),
 ])
 def test_disk_tier_arguments_that_cannot_work_are_errors(tmp_path, args, message):
     from dynamo.engines.llamacpp.engine import LlamaCppEngine

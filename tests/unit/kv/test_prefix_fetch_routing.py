@@ -136,3 +136,27 @@ def test_a_prefix_in_the_holders_host_memory_is_fetched_at_that_tiers_price():
     d = r.select(PROMPT, [1, 2])
     assert d.worker_id == 2 and d.prefix_source == ("10.0.0.1:7001", 32)
     assert {c.worker_id: c.prefill_tokens for c in r.last_costs}[2] == 40 - int(0.9 * 0.8 * 8 * BS)
+
+
+def test_the_frontend_puts_the_source_on_the_request_and_a_retry_never_reuses_a_stale_one():
+    """The KV policy names the holder in the request it sends; a migration retry of the same request,
+    routed where no fetch is named, goes without the first decision's source."""
+    from types import SimpleNamespace
+
+    from dynamo.frontend.kv_policy import KvRouterPolicy
+    from dynamo.llm.protocols.common import PreprocessedRequest
+
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_busy(r, 1)
+    policy = KvRouterPolicy(r, events=None)
+    sent: list[dict] = []
+    candidates = [1, 2]
+    client = SimpleNamespace(free_instance_ids=lambda: candidates, instance_ids=lambda: candidates,
+                             direct=lambda body, worker, context=None: sent.append(body) or worker)
+    request = PreprocessedRequest(token_ids=list(PROMPT), model="m")
+    assert policy.open(client, request, SimpleNamespace(id=lambda: "r1")) == 2
+    assert sent[-1]["prefix_source"] == {"address": "10.0.0.1:7001", "tokens": 32}
+    candidates = [1]  # the retry (worker 2 died): only the holder is left, which needs no fetch
+    assert policy.open(client, request, SimpleNamespace(id=lambda: "r1")) == 1
+    assert sent[-1]["prefix_source"] is None

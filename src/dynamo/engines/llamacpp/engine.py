@@ -111,7 +111,10 @@ class LlamaCppEngine:
         self.seed = int(args["seed"]) if args.get("seed") is not None else None
         # on by default, as llama-server's host-memory prompt cache (--cache-ram, 8192 MiB); 0 turns it off
         raw_host = args.get("host_cache_mb")
-        host_mb = float(DEFAULT_HOST_CACHE_MB if raw_host is None else raw_host)
+        try:
+            host_mb = float(DEFAULT_HOST_CACHE_MB if raw_host is None else raw_host)
+        except (TypeError, ValueError):
+            raise UserError(f"--extra-engine-args: host_cache_mb must be a number of MiB, not {raw_host!r}") from None
         if host_mb < 0:
             raise UserError("--extra-engine-args: host_cache_mb must be at least 0")
         # KV offloading (host_tier.py): slot caches about to be overwritten are kept in host memory,
