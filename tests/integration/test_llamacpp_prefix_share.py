@@ -205,3 +205,30 @@ async def test_a_request_waiting_for_its_prefix_keeps_its_place_in_line_without_
         fetcher.timeout = 10
         silent.close()
         await silent.wait_closed()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_client_leaving_while_its_prefix_is_fetched_frees_the_line(fleet, tok):
+    """The client goes away while the fetch is stalled: the request leaves the line at once, and the next
+    request is served without waiting out the fetch's timeout."""
+    _, fetcher, gguf = fleet
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    fetcher.timeout = 8
+    try:
+        prompt = chat(tok, "Do you ship abroad?")
+        leaving = asyncio.create_task(answer(fetcher, req(prompt, source={"address": f"127.0.0.1:{port}",
+                                                                          "tokens": len(prompt)})))
+        await asyncio.sleep(0.2)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        nxt = tok.encode("<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got, cached = await asyncio.wait_for(answer(fetcher, req(nxt)), 6)  # well before the 8 s timeout
+        assert loop.time() - t0 < 6 and got == await computed_here(gguf, nxt, cached)
+    finally:
+        fetcher.timeout = 10
+        silent.close()
+        await silent.wait_closed()
