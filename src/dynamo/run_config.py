@@ -29,7 +29,9 @@ class RunConfig:
     base_gpu_id: int = 0
     extra_engine_args: Path | None = None
     router_mode: str = "round-robin"
-    kv_overlap_score_weight: float = 2.0  # the original: 1.0 (docs/routing.md, "Benchmark")
+    # --kv-overlap-score-weight; None: what the model's workers suggest, else 2.0 (the original: 1.0;
+    # docs/routing.md, "Choosing the default overlap weight")
+    kv_overlap_score_weight: float | None = None
     router_temperature: float = 0.0
     use_kv_events: bool = True
     router_replica_sync: bool = True  # the original: false (docs/routing.md, "Several frontends")

@@ -21,6 +21,7 @@ import nats
 import pytest
 
 from dynamo.kv import KvRouter
+from dynamo.engines.llamacpp.engine import ROUTER_OVERLAP_WEIGHT
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
@@ -266,6 +267,9 @@ def test_the_router_sends_a_shared_prefix_to_the_llamacpp_worker_that_caches_it(
     fe = kv_frontend(servers, ready=lambda fe: re.search(r"KV router for kvllama: .*KV events", fe.stderr_text())
                      and read_kv_states(2)(fe), what="the frontend's KV router and both KV states")
     try:
+        # no --kv-overlap-score-weight: the router weighs as the llamacpp workers suggest
+        assert re.search(rf"KV router for kvllama: block size \d+, overlap weight {ROUTER_OVERLAP_WEIGHT:.2f} "
+                         r"\(suggested by its workers' engine\)", fe.stderr_text()), fe.stderr_text()[-2000:]
         prefix = text(60)
         first, stored = asyncio.run(_request(servers, fe, prefix + " " + text(5), want_blocks=6))
         assert first["overlap_blocks"] == 0 and first["isl_blocks"] >= 6

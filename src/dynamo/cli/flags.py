@@ -40,7 +40,7 @@ USAGE = (
     "[--model-config <hf folder>] [--context-length N] [--kv-cache-block-size 16] "
     "[--tensor-parallel-size 1] [--num-nodes 1] [--node-rank 0] [--leader-addr host:port] "
     "[--base-gpu-id 0] [--extra-engine-args args.json] [--router-mode round-robin|random|kv] "
-    "[--kv-overlap-score-weight 2.0] [--router-temperature 0.0] [--use-kv-events true|false] [--router-replica-sync true|false] "
+    "[--kv-overlap-score-weight W] [--router-temperature 0.0] [--use-kv-events true|false] [--router-replica-sync true|false] "
     "[--migration-limit 0] [--max-inflight N] [--drain-timeout 30] [--queue-size 256] [--queue-timeout 30] "
     "[--disaggregation-mode agg|prefill|decode] [--max-local-prefill-length 128] [--namespace NS] "
     "[--request-plane tcp|nats] [--event-plane nats|zmq] "
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-gpu-id", type=_int("--base-gpu-id", 0), default=0, help="first GPU to use (sglang)")
     p.add_argument("--extra-engine-args", help="JSON (YAML for trtllm) file merged into the engine's arguments")
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="how out=dyn picks a worker (default round-robin)")
-    p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=2.0, help="KV router: weight of prefill cost vs decode load (default 2.0)")
+    p.add_argument("--kv-overlap-score-weight", type=_float("--kv-overlap-score-weight", 0.0), default=None, help="KV router: weight of prefill cost vs decode load (default: what the workers' engine suggests, 6.0 for llamacpp, else 2.0)")
     p.add_argument("--router-temperature", type=_float("--router-temperature", 0.0), default=0.0, help="KV router: softmax temperature, 0 picks the best worker (default 0.0)")
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
     p.add_argument("--router-replica-sync", type=_bool, default=True, metavar="true|false", help="KV router: share in-flight requests with the other frontends of the same workers over the event plane (default true; the original's default is false)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from typing import Any
 
@@ -32,7 +33,7 @@ from dynamo.kv.events import KV_STATE_ENDPOINT
 from dynamo.kv.hashing import compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S, DEFAULT_PREFIX_FETCH_WEIGHT
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_entry import KV_PREFIX_SHARE, PUBLISHES_KV_EVENTS, ModelEntry
+from dynamo.llm.model_entry import KV_PREFIX_SHARE, PUBLISHES_KV_EVENTS, SUGGESTED_OVERLAP_WEIGHT, ModelEntry
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
@@ -82,6 +83,35 @@ def prefix_fetch_weight() -> float:
                     DEFAULT_PREFIX_FETCH_WEIGHT)
         return DEFAULT_PREFIX_FETCH_WEIGHT
     return value
+
+
+# the overlap weight when neither the operator (--kv-overlap-score-weight) nor the workers' engine says one;
+# the original's is 1.0 (docs/routing.md, "Choosing the default overlap weight": measured on mocker fleets)
+DEFAULT_OVERLAP_WEIGHT = 2.0
+
+
+def overlap_weight(cfg: RouterConfig, entry: Any) -> tuple[float, str]:
+    """The KV router's overlap weight for a model, and where it came from.
+
+    The weight says how many blocks of decode load one block of prefill is worth, and that ratio is the
+    engine's: on llama.cpp on a CPU a prefill block costs tens of milliseconds while a neighbour's decode
+    load hardly slows a new request's first token, so the weight chosen on simulated GPU engines made the
+    router leave a busy worker holding a conversation's history to compute it again on an idle one.  So
+    an engine may suggest its own in its workers' ``runtime_config``; the operator's flag always wins."""
+    if cfg.kv_overlap_score_weight is not None:
+        return cfg.kv_overlap_score_weight, "--kv-overlap-score-weight"
+    raw = (entry.runtime_config or {}).get(SUGGESTED_OVERLAP_WEIGHT)
+    if raw is None:
+        return DEFAULT_OVERLAP_WEIGHT, "default"
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        log.warning("model %s: its worker suggests overlap weight %r, not a number >= 0; using %g",
+                    entry.name, raw, DEFAULT_OVERLAP_WEIGHT)
+        return DEFAULT_OVERLAP_WEIGHT, "default"
+    return value, "suggested by its workers' engine"
 
 
 def publishes_kv_events(entry: Any) -> bool:
@@ -278,9 +308,12 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         return publish
 
     events = cfg.use_kv_events and publishes_kv_events(entry)
+    # an adapter's router shares its base model's bookings, so it must weigh them alike
+    weight, weight_from = ((load_of.overlap_score_weight, "its base model's") if load_of is not None
+                           else overlap_weight(cfg, entry))
     router = KvRouter(
         block_size=card.kv_cache_block_size,
-        overlap_score_weight=cfg.kv_overlap_score_weight,
+        overlap_score_weight=weight,
         temperature=cfg.router_temperature,
         use_kv_events=events,
         publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
@@ -312,8 +345,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     if card.lora_name:
         how += f", LoRA adapter {card.lora_name} (its own block hashes"
         how += ", its base model's load per worker)" if load_of is not None else ")"
-    log.info("KV router for %s: block size %d, overlap weight %.2f, temperature %.2f, %s",
-             entry.name, card.kv_cache_block_size, cfg.kv_overlap_score_weight, cfg.router_temperature, how)
+    log.info("KV router for %s: block size %d, overlap weight %.2f (%s), temperature %.2f, %s",
+             entry.name, card.kv_cache_block_size, weight, weight_from, cfg.router_temperature, how)
     policy.start()
     return policy
 

@@ -77,7 +77,9 @@ class RouterConfig:
     """How a frontend routes a model's requests (the --router-mode family of flags, migration, the queue)."""
 
     mode: str = "round-robin"
-    kv_overlap_score_weight: float = 2.0  # as --kv-overlap-score-weight; the original: 1.0 (docs/routing.md)
+    # --kv-overlap-score-weight; None: what the model's workers suggest, else 2.0 (the original: 1.0;
+    # docs/routing.md, "Choosing the default overlap weight")
+    kv_overlap_score_weight: float | None = None
     router_temperature: float = 0.0
     use_kv_events: bool = True
     # --router-replica-sync: share the KV router's in-flight bookings with the other frontends (kv_policy.py)

@@ -32,6 +32,10 @@ PUBLISHES_KV_EVENTS = "publishes_kv_events"
 # runtime_config key: the address a worker lends its cached KV prefixes from (disagg/prefix_share.py); a KV
 # router names it to another such worker that it sends a prompt whose prefix this one holds
 KV_PREFIX_SHARE = "kv_prefix_share"
+# runtime_config key: the overlap weight this worker's engine suggests to a KV router whose operator set
+# none (--kv-overlap-score-weight); how dear a block of prefill is against a block of decode load depends
+# on the engine (frontend/kv_policy.py)
+SUGGESTED_OVERLAP_WEIGHT = "kv_overlap_score_weight"
 
 
 @dataclass

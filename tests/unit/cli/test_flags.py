@@ -21,7 +21,7 @@ def test_defaults():
     assert cfg.http_port == 8080
     assert cfg.http_host == "0.0.0.0"
     assert cfg.router_mode == "round-robin"
-    assert cfg.kv_overlap_score_weight == 2.0  # the original: 1.0 (docs/routing.md)
+    assert cfg.kv_overlap_score_weight is None  # the workers' engine suggests one, else 2.0 (docs/routing.md)
     assert cfg.router_temperature == 0.0
     assert cfg.use_kv_events is True
     assert cfg.migration_limit == 0
