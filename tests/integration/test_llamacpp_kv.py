@@ -20,8 +20,8 @@ import httpx
 import nats
 import pytest
 
-from dynamo.kv import KvRouter
 from dynamo.engines.llamacpp.engine import ROUTER_OVERLAP_WEIGHT
+from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
