@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -80,8 +81,12 @@ def mocker_worker_cmd(folder: Path, model_dir: Path, endpoint: str, model: str, 
 
 
 def wait_for_model(frontend: DynamoRun, name: str, endpoint: str, instances: int, timeout: float = 15.0) -> None:
-    wait_until(lambda: name in model_ids(frontend) and len(health_instances(frontend, endpoint)) >= instances,
-               timeout, f"model {name} with {instances} instance(s) of {endpoint} on the frontend")
+    try:
+        wait_until(lambda: name in model_ids(frontend) and len(health_instances(frontend, endpoint)) >= instances,
+                   timeout, f"model {name} with {instances} instance(s) of {endpoint} on the frontend")
+    except pytest.fail.Exception as e:  # say what the frontend saw, for a failure that does not repeat
+        pytest.fail(f"{e}; the frontend lists models {model_ids(frontend)}, instances of {endpoint}: "
+                    f"{health_instances(frontend, endpoint)}; its log ends:\n{frontend.stderr_text()[-3000:]}")
 
 
 def client_for(frontend: DynamoRun, timeout: float = 30.0) -> openai.OpenAI:
