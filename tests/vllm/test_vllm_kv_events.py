@@ -12,6 +12,7 @@ over ``out=dyn``; the two should agree.  Load metrics come from vLLM's scheduler
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,8 +76,13 @@ async def _run(servers: dict[str, str], fe: DynamoRun, worker: DynamoWorker) -> 
             stored.append(event)
             got_stored.set()
 
+    hit_rate_seen = asyncio.Event()
+
     async def on_metrics(msg: Any) -> None:
-        metrics.append(json.loads(msg.data))
+        m = json.loads(msg.data)
+        metrics.append(m)
+        if m["data"]["kv_stats"]["gpu_prefix_cache_hit_rate"] > 0:
+            hit_rate_seen.set()
 
     await nc.subscribe(f"namespace.{NS}.kv-hit-rate", cb=on_decision)
     await nc.subscribe(f"namespace.{NS}.component.vllm.kv_events", cb=on_kv)
@@ -113,7 +119,10 @@ async def _run(servers: dict[str, str], fe: DynamoRun, worker: DynamoWorker) -> 
                     break
                 await asyncio.sleep(0.2)
             results["again"] = (again["usage"], decision)
-        await asyncio.sleep(0.1)
+        # the worker publishes load metrics when they change, on its own schedule: wait for the one that
+        # carries the reuse (the test's last assertion says so if it never comes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hit_rate_seen.wait(), 10)
     finally:
         await nc.close()
     results["stored"] = stored

@@ -363,7 +363,9 @@ class SchedulerStatsMetrics:
     """vLLM's per-step ``SchedulerStats`` -> ForwardPassMetrics (the mocker's shape), published on change.
 
     ``record`` may be called from any thread; the publishing happens on ``loop``.  Like the mocker, a
-    change is published at most every 10 ms, and a change inside that window when the window ends.
+    change is published at most every 10 ms, and a change inside that window when the window ends.  The
+    prefix-cache hit rate is a change of its own: a short request can start and finish between two of
+    vLLM's stat records, so the load alone may not move while the hit rate does.
     """
 
     def __init__(self, *, total_blocks: int, max_num_seqs: int, worker_id: int = 0,
@@ -380,7 +382,7 @@ class SchedulerStatsMetrics:
         self.waiting = 0
         self.usage = 0.0
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_WINDOW)
-        self._last_key: tuple[int, int, int] | None = None
+        self._last_key: tuple[int, int, int, float] | None = None
         self._last_at = float("-inf")
         self._timer: asyncio.TimerHandle | None = None
 
@@ -435,20 +437,26 @@ class SchedulerStatsMetrics:
     def active_blocks(self) -> int:
         return round(self.usage * self.total_blocks)
 
-    def metrics(self) -> dict[str, Any]:
-        hits = sum(h for h, _ in self._hits)
+    def hit_rate(self) -> float:
+        """Prefix-cache hits over queried tokens, over the last HIT_RATE_WINDOW records that queried."""
         queries = sum(q for _, q in self._hits)
+        return sum(h for h, _ in self._hits) / queries if queries else 0.0
+
+    def _key(self) -> tuple[int, int, int, float]:
+        return (self.active_blocks, self.waiting, self.running, round(self.hit_rate(), 3))
+
+    def metrics(self) -> dict[str, Any]:
         return {
             "worker_stats": {"data_parallel_rank": self.dp_rank, "request_active_slots": self.running,
                              "request_total_slots": self.max_num_seqs, "num_requests_waiting": self.waiting},
             "kv_stats": {"kv_active_blocks": self.active_blocks, "kv_total_blocks": self.total_blocks,
                          "gpu_cache_usage_perc": self.usage,
-                         "gpu_prefix_cache_hit_rate": hits / queries if queries else 0.0},
+                         "gpu_prefix_cache_hit_rate": self.hit_rate()},
             "spec_decode_stats": None,
         }
 
     def _maybe_publish(self) -> None:
-        key = (self.active_blocks, self.waiting, self.running)
+        key = self._key()
         if key == self._last_key or self.publish is None:
             return
         now = self.clock()
@@ -461,11 +469,11 @@ class SchedulerStatsMetrics:
 
     def _flush(self) -> None:
         self._timer = None
-        key = (self.active_blocks, self.waiting, self.running)
+        key = self._key()
         if key != self._last_key:
             self._send(self.clock(), key)
 
-    def _send(self, now: float, key: tuple[int, int, int]) -> None:
+    def _send(self, now: float, key: tuple[int, int, int, float]) -> None:
         self._last_key, self._last_at = key, now
         emit(self.publish, {"worker_id": self.worker_id, "data": self.metrics()}, "load metrics")
 

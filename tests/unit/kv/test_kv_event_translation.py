@@ -207,6 +207,25 @@ async def test_scheduler_stats_become_load_metrics():
     m.close()
 
 
+async def test_a_hit_rate_that_moves_alone_is_published():
+    """A short request can start and finish between two of vLLM's stat records: the load is the same
+    before and after, and only the prefix-cache hit rate says it reused a prefix."""
+    got: asyncio.Queue[dict] = asyncio.Queue()
+    m = SchedulerStatsMetrics(total_blocks=200, max_num_seqs=8, worker_id=5, publish=got.put_nowait,
+                              loop=asyncio.get_running_loop())
+    stats = SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, num_skipped_waiting_reqs=0,
+                            kv_cache_usage=0.0, prefix_cache_stats=SimpleNamespace(reset=False, queries=600, hits=0))
+    m.record(stats, None)
+    first = await asyncio.wait_for(got.get(), 5)
+    assert first["data"]["kv_stats"]["gpu_prefix_cache_hit_rate"] == 0.0
+    stats.prefix_cache_stats = SimpleNamespace(reset=False, queries=600, hits=576)
+    m.record(stats, None)
+    later = await asyncio.wait_for(got.get(), 5)
+    assert later["data"]["kv_stats"]["gpu_prefix_cache_hit_rate"] == 0.48
+    assert later["data"]["worker_stats"]["request_active_slots"] == 0
+    m.close()
+
+
 def test_an_adapters_blocks_are_announced_under_its_salt():
     """vLLM names the adapter of a store (``lora_name``, also first in each block's ``extra_keys``): the
     blocks are hashed with that adapter's seed, so the router matches them for that adapter's prompts
