@@ -85,8 +85,12 @@ def wait_for_model(frontend: DynamoRun, name: str, endpoint: str, instances: int
         wait_until(lambda: name in model_ids(frontend) and len(health_instances(frontend, endpoint)) >= instances,
                    timeout, f"model {name} with {instances} instance(s) of {endpoint} on the frontend")
     except pytest.fail.Exception as e:  # say what the frontend saw, for a failure that does not repeat
-        pytest.fail(f"{e}; the frontend lists models {model_ids(frontend)}, instances of {endpoint}: "
-                    f"{health_instances(frontend, endpoint)}; its log ends:\n{frontend.stderr_text()[-3000:]}")
+        try:
+            seen = f"the frontend lists models {model_ids(frontend)}, instances of {endpoint}: " \
+                   f"{health_instances(frontend, endpoint)}"
+        except (httpx.HTTPError, AssertionError) as down:
+            seen = f"the frontend does not answer ({down!r})"
+        pytest.fail(f"{e}; {seen}; its log ends:\n{frontend.stderr_text()[-3000:]}")
 
 
 def client_for(frontend: DynamoRun, timeout: float = 30.0) -> openai.OpenAI:

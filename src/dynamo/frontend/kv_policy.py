@@ -100,9 +100,18 @@ def overlap_weight(cfg: RouterConfig, entry: Any) -> tuple[float, str]:
     an engine may suggest its own in its workers' ``runtime_config``; the operator's flag always wins."""
     if cfg.kv_overlap_score_weight is not None:
         return cfg.kv_overlap_score_weight, "--kv-overlap-score-weight"
+    suggested = suggested_overlap_weight(entry)
+    if suggested is None:
+        return DEFAULT_OVERLAP_WEIGHT, "default"
+    return suggested, "suggested by its workers' engine"
+
+
+def suggested_overlap_weight(entry: Any) -> float | None:
+    """The weight a worker's engine suggests; None when it suggests none, or something that is not a
+    weight (logged)."""
     raw = (entry.runtime_config or {}).get(SUGGESTED_OVERLAP_WEIGHT)
     if raw is None:
-        return DEFAULT_OVERLAP_WEIGHT, "default"
+        return None
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -110,8 +119,8 @@ def overlap_weight(cfg: RouterConfig, entry: Any) -> tuple[float, str]:
     if not (math.isfinite(value) and value >= 0):
         log.warning("model %s: its worker suggests overlap weight %r, not a number >= 0; using %g",
                     entry.name, raw, DEFAULT_OVERLAP_WEIGHT)
-        return DEFAULT_OVERLAP_WEIGHT, "default"
-    return value, "suggested by its workers' engine"
+        return None
+    return value
 
 
 def publishes_kv_events(entry: Any) -> bool:
@@ -119,9 +128,13 @@ def publishes_kv_events(entry: Any) -> bool:
 
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, events: Any, *, runtime: Any = None, events_requested: bool = True):
+    def __init__(self, router: KvRouter, events: Any, *, runtime: Any = None, events_requested: bool = True,
+                 weight_from_workers: bool = False):
         self.router = router
         self.events_requested = events_requested  # --use-kv-events
+        # the overlap weight is what the first worker's engine suggested (no --kv-overlap-score-weight)
+        self.weight_from_workers = weight_from_workers
+        self._weight_mismatch_logged = False
         self._events = events  # the runtime's event plane (runtime/event_plane.py)
         self._runtime = runtime
         self._subs: list[Any] = []
@@ -204,6 +217,15 @@ class KvRouterPolicy:
         if entry.instance_id in self._workers:
             return
         self._workers[entry.instance_id] = entry
+        if self.weight_from_workers and not self._weight_mismatch_logged:
+            suggested = suggested_overlap_weight(entry)
+            weight = DEFAULT_OVERLAP_WEIGHT if suggested is None else suggested
+            if weight != self.router.overlap_score_weight:
+                self._weight_mismatch_logged = True
+                log.warning("model %s: worker %x's engine suggests overlap weight %g but the router weighs %g, as "
+                            "its first worker's did; all workers of a model should run the same engine, or set "
+                            "--kv-overlap-score-weight", entry.name, entry.instance_id, weight,
+                            self.router.overlap_score_weight)
         lends = (entry.runtime_config or {}).get(KV_PREFIX_SHARE)
         if events and isinstance(lends, str) and lends:
             self.router.lenders[entry.instance_id] = lends
@@ -329,7 +351,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     )
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
-    policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events)
+    policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events,
+                            weight_from_workers=load_of is None and cfg.kv_overlap_score_weight is None)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from dynamo.engines.llamacpp.engine import ROUTER_OVERLAP_WEIGHT
-from dynamo.frontend.kv_policy import DEFAULT_OVERLAP_WEIGHT, overlap_weight
+from dynamo.frontend.kv_policy import DEFAULT_OVERLAP_WEIGHT, KvRouterPolicy, overlap_weight
 from dynamo.frontend.remote import RouterConfig
 from dynamo.kv.events import kv_event, stored_data
 from dynamo.kv.hashing import compute_hashes
@@ -18,9 +18,10 @@ from dynamo.llm.model_type import ModelType
 BS = 16
 
 
-def entry(runtime_config: dict | None) -> ModelEntry:
+def entry(runtime_config: dict | None, instance_id: int = 1) -> ModelEntry:
     return ModelEntry(name="m", namespace="ns", component="backend", endpoint="generate",
-                      model_type=ModelType.parse("chat"), instance_id=1, card={}, runtime_config=runtime_config)
+                      model_type=ModelType.parse("chat"), instance_id=instance_id, card={},
+                      runtime_config=runtime_config)
 
 
 def test_the_operators_flag_wins_over_the_engines_suggestion():
@@ -65,3 +66,25 @@ def test_llamacpps_weight_keeps_a_conversation_on_the_worker_holding_it_while_th
 
     assert pick(DEFAULT_OVERLAP_WEIGHT) == 0xB
     assert pick(ROUTER_OVERLAP_WEIGHT) == 0xA
+
+
+def test_a_worker_whose_engine_suggests_another_weight_is_named_once(caplog):
+    """The router is made with the first worker's suggestion; a worker of another engine (or a llama.cpp
+    worker with its layers on a GPU) joining the model is told of, once, since it is routed at that weight."""
+    caplog.set_level(logging.WARNING, logger="dynamo.frontend.kv_policy")
+    llamacpp = {SUGGESTED_OVERLAP_WEIGHT: ROUTER_OVERLAP_WEIGHT}
+    policy = KvRouterPolicy(KvRouter(block_size=BS, overlap_score_weight=ROUTER_OVERLAP_WEIGHT), events=None,
+                            weight_from_workers=True)
+    policy.add_worker(entry(llamacpp, 1))
+    policy.add_worker(entry(llamacpp, 2))
+    assert "suggests overlap weight" not in caplog.text
+    policy.add_worker(entry({}, 3))
+    policy.add_worker(entry({}, 4))
+    assert caplog.text.count("worker 3's engine suggests overlap weight 2 but the router weighs 6") == 1
+    assert "worker 4" not in caplog.text
+    # with the operator's weight, the workers' suggestions do not matter
+    caplog.clear()
+    policy = KvRouterPolicy(KvRouter(block_size=BS, overlap_score_weight=3.0), events=None)
+    policy.add_worker(entry(llamacpp, 1))
+    policy.add_worker(entry({}, 2))
+    assert "overlap weight" not in caplog.text
