@@ -178,6 +178,7 @@ class PrefixSharingEngine:
         return {**(own or {}), KV_PREFIX_SHARE: self.server.address}
 
     async def start(self) -> None:
+        self.engine.keep_states_to_lend()
         await self.server.start()
         log.info("lending cached KV prefixes at %s", self.server.address)
 

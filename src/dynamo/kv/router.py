@@ -181,7 +181,7 @@ class KvRouter:
         holder = self._best_lender(overlaps, lower)
         fetchers: set[WorkerId] = set()  # the workers credited with fetching the holder's prefix
         if holder is not None:
-            restorable, fetchers = self._fetchable(holder, overlaps, restorable, self.clock())
+            restorable, fetchers = self._fetchable(holder, overlaps, restorable, self.clock(), lower)
         # offloaded blocks of this prompt somewhere: the full pass, which prices them (the fast pick
         # only knows resident overlaps)
         many = self.temperature <= 0 and not restorable and isinstance(workers, (list, tuple, set, frozenset)) \
@@ -494,17 +494,20 @@ class KvRouter:
         return best
 
     def _fetchable(self, holder: tuple[WorkerId, int, float], overlaps: Overlaps,
-                   restorable: dict[WorkerId, float], now: float) -> tuple[dict[WorkerId, float], set[WorkerId]]:
+                   restorable: dict[WorkerId, float], now: float,
+                   lower: Mapping[str, Overlaps] | None = None) -> tuple[dict[WorkerId, float], set[WorkerId]]:
         """``restorable`` with every other lender credited with the blocks it could fetch from ``holder``
         past its own prefix, at the holder's weight, less the wait for the holder's next step boundary (it
-        exports between two steps: what is left of the prefill it is computing, in blocks).  A credit
-        that does not beat the worker's own offloaded blocks leaves them.  Returns the credits and the
-        workers credited with a fetch."""
+        exports its cache between two steps: what is left of the prefill it is computing, in blocks) unless
+        its host-memory tier holds all of them (served from there at once: a lender keeps each finished
+        sequence there).  A credit that does not beat the worker's own offloaded blocks leaves them.
+        Returns the credits and the workers credited with a fetch."""
         credit = dict(restorable)
         fetchers: set[WorkerId] = set()
         best, held, weight = holder
         tracker = self.trackers.get(best)
-        wait = tracker.current_prefill_left(now) / self.block_size if tracker is not None else 0.0
+        in_host = ((lower or {}).get(HOST) or {}).get(best, 0) >= held
+        wait = tracker.current_prefill_left(now) / self.block_size if tracker is not None and not in_host else 0.0
         for w in self.lenders:
             gain = held - overlaps.get(w, 0)
             if w != best and gain >= PREFIX_FETCH_MIN_BLOCKS:

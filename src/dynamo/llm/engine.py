@@ -160,6 +160,10 @@ class LendsKvPrefixes(Protocol):
 
     async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None: ...
 
+    def keep_states_to_lend(self) -> None:
+        """From now on keep what it may lend where ``export_prefix`` reaches it without waiting for the
+        engine's next step (called once a worker lends)."""
+
 
 @runtime_checkable
 class ServesLoraAdapters(Protocol):

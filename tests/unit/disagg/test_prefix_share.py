@@ -136,6 +136,9 @@ class _Engine:
     async def export_prefix(self, tokens):
         return await holder_export(tokens)
 
+    def keep_states_to_lend(self):
+        self.keeping = True
+
     async def generate(self, request, context, prefix_state=None):
         self.given.append(await asyncio.wrap_future(prefix_state) if prefix_state is not None else None)
         yield EngineOutput(token_ids=[1], finish_reason="length")

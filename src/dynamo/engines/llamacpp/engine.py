@@ -349,8 +349,17 @@ class LlamaCppEngine:
     # -- the asyncio side ---------------------------------------------------------------------
     async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None:
         """For another worker (disagg/prefix_share.py): the state of the cache here sharing the longest
-        prefix with ``tokens`` (tokens it covers, tokens shared, state), exported between two steps."""
+        prefix with ``tokens`` (tokens it covers, tokens shared, state): from the host tier at once when an
+        entry there holds all of them, else exported between two steps."""
+        found = await asyncio.to_thread(self.caches.lend_from_host, tokens)
+        if found is not None:
+            return found
         return await asyncio.wrap_future(self.scheduler.call(lambda: self.caches.export_prefix(tokens)))
+
+    def keep_states_to_lend(self) -> None:
+        """Lending from now on: each finished sequence's state is kept in the host tier, so a fetch of it
+        need not wait for the engine's step (slots.py keep_finished)."""
+        self.caches.keep_finished_states = True
 
     async def generate(self, request: PreprocessedRequest, context: Context,
                        state_io: Any = None, prefix_state: Any = None) -> AsyncIterator[EngineOutput]:

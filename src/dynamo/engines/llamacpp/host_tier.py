@@ -15,6 +15,7 @@ disk tier, disk_tier.py) when there is one.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -73,16 +74,23 @@ class HostKvTier:
         self.evicted = 0
         self.spill = spill
         self.names = TierBlocks(block_size)
+        # the engine's thread changes the entries; a lending worker reads them from another (lookup)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def keys(self) -> list[tuple[int, ...]]:
-        return list(self._items)
+        with self._lock:
+            return list(self._items)
 
     def put(self, tokens: list[int] | tuple[int, ...], data: bytes) -> bool:
         """Keep the state of ``tokens``; False if it can never fit.  An entry that is a prefix of the new
         one is dropped (the new one covers it); the least recently used ones go to ``spill`` if needed."""
+        with self._lock:
+            return self._put(tokens, data)
+
+    def _put(self, tokens: list[int] | tuple[int, ...], data: bytes) -> bool:
         if len(data) > self.max_bytes:
             if self.spill is not None:
                 self.spill(tuple(tokens), data)
@@ -114,13 +122,33 @@ class HostKvTier:
 
     def best(self, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
         """The entry sharing the longest prefix with ``prompt``: (its tokens, shared length), or None."""
-        return best_entry(self._items, prompt)
+        with self._lock:
+            keys = list(self._items)
+        return best_entry(keys, prompt)
 
     def get(self, key: tuple[int, ...]) -> bytes | None:
-        data = self._items.get(key)
-        if data is not None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def touch(self, key: tuple[int, ...]) -> bool:
+        """Whether ``key`` is held (then it is the most recently used): a state saved already need not be
+        exported again."""
+        with self._lock:
+            if key not in self._items:
+                return False
             self._items.move_to_end(key)
-        return data
+            return True
+
+    def lookup(self, prompt: list[int]) -> tuple[tuple[int, ...], int, bytes] | None:
+        """From any thread: the entry sharing the longest prefix with ``prompt``, that length, its state."""
+        found = self.best(prompt)
+        if found is None:
+            return None
+        data = self.get(found[0])
+        return None if data is None else (found[0], found[1], data)
 
 
 def best_entry(keys: Any, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:

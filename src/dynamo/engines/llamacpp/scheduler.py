@@ -213,12 +213,16 @@ class Scheduler:
         """Free the slots of requests whose consumer went away or asked to stop (a finished turn whose
         stream the post-processor ended), so that the next request can use their caches."""
         dropped = []
+        ended: list[Slot] = []  # (a turn the post-processor ended at a stop string is as worth lending)
         for slot in self.caches.slots:
             req = slot.req
             if req is not None and (req.cancelled or req.ctx.is_stopped):
                 dropped.append((req, EngineOutput(finish_reason="cancelled")))
+                ended.append(slot)
                 self._finish(slot)
         self._deliver(dropped)
+        for slot in ended:
+            self.caches.keep_finished(slot)
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, each to the slot sharing the longest prompt prefix
@@ -442,6 +446,7 @@ class Scheduler:
         if prompt_rows:
             self._prompt_logprobs(logits, prompt_rows)
         deliveries: list[tuple[Request, Any]] = []
+        finished: list[Slot] = []
         for j, (slot, idx) in enumerate(outputs):
             req = slot.req
             assert req is not None
@@ -475,9 +480,12 @@ class Scheduler:
             deliveries.append((req, out))
             if reason is not None:
                 self._finish(slot)
+                finished.append(slot)
             if slot.generated == 1 and req.stamps is not None:
                 stamp(req.stamps, "sampled, handed over")
         self._deliver(deliveries)
+        for slot in finished:  # (after the last tokens went out: a lending worker's state export)
+            self.caches.keep_finished(slot)
         self._last_end = time.perf_counter()
 
     def _images(self, slot: Slot, group: _Group, failed: list[tuple[Request, Any]]) -> int:
