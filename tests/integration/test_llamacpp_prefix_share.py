@@ -232,3 +232,40 @@ async def test_a_client_leaving_while_its_prefix_is_fetched_frees_the_line(fleet
         fetcher.timeout = 10
         silent.close()
         await silent.wait_closed()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_finished_turn_is_lent_from_host_memory_while_the_holder_is_in_a_long_prefill(fleet, tok):
+    """A lender keeps each finished turn (prompt and answer) in its host tier: a fetch of it is served from
+    there while the holder's engine is in the middle of another prompt's prefill, instead of after that
+    step, and the borrower's answer is the one its own cache would give."""
+    holder, fetcher, gguf = fleet
+    turn = chat(tok, "What are your opening hours on Saturdays?")
+    said, _ = await answer(holder, req(turn, n=8))
+    kept = turn + said[:-1]  # (the last token sampled is never decoded into the cache)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    # the finished turn goes to host memory just after its last token went out
+    while not holder.engine.caches.host_tier.touch(tuple(kept)):
+        assert loop.time() < deadline, "the finished turn never reached the host tier"
+        await asyncio.sleep(0.01)
+    # the holder starts a long prompt of its own (a prefill of seconds on one thread)
+    long_prompt = chat(tok, "Write a long letter to a friend about the sea, the harbour and the boats. " * 9,
+                       LIGHTHOUSE)
+    firsts: list[float] = []
+
+    async def long_request() -> None:
+        async for _ in holder.generate(req(long_prompt, n=2), Context()):
+            firsts.append(asyncio.get_running_loop().time())
+
+    busy = asyncio.create_task(long_request())
+    while holder.engine.scheduler.active() == 0:  # admitted: its prefill is under way
+        await asyncio.sleep(0.005)
+    at_once = holder.engine.caches.lent_at_once
+    next_turn = kept + tok.encode("<|im_end|>\n<|im_start|>user\nAnd on Sundays?<|im_end|>\n<|im_start|>assistant\n")
+    got, cached = await answer(fetcher, req(next_turn, source=source(holder, len(kept) // 16 * 16)))
+    assert not firsts  # served while the holder was still computing the long prompt
+    assert holder.engine.caches.lent_at_once == at_once + 1
+    assert cached >= len(kept) // 16 * 16
+    await busy
+    assert got == await computed_here(gguf, next_turn, cached)

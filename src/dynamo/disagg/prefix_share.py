@@ -19,7 +19,7 @@ second here, is the worst case).
 
 Wire format, on transfer.py's framing (big-endian)::
 
-    request   b"DKVQ" | u32 n | n x u32 token ids (the prompt's prefix the router saw on the holder)
+    request   b"DKVQ" | u32 n | n x u32 token ids (the prompt)
     response  u32 tokens the state covers | u32 of them the same as the request's | transfer.py's response
               (status 1: nothing shared)
 
@@ -218,7 +218,10 @@ class PrefixSharingEngine:
             return None
         if address == self.server.address:
             return None
-        tokens = list(request.token_ids[:max(1, min(n, len(request.token_ids)))])
+        # the whole prompt: the holder lends what it shares of it, often a few tokens past the complete
+        # blocks the router counted (its cache ends where the last turn's answer did), each one a token
+        # less to compute here.  ``n`` (those blocks) is what the router promised, not a limit
+        tokens = list(request.token_ids)
         t0 = time.perf_counter()
         try:
             state = await fetch_prefix(address, tokens, timeout=self.timeout, max_bytes=self.max_bytes, auth=self.auth)
@@ -227,6 +230,7 @@ class PrefixSharingEngine:
             log.info("request %s: no KV prefix from %s (%s); computing the prompt", context.id, address, e)
             return None
         self.fetched += 1
-        log.debug("request %s: KV prefix of %d tokens (state of %d, %d bytes) from %s in %.1f ms", context.id,
-                  state.n_shared, state.n_state, len(state.data), address, 1e3 * (time.perf_counter() - t0))
+        log.debug("request %s: KV prefix of %d tokens (the router counted %d; state of %d, %d bytes) from %s in "
+                  "%.1f ms", context.id, state.n_shared, n, state.n_state, len(state.data), address,
+                  1e3 * (time.perf_counter() - t0))
         return state

@@ -176,6 +176,12 @@ class KvIndexer:
             out[tier] = _union_prefix(levels, seq_hashes)
         return out
 
+    def find_tier_matches(self, tier: str, seq_hashes: Sequence[int]) -> Overlaps:
+        """Each worker's contiguous prefix of ``seq_hashes`` in one lower tier alone, the device not
+        counted (what a worker can hand over from there without its engine)."""
+        tree = self.lower.get(tier)
+        return tree.find_matches([], seq_hashes) if tree is not None and tree.node_count() else {}
+
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)
         for tree in self.lower.values():
@@ -300,6 +306,12 @@ class ApproxKvIndexer:
     def find_matches(self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None) -> Overlaps:
         self.expire()
         return self.tree.find_matches(local_hashes, seq_hashes)
+
+    def find_tier_matches(self, tier: str, seq_hashes: Sequence[int]) -> Overlaps:
+        """Each worker's contiguous prefix of ``seq_hashes`` in one lower tier alone, the device not
+        counted (what a worker can hand over from there without its engine)."""
+        tree = self.lower.get(tier)
+        return tree.find_matches([], seq_hashes) if tree is not None and tree.node_count() else {}
 
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)

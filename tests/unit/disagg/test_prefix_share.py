@@ -159,9 +159,9 @@ async def test_the_engine_gets_the_state_or_computes_the_prompt_itself():
         await run({"address": lender.server.address, "tokens": 64})
         state = borrower.engine.given[-1]
         assert state is not None and (state.n_shared, state.data) == (64, STATE)
-        # asked for no more than the router saw on the holder
+        # the router's count (complete blocks) is no limit: the holder lends all it shares of the prompt
         await run({"address": lender.server.address, "tokens": 32})
-        assert borrower.engine.given[-1].n_shared == 32
+        assert borrower.engine.given[-1].n_shared == 64
         for bad in ({"address": "127.0.0.1:1", "tokens": 64}, {"tokens": "many"}, None):
             await run(bad)
             assert borrower.engine.given[-1] is None  # answered all the same, from its own prefill

@@ -1,7 +1,7 @@
 """The router and workers that lend cached prefixes: a prompt whose prefix a busy worker holds goes to an
 idle one that can fetch it, named in the decision; otherwise nothing changes."""
 
-from dynamo.kv.events import kv_event, stored_data
+from dynamo.kv.events import kv_event, removed_data, stored_data
 from dynamo.kv.hashing import compute_hashes
 from dynamo.kv.router import KvRouter
 
@@ -21,10 +21,27 @@ def router(**kw) -> KvRouter:
     return r
 
 
-def keep_busy(r: KvRouter, worker: int, tag: str = "x") -> None:
-    """One request decoding on ``worker`` (24 blocks of decode load) and its prefill done."""
+def keep_decoding(r: KvRouter, worker: int, tag: str = "x") -> None:
+    """One request decoding on ``worker`` (24 blocks of decode load), its prefill done."""
     r.select([9000 + i for i in range(96)], [worker], request_id=f"{tag}-decoding")
     r.on_first_token(f"{tag}-decoding")
+
+
+def keep_busy(r: KvRouter, worker: int, tag: str = "x") -> None:
+    """``worker`` decoding one request and with a prefill ahead: 8 prompt tokens of another (2 blocks)."""
+    keep_decoding(r, worker, tag)
+    r.select([8000 + i for i in range(8)], [worker], request_id=f"{tag}-prefilling")
+
+
+def test_a_holder_only_decoding_keeps_the_prompts_it_holds():
+    """A prompt sent to a worker that is only decoding waits a token per step there; a fetch would cost
+    more than that, so nothing is fetched from such a holder."""
+    r = router()
+    publish_prefix(r, 1, PROMPT[:32])
+    keep_decoding(r, 1)
+    d = r.select(PROMPT, [1, 2], request_id="new")
+    assert d.prefix_source is None
+    assert {c.worker_id: c.prefill_tokens for c in r.last_costs}[2] == 40  # no credit for a fetch
 
 
 def test_a_busy_holder_lends_its_prefix_to_an_idle_worker():
@@ -35,8 +52,9 @@ def test_a_busy_holder_lends_its_prefix_to_an_idle_worker():
     assert d == (2, 0)  # the idle worker, which holds nothing itself
     assert d.prefix_source == ("10.0.0.1:7001", 32)  # fetch the 32 tokens worker 1 holds
     costs = {c.worker_id: c for c in r.last_costs}
-    # worker 2 computes 40 - 0.9 * 32 tokens; booked as if only the 8 unfetched ones were left
-    assert costs[2].prefill_tokens == 40 - int(0.9 * 8) * BS
+    # worker 2 computes 40 - 0.9 * 32 tokens less the 2 blocks it would wait for the holder's step;
+    # booked as if only the 8 unfetched ones were left
+    assert costs[2].prefill_tokens == 40 - int((0.9 * 8 - 2) * BS)
     assert r.worker_load(2)["active_tokens"] == 40 - 32
 
 
@@ -106,9 +124,31 @@ def test_a_holder_in_the_middle_of_a_long_prefill_lends_only_after_it():
     r.select([5000 + i for i in range(400)], [1], request_id="long")  # 400 tokens to prefill on worker 1
     d = r.select(PROMPT, [1, 2, 3])
     assert d.worker_id in (2, 3) and d.prefix_source is None  # 0.9 * 8 blocks - 100 blocks of wait: no credit
-    r.on_first_token("long")  # its prefill is done: the holder is between steps again
+    r.on_first_token("long")  # its prefill is done: the holder is between steps again, only decoding
+    assert r.select(PROMPT, [1, 2, 3]).prefix_source is None  # (it keeps its prompts)
+    r.select([7000 + i for i in range(8)], [1], request_id="short")  # a short prefill ahead there
     d = r.select(PROMPT, [2, 3])
     assert d.prefix_source == ("10.0.0.1:7001", 32)
+
+
+def test_a_holder_in_a_long_prefill_lends_at_once_what_its_host_memory_holds():
+    """A lender keeps each finished sequence in its host tier and serves a fetch of it from there without
+    waiting for its step: the same holder, in the same long prefill, then lends the prefix."""
+    from dynamo.kv.events import HOST
+
+    now = [0.0]
+    r = KvRouter(block_size=BS, seed=0, clock=lambda: now[0])
+    r.lenders.update(LENDERS)
+    local, seq = compute_hashes(PROMPT[:32], BS)
+    publish_prefix(r, 1, PROMPT[:32])  # in its cache (the finished turn's slot) ...
+    r.select([5000 + i for i in range(400)], [1], request_id="long")
+    assert r.select(PROMPT, [1, 2, 3]).prefix_source is None  # (the step's wait, as above)
+    r.apply_event(kv_event(1, 2, stored_data(None, list(zip(seq, local, strict=True))), HOST))  # ... and its host tier
+    d = r.select(PROMPT, [1, 2, 3])
+    assert d.worker_id in (2, 3) and d.prefix_source == ("10.0.0.1:7001", 32)
+    # the host tier holding only part of what the cache holds: the rest would wait for the step
+    r.apply_event(kv_event(1, 3, removed_data([seq[-1]]), HOST))
+    assert r.select(PROMPT, [1, 2, 3]).prefix_source is None
 
 
 def test_a_prefix_the_chosen_worker_is_computing_already_is_not_fetched():

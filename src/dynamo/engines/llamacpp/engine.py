@@ -349,8 +349,8 @@ class LlamaCppEngine:
     # -- the asyncio side ---------------------------------------------------------------------
     async def export_prefix(self, tokens: list[int]) -> tuple[int, int, Any] | None:
         """For another worker (disagg/prefix_share.py): the state of the cache here sharing the longest
-        prefix with ``tokens`` (tokens it covers, tokens shared, state): from the host tier at once when an
-        entry there holds all of them, else exported between two steps."""
+        prefix with ``tokens`` (tokens it covers, tokens shared, state): from the host tier at once when no
+        slot shares more than an entry there, else exported between two steps."""
         found = await asyncio.to_thread(self.caches.lend_from_host, tokens)
         if found is not None:
             return found

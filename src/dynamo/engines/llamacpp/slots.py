@@ -359,11 +359,16 @@ class SlotCaches:
             log.warning("keeping slot %d's state for lending failed: %s", slot.seq_id, e)
 
     def lend_from_host(self, tokens: list[int]) -> tuple[int, int, Any] | None:
-        """From any thread, for another worker: a host-tier state holding all of ``tokens`` (tokens it
-        covers, tokens shared, state), or None (then :meth:`export_prefix`, between two steps)."""
+        """From any thread, for another worker: the host-tier state sharing the longest prefix with
+        ``tokens`` (tokens it covers, tokens shared, state) when no slot shares more, else None (then
+        :meth:`export_prefix`, between two steps).  The slots' tokens are read off the engine's thread: a
+        step behind at worst, which sends the export to the engine's thread or lends a few tokens less,
+        never a state that is not the one it names (host entries do not change)."""
         host = self.host_tier
         found = host.lookup(tokens) if host is not None and len(host) else None
-        if found is None or found[1] < max(len(tokens), COPY_MIN_TOKENS):
+        if found is None or found[1] < COPY_MIN_TOKENS:
+            return None
+        if any(common_prefix(s.cached, tokens) > found[1] for s in list(self.slots) if s.lora_uid == 0):
             return None
         self.lent += 1
         self.lent_at_once += 1
