@@ -21,6 +21,7 @@ import pytest_asyncio
 from dynamo.disagg.prefix_share import PrefixSharingEngine
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.wait import until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -243,12 +244,8 @@ async def test_a_finished_turn_is_lent_from_host_memory_while_the_holder_is_in_a
     turn = chat(tok, "What are your opening hours on Saturdays?")
     said, _ = await answer(holder, req(turn, n=8))
     kept = turn + said[:-1]  # (the last token sampled is never decoded into the cache)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
     # the finished turn goes to host memory just after its last token went out
-    while not holder.engine.caches.host_tier.touch(tuple(kept)):
-        assert loop.time() < deadline, "the finished turn never reached the host tier"
-        await asyncio.sleep(0.01)
+    await until(lambda: holder.engine.caches.host_tier.touch(tuple(kept)), 5, "the finished turn in the host tier")
     # the holder starts a long prompt of its own (a prefill of seconds on one thread)
     long_prompt = chat(tok, "Write a long letter to a friend about the sea, the harbour and the boats. " * 9,
                        LIGHTHOUSE)
@@ -259,10 +256,10 @@ async def test_a_finished_turn_is_lent_from_host_memory_while_the_holder_is_in_a
             firsts.append(asyncio.get_running_loop().time())
 
     busy = asyncio.create_task(long_request())
-    while holder.engine.scheduler.active() == 0:  # admitted: its prefill is under way
-        await asyncio.sleep(0.005)
+    await until(lambda: holder.engine.scheduler.active() > 0, 10, "the long prompt admitted")  # prefill under way
     at_once = holder.engine.caches.lent_at_once
-    next_turn = kept + tok.encode("<|im_end|>\n<|im_start|>user\nAnd on Sundays?<|im_end|>\n<|im_start|>assistant\n")
+    next_turn = kept + tok.encode("<|im_end|>\n<|im_start|>user\nAnd on Sundays?<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
     got, cached = await answer(fetcher, req(next_turn, source=source(holder, len(kept) // 16 * 16)))
     assert not firsts  # served while the holder was still computing the long prompt
     assert holder.engine.caches.lent_at_once == at_once + 1

@@ -307,12 +307,6 @@ class ApproxKvIndexer:
         self.expire()
         return self.tree.find_matches(local_hashes, seq_hashes)
 
-    def find_tier_matches(self, tier: str, seq_hashes: Sequence[int]) -> Overlaps:
-        """Each worker's contiguous prefix of ``seq_hashes`` in one lower tier alone, the device not
-        counted (what a worker can hand over from there without its engine)."""
-        tree = self.lower.get(tier)
-        return tree.find_matches([], seq_hashes) if tree is not None and tree.node_count() else {}
-
     def remove_worker(self, worker: WorkerId) -> None:
         self.tree.remove_worker(worker)
         for key in [k for k in self._expiry if k[0] == worker]:
