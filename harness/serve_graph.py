@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from harness.fleet import NO_INFRA_ENV
 from harness.proc import DynamoWorker
@@ -45,12 +46,20 @@ class Graph(DynamoWorker):
         return len(re.findall(rf"service {service} replica {replica} ready", self.stderr_text()))
 
     def wait_replicas(self, want: dict[str, int], timeout: float = 60) -> None:
-        def ok() -> bool:
-            assert self.running, f"dynamo serve exited:\n{self.stderr_text()}"
+        def missing() -> list[str]:
             # the replica's own "ready" line can reach the log before the supervisor's "started ... pid"
             pids = self.pids()
-            return all(self.ready_count(s, i) >= 1 and f"{s}:{i}" in pids for s, n in want.items() for i in range(n))
-        wait_until(ok, timeout, f"replicas {want} ready")
+            return [f"{s}:{i}" for s, n in want.items() for i in range(n)
+                    if not (self.ready_count(s, i) >= 1 and f"{s}:{i}" in pids)]
+
+        def ok() -> bool:
+            assert self.running, f"dynamo serve exited:\n{self.stderr_text()}"
+            return not missing()
+        try:
+            wait_until(ok, timeout, f"replicas {want} ready")
+        except pytest.fail.Exception as e:  # say which replicas, and what the graph logged
+            tail = "\n".join(self.stderr_text().splitlines()[-40:])
+            pytest.fail(f"{e}: not ready {missing()}; the graph's log ends:\n{tail}")
 
     def pids(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

@@ -1,9 +1,10 @@
 """Workers lending cached prefixes, in a fleet: real llama.cpp workers started with
 ``DYN_KV_PREFIX_SHARING=1``, real etcd and NATS, our KV router.
 
-Worker A computes a long shared prompt and is then kept busy generating; the same prompt's next request
-goes to idle worker B, which fetches the prefix's KV from A instead of computing it (the router names A
-in the request; B's usage reports the prefix cached).  With A stopped (SIGSTOP) while holding another
+Worker A computes a long shared prompt (and keeps the finished turn in its host tier) and is then kept
+busy generating, with a long prompt of another to compute next; the same prompt's next request goes to
+idle worker B, which fetches the prefix's KV from A's host memory instead of computing it or waiting for
+A's prefill (the router names A in the request; B's usage reports the prefix cached).  With A stopped (SIGSTOP) while holding another
 prefix, B's fetch gives up after ``DYN_KV_PREFIX_FETCH_TIMEOUT`` and B computes the prompt: the client
 gets its answer either way.
 """
@@ -25,7 +26,7 @@ from harness.fleet import kv_frontend, read_kv_states, workers_running, write_en
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
 from harness.wait import until
-from tests.integration.test_kv_routing import frontend_caught_up
+from tests.integration.test_kv_routing import frontend_caught_up, gauge
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "sharellama"
@@ -69,7 +70,9 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
     async def on_event(msg: Any) -> None:
         e = json.loads(msg.data)
         data = e.get("event", {}).get("data")
-        if e.get("worker_id") == a.instance_id and isinstance(data, dict) and "stored" in data:
+        # the finished turn, kept in A's host tier (a lender's): what B fetches without waiting for A
+        if (e.get("worker_id") == a.instance_id and isinstance(data, dict) and "stored" in data
+                and e.get("storage_tier") == "host_pinned"):
             a_stored.set()
 
     async def on_decision(msg: Any) -> None:
@@ -79,20 +82,31 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
         busy: list[asyncio.Task[Any]] = []
 
         async def keep_a_busy() -> None:
-            """A long streamed answer to a long prompt on A (its blocks are A's decode load in the router's
-            cost); returns once its first token came (A is decoding)."""
+            """A long streamed answer to a long prompt on A, and once it is decoding another long prompt
+            there, whose prefill is ahead of anything sent to A next (a holder only decoding keeps the
+            prompts it holds: a fetch would cost more than waiting a token per step); returns once the
+            router has booked that prefill on A."""
             started = asyncio.Event()
 
-            async def stream() -> None:
-                body = {"model": MODEL, "prompt": "Here are some numbers: " + ", ".join(map(str, range(60))) + ". Now count on:", "max_tokens": 600,
-                        "stream": True, "nvext": {"ignore_eos": True, "backend_instance_id": a.instance_id}}
+            async def stream(prompt: str, max_tokens: int) -> None:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                        "nvext": {"ignore_eos": True, "backend_instance_id": a.instance_id}}
                 async with client.stream("POST", fe.api_url + "/completions", json=body) as resp:
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
                             started.set()
 
-            busy.append(asyncio.create_task(stream()))
+            counting = "Here are some numbers: " + ", ".join(map(str, range(60))) + ". Now count on:"
+            busy.append(asyncio.create_task(stream(counting, 600)))
             await asyncio.wait_for(started.wait(), 60)
+            letters = "Here are some letters: " + ", ".join(f"{c}{i}" for i in range(90) for c in "xy") + "."
+            busy.append(asyncio.create_task(stream(letters, 2)))
+
+            async def prefill_booked_on_a() -> bool:
+                metrics = (await client.get(fe.base_url + "/metrics")).text
+                return (gauge(metrics, "worker_active_prefill_tokens", MODEL, a.instance_id) or 0) > 0
+
+            await until(prefill_booked_on_a, 10, "the router to book A's long prefill")
 
         try:
             await nc.subscribe(SUBJECT, cb=on_event)
