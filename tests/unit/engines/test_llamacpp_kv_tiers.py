@@ -137,3 +137,19 @@ def test_with_many_workers_an_offloaded_prefix_still_counts():
     r.apply_event(kv_event(57, 1, chain(PROMPT), HOST))
     r.apply_event(kv_event(3, 1, chain(PROMPT, 1)))  # one resident block elsewhere
     assert r.select(PROMPT + [99], workers).worker_id == 57
+
+
+def test_common_prefix_counts_the_shared_tokens_of_lists_and_tuples_alike():
+    """Chunks compared as slices and the differing one halved: the count is the token-by-token one, at
+    every position a difference can fall (a chunk's edges, inside it, none at all), for tuples (host-tier
+    keys) against lists (prompts)."""
+    import random
+
+    from dynamo.engines.llamacpp.host_tier import common_prefix
+
+    rng = random.Random(7)
+    base = [rng.randrange(50_000) for _ in range(300)]
+    for cut in (0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 200, 299, 300):
+        other = base[:cut] + [50_001] + base[cut + 1:] if cut < 300 else list(base)
+        for a, b in ((base, other), (tuple(base), other), (tuple(base), tuple(other)), (base[:cut], other)):
+            assert common_prefix(a, b) == min(cut, len(a)), (cut, type(a), type(b))
