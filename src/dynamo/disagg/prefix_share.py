@@ -13,9 +13,11 @@ Who decides: the router (kv/router.py) counts a prefix another worker holds as c
 can fetch it, at a weight below a resident one, and names the holder's share address in the request's
 ``prefix_source``; the chosen worker fetches before it admits the request, within
 ``DYN_KV_PREFIX_FETCH_TIMEOUT`` seconds (default 2), and computes the prompt itself on any failure (the
-holder evicted it meanwhile, went away, timed out): a fetch never fails a request.  The holder exports
-between two of its engine steps, so a fetch waits at most one step there (a long prefill's step, about a
-second here, is the worst case).
+holder evicted it meanwhile, went away, timed out): a fetch never fails a request.  A lending engine
+keeps each finished request's state in host memory and answers from there at once; what only its cache
+holds it exports between two of its engine steps, so such a fetch waits up to one step there (a long
+prefill's, about a second here: the router prices that wait, and credits a fetch only from a holder with a
+prefill ahead, since one that is only decoding delays a prompt sent to it less than a fetch costs).
 
 Wire format, on transfer.py's framing (big-endian)::
 
