@@ -495,7 +495,7 @@ class KvRouter:
 
     def _fetchable(self, holder: tuple[WorkerId, int, float], overlaps: Overlaps,
                    restorable: dict[WorkerId, float], now: float,
-                   seq: Sequence[int] = ()) -> tuple[dict[WorkerId, float], set[WorkerId]]:
+                   seq: Sequence[int]) -> tuple[dict[WorkerId, float], set[WorkerId]]:
         """``restorable`` with every other lender credited with the blocks it could fetch from ``holder``
         past its own prefix, at the holder's weight, less the wait for the holder's next step boundary (it
         exports its cache between two steps: what is left of the prefill it is computing, in blocks) unless

@@ -136,6 +136,8 @@ class _Engine:
     async def export_prefix(self, tokens):
         return await holder_export(tokens)
 
+    keeping = False
+
     def keep_states_to_lend(self):
         self.keeping = True
 
@@ -151,6 +153,7 @@ async def test_the_engine_gets_the_state_or_computes_the_prompt_itself():
     await borrower.start()
     try:
         assert borrower.runtime_config["kv_prefix_share"] == borrower.server.address
+        assert lender.engine.keeping  # a lending engine keeps what it may lend (the llama.cpp one: finished turns)
 
         async def run(source):
             r = PreprocessedRequest(token_ids=CACHE[:64] + [1, 2], prefix_source=source)

@@ -213,7 +213,9 @@ class Scheduler:
         """Free the slots of requests whose consumer went away or asked to stop (a finished turn whose
         stream the post-processor ended), so that the next request can use their caches."""
         dropped = []
-        ended: list[Slot] = []  # (a turn the post-processor ended at a stop string is as worth lending)
+        # a lender keeps these too: a turn the post-processor ended at a stop string is as worth lending as
+        # one the engine finished (a client gone mid-way leaves what was computed of its prompt)
+        ended: list[Slot] = []
         for slot in self.caches.slots:
             req = slot.req
             if req is not None and (req.cancelled or req.ctx.is_stopped):
