@@ -62,6 +62,7 @@ from .tcp_request_plane import TcpRequestPlane
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
+    from .v1_event_plane import V1EventPlane
     from .zmq_event_plane import ZmqEventPlane
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class DistributedRuntime:
         self._requests: RequestPlane | None = None
         self._events: EventPlane | None = None
         self._zmq_events: "ZmqEventPlane | None" = None  # the event plane again, when it is ZMQ's (to close)
+        self._event_kind = ""  # "zmq" or "nats", once connected
+        self._v1_events: "V1EventPlane | None" = None  # Dynamo 1.x's event plane, opened on first use
         self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
         self._shutdown_task: asyncio.Task | None = None
@@ -141,6 +144,7 @@ class DistributedRuntime:
             hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
             auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
+            self._event_kind = planes.events
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
             self._requests = TcpRequestPlane(hosts.bind, settings.tcp_rpc_port,
@@ -264,6 +268,23 @@ class DistributedRuntime:
             raise _not_connected()
         return self._events
 
+    def v1_event_plane(self) -> "V1EventPlane | None":
+        """Dynamo 1.x's event plane beside ours (:mod:`.v1_event_plane`), on the same transport, opened on
+        first use so that a process that never speaks to 1.x binds nothing more.  None in a static runtime
+        (no discovery to advertise in) and with a fleet secret: 1.x's event plane has no authentication,
+        and publishing block hashes in the clear would break the secret's promise."""
+        if self._v1_events is not None:
+            return self._v1_events
+        if self.etcd is None or self.fleet_auth is not None or not self._event_kind or self._closed:
+            return None
+        from .v1_event_plane import V1EventPlane  # pyzmq: imported only by processes that use it
+
+        hosts = self.listen_hosts
+        self._v1_events = V1EventPlane(self.etcd, self._event_kind, nats=self.nats,
+                                       host=hosts.bind if hosts else None,
+                                       advertise=hosts.advertise if hosts else "127.0.0.1")
+        return self._v1_events
+
     def object_store(self, bucket: str) -> ObjectStore:
         """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``: beside
         the file store when discovery is on files (every process that meets there shares the directory),
@@ -348,6 +369,8 @@ class DistributedRuntime:
             await self._requests.close()
         if self._zmq_events is not None:
             await self._zmq_events.close()
+        if self._v1_events is not None:
+            await self._v1_events.close()
         if self.nats is not None and not self.nats.is_closed:
             try:
                 await self.nats.close()
