@@ -14,6 +14,13 @@ after a NATS reconnect, when events may have been lost) is asked for the blocks 
 ``kv_state`` endpoint, so a frontend that starts next to busy workers is not blind.  Each router sends a
 heartbeat with its in-flight requests every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings
 expire when its heartbeats stop (router.py).
+
+**Dynamo 1.x workers** (a 1.6.1 mocker or vLLM worker in the same fleet: ``is_1x_worker``, their card says
+``kv_event_publishing_enabled``) publish only in 1.x's form: for each of their endpoints the router follows
+``kv-events`` on 1.x's event plane (dynamo/kv/v1_events.py) and recovers each such worker through the
+endpoint its ``EventSource`` record names (``worker_kv_query_source_*``) instead of ``kv_state``.  1.x
+events are applied for 1.x workers only: our workers publish both forms, and their own is the one this
+router numbers and recovers.
 """
 
 from __future__ import annotations
@@ -29,14 +36,23 @@ import orjson
 from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.decision_log import DecisionLog
-from dynamo.kv.events import KV_STATE_ENDPOINT
+from dynamo.kv.events import KV_STATE_ENDPOINT, EventError
 from dynamo.kv.hashing import compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S, DEFAULT_PREFIX_FETCH_WEIGHT
+from dynamo.kv.v1_events import TOPIC_KV_EVENTS, decode_router_events, dump_from_tree, recovery_query
 from dynamo.llm.model_card import ModelCard
-from dynamo.llm.model_entry import KV_PREFIX_SHARE, PUBLISHES_KV_EVENTS, SUGGESTED_OVERLAP_WEIGHT, ModelEntry
+from dynamo.llm.model_entry import (
+    KV_PREFIX_SHARE,
+    PUBLISHES_KV_EVENTS,
+    SUGGESTED_OVERLAP_WEIGHT,
+    V1_PUBLISHES_KV_EVENTS,
+    ModelEntry,
+    is_1x_worker,
+)
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
+from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +140,8 @@ def suggested_overlap_weight(entry: Any) -> float | None:
 
 
 def publishes_kv_events(entry: Any) -> bool:
-    return bool((entry.runtime_config or {}).get(PUBLISHES_KV_EVENTS))
+    rc = entry.runtime_config or {}
+    return bool(rc.get(PUBLISHES_KV_EVENTS) or (is_1x_worker(entry) and rc.get(V1_PUBLISHES_KV_EVENTS)))
 
 
 class KvRouterPolicy:
@@ -141,7 +158,9 @@ class KvRouterPolicy:
         self._tracked: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers: dict[int, Any] = {}  # instance id -> its model entry
-        self._kv_state_clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> client
+        self._kv_state_clients: dict[tuple[str, ...], Any] = {}  # (namespace, component[, endpoint]) -> client
+        self._v1_workers: set[int] = set()  # Dynamo 1.x workers: their 1.x events are applied
+        self._v1_subs: dict[EndpointScope, Any] = {}  # their endpoints' kv-events, followed
         self._timer: asyncio.Task[None] | None = None
         self._mismatch_logged = False
         # id(request) -> (its token ids, their block hashes), from prepare() for open()
@@ -189,6 +208,7 @@ class KvRouterPolicy:
 
     def remove_worker(self, worker_id: int) -> None:
         self._workers.pop(worker_id, None)
+        self._v1_workers.discard(worker_id)
         self.router.remove_worker(worker_id)
 
     @property
@@ -230,7 +250,11 @@ class KvRouterPolicy:
         if events and isinstance(lends, str) and lends:
             self.router.lenders[entry.instance_id] = lends
         if events and self._runtime is not None and publishes_kv_events(entry):
-            self._spawn(self._resync(entry))
+            if is_1x_worker(entry):
+                self._v1_workers.add(entry.instance_id)
+                self._spawn(self._follow_1x(entry))
+            else:
+                self._spawn(self._resync(entry))
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._tick(), name="kv-router-timer")
@@ -246,17 +270,10 @@ class KvRouterPolicy:
         self.router.begin_resync(worker_id)
         try:
             async with asyncio.timeout(KV_STATE_TIMEOUT_S):
-                key = (entry.namespace, entry.component)
-                client = self._kv_state_clients.get(key)
-                if client is None:
-                    endpoint = self._runtime.namespace(key[0]).component(key[1]).endpoint(KV_STATE_ENDPOINT)
-                    client = self._kv_state_clients[key] = await endpoint.client()
-                while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
-                    await asyncio.sleep(0.05)
-                async for dump in client.direct({}, worker_id):
+                dump = await self._kv_state_of(entry)
+                if dump is not None:
                     n = self.router.apply_dump(worker_id, dump)
                     log.info("KV state of worker %x: %d cached blocks", worker_id, n)
-                    return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # gone, or an engine without the query: its events will do
@@ -264,12 +281,73 @@ class KvRouterPolicy:
         finally:
             self.router.end_resync(worker_id)
 
+    async def _follow_1x(self, entry: Any) -> None:
+        """A Dynamo 1.x worker: follow its endpoint's 1.x ``kv-events`` (once per endpoint), then ask it for
+        what it holds, in that order so that nothing falls between the answer and the stream."""
+        scope = EndpointScope(entry.namespace, entry.component, entry.endpoint)
+        if scope not in self._v1_subs:
+            opener = getattr(self._runtime, "v1_event_plane", None)
+            plane = opener() if opener is not None else None
+            if plane is None:
+                log.warning("model %s: worker %x publishes its KV events in Dynamo 1.x's form only and this "
+                            "process has no 1.x event plane (a fleet secret, or a static runtime): it is routed "
+                            "on load alone", entry.name, entry.instance_id)
+                return
+            self._v1_subs[scope] = None  # taken: a second worker of this endpoint does not subscribe again
+            try:
+                self._v1_subs[scope] = await plane.subscribe(scope, TOPIC_KV_EVENTS, self._apply_1x)
+            except Exception:
+                self._v1_subs.pop(scope, None)
+                raise
+        await self._resync(entry)
+
+    def _apply_1x(self, env: Envelope) -> None:
+        try:
+            events = decode_router_events(env.payload)
+        except EventError as e:
+            log.warning("undecodable 1.x KV events skipped: %s", e)
+            return
+        for event in events:
+            if event.get("worker_id") in self._v1_workers:
+                self.router.apply_event(event)
+
+    async def _recovery_endpoint(self, entry: Any) -> str:
+        """The recovery endpoint a 1.x worker's ``EventSource`` record names (waits for the record)."""
+        prefix = EndpointScope(entry.namespace, entry.component, entry.endpoint).key_prefix(EVENT_SOURCES,
+                                                                                           TOPIC_KV_EVENTS)
+        while True:
+            for kv in await self._runtime.discovery().get_prefix(prefix):
+                try:
+                    meta = orjson.loads(kv.value)["metadata"]
+                    if meta["worker"]["worker_id"] == entry.instance_id:
+                        return str(meta["recovery_target"]["endpoint"])
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    continue
+            await asyncio.sleep(0.1)
+
+    async def _kv_state_of(self, entry: Any) -> dict[str, Any] | None:
+        """What a worker holds, in our dump's shape: ours answer ``kv_state``; 1.x workers a recovery query
+        on the endpoint their ``EventSource`` record names, with a ``TreeDump``."""
+        worker_id = entry.instance_id
+        v1 = is_1x_worker(entry)
+        name = await self._recovery_endpoint(entry) if v1 else KV_STATE_ENDPOINT
+        key = (entry.namespace, entry.component, name)
+        client = self._kv_state_clients.get(key)
+        if client is None:
+            endpoint = self._runtime.namespace(key[0]).component(key[1]).endpoint(name)
+            client = self._kv_state_clients[key] = await endpoint.client()
+        while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
+            await asyncio.sleep(0.05)
+        async for answer in client.direct(recovery_query(worker_id) if v1 else {}, worker_id):
+            return dump_from_tree(worker_id, answer) if v1 else answer
+        return None
+
     async def _tick(self) -> None:
         """Heartbeats to peer routers, their expiry, and a resync of every worker after a NATS reconnect."""
         interval = self.router.peer_ttl / 3
         loop = asyncio.get_running_loop()
         next_beat = 0.0
-        reconnects = _reconnects(self._events)
+        reconnects = _reconnects(self._events) + _reconnects(self._v1_plane())
         while True:
             now = loop.time()
             if now >= next_beat:
@@ -278,7 +356,7 @@ class KvRouterPolicy:
                 self.router.expire_peers()
             if self.router.decision_log is not None:
                 self.router.decision_log.flush()
-            seen = _reconnects(self._events)
+            seen = _reconnects(self._events) + _reconnects(self._v1_plane())
             if seen != reconnects:
                 reconnects = seen
                 if not isinstance(self.router.indexer, ApproxKvIndexer):
@@ -315,6 +393,20 @@ class KvRouterPolicy:
             except Exception:  # connection already closed
                 pass
         self._subs.clear()
+        for v1 in self._v1_subs.values():
+            if v1 is not None:
+                try:
+                    await v1.unsubscribe()
+                except Exception:
+                    pass
+        self._v1_subs.clear()
+
+    def _v1_plane(self) -> Any:
+        """The 1.x event plane if this router follows a 1.x worker (else None: nothing opened for it)."""
+        if not self._v1_subs:
+            return None
+        opener = getattr(self._runtime, "v1_event_plane", None)
+        return opener() if opener is not None else None
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,

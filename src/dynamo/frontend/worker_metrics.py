@@ -25,6 +25,10 @@ each worker served, set once per request by :class:`ModelObserver` (which also c
 ``<prefix>_router_queue_pending_requests`` (:class:`QueueCollector`) counts the requests waiting because
 every worker of their model is at its limit (``--queue-size``), read at scrape time.
 
+Dynamo 1.x workers (:func:`dynamo.llm.model_entry.is_1x_worker`) publish their load as 1.x's ``kv_metrics`` (ActiveLoad) on 1.x's
+event plane, scoped to their endpoint: the frontend follows that stream for each of their endpoints and
+reads ``kv_used_blocks`` as ``kv_stats.kv_active_blocks`` (:func:`dynamo.kv.v1_events.metrics_from_load`).
+
 The flat [0.3] shape (all fields at the top level) is read too.  A worker's series disappear when its
 model entry does (it stopped or died).  Messages from workers this frontend does not serve are ignored.
 """
@@ -40,11 +44,15 @@ import orjson
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from dynamo.kv.events import EventError
+from dynamo.kv.v1_events import TOPIC_KV_METRICS, metrics_from_load
 from dynamo.runtime.names import namespace_event_subject
+from dynamo.runtime.v1_event_wire import EndpointScope, Envelope
 
 log = logging.getLogger(__name__)
 
 LOAD_METRICS_ENDPOINT = "load_metrics"
+
 POLL_TIMEOUT_S = 2.0
 
 LABELS = ["model", "worker_id", "dp_rank", "worker_type"]
@@ -88,14 +96,19 @@ class WorkerMetrics:
         self._subs: dict[str, Any] = {}  # namespace -> subscription
         self._tasks: set[asyncio.Task[None]] = set()
         self._clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> load_metrics client
+        self._v1_subs: dict[EndpointScope, Any] = {}  # 1.x workers' endpoints -> their kv_metrics followed
         self._closed = False
 
     # -- discovery -----------------------------------------------------------------------------
-    async def add_worker(self, namespace: str, component: str, worker_id: int, model: str) -> None:
-        """A worker serving ``model`` was discovered."""
+    async def add_worker(self, namespace: str, component: str, worker_id: int, model: str,
+                         v1_endpoint: str | None = None) -> None:
+        """A worker serving ``model`` was discovered (``v1_endpoint``: a Dynamo 1.x worker's endpoint, whose
+        load comes on 1.x's event plane)."""
         if self._closed:
             return
         self._models.setdefault(worker_id, set()).add(model.lower())
+        if v1_endpoint is not None:
+            await self._follow_1x(EndpointScope(namespace, component, v1_endpoint))
         if namespace not in self._subs:
             subject = namespace_event_subject(namespace, "kv_metrics")
 
@@ -109,6 +122,23 @@ class WorkerMetrics:
         task = asyncio.create_task(self._poll(namespace, component, worker_id), name="load-metrics-poll")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _follow_1x(self, scope: EndpointScope) -> None:
+        opener = getattr(self.runtime, "v1_event_plane", None)
+        plane = opener() if opener is not None else None
+        if plane is None or scope in self._v1_subs:
+            return
+
+        def on_load(env: Envelope) -> None:
+            try:
+                self.apply(metrics_from_load(env.payload))
+            except EventError as e:
+                log.debug("bad 1.x kv_metrics message skipped: %s", e)
+
+        try:
+            self._v1_subs[scope] = await plane.subscribe(scope, TOPIC_KV_METRICS, on_load)
+        except Exception as e:  # metrics must never break discovery
+            log.warning("cannot follow the 1.x load of %s: %s", scope.subject_prefix, e)
 
     def remove_worker(self, worker_id: int, model: str | None = None) -> None:
         """The worker's entry for ``model`` (or for every model, with None) went away."""
@@ -146,6 +176,12 @@ class WorkerMetrics:
             except Exception:  # the connection may be closed already
                 pass
         self._subs.clear()
+        for v1 in self._v1_subs.values():
+            try:
+                await v1.unsubscribe()
+            except Exception:
+                pass
+        self._v1_subs.clear()
         for client in self._clients.values():
             try:
                 await client.close()

@@ -105,3 +105,15 @@ async def load_card(store: ObjectStore, data: dict[str, Any]) -> ModelCard:
             raise ModelError(f"tokenizer object {digest} is corrupt")
         card.tokenizer_json = blob.decode("utf-8")
     return card
+
+
+# a Dynamo 1.x worker's runtime_config says it publishes KV events under this name (ours: PUBLISHES_KV_EVENTS)
+V1_PUBLISHES_KV_EVENTS = "kv_event_publishing_enabled"
+
+
+def is_1x_worker(entry: Any) -> bool:
+    """A worker of Dynamo 1.x's own (its card came from a ``v1/mdc`` record): it publishes KV events and
+    load only in 1.x's form (dynamo/kv/v1_events.py) and recovers a router through its
+    ``worker_kv_query_source_*`` endpoint.  Ours say so with their own key, and publish both forms."""
+    rc = getattr(entry, "runtime_config", None) or {}
+    return PUBLISHES_KV_EVENTS not in rc and V1_PUBLISHES_KV_EVENTS in rc

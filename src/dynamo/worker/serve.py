@@ -38,7 +38,12 @@ from dynamo.runtime import EndpointId
 from dynamo.runtime.distributed import connect_runtime
 from dynamo.runtime.tcp import advertise_host
 from dynamo.worker.handlers import backend_handler, chat_handler
-from dynamo.worker.kv_publishing import serve_kv_state, serve_load_metrics, worker_event_publishers
+from dynamo.worker.kv_publishing import (
+    V1KvPublishing,
+    serve_kv_state,
+    serve_load_metrics,
+    worker_event_publishers,
+)
 from dynamo.worker.lora_control import LoraControl
 
 log = logging.getLogger(__name__)
@@ -66,12 +71,17 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         publishes_kv_events = False
         if caps.publishes_kv:  # engines that publish KV events and load metrics (mocker, llamacpp, vllm, ...)
             publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
+            v1 = await V1KvPublishing.start(endpoint)  # the same, also in Dynamo 1.x's form (None: off)
+            if v1 is not None:
+                publish_kv_event, publish_metrics = v1.wrap(publish_kv_event, publish_metrics)
             engine.attach(endpoint.lease_id(), publish_kv_event=publish_kv_event,  # type: ignore[attr-defined]
                           publish_metrics=publish_metrics)
             await serve_load_metrics(endpoint, engine)  # type: ignore[arg-type]
             publishes_kv_events = bool(engine.publishes_kv_events)  # type: ignore[attr-defined]
             if publishes_kv_events and caps.dumps_kv_state:
                 await serve_kv_state(endpoint, engine)  # type: ignore[arg-type]
+            if publishes_kv_events and v1 is not None:
+                await v1.serve_recovery(engine if caps.dumps_kv_state else None)
         mode = cfg.disaggregation_mode
         if mode != "agg" and caps.state_io:
             # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)

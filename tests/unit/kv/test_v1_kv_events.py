@@ -62,9 +62,9 @@ def test_our_events_in_1x_form_round_trip_into_a_router() -> None:
     numbering = V1KvNumbering(41)
     tokens = list(range(4 * BLOCK))
     local, seq = compute_hashes(tokens, BLOCK)
-    state.send(stored_data(None, zip(seq[:2], local[:2])))
-    state.send(stored_data(seq[1], zip(seq[2:], local[2:])))
-    state.send(stored_data(None, zip(seq[:1], local[:1])), tier=HOST)
+    state.send(stored_data(None, zip(seq[:2], local[:2], strict=True)))
+    state.send(stored_data(seq[1], zip(seq[2:], local[2:], strict=True)))
+    state.send(stored_data(None, zip(seq[:1], local[:1], strict=True)), tier=HOST)
     state.send(removed_data(seq[3:]))
     wire = [numbering.translate(e) for e in sent]
     assert [w["event"]["event_id"] for w in wire] == [1, 2, 3, 4]  # 1.x's own numbering, from 1
@@ -85,10 +85,10 @@ def test_recovery_answer_of_ours_rebuilds_the_cache_in_a_router() -> None:
     numbering = V1KvNumbering(41)
     a = compute_hashes(list(range(3 * BLOCK)), BLOCK)
     b = compute_hashes(list(range(5000, 5000 + 2 * BLOCK)), BLOCK)
-    state.send(stored_data(None, zip(a[1][:2], a[0][:2])))
-    state.send(stored_data(a[1][1], zip(a[1][2:], a[0][2:])))
-    state.send(stored_data(None, zip(b[1], b[0])))
-    state.send(stored_data(None, zip(b[1][:1], b[0][:1])), tier=DISK)
+    state.send(stored_data(None, zip(a[1][:2], a[0][:2], strict=True)))
+    state.send(stored_data(a[1][1], zip(a[1][2:], a[0][2:], strict=True)))
+    state.send(stored_data(None, zip(b[1], b[0], strict=True)))
+    state.send(stored_data(None, zip(b[1][:1], b[0][:1], strict=True)), tier=DISK)
     for e in sent:
         numbering.translate(e)
     answer = numbering.tree_dump(state.dump())

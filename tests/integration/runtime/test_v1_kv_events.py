@@ -1,0 +1,112 @@
+"""KV events in Dynamo 1.x's form between runtimes of ours, on a real etcd: a worker's publishers (channel
+records, 4-frame ZMQ messages or NATS envelopes, the EventSource record and the recovery endpoint) and a
+KV router that follows a worker publishing only in that form, as it follows a 1.6.1 worker
+(tests/dynamo1x runs the same against 1.6.1's own processes)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from dynamo.frontend.kv_policy import KvRouterPolicy
+from dynamo.kv import KvRouter
+from dynamo.kv.events import stored_data
+from dynamo.kv.hashing import compute_hashes
+from dynamo.kv.publisher import emit
+from dynamo.kv.v1_events import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, decode_router_events, query_source_endpoint
+from dynamo.kv.worker_state import WorkerKvState
+from dynamo.llm.model_entry import ModelEntry
+from dynamo.llm.model_type import ModelType
+from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope
+from dynamo.worker.kv_publishing import V1KvPublishing
+from harness.wait import until
+
+BLOCK = 16
+PLANES = {"zmq": {"event_plane": "zmq", "request_plane": "tcp"}, "nats": {"event_plane": "nats", "request_plane": "nats"}}
+
+
+class DumpingEngine:
+    """What the recovery endpoint reads: a WorkerKvState's dump (the mocker's and llama.cpp's source)."""
+
+    def __init__(self, state: WorkerKvState) -> None:
+        self.state = state
+
+    def kv_state_dump(self) -> dict:
+        return self.state.dump()
+
+
+async def start_worker(rt, ns: str) -> tuple[V1KvPublishing, WorkerKvState]:
+    endpoint = rt.namespace(ns).component("backend").endpoint("generate")
+    v1 = await V1KvPublishing.start(endpoint)
+    assert v1 is not None
+    ours: list[dict] = []
+    publish_kv_event, publish_metrics = v1.wrap(ours.append, ours.append)
+    state = WorkerKvState(rt.instance_id, publish_kv_event, first_event_id=5000)
+    await v1.serve_recovery(DumpingEngine(state))
+    state.metrics = publish_metrics  # type: ignore[attr-defined]
+    return v1, state
+
+
+def store(state: WorkerKvState, tokens: list[int]) -> None:
+    local, seq = compute_hashes(tokens, BLOCK)
+    state.send(stored_data(None, zip(seq, local, strict=True)))
+
+
+@pytest.mark.parametrize("planes", ["zmq", "nats"])
+async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns, planes):
+    worker = await make_runtime(**PLANES[planes])
+    frontend = await make_runtime(**PLANES[planes])
+    v1, state = await start_worker(worker, ns)
+    scope = EndpointScope(ns, "backend", "generate")
+    records = {kv.key: orjson.loads(kv.value) for kv in await worker.discovery().get_prefix("v1/event_")}
+    channel_key = scope.key(EVENT_CHANNELS, TOPIC_KV_EVENTS, v1.kv_pub.publisher_id)
+    assert records[channel_key]["transport"]["kind"] == ("Zmq" if planes == "zmq" else "Nats")
+    assert scope.key(EVENT_CHANNELS, TOPIC_KV_METRICS, v1.metrics_pub.publisher_id) in records
+    source = records[scope.key(EVENT_SOURCES, TOPIC_KV_EVENTS, v1.kv_pub.publisher_id)]["metadata"]
+    assert source["worker"] == {"worker_id": worker.instance_id, "dp_rank": 0}
+    assert source["recovery_target"]["endpoint"] == query_source_endpoint(v1.kv_pub.publisher_id)
+
+    router = KvRouter(block_size=BLOCK)
+    loads: list[bytes] = []
+    plane = frontend.v1_event_plane()
+    await plane.subscribe(scope, TOPIC_KV_EVENTS,
+                          lambda env: [router.apply_event(e) for e in decode_router_events(env.payload)])
+    await plane.subscribe(scope, TOPIC_KV_METRICS, lambda env: loads.append(env.payload))
+    prompt = list(range(4 * BLOCK))
+
+    async def arrived() -> bool:  # events before the subscriber's handshake are lost, as the plane allows
+        store(state, prompt)
+        emit(state.metrics, {"worker_id": worker.instance_id, "data": {"kv_stats": {"kv_active_blocks": 4}}})
+        return router.find_matches(prompt) == {worker.instance_id: 4} and loads
+
+    await until(arrived, 10, "the worker's 1.x KV events and load")
+
+
+@pytest.mark.parametrize("planes", ["zmq", "nats"])
+async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make_runtime, ns, planes):
+    """A worker whose card says ``kv_event_publishing_enabled`` (a 1.x worker) is recovered through its
+    recovery endpoint, then followed on 1.x's plane."""
+    worker = await make_runtime(**PLANES[planes])
+    frontend = await make_runtime(**PLANES[planes])
+    v1, state = await start_worker(worker, ns)
+    early = list(range(1000, 1000 + 3 * BLOCK))
+    store(state, early)  # before the router: only the recovery can tell it
+    router = KvRouter(block_size=BLOCK)
+    policy = KvRouterPolicy(router, frontend.event_plane(), runtime=frontend)
+    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {},
+                       runtime_config={"kv_event_publishing_enabled": True, "enable_local_indexer": True})
+    try:
+        policy.add_worker(entry)
+        await until(lambda: router.find_matches(early) == {worker.instance_id: 3}, 10, "the recovered blocks")
+        later = list(range(2000, 2000 + 2 * BLOCK))
+
+        async def live() -> bool:
+            store(state, later)
+            return router.find_matches(later) == {worker.instance_id: 2}
+
+        await until(live, 10, "live 1.x events")
+        policy.remove_worker(worker.instance_id)
+        store(state, list(range(3000, 3000 + BLOCK)))
+        assert router.find_matches(early) == {}
+    finally:
+        await policy.close()
