@@ -106,6 +106,11 @@ class V1Subscription:
         self._watch: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
 
+    @property
+    def on_nats(self) -> bool:
+        """Subscribed on NATS (a publisher of this scope and topic said it publishes there)."""
+        return self._nats_sub is not None
+
     async def start(self) -> "V1Subscription":
         plane = self.plane
         sock = plane.ctx.socket(zmq.SUB)
