@@ -1,0 +1,112 @@
+"""Mixed fleets routed by KV events across the two implementations, with real processes:
+
+* Dynamo 1.6.1's frontend (``--router-mode kv``) in front of two workers of ours: each repeated prompt goes
+  to the worker that holds it, which its router knows only from our workers' events in 1.x's form (their
+  ``EventSource`` records and recovery endpoints, their ``kv-events`` streams);
+* our frontend (``--router-mode kv``) in front of two 1.6.1 mockers: the same, from their events.
+
+Each prompt is sent as token ids (so both routers hash exactly these), once, then again: the repeat must be
+routed with the prompt's blocks found (``overlap_blocks`` in 1.6.1's log; ``cached_tokens`` in the usage).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import dynamo
+from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer, NatsServer
+
+SRC = str(Path(dynamo.__file__).resolve().parents[1])
+BLOCK = 64  # both mockers' block size
+ROUTED = re.compile(r"route request completed.*?overlap_blocks=(\d+).*?worker_id=(\d+)")
+
+
+def wait_for(what: str, check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:g}s: {what}")
+
+
+@pytest.fixture(params=["file+zmq", "etcd+zmq", "etcd+nats"])
+def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
+    """(1.6.1's environment, ours, the file store or None) of one fleet."""
+    discovery, plane = request.param.split("+")
+    if discovery == "file":
+        theirs = d16_env(store)
+        yield theirs, dict(theirs, PYTHONPATH=SRC), store
+        return
+    with EtcdServer() as etcd, NatsServer() as nats:
+        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane}
+        if plane == "nats":
+            extra["NATS_SERVER"] = nats.url
+        theirs = d16_env(None, extra)
+        yield theirs, dict(theirs, PYTHONPATH=SRC), None
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[1000 + (i * 31 + k * 997) % 3000 for i in range(4 * BLOCK + 7)] for k in range(n)]
+
+
+def complete(url: str, prompt: list[int]) -> dict:
+    reply = httpx.post(f"{url}/v1/completions", timeout=30,
+                       json={"model": "tiny-chat", "prompt": prompt, "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k: Path, envs) -> None:
+    theirs, ours, _ = envs
+    workers = [DynamoWorker("in=dyn://kv1x.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name",
+                            "tiny-chat", env=ours, startup_timeout=60).start() for _ in range(2)]
+    try:
+        with d16_frontend(theirs, "--router-mode", "kv", model="tiny-chat") as frontend:
+            ids = {w.instance_id % (1 << 64) for w in workers}
+            time.sleep(1.0)  # its router's recovery of both workers (their answers make the streams count)
+            for prompt in prompts(4):
+                complete(frontend.url, prompt)
+                seen = len(ROUTED.findall(frontend.stderr_text()))
+                wait_for("its router hears our worker's blocks", lambda: _repeat_finds(frontend, prompt, seen), 20)
+            routed = ROUTED.findall(frontend.stderr_text())
+            assert {int(w) for _, w in routed} <= ids
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _repeat_finds(frontend, prompt: list[int], seen: int) -> bool:
+    """Send ``prompt`` again: True when 1.6.1's router found all its 4 blocks on the worker it picked."""
+    body = complete(frontend.url, prompt)
+    routed = ROUTED.findall(frontend.stderr_text())[seen:]
+    return bool(routed) and int(routed[-1][0]) == 4 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
+
+
+def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat_5k: Path, envs) -> None:
+    theirs, ours, store = envs
+    mockers = [d16_mocker(tiny_chat_5k, "dyn://m16kv.backend.generate", theirs, "--speedup-ratio", "0",
+                          model_name="tiny-chat", store=store) for _ in range(2)]
+    try:
+        with DynamoRun("out=dyn", "--router-mode", "kv", env=ours, startup_timeout=60) as frontend:
+            wait_for("our frontend lists the mockers' model", lambda: "tiny-chat" in models_listed(frontend.base_url))
+            time.sleep(1.0)  # both mockers discovered and recovered
+            for prompt in prompts(4):
+                complete(frontend.base_url, prompt)
+
+                def repeat_cached() -> bool:
+                    usage = complete(frontend.base_url, prompt)["usage"]
+                    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= 4 * BLOCK
+
+                wait_for("our router sends the repeat to the mocker that holds it", repeat_cached, 20)
+    finally:
+        for m in mockers:
+            m.stop()
