@@ -71,3 +71,12 @@ class Annotated:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Annotated) and self.to_dict() == other.to_dict()
+
+
+class BareItem(Annotated):
+    """A stream item that Dynamo 1.x peers read without the Annotated layer: ``{"data": <item>}`` on their
+    wire rather than ``{"data": {"data": <item>}}``.  1.x wraps the items of its LLM endpoints in Annotated
+    but not those of its control endpoints (the KV recovery query, whose answer it reads as an enum:
+    ``{"TreeDump": ...}``).  Our own wire carries it as any Annotated item with this data."""
+
+    __slots__ = ()

@@ -34,6 +34,7 @@ from dynamo.kv.v1_events import (
 )
 from dynamo.llm.engine import DumpsKvState, PublishesKvEvents
 from dynamo.runtime import Endpoint
+from dynamo.runtime.annotated import BareItem
 from dynamo.runtime.names import component_event_subject, lease_hex, namespace_event_subject
 from dynamo.runtime.v1_event_wire import EndpointScope
 
@@ -145,9 +146,9 @@ class V1KvPublishing:
         name = query_source_endpoint(self.kv_pub.publisher_id)
         numbering = self.numbering
 
-        async def handler(request: Any) -> AsyncIterator[dict[str, Any]]:
+        async def handler(request: Any) -> AsyncIterator[BareItem]:
             dump = engine.kv_state_dump() if engine is not None else {}
-            yield numbering.tree_dump(dump)
+            yield BareItem(numbering.tree_dump(dump))  # 1.x reads the answer as is, not Annotated
 
         ep = self.endpoint.component.endpoint(name)
         ready = asyncio.Event()
