@@ -27,6 +27,12 @@ from harness.servers import EtcdServer, NatsServer
 SRC = str(Path(dynamo.__file__).resolve().parents[1])
 BLOCK = 64  # both mockers' block size
 ROUTED = re.compile(r"route request completed.*?overlap_blocks=(\d+).*?worker_id=(\d+)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def routed(frontend) -> list[tuple[str, str]]:
+    """(overlap_blocks, worker_id) of every request 1.6.1's frontend has routed, from its log."""
+    return ROUTED.findall(ANSI.sub("", frontend.stderr_text()))
 
 
 def wait_for(what: str, check, timeout: float = 30.0) -> None:
@@ -75,10 +81,9 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
             time.sleep(1.0)  # its router's recovery of both workers (their answers make the streams count)
             for prompt in prompts(4):
                 complete(frontend.url, prompt)
-                seen = len(ROUTED.findall(frontend.stderr_text()))
+                seen = len(routed(frontend))
                 wait_for("its router hears our worker's blocks", lambda: _repeat_finds(frontend, prompt, seen), 20)
-            routed = ROUTED.findall(frontend.stderr_text())
-            assert {int(w) for _, w in routed} <= ids
+            assert {int(w) for _, w in routed(frontend)} <= ids
     finally:
         for w in workers:
             w.stop()
@@ -87,8 +92,8 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
 def _repeat_finds(frontend, prompt: list[int], seen: int) -> bool:
     """Send ``prompt`` again: True when 1.6.1's router found all its 4 blocks on the worker it picked."""
     body = complete(frontend.url, prompt)
-    routed = ROUTED.findall(frontend.stderr_text())[seen:]
-    return bool(routed) and int(routed[-1][0]) == 4 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
+    new = routed(frontend)[seen:]
+    return bool(new) and int(new[-1][0]) == 4 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
 
 
 def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat_5k: Path, envs) -> None:
