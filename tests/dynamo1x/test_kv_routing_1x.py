@@ -11,6 +11,7 @@ routed with the prompt's blocks found (``overlap_blocks`` in 1.6.1's log; ``cach
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 import dynamo
+from dynamo.kv.hashing import compute_hashes
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
@@ -82,7 +84,8 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
             for prompt in prompts(4):
                 complete(frontend.url, prompt)
                 seen = len(routed(frontend))
-                wait_for("its router hears our worker's blocks", lambda: _repeat_finds(frontend, prompt, seen), 20)
+                wait_for("its router hears our worker's blocks",
+                         lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20)
             assert {int(w) for _, w in routed(frontend)} <= ids
     finally:
         for w in workers:
@@ -96,22 +99,38 @@ def _repeat_finds(frontend, prompt: list[int], seen: int) -> bool:
     return bool(new) and int(new[-1][0]) == 4 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
 
 
-def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat_5k: Path, envs) -> None:
+def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat_5k: Path, envs,
+                                                                     tmp_path: Path) -> None:
     theirs, ours, store = envs
+    decisions = tmp_path / "decisions.jsonl"  # our router's log: the events it applied, what it saw per request
     mockers = [d16_mocker(tiny_chat_5k, "dyn://m16kv.backend.generate", theirs, "--speedup-ratio", "0",
                           model_name="tiny-chat", store=store) for _ in range(2)]
     try:
-        with DynamoRun("out=dyn", "--router-mode", "kv", env=ours, startup_timeout=60) as frontend:
+        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
+                       startup_timeout=60) as frontend:
             wait_for("our frontend lists the mockers' model", lambda: "tiny-chat" in models_listed(frontend.base_url))
-            time.sleep(1.0)  # both mockers discovered and recovered
             for prompt in prompts(4):
                 complete(frontend.base_url, prompt)
-
-                def repeat_cached() -> bool:
-                    usage = complete(frontend.base_url, prompt)["usage"]
-                    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= 4 * BLOCK
-
-                wait_for("our router sends the repeat to the mocker that holds it", repeat_cached, 20)
+                blocks = compute_hashes(prompt, BLOCK)[1]
+                wait_for("our router applies the mocker's stored event",
+                         lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
+                                              for e in _lines(decisions)), 20)
+                usage = complete(frontend.base_url, prompt)["usage"]  # once: no second chance for a coin toss
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
+                wait_for("the repeat's decision in the log", lambda: _last_route(decisions) is not None, 5)
+                route = _last_route(decisions)
+                assert route["candidates"][route["worker"]]["overlap"] == 4, route
     finally:
         for m in mockers:
             m.stop()
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _last_route(path: Path) -> dict | None:
+    routes = [e for e in _lines(path) if e["ev"] == "route"]
+    return routes[-1] if len(routes) % 2 == 0 and routes else None
