@@ -134,3 +134,30 @@ def _lines(path: Path) -> list[dict]:
 def _last_route(path: Path) -> dict | None:
     routes = [e for e in _lines(path) if e["ev"] == "route"]
     return routes[-1] if len(routes) % 2 == 0 and routes else None
+
+
+def test_our_frontend_started_later_recovers_what_a_d16_mocker_holds(tiny_chat_5k: Path, envs, tmp_path: Path) -> None:
+    """Blocks stored before our router existed reach it only through the mocker's recovery endpoint (its
+    ``worker_kv_query_source_*``, named in its EventSource record): the first request of ours already finds
+    them."""
+    theirs, ours, store = envs
+    decisions = tmp_path / "decisions.jsonl"
+    prompt = prompts(1)[0]
+    with d16_mocker(tiny_chat_5k, "dyn://m16rec.backend.generate", theirs, "--speedup-ratio", "0",
+                    model_name="tiny-chat", store=store), \
+            d16_frontend(theirs, "--router-mode", "kv", model="tiny-chat") as first:
+        complete(first.url, prompt)  # the mocker now holds the prompt's 4 blocks
+        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
+                       startup_timeout=60) as frontend:
+            wait_for("our frontend lists the mocker's model", lambda: "tiny-chat" in models_listed(frontend.base_url))
+            wait_for("our router recovers the mocker's blocks",
+                     lambda: any(e["ev"] == "route" for e in _lines(decisions)) or _recovered(frontend), 20)
+            usage = complete(frontend.base_url, prompt)["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
+            wait_for("the decision in the log", lambda: any(e["ev"] == "route" for e in _lines(decisions)), 5)
+            route = [e for e in _lines(decisions) if e["ev"] == "route"][-1]
+            assert route["candidates"][route["worker"]]["overlap"] == 4, route
+
+
+def _recovered(frontend) -> bool:
+    return "KV state of worker" in frontend.stderr_text() and "4 cached blocks" in frontend.stderr_text()
