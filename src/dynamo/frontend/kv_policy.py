@@ -37,7 +37,7 @@ from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import KV_STATE_ENDPOINT, EventError
-from dynamo.kv.hashing import compute_hashes_async
+from dynamo.kv.hashing import MASK64, compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S, DEFAULT_PREFIX_FETCH_WEIGHT
 from dynamo.kv.v1_events import TOPIC_KV_EVENTS, decode_router_events, dump_from_tree, recovery_query
 from dynamo.llm.model_card import ModelCard
@@ -159,7 +159,8 @@ class KvRouterPolicy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers: dict[int, Any] = {}  # instance id -> its model entry
         self._kv_state_clients: dict[tuple[str, ...], Any] = {}  # (namespace, component[, endpoint]) -> client
-        self._v1_workers: set[int] = set()  # Dynamo 1.x workers: their 1.x events are applied
+        # Dynamo 1.x workers, whose 1.x events are applied: their id as 1.x sends it (u64) -> as we keep it
+        self._v1_workers: dict[int, int] = {}
         self._v1_subs: dict[EndpointScope, Any] = {}  # their endpoints' kv-events, followed
         self._timer: asyncio.Task[None] | None = None
         self._mismatch_logged = False
@@ -208,7 +209,7 @@ class KvRouterPolicy:
 
     def remove_worker(self, worker_id: int) -> None:
         self._workers.pop(worker_id, None)
-        self._v1_workers.discard(worker_id)
+        self._v1_workers.pop(worker_id & MASK64, None)
         self.router.remove_worker(worker_id)
 
     @property
@@ -251,7 +252,7 @@ class KvRouterPolicy:
             self.router.lenders[entry.instance_id] = lends
         if events and self._runtime is not None and publishes_kv_events(entry):
             if is_1x_worker(entry):
-                self._v1_workers.add(entry.instance_id)
+                self._v1_workers[entry.instance_id & MASK64] = entry.instance_id
                 self._spawn(self._follow_1x(entry))
             else:
                 self._spawn(self._resync(entry))
@@ -307,8 +308,12 @@ class KvRouterPolicy:
         except EventError as e:
             log.warning("undecodable 1.x KV events skipped: %s", e)
             return
+        workers = self._v1_workers
         for event in events:
-            if event.get("worker_id") in self._v1_workers:
+            worker = event.get("worker_id")
+            ours = workers.get(worker) if isinstance(worker, int) else None
+            if ours is not None:  # ids above i64's maximum are negative here, unsigned on 1.x's wire
+                event["worker_id"] = ours
                 self.router.apply_event(event)
 
     async def _recovery_endpoint(self, entry: Any) -> str:
@@ -319,7 +324,7 @@ class KvRouterPolicy:
             for kv in await self._runtime.discovery().get_prefix(prefix):
                 try:
                     meta = orjson.loads(kv.value)["metadata"]
-                    if meta["worker"]["worker_id"] == entry.instance_id:
+                    if meta["worker"]["worker_id"] == entry.instance_id & MASK64:
                         return str(meta["recovery_target"]["endpoint"])
                 except (orjson.JSONDecodeError, KeyError, TypeError):
                     continue
@@ -338,7 +343,7 @@ class KvRouterPolicy:
             client = self._kv_state_clients[key] = await endpoint.client()
         while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
             await asyncio.sleep(0.05)
-        async for answer in client.direct(recovery_query(worker_id) if v1 else {}, worker_id):
+        async for answer in client.direct(recovery_query(worker_id & MASK64) if v1 else {}, worker_id):
             return dump_from_tree(worker_id, answer) if v1 else answer
         return None
 

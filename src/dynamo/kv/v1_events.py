@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import msgspec
 
 from dynamo.kv.events import DEVICE, LOWER_TIERS, EventError, parse_tier
+from dynamo.kv.hashing import MASK64
 
 TOPIC_KV_EVENTS = "kv-events"
 TOPIC_KV_METRICS = "kv_metrics"
@@ -62,8 +63,9 @@ def _v1_data(data: Any) -> Any:
 
 
 def router_event(worker_id: int, event_id: int, data: Any, tier: str = DEVICE, dp_rank: int = 0) -> dict[str, Any]:
-    """One 1.x RouterEvent."""
-    return {"worker_id": worker_id, "storage_tier": tier, "residency_domain": "worker",
+    """One 1.x RouterEvent (ids are unsigned on 1.x's wire: one above i64's maximum, negative where we keep
+    it, goes as its unsigned self)."""
+    return {"worker_id": worker_id & MASK64, "storage_tier": tier, "residency_domain": "worker",
             "event": {"event_id": event_id, "data": _v1_data(data), "dp_rank": dp_rank}}
 
 
@@ -172,7 +174,7 @@ def source_metadata(namespace: str, component: str, endpoint: str, worker_id: in
     """The ``metadata`` of a ``kv-events`` publisher's ``EventSource`` record: whose cache it describes and
     where a router recovers it (``recovery_target``: the discovery record of the recovery endpoint)."""
     return {"kv_state_endpoint": {"namespace": namespace, "component": component, "name": endpoint},
-            "worker": {"worker_id": worker_id, "dp_rank": dp_rank}, "publisher_id": publisher_id,
+            "worker": {"worker_id": worker_id & MASK64, "dp_rank": dp_rank}, "publisher_id": publisher_id,
             "recovery_target": recovery_target}
 
 
@@ -190,12 +192,13 @@ def active_load(metrics: dict[str, Any]) -> bytes | None:
     used = kv.get("kv_active_blocks")
     if isinstance(used, bool) or not isinstance(used, int):
         return None
-    return _encoder.encode({"worker_id": metrics["worker_id"], "dp_rank": int(ws.get("data_parallel_rank") or 0),
+    return _encoder.encode({"worker_id": metrics["worker_id"] & MASK64, "dp_rank": int(ws.get("data_parallel_rank") or 0),
                             "active_decode_blocks": None, "active_prefill_tokens": None, "kv_used_blocks": used})
 
 
 def metrics_from_load(payload: bytes | memoryview) -> dict[str, Any]:
-    """A 1.x ``kv_metrics`` payload in our load report's shape (what the frontend's worker metrics read).
+    """A 1.x ``kv_metrics`` payload in our load report's shape (what the frontend's worker metrics read), the
+    worker id as we keep instance ids (i64: one above its maximum comes negative, as its key's hex reads).
     Raises :class:`EventError` when it is not an ActiveLoad."""
     try:
         load = msgspec.msgpack.decode(payload)
@@ -206,4 +209,6 @@ def metrics_from_load(payload: bytes | memoryview) -> dict[str, Any]:
     kv: dict[str, Any] = {}
     if isinstance(load.get("kv_used_blocks"), int):
         kv["kv_active_blocks"] = load["kv_used_blocks"]
+    if isinstance(worker_id, int) and worker_id > MASK64 >> 1:  # unsigned on 1.x's wire, i64 where we keep ids
+        worker_id -= 1 << 64
     return {"worker_id": worker_id, "data": {"worker_stats": {"data_parallel_rank": dp_rank}, "kv_stats": kv}}

@@ -171,7 +171,8 @@ def recovery_target(endpoint: Endpoint, name: str) -> dict[str, Any]:
     instance = endpoint.lease_id()
     requests = endpoint.runtime.request_plane()
     address = str(getattr(requests, "address", "") or "")
-    return {"component": ident.component, "endpoint": name, "namespace": ident.namespace, "instance_id": instance,
+    return {"component": ident.component, "endpoint": name, "namespace": ident.namespace,
+            "instance_id": instance & 0xFFFF_FFFF_FFFF_FFFF,  # unsigned, as 1.x writes it
             "transport": {"tcp": f"{address}/{lease_hex(instance)}/{ident.namespace}/{ident.component}/{name}"},
             "device_type": "cpu", "request_plane_codec": "msgpack"}
 

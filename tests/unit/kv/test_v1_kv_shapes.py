@@ -131,6 +131,11 @@ def test_load_both_ways() -> None:
     assert payload == env.payload  # byte for byte what 1.6.1's mocker sends for the same load
     assert msgspec.msgpack.decode(payload) == theirs
     assert active_load({"worker_id": 1, "data": {"kv_stats": {}}}) is None
+    # an id above i64's maximum: unsigned on 1.x's wire, negative where we keep it (its key's hex), both ways
+    big = msgspec.msgpack.encode({"worker_id": 0xEE1B89A277927A0B, "dp_rank": 0, "kv_used_blocks": 3})
+    assert metrics_from_load(big)["worker_id"] == 0xEE1B89A277927A0B - (1 << 64)
+    back = active_load({"worker_id": 0xEE1B89A277927A0B - (1 << 64), "data": {"kv_stats": {"kv_active_blocks": 3}}})
+    assert msgspec.msgpack.decode(back)["worker_id"] == 0xEE1B89A277927A0B
     nats = decode_envelope(bytes.fromhex(DATA["nats_kv_metrics"]["data"]))
     assert metrics_from_load(nats.payload)["data"]["kv_stats"] == {"kv_active_blocks": 0}
 
