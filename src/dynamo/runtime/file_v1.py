@@ -73,6 +73,7 @@ class V1Files:
     def __init__(self, root: Path) -> None:
         self.dir = Path(root) / "v1"
         try:
+            make_private_dir(self.dir)  # first: a parent mkdir makes would not be private
             for bucket in BUCKETS:
                 make_private_dir(self.dir / bucket)
         except OSError as exc:
