@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.errors import ModelError, RequestError
-from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.chat_template import ChatTemplate, cut_after_final
 from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
 from dynamo.llm.image_prompt import image_inputs, new_marker, prompt_ids
 from dynamo.llm.media import MediaError, current_policy, image_parts, load_images
@@ -112,7 +112,9 @@ class Preprocessor:
         messages = [_template_message(m, _marked(parsed.content, marker))
                     for m, parsed in zip(raw["messages"], req.messages, strict=True)]
         add_generation_prompt = req.add_generation_prompt
-        if add_generation_prompt is None:
+        if req.continue_final_message:
+            add_generation_prompt = False
+        elif add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
             add_generation_prompt = req.messages[-1].role != "assistant"
         tools, tool_parser, forced = self._tools(req, raw)
@@ -122,6 +124,8 @@ class Preprocessor:
             add_generation_prompt=add_generation_prompt,
             extra=req.chat_template_kwargs,
         )
+        if req.continue_final_message:  # the template's end of turn after the last message goes
+            prompt = cut_after_final(prompt, content_text(req.messages[-1].content))
         return RenderedChat(req, raw, prompt, tool_parser, forced, urls, marker)
 
     async def image_prompt(self, rendered: RenderedChat) -> tuple[list[int], list[ImageInput]]:
