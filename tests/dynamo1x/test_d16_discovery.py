@@ -65,3 +65,28 @@ def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
                      lambda: "m16-model" not in models_listed(frontend.base_url))
         finally:
             mocker.stop()
+
+
+def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path, envs) -> None:
+    """Our worker and 1.6.1's mocker serve one model on one endpoint: our frontend serves it once, over both
+    instances, and our worker (which writes both kinds of record) is one instance, not two."""
+    import httpx
+
+    theirs, ours, store = envs
+    worker = DynamoWorker("in=dyn://mix.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "shared",
+                          env=ours, startup_timeout=60).start()
+    try:
+        with d16_mocker(tiny_chat_5k, "dyn://mix.backend.generate", theirs, "--speedup-ratio", "0",
+                        model_name="shared", store=store), DynamoRun("out=dyn", env=ours, startup_timeout=60) as frontend:
+            def instances() -> list[int]:
+                body = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
+                return sorted(i["instance_id"] for i in body.get("instances", [])
+                              if i["endpoint"] == "dyn://mix.backend.generate" and "shared" in i["models"])
+
+            wait_for("our frontend serves 'shared' over both workers", lambda: len(instances()) == 2)
+            assert worker.instance_id in instances()
+            assert models_listed(frontend.base_url) == {"shared"}
+            time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third
+            assert len(instances()) == 2
+    finally:
+        worker.stop()
