@@ -11,7 +11,9 @@ loses them and go when the lease goes.
 Reading: :class:`MergedWatch` follows two prefixes as one watch: our records (primary) and 1.x's
 (secondary, translated into our key space and shape). A worker of ours writes both, so one instance id
 would otherwise appear twice: the view is ours, plus a translated 1.x record only where we have no record
-under the same key. Two watches deliver in no common order (on etcd they are two streams), and a worker
+under the same key and never had one: a 1.x record that was once the twin of ours stays hidden when ours
+goes (our record goes with the worker's lease, or first at its shutdown; the twin on the file store lives
+on until it is 10 s stale, and the worker is gone meanwhile). Two watches deliver in no common order (on etcd they are two streams), and a worker
 of ours writes its own record first, so a live 1.x-only record waits ``hold`` seconds before it shows:
 if our record arrives meanwhile, the 1.x one is never seen. Records present when the watch starts are
 compared at once (both listings are taken before the first event).
@@ -54,6 +56,7 @@ class _Secondary:
     value: bytes
     lease: int
     ready_at: float  # loop time from which it shows (0: at once)
+    shadowed: bool = False  # a record of ours had its key: the twin of one of our workers, never shown
 
 
 class MergedWatch(ListedWatch):
@@ -116,13 +119,16 @@ class MergedWatch(ListedWatch):
             ready_at = loop.time() + self._hold
             self._timers = [t for t in self._timers if not t.cancelled()]
             self._timers.append(loop.call_later(self._hold, self._refresh, 0))
-        self._secondary[key] = _Secondary(tkey, tvalue, lease, ready_at)
+        shadowed = old is not None and old.shadowed and old.key == tkey
+        self._secondary[key] = _Secondary(tkey, tvalue, lease, ready_at, shadowed)
 
     def _view(self) -> dict[str, KeyValue]:
         view = dict(self._primary)
         now = asyncio.get_running_loop().time()
         for sec in self._secondary.values():
-            if sec.key not in view and sec.ready_at <= now:
+            if sec.key in self._primary:
+                sec.shadowed = True
+            elif not sec.shadowed and sec.ready_at <= now:
                 view[sec.key] = KeyValue(sec.key, sec.value, lease=sec.lease)
         return view
 
