@@ -77,7 +77,7 @@ async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
 async def _publish_v1(store: Any, ident: Any, entry: ModelEntry, card: ModelCard,
                       runtime_config: dict[str, Any] | None) -> None:
     """The ``v1/mdc`` record of an entry whose endpoint 1.x frontends can reach; a card they cannot load
-    (no tokenizer) or a LoRA adapter (not announced to 1.x) is said once in the log and skipped."""
+    (no tokenizer), a LoRA adapter or a prefill worker (1.x's disaggregation is its own) are skipped."""
     from dynamo.llm.v1_card import v1_card_json
 
     lease = entry.instance_id
@@ -85,6 +85,9 @@ async def _publish_v1(store: Any, ident: Any, entry: ModelEntry, card: ModelCard
         return  # served over NATS (component.py said so) or not served by this process
     if card.lora is not None:
         log.debug("model %s: a LoRA adapter, not announced to Dynamo 1.x frontends", card.display_name)
+        return
+    if entry.model_type is ModelType.Prefill:  # 1.x's decode workers take the KV state their own way
+        log.info("model %s: a prefill worker, not announced to Dynamo 1.x frontends", card.display_name)
         return
     try:
         card_json = await asyncio.to_thread(v1_card_json, card, entry.model_type, runtime_config)

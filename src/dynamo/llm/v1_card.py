@@ -254,6 +254,9 @@ def translate_model(key: str, value: bytes) -> tuple[str, bytes]:
     name = str(card_json.get("display_name") or "")
     if not name:
         raise ValueError("the card has no display_name")
+    if model_type is ModelType.Prefill:
+        raise ValueError("a Dynamo 1.x prefill worker hands its KV state over 1.x's transfer, which our decode "
+                         "workers do not take")
     suffix = obj.get("model_suffix")
     if suffix or card_json.get("lora"):
         raise ValueError("LoRA adapters of Dynamo 1.x workers are not served by this frontend")

@@ -126,5 +126,7 @@ def test_a_1_x_model_record_becomes_our_entry(hf: Path, tmp_path: Path) -> None:
     assert entry.model_type is ModelType.Backend and entry.instance_id < 0 and entry.card == {V1_CARD: cj}
     with pytest.raises(ValueError, match="not served"):
         translate_model("k", model_record("n", "c", "e", 1, dict(cj, model_type="TensorBased", model_input="Tensor")))
+    with pytest.raises(ValueError, match="prefill"):
+        translate_model("k", model_record("n", "c", "e", 1, dict(cj, model_type="Prefill")))
     with pytest.raises(ValueError, match="Model record"):
         translate_model("k", orjson.dumps({"type": "Endpoint"}))
