@@ -90,3 +90,17 @@ def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path,
             assert len(instances()) == 2
     finally:
         worker.stop()
+
+
+def test_d16_frontend_lists_our_gguf_workers_model(tiny_chat_5k: Path, store: Path, tmp_path: Path) -> None:
+    """A GGUF model has no tokenizer.json: the worker writes the files 1.6.1 loads (tokenizer, template,
+    config) from the GGUF into its cache and names them in the card."""
+    from harness.tiny_model import build_tiny_gguf
+
+    gguf = build_tiny_gguf(tmp_path / "tiny.gguf", tiny_chat_5k)
+    theirs = d16_env(store)
+    ours = dict(theirs, PYTHONPATH=SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    with DynamoWorker("in=dyn://gg.backend.generate", "out=mocker", str(gguf), "--model-name", "gguf-model",
+                      env=ours, startup_timeout=60), d16_frontend(theirs, model="gguf-model"):
+        cached = list((tmp_path / "cache" / "dynamo" / "v1_cards").glob("*/tokenizer.json"))
+        assert len(cached) == 1
