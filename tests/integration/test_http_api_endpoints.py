@@ -255,7 +255,6 @@ def test_responses_max_output_tokens_is_incomplete(plain: DynamoRun):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no tool-call parser
     ({"tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]}, "tools[1].type"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
