@@ -117,7 +117,7 @@ class MergedWatch(ListedWatch):
         if not at_once and tkey not in self._primary and (old is None or old.ready_at):
             loop = asyncio.get_running_loop()
             ready_at = loop.time() + self._hold
-            self._timers = [t for t in self._timers if not t.cancelled()]
+            self._timers = [t for t in self._timers if t.when() > loop.time()]  # those still to fire
             self._timers.append(loop.call_later(self._hold, self._refresh, 0))
         shadowed = old is not None and old.shadowed and old.key == tkey
         self._secondary[key] = _Secondary(tkey, tvalue, lease, ready_at, shadowed)
