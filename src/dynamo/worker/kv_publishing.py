@@ -35,8 +35,9 @@ from dynamo.kv.v1_events import (
 from dynamo.llm.engine import DumpsKvState, PublishesKvEvents
 from dynamo.runtime import Endpoint
 from dynamo.runtime.annotated import BareItem
-from dynamo.runtime.names import component_event_subject, lease_hex, namespace_event_subject
+from dynamo.runtime.names import component_event_subject, namespace_event_subject
 from dynamo.runtime.v1_event_wire import EndpointScope
+from dynamo.runtime.v1_records import endpoint_key
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +159,26 @@ class V1KvPublishing:
         if self.recovery.done():
             waiter.cancel()
             self.recovery.result()  # raises why it could not serve
+        target = await recovery_target(self.endpoint, name)
+        if target is None:
+            log.info("KV events in Dynamo 1.x's form are published, but %s is served over NATS, which 1.x "
+                     "frontends cannot reach: their KV routers will not follow this worker (serve it on TCP: "
+                     "DYN_REQUEST_PLANE=tcp)", name)
+            return
         metadata = source_metadata(ident.namespace, ident.component, ident.name, self.endpoint.lease_id(),
-                                   self.kv_pub.publisher_id, recovery_target(self.endpoint, name))
+                                   self.kv_pub.publisher_id, target)
         await self.plane.register_source(self.kv_pub, metadata)
         log.info("KV events also in Dynamo 1.x's form: %s (recovery on %s)", self.kv_pub.scope.subject_prefix, name)
 
 
-def recovery_target(endpoint: Endpoint, name: str) -> dict[str, Any]:
-    """The discovery record of this process's endpoint ``name`` as 1.x writes it in ``v1/instances``
-    (what an ``EventSource`` record's ``recovery_target`` holds: 1.6.1 calls the address in it)."""
+async def recovery_target(endpoint: Endpoint, name: str) -> dict[str, Any] | None:
+    """The ``v1/instances`` record of this process's endpoint ``name`` (what an ``EventSource`` record's
+    ``recovery_target`` holds: 1.6.1 calls the address in it); None when there is none: an endpoint served
+    over NATS, which 1.x cannot reach (runtime/v1_discovery.py)."""
     ident = endpoint.id
-    instance = endpoint.lease_id()
-    requests = endpoint.runtime.request_plane()
-    address = str(getattr(requests, "address", "") or "")
-    return {"component": ident.component, "endpoint": name, "namespace": ident.namespace,
-            "instance_id": instance & 0xFFFF_FFFF_FFFF_FFFF,  # unsigned, as 1.x writes it
-            "transport": {"tcp": f"{address}/{lease_hex(instance)}/{ident.namespace}/{ident.component}/{name}"},
-            "device_type": "cpu", "request_plane_codec": "msgpack"}
+    kv = await endpoint.runtime.discovery().get(endpoint_key(ident.namespace, ident.component, name,
+                                                             endpoint.lease_id()))
+    return orjson.loads(kv.value) if kv is not None else None
 
 
 def _both(first: Any, second: Any) -> Any:

@@ -22,7 +22,7 @@ from dynamo.worker.kv_publishing import V1KvPublishing
 from harness.wait import until
 
 BLOCK = 16
-PLANES = {"zmq": {"event_plane": "zmq", "request_plane": "tcp"}, "nats": {"event_plane": "nats", "request_plane": "nats"}}
+PLANES = {"zmq": {"event_plane": "zmq", "request_plane": "tcp"}, "nats": {"event_plane": "nats", "request_plane": "tcp"}}
 
 
 class DumpingEngine:
