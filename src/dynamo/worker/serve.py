@@ -71,7 +71,8 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         publishes_kv_events = False
         if caps.publishes_kv:  # engines that publish KV events and load metrics (mocker, llamacpp, vllm, ...)
             publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
-            v1 = await V1KvPublishing.start(endpoint)  # the same, also in Dynamo 1.x's form (None: off)
+            # the same, also in Dynamo 1.x's form (None: off; prefill workers are not announced to 1.x)
+            v1 = await V1KvPublishing.start(endpoint) if cfg.disaggregation_mode != "prefill" else None
             if v1 is not None:
                 publish_kv_event, publish_metrics = v1.wrap(publish_kv_event, publish_metrics)
             engine.attach(endpoint.lease_id(), publish_kv_event=publish_kv_event,  # type: ignore[attr-defined]
