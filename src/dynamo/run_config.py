@@ -68,6 +68,10 @@ class RunConfig:
     # the runtime's rule: NATS when it answers, else TCP and ZMQ)
     request_plane: str | None = None
     event_plane: str | None = None
+    # worker (in=dyn://...): this many workers in this process, each with its own engine and instance id,
+    # started worker_stagger seconds apart (``python -m dynamo.mocker --num-workers N --stagger-delay S``)
+    num_workers: int = 1
+    worker_stagger: float = 0.0
 
     @property
     def input_kind(self) -> str:
