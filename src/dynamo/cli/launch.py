@@ -78,7 +78,7 @@ async def run(cfg: RunConfig) -> int:
     if cfg.input_kind == "endpoint":
         from dynamo.worker.serve import run_worker
 
-        if cfg.num_workers > 1:
+        if cfg.num_workers > 1 or cfg.worker_start_delay > 0:
             return await _run_workers(cfg, card, engine_name, stop)
         return await run_worker(cfg, card, engine_name, stop)
     model = await build_served_model(cfg, card, engine_name)
@@ -90,13 +90,16 @@ async def run(cfg: RunConfig) -> int:
 
 async def _run_workers(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
     """``num_workers`` workers in this process (Dynamo 1.x's mocker ``--num-workers``): each its own engine,
-    runtime connection and instance id, so frontends see N workers; the worst exit status."""
+    runtime connection and instance id, so frontends see N workers; the worst exit status.  Worker ``i``
+    starts ``worker_start_delay + i * worker_stagger`` seconds in (the mocker's ``--startup-time``: a
+    simulated engine start, during which the worker is not registered)."""
     from dynamo.worker.serve import run_worker
 
     async def one(i: int) -> int:
-        if i and cfg.worker_stagger > 0:
+        delay = cfg.worker_start_delay + i * cfg.worker_stagger
+        if delay > 0:
             try:
-                await asyncio.wait_for(stop.wait(), i * cfg.worker_stagger)
+                await asyncio.wait_for(stop.wait(), delay)
                 return 0  # stopped before this one started
             except TimeoutError:
                 pass
