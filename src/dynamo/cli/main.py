@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+
 from dynamo.errors import UserError
 from dynamo.heap import startup_imports
 from dynamo.run_config import RunConfig

@@ -9,6 +9,8 @@ an etcd; ``--router-replica-sync`` defaults on (docs/routing.md, "Several fronte
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from dynamo.cli.v1.common import (
     Opt,
     Refused,
@@ -23,8 +25,6 @@ from dynamo.cli.v1.common import (
     runtime_opts,
     runtime_refusals,
 )
-from typing import Mapping
-
 from dynamo.errors import UserError
 from dynamo.run_config import RunConfig
 

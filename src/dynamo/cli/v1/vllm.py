@@ -29,7 +29,7 @@ def vllm_flags(model: str, argv: list[str]) -> dict[str, Any]:
         try:
             from vllm.utils.argparse_utils import FlexibleArgumentParser
         except ImportError:
-            from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+            from vllm.utils import FlexibleArgumentParser
     except ImportError as e:
         raise UserError(f"vLLM's own flags ({' '.join(argv)}) need vLLM installed ({e}); "
                         "scripts/test-vllm.sh sets up a virtualenv with it") from None
