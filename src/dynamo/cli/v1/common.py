@@ -291,8 +291,6 @@ def worker_runtime_opts() -> list[Opt]:
             env="DYN_ENGINE_REQUEST_LIMIT", type=pos_int),
         Opt(("--output-modalities",), "output_modalities", "what the model outputs: text",
             env="DYN_OUTPUT_MODALITIES", default="text", only=("text",)),
-        Opt(("--migration-limit",), "migration_limit", "times a request may move to another worker when its "
-            "worker dies", env="DYN_MIGRATION_LIMIT", default=0, type=nonneg_int),
     ]
 
 
@@ -344,7 +342,6 @@ def apply_worker_runtime(cfg: RunConfig, ns: argparse.Namespace) -> None:
     if ns.custom_jinja_template:
         cfg.chat_template = Path(ns.custom_jinja_template).expanduser()
     cfg.max_inflight = ns.engine_request_limit
-    cfg.migration_limit = ns.migration_limit
 
 
 def apply_runtime(cfg: RunConfig, ns: argparse.Namespace) -> None:

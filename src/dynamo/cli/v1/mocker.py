@@ -31,7 +31,6 @@ from dynamo.cli.v1.common import (
     runtime_opts,
     worker_endpoint,
     worker_runtime_opts,
-    worker_runtime_refusals,
 )
 from dynamo.cli.v1.frontend import ais_refusals
 from dynamo.engines.engine_args import read_json_args
@@ -115,13 +114,11 @@ def mocker_refusals() -> list[Refused]:
         refused("--num-host-blocks", "host KV offload in the mocker"),
         refused("--host-offload-d2h-bandwidth-gbps", "host KV offload in the mocker"),
         refused("--host-offload-h2d-bandwidth-gbps", "host KV offload in the mocker"),
-        refused("--durable-kv-events", "JetStream-durable KV events (deprecated in 1.x)", switch=True),
     ]
     for name in ("schedule-policy", "page-size", "max-prefill-tokens", "chunked-prefill-size",
                  "clip-max-new-tokens", "schedule-conservativeness"):
         out.append(refused(f"--sglang-{name}", "the SGLang scheduler model (--engine-type vllm only)"))
     out += ais_refusals()
-    out += [r for r in worker_runtime_refusals() if r.flags[0].startswith("--tcp-tls")]
     for name, env in WORKER_ROUTER_FLAGS:
         first = name.split()[0]
         out.append(Refused(tuple(name.split()), WORKER_ROUTER_WHY, env,

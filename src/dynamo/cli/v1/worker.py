@@ -45,7 +45,8 @@ def model_opts(*, model_flags: tuple[str, ...] = ("--model-path",),
 
 def disagg_opt(env: str | None = None, choices: tuple[str, ...] = DISAGG_MODES) -> Opt:
     return Opt(("--disaggregation-mode",), "disaggregation_mode", "agg, prefill (prefills, hands the KV state "
-               "to a decode worker) or decode", env=env, default="agg", choices=choices, only=DISAGG_MODES)
+               "to a decode worker) or decode", env=env, default="agg", choices=choices,
+               only=DISAGG_MODES if set(choices) - set(DISAGG_MODES) else None)
 
 
 class WorkerModule:
