@@ -208,13 +208,23 @@ class Spec:
             if value is None:
                 value = o.default
             elif o.only is not None and value not in o.only:
-                shown = _spell(o, value) if source.startswith("--") else f"{source}={value}"
+                shown = _given(argv, o, value) if source.startswith("-") else f"{source}={value}"
                 raise UserError(f"{shown} (Dynamo 1.x) is not implemented here; honoured: "
                                 + ", ".join(_spell(o, v) for v in o.only) + f" ({DOCS})")
             setattr(ns, o.dest, value)
             if o.env_to and value not in (None, False):
                 env_out[o.env_to] = "true" if value is True else str(value)
         return ns, rest, env_out
+
+
+def _given(argv: Sequence[str], o: Opt, value: Any) -> str:
+    """The flag as the user wrote it (the last of its spellings on the command line), with its value."""
+    spellings = set(o.flags) | {"--no-" + f[2:] for f in o.flags if f.startswith("--")}
+    for arg in reversed(argv):
+        name = arg.split("=", 1)[0]
+        if name in spellings:
+            return name if o.switch else f"{name} {value}"
+    return _spell(o, value)
 
 
 def _spell(o: Opt, value: Any) -> str:
