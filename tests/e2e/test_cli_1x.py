@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +92,8 @@ def test_dump_config_to_writes_what_the_flags_became(mocker_fleet):
 
 
 def test_standalone_router_answers_best_worker_id_and_generate(mocker_fleet, env, monkeypatch):
-    router = v1_worker("router", "--endpoint", "v1.backend.generate", env=env,
+    router = v1_worker("router", "--endpoint", "v1.backend.generate",
+                       env={**env, "DYN_LOG": "info,dynamo.frontend.router_service=debug"},
                        ready=r"KV router serving v1\.router\.generate").start()
     try:
         for key, value in env.items():
@@ -129,16 +131,18 @@ async def ask_router(router: DynamoWorker) -> None:
             "output_options": {}, "eos_token_ids": []})]
         assert sum(len(i.get("token_ids") or []) for i in items) == 3, items
         assert items[-1].get("finish_reason") == "length", items
-        # the worker that served the prompt holds its blocks now (KV events): the router sends it there
-        served = None
+        # the worker that served the prompt holds its blocks now, and says so in KV events: the router's
+        # answer for the same prompt becomes that worker, whatever it was before
+        found = re.search(r"generate \S+: 200 tokens -> worker ([0-9a-f]+)", router.stderr_text())
+        assert found, router.stderr_text()[-2000:]
+        served = int(found.group(1), 16)
+        assert served in workers
         for _ in range(50):
-            chosen = await best_worker()
-            if served is None:
-                served = chosen
-            if chosen == served and "cached blocks" in router.stderr_text():
+            if await best_worker() == served:
                 break
             await asyncio.sleep(0.1)
-        assert served in workers
+        else:
+            pytest.fail(f"best_worker_id never named worker {served:x}, which holds the prompt's blocks")
     finally:
         await runtime.close()
 
