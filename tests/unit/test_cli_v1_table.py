@@ -206,3 +206,21 @@ def test_workers_map_onto_the_worker_role(tmp_path: Path):
             vllm.MODULE.build(["--model", "M", "--enforce-eager"], {})
     with pytest.raises(UserError, match="unrecognized arguments"):
         llama_cpp.MODULE.build(["--model-path", "m.gguf", "--enforce-eager"], {})
+
+
+def test_an_engines_own_flags_become_the_engine_arguments_that_differ_from_its_defaults():
+    """What ``python -m dynamo.vllm`` / ``dynamo.sglang`` do with the engine's parser (vLLM's and SGLang's are
+    argparse parsers): only what the command line changes goes to our engine, our engine's choices stand
+    for the rest."""
+    import argparse
+
+    from dynamo.cli.v1.worker import engine_flag_diff
+
+    engine = argparse.ArgumentParser(prog="engine")
+    engine.add_argument("--model", default="default/model")
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--kv-events-config", type=str, default=None)
+    got = engine_flag_diff(engine, "--model", "M", ["--enforce-eager", "--gpu-memory-utilization", "0.9",
+                                                    "--kv-events-config", '{"enable_kv_cache_events": false}'])
+    assert got == {"enforce_eager": True, "kv_events_config": '{"enable_kv_cache_events": false}'}

@@ -124,6 +124,17 @@ class RefuseAction(argparse.Action):
         raise UserError(f"{option_string} (a Dynamo 1.x flag) is not implemented here: {self.why} ({DOCS})")
 
 
+class VersionAction(argparse.Action):
+    """``--version``, looked up only when asked (importlib.metadata costs start-up time)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"{parser.prog} (dynamo-run-py {version()})")
+        parser.exit()
+
+
 class Spec:
     """One entry point's 1.x flags: build its argparse parser and read argv and the environment."""
 
@@ -134,7 +145,7 @@ class Spec:
         self.refusals = list(refusals)
         self.parser = Parser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-        self.parser.add_argument("--version", action="version", version=f"{prog} (dynamo-run-py {version()})")
+        self.parser.add_argument("--version", action=VersionAction)
         taken = self.parser.add_argument_group("Dynamo 1.x flags taken (the flag wins over its variable)")
         for o in self.opts:
             kwargs: dict[str, Any] = {"dest": o.dest, "default": None, "help": self._help(o)}
