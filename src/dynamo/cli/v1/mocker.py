@@ -26,6 +26,7 @@ from dynamo.cli.v1.common import (
     dump_config,
     entry,
     nonneg_float,
+    positive_float,
     pos_int,
     refused,
     runtime_opts,
@@ -62,8 +63,8 @@ def mocker_opts() -> list[Opt]:
             default=True, switch=True),
         Opt(("--speedup-ratio",), "speedup_ratio", "run the simulated time this many times faster (0: no "
             "delays)", default=1.0, type=nonneg_float),
-        Opt(("--decode-speedup-ratio",), "decode_speedup_ratio", "an extra speedup of decode steps only: 1.0 "
-            "(the same timing for both) here", default=1.0, type=float, only=(1.0,)),
+        Opt(("--decode-speedup-ratio",), "decode_speedup_ratio", "an extra speedup of decode steps only (the "
+            "effective decode speedup is speedup-ratio times this)", default=1.0, type=positive_float),
         Opt(("--data-parallel-size",), "dp_size", "data-parallel ranks (mocker dp_size; default 1)",
             type=pos_int),
         Opt(("--startup-time",), "startup_time", "seconds the simulated engine takes to start (each worker "
@@ -189,7 +190,8 @@ def mocker_args(ns: Any) -> dict[str, Any]:
     args: dict[str, Any] = {"max_num_seqs": ns.max_num_seqs, "max_num_batched_tokens": ns.max_num_batched_tokens,
                             "enable_prefix_caching": ns.enable_prefix_caching,
                             "enable_chunked_prefill": ns.enable_chunked_prefill,
-                            "speedup_ratio": ns.speedup_ratio or NO_DELAY_RATIO}
+                            "speedup_ratio": ns.speedup_ratio or NO_DELAY_RATIO,
+                            "decode_speedup_ratio": ns.decode_speedup_ratio}
     for key, value in (("num_gpu_blocks", ns.num_gpu_blocks), ("block_size", ns.block_size),
                        ("dp_size", ns.dp_size), ("kv_bytes_per_token", ns.kv_bytes_per_token)):
         if value is not None:
