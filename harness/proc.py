@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Mapping, Self, Sequence
 
-__all__ = ["DynamoRun", "DynamoWorker", "run_cli", "cli_command", "free_port", "cli_env"]
+__all__ = ["ChildProcess", "DynamoRun", "DynamoWorker", "run_cli", "cli_command", "free_port", "cli_env"]
 
 
 def free_port() -> int:
@@ -82,7 +82,7 @@ def run_cli(
     )
 
 
-class _ChildProcess:
+class ChildProcess:
     """The life cycle :class:`DynamoRun` and :class:`DynamoWorker` share.
 
     A child process in its own session, stdin and stdout closed, stderr in a file readable at any time
@@ -202,7 +202,7 @@ class _ChildProcess:
         self.stop()
 
 
-class DynamoRun(_ChildProcess):
+class DynamoRun(ChildProcess):
     """``dynamo-run in=http <args>`` on a free loopback port, for the duration of a ``with`` block."""
 
     def __init__(
@@ -256,7 +256,7 @@ def in_thread(fn, *args, **kwargs) -> threading.Thread:
     return t
 
 
-class DynamoWorker(_ChildProcess):
+class DynamoWorker(ChildProcess):
     """A background process that is not an HTTP server: a ``dynamo-run in=dyn://... out=...`` worker
     (the default), or any ``command`` (e.g. a Python worker script using ``dynamo.runtime``).
 
