@@ -470,11 +470,14 @@ class ResponseStream:
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
         v1 = is_v1_address(subject)  # a Dynamo 1.x worker: its framing and codec (runtime/v1_wire.py)
-        if v1 and not isinstance(receiver, TcpResponseServer):
+        if not v1:
+            conn = receiver.register(state)
+        elif isinstance(receiver, TcpResponseServer):
+            conn = receiver.register(state, v1=True)
+        else:
             raise DynamoRuntimeError(f"instance {instance_id & 0xFFFFFFFFFFFFFFFF:x} is a Dynamo 1.x worker, which "
                                          "streams responses over TCP call-home only, and this process receives "
                                          "them over NATS (unset DYN_RESPONSE_TRANSPORT)")
-        conn = receiver.register(state, v1=True) if v1 else receiver.register(state)
 
         def finished(s: StreamState) -> None:
             receiver.unregister(s)

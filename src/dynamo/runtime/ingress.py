@@ -26,6 +26,7 @@ import orjson
 
 from dynamo.aio import abandon, finish
 
+from .annotated import Annotated
 from .codec import decode_frame
 from .component_metrics import (
     ERROR_DESERIALIZATION,
@@ -37,7 +38,6 @@ from .component_metrics import (
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
 from .tcp_callhome import open_tcp_sink
-from .annotated import Annotated
 from .transport import (
     ACK_BUSY,
     ACK_REFUSED,

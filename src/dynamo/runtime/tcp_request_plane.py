@@ -328,7 +328,7 @@ class TcpRequestPlane:
         self.fallback = fallback
         self.serving = fallback if serve_on_fallback else None
         self.handlers: dict[str, RequestHandler] = {}
-        self.server_conns: set[ServerConnection] = set()
+        self.server_conns: set[ServerConnection | V1ServerConnection] = set()
         self.pending = 0  # bytes held in unfinished requests over all server connections (MAX_PENDING)
         self._server: asyncio.AbstractServer | None = None
         self._advertised = ""

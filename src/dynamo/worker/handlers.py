@@ -65,8 +65,8 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
             link_contexts(context, v1_ctx)
             stream = v1_token_stream(engine, request, v1_ctx, check_model)
             try:
-                async for item in stream:
-                    yield item
+                async for v1_item in stream:
+                    yield v1_item
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             return

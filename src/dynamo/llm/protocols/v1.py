@@ -20,7 +20,6 @@ from dynamo.errors import RequestError
 
 from .common import EngineOutput, PreprocessedRequest, finish_error_message
 
-
 V1_OUTPUT_KEY = "output_type"  # every 1.x LLMEngineOutput has it ("text"); ours never do
 
 
