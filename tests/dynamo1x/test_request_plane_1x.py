@@ -172,3 +172,43 @@ async def test_d16_mocker_killed_mid_stream_is_an_incomplete_stream(d16_mocker_i
     with pytest.raises(StreamIncompleteError):
         async for _ in stream:
             pass
+
+
+
+def generate_records(store: Path) -> dict[int, dict]:
+    folder = store / "v1" / "instances"
+    return {r["instance_id"]: r for r in (json.loads(p.read_text()) for p in folder.iterdir()
+                                          if "%2Fgenerate%2F" in p.name)}
+
+
+async def test_a_request_migrates_off_a_d16_mocker_killed_mid_stream(tiny_chat_5k: Path, store: Path,
+                                                                     our_runtime) -> None:
+    from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
+
+    env = d16_env(store)
+    with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as first:
+        [first_id] = generate_records(store)
+        with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as second:
+            for _ in range(100):  # the second record may land a moment after the model's
+                if len(generate_records(store)) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            records = generate_records(store)
+            by_id = {first_id: first, next(i for i in records if i != first_id): second}
+            for record in records.values():
+                client = await our_client_of(our_runtime, Instance("m16", "backend", "generate",
+                                                                   record["instance_id"], record["transport"]["tcp"]))
+            while len(client.instance_ids()) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            # round-robin's first pick is the lowest id: that mocker is killed -9 after the first token
+            victim = by_id[min(client.instance_ids())]
+            engine = RemoteCoreEngine(client, SimpleRouter("round-robin"), migration_limit=1)
+            request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
+                                          stop_conditions=StopConditions(max_tokens=40))
+            outs = []
+            async for out in engine.generate(request, Context()):
+                outs.append(out)
+                if len(outs) == 1:
+                    victim.kill()
+            assert not victim.running
+            assert sum(len(o.token_ids) for o in outs) == 40 and outs[-1].finish_reason == "length"
