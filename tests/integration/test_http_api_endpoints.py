@@ -255,7 +255,6 @@ def test_responses_max_output_tokens_is_incomplete(plain: DynamoRun):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no tool-call parser
     ({"tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]}, "tools[1].type"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -364,3 +363,28 @@ def test_responses_and_embeddings_count_against_max_inflight(tiny_model: Path):
                 assert refused.status_code == 503 and refused.headers["retry-after"] == "1", (path, refused.text)
         ok = sdk(srv).responses.create(model="m", input="again")
         assert ok.output_text == "again"
+
+
+# -- continue_final_message on /v1/chat/completions ----------------------------------------------------------
+
+
+def test_continue_final_message_continues_the_last_assistant_message(plain: DynamoRun):
+    """vLLM's field: the prompt ends where the last message's content ends (no end of turn after it, no new
+    assistant turn), so the model continues that message; echo_core shows the prompt it got."""
+    turns = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "A colour: "}]
+    r = sdk(plain).chat.completions.create(model="plain", messages=turns,  # type: ignore[arg-type]
+                                           extra_body={"continue_final_message": True})
+    assert r.choices[0].message.content == "[user] Name a colour\n[assistant] A colour:"
+    closed = sdk(plain).chat.completions.create(model="plain", messages=turns)  # type: ignore[arg-type]
+    assert closed.choices[0].message.content == rendered(("user", "Name a colour"), ("assistant", "A colour: "),
+                                                         prompt=False)
+
+
+def test_continue_final_message_with_add_generation_prompt_is_a_400(plain: DynamoRun):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(plain).chat.completions.create(
+            model="plain", messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    assert err.value.body["message"] == (  # type: ignore[index]
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]

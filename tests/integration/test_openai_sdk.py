@@ -7,7 +7,9 @@ the template, tokenizer, detokenizer and stop handling did.
 
 from __future__ import annotations
 
+import httpx
 import openai
+import orjson
 import pytest
 
 from harness.proc import DynamoRun
@@ -67,11 +69,35 @@ def test_full_chat_streams_a_character_per_chunk(full: openai.OpenAI):
     assert text == "héllo"
     contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert contents == list("héllo")
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)  # role on the first only
+    # the stream opens with a role-only chunk, as OpenAI's and vLLM's do; the role is on it only
+    opening = chunks[0].choices[0]
+    assert (opening.delta.role, opening.delta.content, opening.logprobs, opening.finish_reason) == (
+        "assistant", "", None, None)
+    assert chunks[1].choices[0].delta.content == "h"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert all(c.usage is None for c in chunks)  # no usage unless asked for
     assert len({c.id for c in chunks}) == 1
+
+
+def test_core_chat_stream_opens_with_a_role_only_chunk(core: openai.OpenAI, core_server: DynamoRun):
+    """A token-level engine behind our pre/post-processing, streamed, and with n=2: each choice opens with
+    ``{"role": "assistant", "content": ""}`` and ``logprobs`` null; its first token follows in a chunk of its own."""
+    stream = core.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                          stream=True, max_tokens=3, extra_body=IGNORE_EOS)
+    _, chunks = collect(stream)
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert chunks[1].choices[0].delta.role is None and chunks[1].choices[0].delta.content
+    raw = httpx.post(f"{core_server.api_url}/chat/completions", timeout=30, json={
+        "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+        "max_tokens": 3, **IGNORE_EOS})
+    events = [orjson.loads(line[6:]) for line in raw.text.splitlines()
+              if line.startswith("data: {")]
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert mine[0] == {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}
+        assert "role" not in mine[1]["delta"] and mine[1]["delta"]["content"]
 
 
 def test_full_chat_max_tokens_gives_length(full: openai.OpenAI):

@@ -117,3 +117,14 @@ class ChatTemplate:
             raise TemplateError(f"Chat template failed to render: {e}") from None
         except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
             raise TemplateError(f"Chat template failed to render this conversation: {e}") from None
+
+
+def cut_after_final(text: str, final: Any) -> str:
+    """``continue_final_message``: the rendered text ends where the last message's content ends (what
+    transformers does), so the template's end-of-turn after it is dropped and the model continues it."""
+    body = final.strip() if isinstance(final, str) else ""
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the last message's content is not in the rendered prompt",
+                           param="continue_final_message")
+    return text[: at + len(body)]

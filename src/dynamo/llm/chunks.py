@@ -174,3 +174,61 @@ def chunk_finish_reason(chunk: dict[str, Any]) -> str | None:
     if not choices:
         return None
     return choices[0].get("finish_reason")
+
+
+CHAT_CHUNK = "chat.completion.chunk"
+
+
+def split_opening(item: Any) -> list[Any]:
+    """A chat stream's first chunk of a choice as OpenAI and vLLM send it: a role-only chunk
+    (``delta: {"role": "assistant", "content": ""}``, ``logprobs`` null) before the first token.
+
+    Why at the edge rather than in :class:`ChatChunks`: several producers build chat chunks (the pipeline,
+    the echo and mistral.rs engines, a remote Chat worker of an older build whose chunks arrive as bytes),
+    and every one puts the role on its first content chunk; clients that look for the opening chunk (or for
+    ``content`` null there) break on that.  Splitting where the route streams covers them all at the cost
+    of one look at the first chunk.  Anything that is not a chat chunk with a role and something else in
+    its delta comes back unchanged, alone.
+    """
+    if not isinstance(item, dict) or item.get("object") != CHAT_CHUNK:
+        return [item]
+    choices = item.get("choices")
+    if not choices or len(choices) != 1:
+        return [item]
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    if "role" not in delta:
+        return [item]
+    rest = {k: v for k, v in delta.items() if k != "role"}
+    carries = any(v not in (None, "") for v in rest.values()) or choice.get("logprobs") is not None \
+        or choice.get("finish_reason") is not None
+    if not carries:
+        return [item]
+    head = {k: v for k, v in item.items() if k != "choices"}
+    opening = {**head, "choices": [{"index": choice.get("index", 0), "delta": {"role": delta["role"], "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    if rest.get("content") == "" and any(k != "content" and v is not None for k, v in rest.items()):
+        rest["content"] = None  # a tool call or reasoning chunk: its content stays null, as OpenAI sends it
+    elif rest == {"content": ""}:
+        rest = {}  # nothing was generated: the finishing chunk's delta is empty, as on any later chunk
+    body = {**head, "choices": [{**choice, "delta": rest}]}
+    return [opening, body]
+
+
+async def opening_chunks(stream: Any, choices: int) -> Any:
+    """``stream`` with :func:`split_opening` applied to the first chunk of each of its ``choices``: for
+    streams whose first item may not be the one to split (``n`` > 1, annotations first)."""
+    seen: set[int] = set()
+    try:
+        async for item in stream:
+            if len(seen) < choices and isinstance(item, dict) and item.get("object") == CHAT_CHUNK \
+                    and item.get("choices"):
+                index = item["choices"][0].get("index", 0)
+                if index not in seen:
+                    seen.add(index)
+                    for part in split_opening(item):
+                        yield part
+                    continue
+            yield item
+    finally:
+        await stream.aclose()

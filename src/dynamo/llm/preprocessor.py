@@ -8,17 +8,19 @@ the context window gets a 400 like vLLM's.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.errors import ModelError, RequestError
-from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.chat_template import ChatTemplate, cut_after_final
 from dynamo.llm.constraints import check_guided, check_unhonoured, logit_bias_of, response_format_guided
 from dynamo.llm.image_prompt import image_inputs, new_marker, prompt_ids
 from dynamo.llm.media import MediaError, current_policy, image_parts, load_images
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.registry import TOOL_CALL_PARSERS, resolve
 from dynamo.llm.parsers.tool_calls.forced import named_schema, required_schema
+from dynamo.llm.parsers.tool_calls.generic import GENERIC, generic_tool_messages
 from dynamo.llm.protocols.common import (
     ImageInput,
     OutputOptions,
@@ -37,6 +39,8 @@ from dynamo.llm.protocols.openai import (
     stop_list,
 )
 from dynamo.llm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Preprocessor:
         tool, reasoning = card.tool_call_parser, card.reasoning_parser
         self._tool_parser = resolve("tool", tool, card.chat_template) if tool is not None else None
         self._reasoning_parser = resolve("reasoning", reasoning, card.chat_template) if reasoning is not None else None
+        self._generic_said = False  # the generic tool-call format's fallback is logged once per model
         if card.chat_template:
             self._template = ChatTemplate(
                 card.chat_template,
@@ -112,16 +117,22 @@ class Preprocessor:
         messages = [_template_message(m, _marked(parsed.content, marker))
                     for m, parsed in zip(raw["messages"], req.messages, strict=True)]
         add_generation_prompt = req.add_generation_prompt
-        if add_generation_prompt is None:
+        if req.continue_final_message:
+            add_generation_prompt = False
+        elif add_generation_prompt is None:
             # continue a trailing assistant message (prefill); otherwise open an assistant turn
             add_generation_prompt = req.messages[-1].role != "assistant"
         tools, tool_parser, forced = self._tools(req, raw)
+        if tool_parser == GENERIC and tools is not None:  # the template knows no tools: the prompt tells them
+            messages, tools = generic_tool_messages(messages, tools), None
         prompt = self._template.render(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             extra=req.chat_template_kwargs,
         )
+        if req.continue_final_message:  # the template's end of turn after the last message goes
+            prompt = cut_after_final(prompt, content_text(req.messages[-1].content))
         return RenderedChat(req, raw, prompt, tool_parser, forced, urls, marker)
 
     async def image_prompt(self, rendered: RenderedChat) -> tuple[list[int], list[ImageInput]]:
@@ -172,12 +183,12 @@ class Preprocessor:
             return None, None, None  # "none": the model is not told about tools, so it cannot call one
         if choice == "auto":
             if self._tool_parser is None:
-                raise RequestError(
-                    f"model {self.card.display_name!r} has no tool-call parser: its chat template does not "
-                    "show a tool-call format we know. Start it with --tool-call-parser NAME "
-                    f"({', '.join(TOOL_CALL_PARSERS)})",
-                    param="tools",
-                )
+                if not self._generic_said:
+                    self._generic_said = True
+                    log.info("model %r: its chat template shows no tool-call format we know; requests with tools "
+                             "use the generic JSON format (--tool-call-parser NAME picks one of: %s)",
+                             self.card.display_name, ", ".join(TOOL_CALL_PARSERS))
+                return tools, GENERIC, None
             return tools, self._tool_parser, None
         what = "required" if choice == "required" else "naming a function"
         if "json" not in self.card.guided_decoding:

@@ -110,10 +110,10 @@ def test_preprocessor_parsing_options(tiny_model: Path):
     assert opts is not None and opts.tool_call_parser == "hermes" and opts.parallel_tool_calls is False
     none = pre.chat(*chat(tools=TOOLS, tool_choice="none"))
     assert none.request.parsing is None and "get_weather" not in (none.formatted_prompt or "")
-    card.tool_call_parser = None  # started with --tool-call-parser none
-    with pytest.raises(RequestError) as e:
-        Preprocessor(card).chat(*chat(tools=TOOLS))
-    assert e.value.param == "tools"
+    card.tool_call_parser = None  # no format known (or --tool-call-parser none): the generic JSON format
+    generic = Preprocessor(card).chat(*chat(tools=TOOLS))
+    assert generic.request.parsing is not None and generic.request.parsing.tool_call_parser == "generic"
+    assert '"name": "get_weather"' in (generic.formatted_prompt or "")
 
 
 def test_history_with_null_content_and_string_arguments_renders(tiny_model: Path):

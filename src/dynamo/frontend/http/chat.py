@@ -20,6 +20,7 @@ from dynamo.frontend.http.sse import stream_sse
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm import first_token
 from dynamo.llm.aggregate import fold_chat, fold_completion
+from dynamo.llm.chunks import opening_chunks, split_opening
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.openai import ChatCompletionRequest, parse_chat_request, parse_completion_request
 
@@ -47,7 +48,14 @@ class ChatRoutes:
             chat = isinstance(req, ChatCompletionRequest)
             stream = model.chat(req, raw, ctx) if chat else model.completions(req, raw, ctx)
             if streaming:
-                resp, flight.ok = await stream_sse(request, stream, ctx, flight.metrics)
+                split = None
+                if chat:  # the role goes in an opening chunk of its own, as OpenAI and vLLM send it
+                    n = req.n or 1
+                    if n > 1 or (req.nvext is not None and req.nvext.annotations):
+                        stream = opening_chunks(stream, n)
+                    else:
+                        split = split_opening
+                resp, flight.ok = await stream_sse(request, stream, ctx, flight.metrics, split_first=split)
                 return resp
             stream = _metered(stream, ctx, flight.metrics)
             fold = fold_chat if chat else fold_completion

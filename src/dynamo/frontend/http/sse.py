@@ -164,11 +164,13 @@ class ChunkSink:
 
 async def stream_sse(request: web.Request, stream: AsyncIterator[Any], ctx: Context, rm: RequestMetrics,
                      fmt: SseFormat = CHUNK_EVENTS,
-                     headers: dict[str, str] | None = None) -> tuple[web.StreamResponse, bool]:
+                     headers: dict[str, str] | None = None,
+                     split_first: Callable[[Any], list[Any]] | None = None) -> tuple[web.StreamResponse, bool]:
     """Stream ``stream`` as SSE in ``fmt``; the response and whether the stream completed without error.
 
     ``stream`` is closed in every case; ``rm`` counts its tokens as they are written; ``headers`` are
-    the route's own, sent with the SSE ones.
+    the route's own, sent with the SSE ones; ``split_first`` turns the first item into the events it
+    stands for (the chat route's role-only opening chunk).
     """
     # the first item before committing to 200: start-up failures get a real status code
     try:
@@ -186,12 +188,13 @@ async def stream_sse(request: web.Request, stream: AsyncIterator[Any], ctx: Cont
         await stream.aclose()  # type: ignore[attr-defined]
         log.debug("request %s: client went away before the response started", ctx.id)
         return resp, False
-    pump = asyncio.get_running_loop().create_task(_pump(resp, request, stream, ctx, rm, first, fmt))
+    firsts = None if first is None else split_first(first) if split_first is not None else [first]
+    pump = asyncio.get_running_loop().create_task(_pump(resp, request, stream, ctx, rm, firsts, fmt))
     return resp, await pump
 
 
 async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIterator[Any], ctx: Context,
-                rm: RequestMetrics, first: Any, fmt: SseFormat) -> bool:
+                rm: RequestMetrics, firsts: list[Any] | None, fmt: SseFormat) -> bool:
     """Write the stream's items as SSE events; whether it ended without error.
 
     Each ``__anext__`` call is started here, to see whether its item is ready without waiting for it
@@ -213,10 +216,11 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
     step: Any = None  # an ``__anext__`` call that had to wait and is not finished
     ok = gone = False
     try:
-        if first is not None:
-            data = encode(first)
-            if data:
-                parts.append(data)
+        if firsts is not None:
+            for first in firsts:
+                data = encode(first)
+                if data:
+                    parts.append(data)
             anext = stream.__anext__
             in_a_row = 0
             while True:

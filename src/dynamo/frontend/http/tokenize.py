@@ -21,7 +21,7 @@ from aiohttp import web
 from dynamo.errors import RequestError
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.model_manager import ModelManager
-from dynamo.llm.chat_template import ChatTemplate
+from dynamo.llm.chat_template import ChatTemplate, cut_after_final
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.pipeline import ServedModel
 from dynamo.llm.protocols.extra import parse_detokenize_request, parse_tokenize_request
@@ -86,7 +86,7 @@ class TokenizeRoutes:
                 extra=req.chat_template_kwargs,
             )
             if req.continue_final_message:
-                text = _cut_after_final(text, messages[-1].get("content"))
+                text = cut_after_final(text, messages[-1].get("content"))
             add_special = bool(req.add_special_tokens)
         else:
             text = req.prompt or ""
@@ -134,14 +134,3 @@ def tokenizer_info(card: ModelCard) -> dict[str, Any]:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     info["chat_template"] = template
     return info
-
-
-def _cut_after_final(text: str, final: Any) -> str:
-    """``continue_final_message``: the rendered text ends where the last message's content ends (what
-    transformers does), so the template's end-of-turn after it is dropped and the model continues it."""
-    body = final.strip() if isinstance(final, str) else ""
-    at = text.rfind(body) if body else -1
-    if at < 0:
-        raise RequestError("continue_final_message: the last message's content is not in the rendered prompt",
-                           param="continue_final_message")
-    return text[: at + len(body)]

@@ -13,6 +13,7 @@ from dynamo.llm.parsers.base import ToolCallParser
 from dynamo.llm.parsers.harmony import HarmonyParser
 from dynamo.llm.parsers.reasoning import ThinkParser, deepseek_r1, qwen3
 from dynamo.llm.parsers.tool_calls.deepseek_v3 import CALLS_BEGIN, DeepSeekV3Parser
+from dynamo.llm.parsers.tool_calls.generic import GENERIC, GenericJsonParser
 from dynamo.llm.parsers.tool_calls.hermes import HermesParser
 from dynamo.llm.parsers.tool_calls.llama3_json import Llama3JsonParser
 from dynamo.llm.parsers.tool_calls.mistral import MistralParser
@@ -25,6 +26,7 @@ TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "pythonic": PythonicParser,
     "deepseek_v3": DeepSeekV3Parser,
     "harmony": HarmonyParser,
+    GENERIC: GenericJsonParser,  # ours: the fallback for templates that show no format (tool_calls/generic.py)
 }
 REASONING_PARSERS: dict[str, Callable[..., ThinkParser | HarmonyParser]] = {
     "deepseek_r1": deepseek_r1,

@@ -98,6 +98,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
+    # vLLM's: the last (assistant) message is continued, not closed: the prompt ends where its content ends
+    continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -122,6 +124,9 @@ def parse_chat_request(raw: Any) -> ChatCompletionRequest:
         )
     check_image_count(image_parts(raw["messages"]), current_policy())  # --limit-mm-per-prompt
     _validate_common(req)
+    if req.continue_final_message and req.add_generation_prompt:  # vLLM's answer, word for word
+        raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           param="continue_final_message")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise RequestError("max_completion_tokens must be at least 1", param="max_completion_tokens")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
