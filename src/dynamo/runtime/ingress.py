@@ -121,7 +121,8 @@ class Ingress:
             log.warning("%s: undecodable request: %s", self.name, exc)
             if metrics is not None:
                 metrics.error(ERROR_DESERIALIZATION)
-            await request.respond(b"")
+            # a 1.x client is told why (its ack is text); nothing will stream back either way
+            await request.respond(f"Decode error: {exc}".encode() if getattr(request, "v1", False) else b"")
             return
         if not self.accepting:
             await request.respond(REFUSED)  # the client treats it like "no responders"
