@@ -19,6 +19,10 @@ The request, the acks and what they mean are the NATS plane's, so :mod:`.client`
 are the same for both. What TCP adds: a refused connect, or a connection that closes before the ack,
 is "no responders" at once (the worker is gone); a frozen worker (SIGSTOP) still accepts connections in
 its kernel and acks nothing, so it is caught by the ack timeout exactly as over NATS.
+
+Dynamo 1.x peers (docs/runtime.md, "Dynamo 1.x on the request plane"): the same port takes 1.x's framing,
+told apart by a connection's first two bytes and handed to :mod:`.v1_request_plane`; an instance whose
+address is 1.x's (``host:port/{id:x}/{ns}/{comp}/{ep}``, no scheme) is sent to in 1.x's framing.
 """
 
 from __future__ import annotations
