@@ -141,3 +141,34 @@ async def test_an_unknown_endpoint_is_no_responders_and_a_full_worker_is_busy(ru
     with pytest.raises(WorkerBusyError):
         await client.direct({}, worker.instance_id).start()
     release.set()
+
+
+async def test_the_port_tells_1x_from_ours_even_a_byte_at_a_time(runtimes, serve):
+    """A 1.x request trickling in one byte per write: the worker waits for the second byte to tell the wires
+    apart, then acks it; a path that names no endpoint here gets 1.6.1's refusal text."""
+    from dynamo.runtime.transport import encode_request
+    from dynamo.runtime.v1_wire import AckDecoder, encode_request_message
+
+    worker = await runtimes()
+
+    async def gen(request):
+        yield {"ok": True}
+
+    ident = EndpointId("v1s", "backend", "generate")
+    await serve(worker.namespace("v1s").component("backend").endpoint("generate"), gen)
+    ours = Instance.from_json((await worker.discovery().get(ident.instance_key(worker.instance_id))).value)
+    host, _, port = ours.subject.partition("://")[2].partition("/")[0].rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    conn = {"transport": "tcp_server", "info": {"address": "127.0.0.1:9", "subject": "s", "context": "r",
+                                                "stream_type": "response"}}
+    unknown = encode_request_message(v1_path(worker.instance_id, "v1s", "backend", "nope"), {},
+                                     encode_request("r", conn, b"{}"))
+    for i in range(len(unknown)):
+        writer.write(unknown[i:i + 1])
+        await writer.drain()
+    acks = AckDecoder()
+    got: list[bytes] = []
+    while not got:
+        got = acks.feed(await asyncio.wait_for(reader.read(100), 5))
+    assert got == [f"Unknown endpoint: {v1_path(worker.instance_id, 'v1s', 'backend', 'nope')}".encode()]
+    writer.close()
