@@ -1,5 +1,9 @@
 """Frontend discovery (``out=dyn``): follow ``models/`` in etcd and keep the ModelManager in step.
 
+Dynamo 1.x workers' models (``v1/mdc``) are followed too, translated into entries of ours
+(llm/v1_card.py), in one watch with ours (runtime/v1_discovery.py): a worker of ours writes both, and its
+own entry wins; a model served by workers of both kinds is one model over all their instances.
+
 A model appears when its first worker registers and disappears when its last one goes (each worker's
 entry is bound to its lease, so a dead worker's entry vanishes when the lease expires; the transport
 notices sooner and routes around it).  A name registered on several endpoints is served from all of
@@ -25,8 +29,11 @@ from dynamo.frontend.prefill_pool import PrefillPool
 from dynamo.frontend.remote import QueuePolicy, RouterConfig
 from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.llm.v1_card import translate_model
 from dynamo.run_config import RunConfig
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.v1_discovery import MergedWatch
+from dynamo.runtime.v1_records import models_prefix
 
 if TYPE_CHECKING:  # the HTTP service's metrics: the frontend package imports it only to annotate
     from dynamo.frontend.http.metrics import FrontendMetrics
@@ -53,6 +60,7 @@ class ModelWatcher:
         self.runtime = runtime
         # entries are keyed models/<namespace>/...: one namespace is a narrower watch, nothing to filter
         self.prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
+        self.v1_prefix = models_prefix(namespace)  # Dynamo 1.x workers' models
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
@@ -85,7 +93,9 @@ class ModelWatcher:
         return self.worker_metrics.observer(name, self.metrics.migrated)
 
     async def start(self) -> None:
-        self._watch = await self.runtime.discovery().watch_prefix(self.prefix).start()
+        store = self.runtime.discovery()
+        self._watch = await MergedWatch(self.prefix, store.watch_prefix(self.prefix), store.watch_prefix(self.v1_prefix),
+                                        translate_model).start()
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:

@@ -25,9 +25,10 @@ from dynamo.frontend.remote import (
     RouterPolicy,
     SimpleRouter,
 )
-from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, load_card
+from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.pipeline import CorePipeline, FullPipeline
+from dynamo.llm.v1_card import load_entry_card
 
 EndpointKey = tuple[str, str, str]  # (namespace, component, endpoint)
 
@@ -80,7 +81,7 @@ class ModelBuilder:
         """The served model and its pipeline for the first entry of a name; None for a model type this
         frontend does not serve."""
         client = ModelClient([await self.client_for(ep_key)])
-        card = await load_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
+        card = await load_entry_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
         observer = self._observer(entry.name)  # per-worker timing and migration counts on /metrics
         card.display_name = entry.name
         served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
@@ -114,7 +115,7 @@ class ModelBuilder:
     async def build_prefill(self, key: str, entry: ModelEntry, ep_key: EndpointKey) -> RemoteModel:
         """A model's first prefill worker: its own client and router (KV-aware under kv mode)."""
         client = ModelClient([await self.client_for(ep_key)])
-        card = await load_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
+        card = await load_entry_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
         served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
         served.router = await self.make_router(entry, card, client)
         # no migration and no waiting for a prefill: when it fails or every prefill worker is full, the

@@ -56,6 +56,7 @@ from .request_plane import NoResponders, RequestPlane, RequestPlaneError
 from .response_streams import ResponseStreams
 from .tcp_listener import TcpResponseServer
 from .transport import ACK_BUSY, PING, StreamState, encode_request
+from .v1_discovery import watch_instances
 from .v1_wire import encode_msgpack, encode_v1_request, is_v1_address
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class Client:
         # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
         if self.discovery is None:
             raise ValueError("a client that follows instances needs a discovery store (or static=True)")
-        self._watch = await self.discovery.watch_prefix(self.endpoint_id.etcd_prefix + ":").start()
+        # our instance records, and Dynamo 1.x workers' v1/instances records as Instances (v1_discovery.py)
+        self._watch = await watch_instances(self.discovery, self.endpoint_id).start()
         for kv in self._watch.initial:
             self._apply_put(kv.key, kv.value)
         self._recompute()

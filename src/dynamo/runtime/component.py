@@ -3,7 +3,9 @@
 
 A component is a service of the request plane (name ``slug(ns_comp)``); each served endpoint is served
 there as ``<ep>-<lease_hex>``, so over NATS its request subject is ``<service>.<ep>-<lease_hex>``.
-Serving also writes the Instance record under the primary lease in discovery, so clients find it.
+Serving also writes the Instance record under the primary lease in discovery, so clients find it, and,
+for an endpoint on the TCP request plane, Dynamo 1.x's ``v1/instances`` record of it too (written after
+ours, so a frontend of ours that reads both sees ours first: v1_discovery.py), so 1.x frontends find it.
 
 The handles hold a :class:`RuntimeHandle`: the runtime's parts they use (settings, lease, planes,
 discovery), not the runtime's class, so this module does not depend on the module that builds a runtime.
@@ -25,6 +27,7 @@ from .kv_store import KeyValueStore
 from .names import EndpointId, component_event_subject, component_service_name, namespace_event_subject
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
+from .v1_discovery import publish_endpoint
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
@@ -148,13 +151,14 @@ class Endpoint:
         served = await runtime.request_plane().serve(self.component.service_name, self.id.endpoint_name(lease),
                                                      ingress.on_request)  # live before anyone is told
         store = None if runtime.is_static else runtime.discovery()
-        key = None
+        key = v1_key = None
         try:
             if store is not None:
                 key = self.id.instance_key(lease)
                 created = await store.create(key, Instance.for_endpoint(self.id, lease, served.address).to_json(), lease=True)
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
+                v1_key = await publish_endpoint(store, self.id, lease, served.address)
             log.info("serving %s at %s", self.id, served.address)
             if system is not None:
                 system.set_endpoint(self.name, True)
@@ -166,11 +170,13 @@ class Endpoint:
             if system is not None:
                 system.set_endpoint(self.name, False)
             await served.stop()
-            if key is not None and store is not None:
+            for registered in (v1_key, key):
+                if registered is None or store is None:
+                    continue
                 try:
-                    await store.delete(key)
+                    await store.delete(registered)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway
-                    log.debug("deleting %s failed: %s", key, exc)
+                    log.debug("deleting %s failed: %s", registered, exc)
             if drain_timeout is None:
                 drain_timeout = runtime.settings.graceful_shutdown_timeout
             timeout = drain_timeout if graceful_shutdown else 0

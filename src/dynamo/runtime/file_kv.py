@@ -8,6 +8,8 @@ Layout under the root (``DYN_FILE_KV``, default ``$TMPDIR/dynamo_store_kv``)::
     leases/<hex id>              {"id", "ttl", "expires": wall-clock seconds, "pid"}
     revision                     the store's revision counter
     lock                         flock'ed around every change, by every process
+    v1/<bucket>/<encoded key>    keys starting ``v1/``: Dynamo 1.x's records in 1.x's own format, no lock,
+                                 alive while touched (:mod:`.file_v1`)
 
 Why files and one lock: the processes of one host need to agree on who is alive without a server to
 start. Every change takes the lock (``fcntl.flock``: released by the kernel when its holder dies, even by
@@ -39,6 +41,7 @@ from urllib.parse import quote
 import orjson
 
 from .discovery import KeyValue
+from .file_v1 import V1Files, is_v1_key
 from .store_dir import FileStoreError, make_private_dir, open_private, write_private
 
 __all__ = ["FileKv", "FileStoreError", "check_writable", "key_file_name", "write_atomically"]
@@ -84,6 +87,7 @@ class FileKv:
         # file name -> ((inode, mtime, size), record): a file is read again only when it was replaced
         self._cache: dict[str, tuple[tuple[int, int, int], KeyValue]] = {}
         self._cache_lock = threading.Lock()
+        self.v1 = V1Files(self.root)  # keys under v1/, shared with Dynamo 1.x processes
 
     # ------------------------------------------------------------------ primitives
 
@@ -203,7 +207,7 @@ class FileKv:
     # ------------------------------------------------------------------ reads (no lock)
 
     def get(self, key: str) -> KeyValue | None:
-        return self._current(key)
+        return self.v1.get(key) if is_v1_key(key) else self._current(key)
 
     def get_prefix_with_revision(self, prefix: str) -> tuple[list[KeyValue], int]:
         """The live keys under ``prefix`` (by key) and the revision read before listing them."""
@@ -212,6 +216,7 @@ class FileKv:
         leases = self.lease_expiries()
         kvs = [kv for kv in self._all_keys()
                if kv.key.startswith(prefix) and (not kv.lease or leases.get(kv.lease, 0.0) > now)]
+        kvs.extend(self.v1.list(prefix))
         kvs.sort(key=lambda kv: kv.key)
         return kvs, revision
 
@@ -226,11 +231,22 @@ class FileKv:
         self._write_key(KeyValue(key, value, created, rev, version, lease))
         return rev
 
+    def _check_lease(self, lease: int) -> None:
+        if lease and not self._lease_alive(lease):
+            raise FileStoreError(f"lease {lease:x} not found in the file store (expired or revoked)")
+
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        if is_v1_key(key):
+            self._check_lease(lease)
+            self.v1.put(key, value, lease)
+            return self.revision()
         with self.locked():
             return self._write(key, value, lease, self._current(key))
 
     def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        if is_v1_key(key):
+            self._check_lease(lease)
+            return self.v1.create(key, value, lease)
         with self.locked():
             if self._current(key) is not None:
                 return False
@@ -238,6 +254,9 @@ class FileKv:
             return True
 
     def put_if_changed(self, key: str, value: bytes, lease: int) -> bool:
+        if is_v1_key(key):
+            self._check_lease(lease)
+            return self.v1.put_if_changed(key, value, lease)
         with self.locked():
             old = self._current(key)
             if old is not None and old.value == value and old.lease == lease:
@@ -246,6 +265,8 @@ class FileKv:
             return True
 
     def delete(self, key: str) -> int:
+        if is_v1_key(key):
+            return self.v1.delete(key)
         with self.locked():
             live = self._current(key) is not None
             self._unlink_key(key)
@@ -254,13 +275,14 @@ class FileKv:
             return int(live)
 
     def delete_prefix(self, prefix: str) -> int:
+        gone = self.v1.delete_prefix(prefix)
         with self.locked():
-            kvs, _ = self.get_prefix_with_revision(prefix)
+            kvs = [kv for kv in self.get_prefix_with_revision(prefix)[0] if not is_v1_key(kv.key)]
             for kv in kvs:
                 self._unlink_key(kv.key)
             if kvs:
                 self._bump()
-            return len(kvs)
+            return len(kvs) + gone
 
     def grant_lease(self, ttl: int, lease_id: int = 0) -> int:
         with self.locked():
@@ -297,6 +319,7 @@ class FileKv:
         gone = [kv.key for kv in self._all_keys() if kv.lease == lease_id]
         for key in gone:
             self._unlink_key(key)
+        self.v1.drop_lease(lease_id)  # this process's v1/ files of it (others' go stale by themselves)
         return len(gone)
 
     def _expire(self, lease_id: int) -> None:
@@ -306,9 +329,19 @@ class FileKv:
         with contextlib.suppress(FileNotFoundError):
             self._lease_path(lease_id).unlink()
 
+    def touch_v1(self) -> None:
+        """Keep this process's ``v1/`` files alive while their leases live (1.x readers go by mtime)."""
+        alive = {lease for lease in self.v1.leases() if self._lease_alive(lease)}
+        self.v1.touch(alive)
+
     def clean_up(self) -> int:
-        """Delete every expired lease with its keys, and keys whose lease file is gone (a crash between
-        the two deletions); how many keys went. Cheap when there is nothing to do: no lock taken."""
+        """Delete every expired lease with its keys, keys whose lease file is gone (a crash between the two
+        deletions) and stale ``v1/`` files; how many keys went. Cheap when there is nothing to do: no lock
+        taken."""
+        reaped = self.v1.reap()
+        return reaped + self._clean_up_leases()
+
+    def _clean_up_leases(self) -> int:
         now = time.time()
         leases = self.lease_expiries()
         expired = {lid for lid, expires in leases.items() if expires <= now}

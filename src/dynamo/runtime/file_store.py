@@ -5,6 +5,10 @@ The directory's format, locking and lease expiry are :mod:`.file_kv`; watches ar
 This class runs the directory work in worker threads (a file lock may wait on another process; the
 event loop never does) and opens the store by deleting what crashed processes left behind.
 
+Keys under ``v1/`` are Dynamo 1.x's records in 1.x's own files (:mod:`.file_v1`), so 1.6.1 processes
+using the same directory and ours see each other; this class keeps the ones it wrote alive by touching
+them every few seconds, as 1.x does, for as long as their lease lives.
+
 One host only: the lock is ``flock`` and expiry compares wall clocks, neither of which holds across
 machines (or on most network file systems). A fleet that spans hosts uses etcd.
 """
@@ -17,8 +21,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from dynamo.aio import cancel_and_wait
+
 from .discovery import KeyValue
 from .file_kv import FileKv, FileStoreError, check_writable
+from .file_v1 import TOUCH_PERIOD, is_v1_key
 from .file_watch import DEFAULT_TICK, DirectoryWatcher, FileWatch
 from .store_dir import secure_store_dir
 
@@ -48,6 +55,7 @@ class FileStore:
         self._poll_interval = poll_interval
         self._kv: FileKv | None = None
         self._watcher: DirectoryWatcher | None = None
+        self._v1_keeper: asyncio.Task[None] | None = None
 
     @property
     def kv(self) -> FileKv:
@@ -76,18 +84,36 @@ class FileStore:
                      self.root, stale)
 
     async def close(self) -> None:
+        await cancel_and_wait(self._v1_keeper)
+        self._v1_keeper = None
         if self._watcher is not None:
             await self._watcher.close()
             self._watcher = None
 
+    def _keep_v1(self, key: str) -> None:
+        """A ``v1/`` key was written: make sure this process touches its files (1.x reads mtimes)."""
+        if is_v1_key(key) and self._v1_keeper is None:
+            self._v1_keeper = asyncio.get_running_loop().create_task(self._touch_v1(), name="file-store-v1-touch")
+
+    async def _touch_v1(self) -> None:
+        while True:
+            await asyncio.sleep(TOUCH_PERIOD)
+            try:
+                await asyncio.to_thread(self.kv.touch_v1)
+            except OSError as exc:  # the directory went away: keep trying, as the lease keeper does
+                log.warning("file store %s: cannot keep the v1/ records alive (%s)", self.root, exc)
+
     # ---- keys
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        self._keep_v1(key)
         return await asyncio.to_thread(self.kv.put, key, value, lease)
 
     async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        self._keep_v1(key)
         return await asyncio.to_thread(self.kv.create, key, value, lease)
 
     async def put_if_changed(self, key: str, value: bytes, lease: int) -> bool:
+        self._keep_v1(key)
         return await asyncio.to_thread(self.kv.put_if_changed, key, value, lease)
 
     async def get(self, key: str) -> KeyValue | None:

@@ -99,7 +99,10 @@ class DirectoryWatcher:
         import watchfiles  # the Rust notify watcher; imported only by processes that watch
 
         try:
-            async for _changes in watchfiles.awatch(self.kv.keys_dir, debounce=DEBOUNCE_MS, step=10,
+            # our keys, and the v1/ buckets that Dynamo 1.x processes write too (one made later by another
+            # process is seen at the next tick)
+            paths = [self.kv.keys_dir, *self.kv.v1.bucket_dirs()]
+            async for _changes in watchfiles.awatch(*paths, debounce=DEBOUNCE_MS, step=10,
                                                     stop_event=self._stop, watch_filter=None, recursive=False):
                 self._dirty.set()
         except asyncio.CancelledError:

@@ -16,6 +16,8 @@ DYN_SCHEME = "dyn://"
 INSTANCE_ROOT = "instances"
 
 _SLUG_BAD = re.compile(r"[^a-z0-9_-]")
+# a Dynamo 1.x worker's TCP address: ``host:port/{instance_id:x}/{ns}/{comp}/{ep}`` (no scheme)
+_V1_TCP_ADDRESS = re.compile(r"^[^/\s]+:\d+/[0-9a-f]+/[^/]+/[^/]+/[^/]+$")
 _SPLIT = re.compile(r"[./]")
 
 
@@ -30,6 +32,13 @@ def slugify(name: str) -> str:
 def lease_hex(lease_id: int) -> str:
     """Instance id as shown in keys and subjects: lowercase hex, no ``0x``, two's complement if negative."""
     return format(lease_id & 0xFFFF_FFFF_FFFF_FFFF, "x")
+
+
+def is_v1_tcp_address(address: str) -> bool:
+    """Whether an instance's address is a Dynamo 1.x TCP transport, ``host:port/{id:x}/{ns}/{comp}/{ep}``
+    (the ``tcp`` value of a ``v1/instances`` record, kept as it is): a client speaks 1.x's TCP wire to it.
+    Our own TCP addresses start with ``tcp://``; NATS subjects have no ``:port/``."""
+    return bool(_V1_TCP_ADDRESS.match(address))
 
 
 def parse_lease_hex(text: str) -> int:

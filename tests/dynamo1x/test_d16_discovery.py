@@ -1,0 +1,106 @@
+"""Discovery across the two implementations, with real processes, on the file store and on etcd: Dynamo
+1.6.1's frontend lists the model of a worker of ours (our ``v1/instances`` and ``v1/mdc`` records, its
+card's files), and our frontend lists the model of 1.6.1's mocker (its records, read and translated); each
+model goes when its worker stops. Requests across are the request plane's tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dynamo
+from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.proc import DynamoRun, DynamoWorker
+from harness.servers import EtcdServer
+
+SRC = str(Path(dynamo.__file__).resolve().parents[1])  # this checkout's code, in our child processes
+
+
+def wait_for(what: str, check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:g}s: {what}")
+
+
+@pytest.fixture(params=["file", "etcd"])
+def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
+    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param`` discovery."""
+    if request.param == "file":
+        theirs = d16_env(store)
+        yield theirs, dict(theirs, PYTHONPATH=SRC), store
+        return
+    with EtcdServer() as etcd:
+        theirs = d16_env(None, {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url})
+        yield theirs, dict(theirs, PYTHONPATH=SRC), None
+
+
+def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:
+    theirs, ours, _ = envs
+    worker = DynamoWorker("in=dyn://ours.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "ours-model",
+                          env=ours, startup_timeout=60).start()
+    try:
+        with d16_frontend(theirs, model="ours-model") as frontend:  # ready once /v1/models lists it
+            worker.stop()
+            wait_for("1.6.1's frontend drops the model of our stopped worker",
+                     lambda: "ours-model" not in models_listed(frontend.url))
+    finally:
+        worker.stop()
+
+
+def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
+    theirs, ours, store = envs
+    with DynamoRun("out=dyn", env=ours, startup_timeout=60) as frontend:
+        mocker = d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", theirs, "--speedup-ratio", "0",
+                            model_name="m16-model", store=store)
+        try:
+            wait_for("our frontend lists 1.6.1's mocker's model", lambda: "m16-model" in models_listed(frontend.base_url))
+            mocker.stop()
+            wait_for("our frontend drops the model of the stopped mocker",
+                     lambda: "m16-model" not in models_listed(frontend.base_url))
+        finally:
+            mocker.stop()
+
+
+def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path, envs) -> None:
+    """Our worker and 1.6.1's mocker serve one model on one endpoint: our frontend serves it once, over both
+    instances, and our worker (which writes both kinds of record) is one instance, not two."""
+    import httpx
+
+    theirs, ours, store = envs
+    worker = DynamoWorker("in=dyn://mix.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "shared",
+                          env=ours, startup_timeout=60).start()
+    try:
+        with d16_mocker(tiny_chat_5k, "dyn://mix.backend.generate", theirs, "--speedup-ratio", "0",
+                        model_name="shared", store=store), DynamoRun("out=dyn", env=ours, startup_timeout=60) as frontend:
+            def instances() -> list[int]:
+                body = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
+                return sorted(i["instance_id"] for i in body.get("instances", [])
+                              if i["endpoint"] == "dyn://mix.backend.generate" and "shared" in i["models"])
+
+            wait_for("our frontend serves 'shared' over both workers", lambda: len(instances()) == 2)
+            assert worker.instance_id in instances()
+            assert models_listed(frontend.base_url) == {"shared"}
+            time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third
+            assert len(instances()) == 2
+    finally:
+        worker.stop()
+
+
+def test_d16_frontend_lists_our_gguf_workers_model(tiny_chat_5k: Path, store: Path, tmp_path: Path) -> None:
+    """A GGUF model has no tokenizer.json: the worker writes the files 1.6.1 loads (tokenizer, template,
+    config) from the GGUF into its cache and names them in the card."""
+    from harness.tiny_model import build_tiny_gguf
+
+    gguf = build_tiny_gguf(tmp_path / "tiny.gguf", tiny_chat_5k)
+    theirs = d16_env(store)
+    ours = dict(theirs, PYTHONPATH=SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    with DynamoWorker("in=dyn://gg.backend.generate", "out=mocker", str(gguf), "--model-name", "gguf-model",
+                      env=ours, startup_timeout=60), d16_frontend(theirs, model="gguf-model"):
+        cached = list((tmp_path / "cache" / "dynamo" / "v1_cards").glob("*/tokenizer.json"))
+        assert len(cached) == 1
