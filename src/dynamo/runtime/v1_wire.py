@@ -39,6 +39,7 @@ from dynamo.lazyjson import LazyJson
 
 from .annotated import Annotated
 from .codec import encode_frame
+from .names import is_v1_tcp_address
 
 MSGPACK = "msgpack"
 JSON = "json"
@@ -71,8 +72,8 @@ def looks_like_v1(first: bytes) -> bool:
 
 
 def is_v1_address(address: str) -> bool:
-    """An instance address of a 1.x worker: ``host:port/{id:x}/{ns}/{comp}/{ep}``."""
-    return "://" not in address and _ADDRESS.match(address) is not None
+    """An instance address of a 1.x worker: ``host:port/{id:x}/{ns}/{comp}/{ep}`` (the one rule, names.py's)."""
+    return is_v1_tcp_address(address)
 
 
 def split_v1_address(address: str) -> tuple[str, str]:
