@@ -68,6 +68,12 @@ class RunConfig:
     # the runtime's rule: NATS when it answers, else TCP and ZMQ)
     request_plane: str | None = None
     event_plane: str | None = None
+    # worker (in=dyn://...): this many workers in this process, each with its own engine and instance id,
+    # the first after worker_start_delay seconds, the next worker_stagger seconds apart
+    # (``python -m dynamo.mocker --num-workers N --startup-time T --stagger-delay S``)
+    num_workers: int = 1
+    worker_start_delay: float = 0.0
+    worker_stagger: float = 0.0
 
     @property
     def input_kind(self) -> str:

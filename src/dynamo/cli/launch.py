@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import signal
@@ -77,12 +78,35 @@ async def run(cfg: RunConfig) -> int:
     if cfg.input_kind == "endpoint":
         from dynamo.worker.serve import run_worker
 
+        if cfg.num_workers > 1 or cfg.worker_start_delay > 0:
+            return await _run_workers(cfg, card, engine_name, stop)
         return await run_worker(cfg, card, engine_name, stop)
     model = await build_served_model(cfg, card, engine_name)
     try:
         return await _run_input(cfg, model, engine_name, stop)
     finally:
         await close_engine(model.engine)
+
+
+async def _run_workers(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
+    """``num_workers`` workers in this process (Dynamo 1.x's mocker ``--num-workers``): each its own engine,
+    runtime connection and instance id, so frontends see N workers; the worst exit status.  Worker ``i``
+    starts ``worker_start_delay + i * worker_stagger`` seconds in (the mocker's ``--startup-time``: a
+    simulated engine start, during which the worker is not registered)."""
+    from dynamo.worker.serve import run_worker
+
+    async def one(i: int) -> int:
+        delay = cfg.worker_start_delay + i * cfg.worker_stagger
+        if delay > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return 0  # stopped before this one started
+            except TimeoutError:
+                pass
+        return await run_worker(cfg, copy.copy(card), engine_name, stop)
+
+    codes = await asyncio.gather(*(one(i) for i in range(cfg.num_workers)))
+    return max(codes)
 
 
 async def _run_input(cfg: RunConfig, model: ServedModel, engine_name: str, stop: asyncio.Event) -> int:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import faulthandler
 import sys
-from typing import TYPE_CHECKING
 
 from dynamo.errors import UserError
 from dynamo.heap import startup_imports
-
-if TYPE_CHECKING:
-    from dynamo.run_config import RunConfig
+from dynamo.run_config import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +16,6 @@ def main(argv: list[str] | None = None) -> int:
     # garbage collector paused (heap.py: passes over modules being imported free nothing)
     with startup_imports():
         from dynamo.cli.flags import build_parser, parse_args
-        from dynamo.cli.logs import setup_logging
 
         if not args or all(a in ("-v", "-vv") for a in args):
             build_parser().print_help()
@@ -29,6 +25,16 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as e:
             print(f"Error: {e}", file=sys.stderr)
             return 2
+    return run_parsed(cfg)
+
+
+def run_parsed(cfg: RunConfig) -> int:
+    """Run a parsed and checked :class:`RunConfig` until done or signalled; the exit status.  ``dynamo-run``
+    parses argv into one; the Dynamo 1.x entry points (``python -m dynamo.frontend`` ..., cli/v1) build
+    theirs from 1.x's flags and come here, so both command lines start the same roles the same way."""
+    with startup_imports():
+        from dynamo.cli.logs import setup_logging
+
         setup_logging(cfg.verbosity)
         # a native library that traps while serving (llama.cpp's kernels: the engine's preflight catches
         # the usual case before the first token) leaves "Fatal Python error: Illegal instruction" and the

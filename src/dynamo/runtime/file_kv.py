@@ -367,7 +367,8 @@ class FileKv:
 
 def check_writable(root: Path) -> None:
     """A clear error when the store's directory cannot be written (read-only, wrong owner)."""
-    probe = root / f".probe-{os.getpid()}"
+    # unique per call: several runtimes of one process (the mocker's --num-workers) probe at once
+    probe = root / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         probe.write_bytes(b"")
         probe.unlink()

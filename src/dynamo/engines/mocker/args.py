@@ -18,6 +18,8 @@ class MockerArgs:
     enable_chunked_prefill: bool = True
     watermark: float = 0.01
     speedup_ratio: float = 1.0
+    # decode steps only, on top of speedup_ratio (Dynamo's mocker: speculative decoding's faster decode)
+    decode_speedup_ratio: float = 1.0
     dp_size: int = 1
     # disaggregated serving (docs/disaggregation.md): the KV state a prefill worker hands over, per prompt
     # token, and the link it crosses; 128 KiB/token is Llama-3-8B in f16, 25 GB/s an RDMA NIC's order
@@ -67,8 +69,9 @@ class MockerArgs:
         if not self.kv_transfer_bandwidth_gbps > 0 or self.kv_transfer_latency_ms < 0:
             raise UserError("--extra-engine-args: mocker kv_transfer_bandwidth_gbps must be > 0 and "
                             "kv_transfer_latency_ms >= 0")
-        if not self.speedup_ratio > 0:
-            raise UserError(f"--extra-engine-args: mocker argument speedup_ratio must be > 0, not {self.speedup_ratio}")
+        for name in ("speedup_ratio", "decode_speedup_ratio"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--extra-engine-args: mocker argument {name} must be > 0, not {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

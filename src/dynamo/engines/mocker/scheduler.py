@@ -16,7 +16,8 @@ yet computed) and ``decode`` (generating, in admission order).  Each iteration (
    are released, and it goes back to the head of ``waiting`` keeping the tokens it has produced (it
    recomputes prompt and output on re-admission; nothing is sent twice);
 5. requests that reached ``max_tokens`` release their blocks;
-6. the step's simulated time is slept (divided by ``speedup_ratio``), then the outputs are delivered.
+6. the step's simulated time is slept (divided by ``speedup_ratio``; its decode part first by
+   ``decode_speedup_ratio``), then the outputs are delivered.
 
 Times (ms), from the spec: a prefill chunk of ``n`` new tokens costs ``1.25e-6 n^2 + 0.0741 n + 26.2``;
 a decode step costs ``-5.47 a^2 + 43.88 a + 19.44`` with ``a`` = active blocks / total blocks.
@@ -198,7 +199,7 @@ class Scheduler:
         budget = self.args.max_num_batched_tokens - len(decoding)
         ms += self._prefill(budget, out)
         if decoding:
-            ms += decode_time_ms(self.kv.num_active / self.kv.num_blocks)
+            ms += decode_time_ms(self.kv.num_active / self.kv.num_blocks) / self.args.decode_speedup_ratio
             for req in decoding:
                 if req in self.decode:  # it may have been pre-empted by an earlier one this step
                     self._decode_one(req, out)

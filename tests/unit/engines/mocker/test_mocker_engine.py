@@ -46,7 +46,8 @@ def test_args_defaults_and_validation():
     a = MockerArgs.from_dict(None)
     assert a.to_dict() == {"num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256,
                            "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
-                           "enable_chunked_prefill": True, "watermark": 0.01, "speedup_ratio": 1.0, "dp_size": 1,
+                           "enable_chunked_prefill": True, "watermark": 0.01, "speedup_ratio": 1.0,
+                           "decode_speedup_ratio": 1.0, "dp_size": 1,
                            "kv_bytes_per_token": 131072, "kv_transfer_bandwidth_gbps": 25.0,
                            "kv_transfer_latency_ms": 1.0}
     assert MockerArgs.from_dict({"speedup_ratio": 5, "dp_size": 2}).speedup_ratio == 5.0
@@ -55,7 +56,7 @@ def test_args_defaults_and_validation():
     msg = str(e.value)
     assert "foo" in msg and "gpu_blocks" in msg
     assert all(k in msg for k in MockerArgs.valid_keys())
-    for bad in ({"speedup_ratio": 0}, {"speedup_ratio": -1}, {"block_size": 0}, {"watermark": 1.0},
+    for bad in ({"speedup_ratio": 0}, {"speedup_ratio": -1}, {"decode_speedup_ratio": 0}, {"block_size": 0}, {"watermark": 1.0},
                 {"num_gpu_blocks": "10"}, {"enable_prefix_caching": 1}, {"dp_size": 1.5}, {"max_num_seqs": True}):
         with pytest.raises(UserError):
             MockerArgs.from_dict(bad)

@@ -94,6 +94,16 @@ def test_admission_stops_at_token_budget_without_chunking():
     assert ms == pytest.approx(prefill_time_ms(60) + decode_time_ms(s.kv.num_active / s.kv.num_blocks), rel=0.05)
 
 
+def test_decode_speedup_ratio_shortens_decode_steps_only():
+    for ratio in (1.0, 4.0):
+        s, _ = make_sched(decode_speedup_ratio=ratio)
+        s.enqueue(make_req(prompt(8), max_tokens=3))
+        prefill_ms, _ = s.step()  # prefill only: nothing was decoding when the step began
+        assert prefill_ms == pytest.approx(prefill_time_ms(8))
+        decode_ms, _ = s.step()
+        assert decode_ms == pytest.approx(decode_time_ms(s.kv.num_active / s.kv.num_blocks) / ratio)
+
+
 def test_chunked_prefill_splits_at_the_budget():
     s, _ = make_sched(max_num_batched_tokens=100, enable_chunked_prefill=True)
     reqs = [make_req(prompt(60, 1000 * i)) for i in range(3)]

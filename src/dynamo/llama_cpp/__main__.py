@@ -1,0 +1,3 @@
+from dynamo.cli.v1.llama_cpp import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from dynamo.cli.v1.mistralrs import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""``python -m dynamo.router``: Dynamo 1.x's entry point; its command line is cli/v1/router.py."""

@@ -1,0 +1,3 @@
+from dynamo.cli.v1.router import main
+
+raise SystemExit(main())

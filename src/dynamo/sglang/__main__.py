@@ -1,0 +1,3 @@
+from dynamo.cli.v1.sglang import main
+
+raise SystemExit(main())

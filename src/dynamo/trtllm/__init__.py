@@ -1,0 +1,1 @@
+"""``python -m dynamo.trtllm``: Dynamo 1.x's entry point; its command line is cli/v1/trtllm.py."""
