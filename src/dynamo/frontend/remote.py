@@ -32,6 +32,7 @@ from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
+from dynamo.llm.protocols.v1 import V1_OUTPUT_KEY, engine_output_from_v1
 from dynamo.runtime import (
     STREAM_INCOMPLETE_MESSAGE,
     InstanceNotFoundError,
@@ -257,7 +258,9 @@ class RemoteCoreEngine:
                 generated: list[int] = []  # this attempt's tokens: a resumed request carries them
                 try:
                     async for item in stream:
-                        out = EngineOutput.from_dict(item)
+                        # a Dynamo 1.x worker's LLMEngineOutput (usage and cached tokens in completion_usage)
+                        out = (engine_output_from_v1(item) if V1_OUTPUT_KEY in item
+                               else EngineOutput.from_dict(item))
                         generated += out.token_ids
                         if timing is not None and timing.first_at is None:
                             timing.first()

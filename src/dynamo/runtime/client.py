@@ -39,6 +39,7 @@ from .context import Context
 from .discovery import Discovery, DiscoveryWatch
 from .errors import (
     AckTimeoutError,
+    DynamoRuntimeError,
     EngineError,
     InstanceNotFoundError,
     NoInstancesError,
@@ -53,8 +54,10 @@ from .instance import Instance
 from .names import EndpointId, parse_lease_hex
 from .request_plane import NoResponders, RequestPlane, RequestPlaneError
 from .response_streams import ResponseStreams
+from .tcp_listener import TcpResponseServer
 from .transport import ACK_BUSY, PING, StreamState, encode_request
 from .v1_discovery import watch_instances
+from .v1_wire import encode_msgpack, encode_v1_request, is_v1_address
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,13 @@ def _encode_request(request: Any) -> bytes:
         return orjson.dumps(request)
     except TypeError:
         return msgspec.json.encode(request)
+
+
+def _encode_request_msgpack(request: Any) -> bytes:
+    """The request as a Dynamo 1.x worker reads it: msgpack, the codec 1.6 workers advertise."""
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        request = orjson.loads(request)  # JSON bytes: re-encoded (a rare caller's; ours pass dicts)
+    return encode_msgpack(request)
 
 
 class Client:
@@ -461,7 +471,15 @@ class ResponseStream:
         receiver = await client.streams.receiver()
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
-        conn = receiver.register(state)
+        v1 = is_v1_address(subject)  # a Dynamo 1.x worker: its framing and codec (runtime/v1_wire.py)
+        if not v1:
+            conn = receiver.register(state)
+        elif isinstance(receiver, TcpResponseServer):
+            conn = receiver.register(state, v1=True)
+        else:
+            raise DynamoRuntimeError(f"instance {instance_id & 0xFFFFFFFFFFFFFFFF:x} is a Dynamo 1.x worker, which "
+                                         "streams responses over TCP call-home only, and this process receives "
+                                         "them over NATS (unset DYN_RESPONSE_TRANSPORT)")
 
         def finished(s: StreamState) -> None:
             receiver.unregister(s)
@@ -475,7 +493,10 @@ class ResponseStream:
         if ctx.is_stopped():
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
-        frame = encode_request(ctx.id(), conn, _encode_request(self._request))
+        if v1:
+            frame = encode_v1_request(ctx.id(), conn, _encode_request_msgpack(self._request))
+        else:
+            frame = encode_request(ctx.id(), conn, _encode_request(self._request))
         bound = client.settings.stream_liveness
         try:
             ack = await requests.send(subject, frame, bound, state)  # or the first frame

@@ -13,9 +13,12 @@ from typing import Callable
 
 
 class Context:
-    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks")
+    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks", "v1_peer")
 
     def __init__(self, request_id: str | None = None) -> None:
+        # True when the request came from a Dynamo 1.x process (runtime/v1_wire.py): a handler answers
+        # such a peer in 1.x's shapes (worker/v1_backend.py)
+        self.v1_peer = False
         self._id = request_id or str(uuid.uuid4())
         self._stopped = False
         self._killed = False

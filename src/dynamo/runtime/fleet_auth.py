@@ -57,6 +57,10 @@ MAGIC = b"\xffdynamo-\xfffleet-1"  # 16 bytes
 NONCE_LEN = 32
 PROOF_LEN = 32
 HELLO_LEN = len(MAGIC) + NONCE_LEN
+# a peer without the secret: one of ours started without it, or a Dynamo 1.x process (1.x has no fleet secret:
+# a fleet mixing 1.x processes runs without one; docs/runtime.md, "Dynamo 1.x on the request plane")
+NO_HANDSHAKE = ("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there? a Dynamo 1.x process, "
+                "which has none?)")
 HANDSHAKE_TIMEOUT = 10.0  # a peer that has not proved itself by then is dropped
 MIN_SECRET_LEN = 16
 REFUSAL_LOG_EVERY_S = 60.0  # the same peer refused for the same reason: one warning per minute
@@ -180,10 +184,10 @@ class Handshake:
         if self._peer_nonce is None:
             if len(buf) < len(MAGIC):
                 if bytes(buf) != MAGIC[:len(buf)]:
-                    raise FleetAuthError("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there?)")
+                    raise FleetAuthError(NO_HANDSHAKE)
                 return b"", b""
             if not is_fleet_hello(buf):
-                raise FleetAuthError("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there?)")
+                raise FleetAuthError(NO_HANDSHAKE)
             if len(buf) < HELLO_LEN:
                 return b"", b""
             peer = bytes(buf[len(MAGIC):HELLO_LEN])

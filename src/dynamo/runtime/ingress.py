@@ -26,6 +26,7 @@ import orjson
 
 from dynamo.aio import abandon, finish
 
+from .annotated import Annotated
 from .codec import decode_frame
 from .component_metrics import (
     ERROR_DESERIALIZATION,
@@ -41,10 +42,10 @@ from .transport import (
     ACK_BUSY,
     ACK_REFUSED,
     FRAME_DRAINED,
-    encode_error_item,
     encode_item,
-    parse_request_control,
+    parse_request_control_full,
 )
+from .v1_wire import CODEC_KEY, JSON, MSGPACK, V1WireError, decode_body, request_codec
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +116,13 @@ class Ingress:
             metrics.received(len(request.data))
         try:
             header, body = decode_frame(request.data)
-            request_id, transport, info = parse_request_control(header)
+            request_id, transport, info, control = parse_request_control_full(header)
         except Exception as exc:
             log.warning("%s: undecodable request: %s", self.name, exc)
             if metrics is not None:
                 metrics.error(ERROR_DESERIALIZATION)
-            await request.respond(b"")
+            # a 1.x client is told why (its ack is text); nothing will stream back either way
+            await request.respond(f"Decode error: {exc}".encode() if getattr(request, "v1", False) else b"")
             return
         if not self.accepting:
             await request.respond(REFUSED)  # the client treats it like "no responders"
@@ -129,19 +131,23 @@ class Ingress:
             await request.respond(ACK_BUSY)  # the client tries another instance or queues the request
             return
         await request.respond(b"")  # ack at once; the response comes over the stream
-        task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body))
+        # a Dynamo 1.x client names its body's codec (or came over 1.x's framing): it gets 1.x's answers
+        v1 = CODEC_KEY in control or getattr(request, "v1", False)
+        codec = request_codec(control) if v1 else JSON
+        task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body, codec, v1))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    async def _serve(self, request_id: str, transport: str, info: dict, body: bytes) -> None:
+    async def _serve(self, request_id: str, transport: str, info: dict, body: bytes, codec: str = JSON,
+                     v1: bool = False) -> None:
         metrics = self.metrics
         if metrics is None:
-            await self._serve_one(request_id, transport, info, body, None)
+            await self._serve_one(request_id, transport, info, body, None, codec, v1)
             return
         start = metrics.started()
         sent = [0]  # response bytes, added up by the pump and reported once (nothing per token)
         try:
-            await self._serve_one(request_id, transport, info, body, sent)
+            await self._serve_one(request_id, transport, info, body, sent, codec, v1)
         finally:
             metrics.finished(start, sent[0])
 
@@ -150,8 +156,9 @@ class Ingress:
             self.metrics.error(error_type)
 
     async def _serve_one(self, request_id: str, transport: str, info: dict, body: bytes,
-                         sent: list[int] | None) -> None:
+                         sent: list[int] | None, codec: str = JSON, v1: bool = False) -> None:
         context = Context(request_id)
+        context.v1_peer = v1
         opener = self._openers.get(transport)
         if opener is None:
             log.error("%s: request %s wants unknown transport %r", self.name, request_id, transport)
@@ -163,6 +170,14 @@ class Ingress:
             log.warning("%s: cannot open response stream for %s: %s", self.name, request_id, exc)
             self._error(ERROR_RESPONSE_STREAM)
             return
+        if codec == MSGPACK:
+            use_msgpack = getattr(sink, "use_msgpack", None)
+            if use_msgpack is None:  # (a 1.x client only ever asks for per-stream TCP call-home)
+                sink.send_prologue(f"this worker cannot send msgpack over the {transport!r} response transport")
+                sink.finish()
+                return
+            use_msgpack()
+        encode = getattr(sink, "encode_item", encode_item)
         task = asyncio.current_task()
         takes_context = self.takes_context
 
@@ -175,8 +190,8 @@ class Ingress:
         agen = None
         try:
             try:
-                request = orjson.loads(body) if body else None
-            except orjson.JSONDecodeError as exc:
+                request = (orjson.loads(body) if codec == JSON else decode_body(body, codec)) if body else None
+            except (ValueError, V1WireError) as exc:  # orjson's and msgspec's decode errors are ValueErrors
                 log.warning("%s: request %s has an undecodable body: %s", self.name, request_id, exc)
                 self._error(ERROR_DESERIALIZATION)
                 sink.send_prologue(f"invalid request body: {exc}")
@@ -199,7 +214,8 @@ class Ingress:
         except asyncio.CancelledError:
             # kill/stop from the client, or shutdown past its grace period
             if task in self.drained and not context.is_stopped():
-                sink.write(FRAME_DRAINED)  # the client resumes the request on another worker
+                if not v1:  # (a 1.x client knows no "drained": the stream's end without completion tells it)
+                    sink.write(FRAME_DRAINED)  # the client resumes the request on another worker
                 sink.abort()
             elif context.is_killed() or not context.is_stopped():
                 sink.abort()
@@ -208,7 +224,7 @@ class Ingress:
         except Exception as exc:  # the handler raised mid-stream: report it, keep serving
             log.info("%s: handler error for %s: %s", self.name, request_id, exc)
             self._error(ERROR_GENERATE)
-            frame = encode_error_item(_message(exc))
+            frame = encode(Annotated.from_error(_message(exc)))
             if sent is not None:
                 sent[0] += len(frame)
             sink.write(frame)

@@ -28,6 +28,7 @@ from .transport import (
     encode_handshake,
     encode_prologue_error,
 )
+from .v1_wire import FRAME_COMPLETE_MSGPACK, encode_msgpack_item
 
 _loads = orjson.loads
 
@@ -55,6 +56,13 @@ class TcpSink(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.heartbeat_s = 0.0
         self.wrote = False  # something left since the heartbeat ticker last looked
+        self._complete = FRAME_COMPLETE
+
+    def use_msgpack(self) -> None:
+        """Data frames' bodies in msgpack from now on: the client is a Dynamo 1.x process that sent its
+        request in msgpack (runtime/v1_wire.py); the handshake, prologue and sentinel stay JSON headers."""
+        self.encode_item = encode_msgpack_item  # the ingress pump encodes items with the sink's own
+        self._complete = FRAME_COMPLETE_MSGPACK
 
     @classmethod
     async def connect(cls, info: dict, context: Context, timeout: float = CALL_HOME_TIMEOUT,
@@ -156,7 +164,7 @@ class TcpSink(asyncio.Protocol):
         if self.finished:
             return
         self.finished = True
-        self._batch.flush(FRAME_COMPLETE, FRAME_SENTINEL)
+        self._batch.flush(self._complete, FRAME_SENTINEL)
         if self.transport is not None:
             self.transport.close()
 

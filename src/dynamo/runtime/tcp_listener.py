@@ -27,6 +27,7 @@ from .mux import is_mux_handshake
 from .mux_listener import MuxClientProtocol
 from .tcp import HEARTBEATS_PER_BOUND, LIVENESS_TICKS, TRANSPORT_NAME, advertise_host, instance_hex, listen, tune_socket
 from .transport import CONTROL_FRAMES, StreamState
+from .v1_wire import msgpack_decode
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,18 @@ class TcpResponseServer:
                                                     "response streams"))
             self._ticker = asyncio.get_running_loop().create_task(self._check_liveness(), name="tcp-stream-liveness")
 
-    def register(self, state: StreamState) -> dict:
-        """Reserve a stream key for ``state``; returns the connection_info to put in the request."""
+    def register(self, state: StreamState, v1: bool = False) -> dict:
+        """Reserve a stream key for ``state``; returns the connection_info to put in the request.
+
+        ``v1``: the worker is a Dynamo 1.x process: the info has only its fields (no heartbeats, no
+        multiplexing: it knows neither) and the stream's data frames come in msgpack."""
         key = uuid.uuid4().hex
         state.key = key
         self.pending[key] = state
+        if v1:
+            state.msgpack = True
+            return {"transport": TRANSPORT_NAME, "info": {"address": self.address, "subject": key,
+                                                          "context": state.request_id, "stream_type": "response"}}
         info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response",
                 "heartbeat_ms": self._heartbeat_ms}
         if self.mux:
@@ -259,16 +267,22 @@ class _CallHomeProtocol(asyncio.Protocol):
             log.warning("bad frame from worker: %s", exc)
             transport.close()
             return
+        loads = msgpack_decode if state.msgpack else _loads
         for header, body in frames:
             if body:
-                msg = _loads(body)
-                ann = msg.get("data")
+                try:
+                    msg = loads(body)
+                except ValueError as exc:  # orjson's and msgspec's decode errors are ValueErrors
+                    state.fail(EngineError(f"undecodable response from the worker: {exc}"))
+                    transport.close()
+                    return
+                ann = msg.get("data") if isinstance(msg, dict) else None
                 if ann is not None:
                     if state.finished:
                         log.error("Response received after generation ended - this should never happen")
                         continue
                     state.items.append(ann)
-                elif msg.get("complete_final"):
+                elif isinstance(msg, dict) and msg.get("complete_final"):
                     state.complete()
                 else:
                     state.fail(EngineError("Empty response received - this should never happen"))

@@ -19,6 +19,10 @@ The request, the acks and what they mean are the NATS plane's, so :mod:`.client`
 are the same for both. What TCP adds: a refused connect, or a connection that closes before the ack,
 is "no responders" at once (the worker is gone); a frozen worker (SIGSTOP) still accepts connections in
 its kernel and acks nothing, so it is caught by the ack timeout exactly as over NATS.
+
+Dynamo 1.x peers (docs/runtime.md, "Dynamo 1.x on the request plane"): the same port takes 1.x's framing,
+told apart by a connection's first two bytes and handed to :mod:`.v1_request_plane`; an instance whose
+address is 1.x's (``host:port/{id:x}/{ns}/{comp}/{ep}``, no scheme) is sent to in 1.x's framing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from .mux import EnvelopeDecoder, EnvelopeTooLarge, envelope
 from .request_plane import NoResponders, RequestHandler, RequestPlaneError
 from .tcp import ANY_ADDRESS, CALL_HOME_TIMEOUT, advertise_host, listen, split_address, tune_socket
 from .transport import StreamState
+from .v1_request_plane import V1ClientConnection, V1ServerConnection, ack_result
+from .v1_wire import is_v1_address, looks_like_v1, split_v1_address
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +131,8 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
         self.decoder = EnvelopeDecoder(MAX_REQUEST)
         self.held = 0  # bytes of an unfinished request this connection counts in plane.pending
         self.tasks: set[asyncio.Future] = set()  # handlers running (kept referenced until done)
+        self._head = b""  # the first byte, while the second (which tells ours from Dynamo 1.x's) is awaited
+        self._sniffed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tune_socket(transport)
@@ -144,7 +152,32 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
             refusals((peer.rpartition(":")[0], reason), f"request plane: dropping a connection from {peer}: {what}")
             self.transport.close()
 
+    def _sniff(self, data: bytes) -> bytes | None:
+        """The connection's first bytes: ours go on here (returned), Dynamo 1.x's are handed over to a
+        :class:`V1ServerConnection` (None; also while only one byte has come)."""
+        head = self._head + data
+        if len(head) < 2:
+            self._head = head
+            return None
+        self._sniffed = True
+        self._head = b""
+        transport = self.transport
+        if transport is None or not looks_like_v1(head) or is_fleet_hello(head):
+            return head
+        conn = V1ServerConnection(self.plane, transport, MAX_PENDING)
+        self.plane.server_conns.discard(self)
+        self.plane.server_conns.add(conn)
+        self.transport = None
+        transport.set_protocol(conn)
+        conn.data_received(head)
+        return None
+
     def data_received(self, data: bytes) -> None:
+        if not self._sniffed:
+            rest = self._sniff(data)
+            if rest is None:
+                return
+            data = rest
         try:
             envelopes = self.decoder.feed(data)
         except EnvelopeTooLarge as exc:
@@ -299,13 +332,15 @@ class TcpRequestPlane:
         self.fallback = fallback
         self.serving = fallback if serve_on_fallback else None
         self.handlers: dict[str, RequestHandler] = {}
-        self.server_conns: set[ServerConnection] = set()
+        self.server_conns: set[ServerConnection | V1ServerConnection] = set()
         self.pending = 0  # bytes held in unfinished requests over all server connections (MAX_PENDING)
         self._server: asyncio.AbstractServer | None = None
         self._advertised = ""
         self._listening = asyncio.Lock()
         self._conns: dict[str, ClientConnection] = {}
         self._dialing: dict[str, asyncio.Future] = {}
+        self._v1_conns: dict[str, V1ClientConnection] = {}  # Dynamo 1.x workers, by host:port
+        self._v1_dialing: dict[str, asyncio.Future] = {}
         self._services: dict[str, Callable[[Any], Any] | None] = {}
         self._closed = False
 
@@ -347,9 +382,60 @@ class TcpRequestPlane:
         self._conns[hostport] = conn
         return conn
 
+    async def _v1_connection(self, hostport: str, timeout: float) -> V1ClientConnection:
+        conn = self._v1_conns.get(hostport)
+        if conn is not None and not conn.closed:
+            return conn
+        dialing = self._v1_dialing.get(hostport)
+        if dialing is None:  # one connection per 1.x worker process, as 1.x's own clients keep
+            dialing = self._v1_dialing[hostport] = asyncio.ensure_future(self._v1_dial(hostport))
+            dialing.add_done_callback(lambda _f: self._v1_dialing.pop(hostport, None))
+        return await asyncio.wait_for(asyncio.shield(dialing), timeout)
+
+    async def _v1_dial(self, hostport: str) -> V1ClientConnection:
+        host, port = split_address(hostport)
+        try:
+            # no fleet-secret handshake: a 1.x worker has none (docs/runtime.md, "Dynamo 1.x")
+            conn = cast(V1ClientConnection, await dial(None, hostport, host, port, lambda: V1ClientConnection(hostport),
+                                                       CALL_HOME_TIMEOUT, "request plane"))
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise NoResponders(f"{hostport}: {exc}") from None
+        self._v1_conns[hostport] = conn
+        return conn
+
+    async def _send_v1(self, address: str, payload: bytes, timeout: float, state: StreamState | None) -> bytes:
+        """A request to a Dynamo 1.x worker, in its framing, on this process's connection to it."""
+        hostport, path = split_v1_address(address)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            conn = await self._v1_connection(hostport, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no connection to {hostport} within {timeout:g}s") from None
+        if not payload:  # a ping (a probe of an instance set aside): 1.x has none; a live connection answers
+            return b""
+        fut = loop.create_future()
+        if state is not None:
+            state.set_waiter(fut)  # the stream's first frame is as good as the ack
+        headers = {"x-endpoint-path": path}
+        if state is not None:
+            headers["request-id"] = state.request_id
+        conn.send(path, headers, payload, fut)
+        try:
+            async with asyncio.timeout_at(deadline):
+                result = await fut
+        except TimeoutError:
+            raise TimeoutError(f"no acknowledgement from {address} within {timeout:g}s") from None
+        finally:
+            if state is not None:
+                state.clear_waiter(fut)
+        return ack_result(result, address) if result else b""
+
     async def send(self, address: str, payload: bytes, timeout: float, state: StreamState | None = None) -> bytes:
         if self._closed:
             raise RequestPlaneError("the request plane is closed")
+        if is_v1_address(address):
+            return await self._send_v1(address, payload, timeout, state)
         if not is_tcp_address(address):
             if self.fallback is None:
                 raise NoResponders(f"{address} is served over NATS and this process has no NATS request plane "
@@ -453,5 +539,9 @@ class TcpRequestPlane:
             if conn.transport is not None:
                 conn.transport.close()
         self._conns.clear()
+        for v1 in list(self._v1_conns.values()):
+            if v1.transport is not None:
+                v1.transport.close()
+        self._v1_conns.clear()
         if self.fallback is not None:
             await self.fallback.close()

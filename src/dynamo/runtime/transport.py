@@ -101,10 +101,17 @@ def encode_request(request_id: str, connection_info: dict, body: bytes) -> bytes
 
 def parse_request_control(header: bytes) -> tuple[str, str, dict]:
     """(request id, transport name, connection info dict) from a request frame's header."""
+    request_id, transport, info, _control = parse_request_control_full(header)
+    return request_id, transport, info
+
+
+def parse_request_control_full(header: bytes) -> tuple[str, str, dict, dict]:
+    """:func:`parse_request_control` and the whole control JSON (Dynamo 1.x adds ``payload_codec``)."""
     control = orjson.loads(header)
     conn = control.get("connection_info") or {}
     info = conn.get("info") or "{}"
-    return str(control.get("id") or ""), conn.get("transport", ""), orjson.loads(info) if isinstance(info, str) else info
+    return (str(control.get("id") or ""), conn.get("transport", ""),
+            orjson.loads(info) if isinstance(info, str) else info, control)
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -154,7 +161,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "mux_id", "_loop")
+                 "_resume", "quiet", "mux_id", "_loop", "msgpack")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -178,6 +185,7 @@ class StreamState:
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
         self.mux_id = 0  # its id on a multiplexed call-home connection (0: not offered; runtime/mux.py)
+        self.msgpack = False  # the worker (Dynamo 1.x) sends its data frames' bodies in msgpack (runtime/v1_wire.py)
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:

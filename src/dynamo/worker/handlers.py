@@ -17,6 +17,7 @@ from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.tokenizer import Tokenizer
+from dynamo.worker.v1_backend import v1_token_stream
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,22 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
     """``loras``: the engine's adapters (the engine itself, unwrapped), if it serves any."""
     tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
 
+    def check_model(model: str | None) -> None:
+        if loras is not None:
+            check_served_model(model, card.display_name, loras)
+
     async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        if context is not None and getattr(context, "v1_peer", False):
+            # a Dynamo 1.x frontend: it detokenizes itself and wants 1.x's items (worker/v1_backend.py)
+            v1_ctx = Context(context.id())
+            link_contexts(context, v1_ctx)
+            stream = v1_token_stream(engine, request, v1_ctx, check_model)
+            try:
+                async for v1_item in stream:
+                    yield v1_item
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            return
         req = PreprocessedRequest.from_dict(request)
         if loras is not None:
             check_served_model(req.model, card.display_name, loras)

@@ -1,0 +1,214 @@
+"""Dynamo 1.6.1's TCP request plane against ours, both ways, with its real processes (runtime/v1_wire.py).
+
+* Our worker served to 1.6.1's own Python client (``dynamo.runtime``'s ``client.generate`` and ``direct``):
+  its instance record is written by hand into 1.6.1's file store (``v1/instances``), as discovery will write
+  it; the worker's one port tells 1.6.1's framing from ours; a core engine answers in 1.x's token items.
+* Our client and our frontend's pipeline in front of 1.6.1's mocker: the instance built by hand from the
+  mocker's own ``v1/instances`` file; its token ids are detokenized by our pipeline; a consumer that leaves
+  sends ``kill``; a mocker killed mid-stream is :class:`StreamIncompleteError` (what migration acts on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dynamo.engines.echo import EchoCoreEngine
+from dynamo.llm.engine import Context
+from dynamo.llm.model_card import ModelCard, load_hf_folder
+from dynamo.llm.pipeline import CorePipeline
+from dynamo.llm.protocols.common import PreprocessedRequest, StopConditions
+from dynamo.llm.protocols.openai import parse_chat_request
+from dynamo.runtime import DistributedRuntime, StreamIncompleteError
+from dynamo.runtime.config import RuntimeSettings
+from dynamo.runtime.instance import Instance
+from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_wire import v1_path
+from dynamo.worker.handlers import backend_handler
+from harness.dynamo1x import d16_env, d16_mocker, d16_python
+
+D16_CLIENT = """
+import asyncio, json, sys
+from dynamo.runtime import DistributedRuntime
+
+async def main():
+    loop = asyncio.get_running_loop()
+    rt = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
+    client = await rt.endpoint(sys.argv[1]).client()
+    ids = await asyncio.wait_for(client.wait_for_instances(), 30)
+    for how in ("generate", "direct"):
+        stream = await (client.generate(json.loads(sys.argv[2])) if how == "generate"
+                        else client.direct(json.loads(sys.argv[2]), ids[0]))
+        async for item in stream:
+            print(json.dumps({how: item.data()}), flush=True)
+    rt.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def file_key(key: str) -> str:
+    """1.6.1's file store names a key's file with every non-alphanumeric byte as %XX."""
+    return "".join(c if c.isalnum() else f"%{ord(c):02X}" for c in key)
+
+
+@pytest.fixture
+async def our_runtime(tmp_path: Path):
+    rt = await DistributedRuntime.connect(RuntimeSettings(discovery_backend="file", file_kv=str(tmp_path / "ours"),
+                                                          request_plane="tcp", event_plane="zmq"))
+    yield rt
+    await rt.close()
+
+
+async def test_d16_client_streams_from_our_core_worker(store: Path, our_runtime) -> None:
+    ident = EndpointId("rp16", "backend", "generate")
+    endpoint = our_runtime.namespace(ident.namespace).component(ident.component).endpoint(ident.name)
+    card = ModelCard(display_name="echo")  # no tokenizer: a 1.x frontend detokenizes anyway
+    ready = asyncio.Event()
+    serving = asyncio.create_task(endpoint.serve_endpoint(backend_handler(card, EchoCoreEngine(delay=0)), ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    ours = Instance.from_json((await our_runtime.discovery().get(endpoint.instance_key)).value)
+    hostport = ours.subject.partition("://")[2].partition("/")[0]
+    iid = our_runtime.instance_id & 0xFFFFFFFFFFFFFFFF
+    record = {"type": "Endpoint", "component": ident.component, "endpoint": ident.name, "namespace": ident.namespace,
+              "instance_id": iid, "request_plane_codec": "msgpack",
+              "transport": {"tcp": f"{hostport}/{v1_path(iid, ident.namespace, ident.component, ident.name)}"}}
+    folder = store / "v1" / "instances"
+    folder.mkdir(parents=True)
+    path = folder / file_key(f"{ident.namespace}/{ident.component}/{ident.name}/{iid:x}")
+    path.write_text(json.dumps(record))
+
+    async def keep_alive() -> None:  # 1.6.1 treats a record untouched for 10 s as gone
+        while True:
+            await asyncio.sleep(2)
+            os.utime(path)
+
+    toucher = asyncio.create_task(keep_alive())
+    request = {"model": "echo", "token_ids": [11, 12, 13], "eos_token_ids": [],
+               "stop_conditions": {"max_tokens": 8, "stop_token_ids_visible": [13], "max_thinking_tokens": None},
+               "sampling_options": {}, "output_options": {}, "routing": {"dp_rank": 0}, "annotations": []}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(d16_python()), "-c", D16_CLIENT, "rp16.backend.generate", json.dumps(request),
+            env=d16_env(store), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        toucher.cancel()
+        serving.cancel()
+    lines = [json.loads(ln) for ln in out.decode().splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0, err.decode()[-3000:]
+    for how in ("generate", "direct"):
+        items = [ln[how] for ln in lines if how in ln]
+        assert [i["token_ids"] for i in items] == [[11], [12], [13]], err.decode()[-3000:]
+        assert items[-1]["finish_reason"] == "stop" and items[-1]["text"] is None  # 13: a visible stop id
+        assert items[-1]["completion_usage"]["total_tokens"] == 6
+
+
+@pytest.fixture
+def d16_mocker_instance(tiny_chat_5k: Path, store: Path):
+    """1.6.1's mocker (real time: 1.0 speed-up) and its instance as its v1/instances file says."""
+    with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", d16_env(store), store=store) as mocker:
+        files = [p for p in (store / "v1" / "instances").iterdir() if "%2Fgenerate%2F" in p.name]
+        record = json.loads(files[0].read_text())
+        yield mocker, Instance("m16", "backend", "generate", record["instance_id"], record["transport"]["tcp"])
+
+
+async def our_client_of(rt: DistributedRuntime, instance: Instance):
+    ident = EndpointId(instance.namespace, instance.component, instance.endpoint)
+    await rt.discovery().put(ident.instance_key(instance.instance_id), instance.to_json(), lease=True)
+    client = await rt.namespace(ident.namespace).component(ident.component).endpoint(ident.name).client()
+    await client.wait_for_instances(10)
+    return client
+
+
+async def test_our_client_and_pipeline_in_front_of_d16_mocker(d16_mocker_instance, our_runtime,
+                                                              tiny_chat_5k: Path) -> None:
+    from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
+
+    mocker, instance = d16_mocker_instance
+    client = await our_client_of(our_runtime, instance)
+    request = PreprocessedRequest(token_ids=[1, 2, 3, 4, 5], model="tiny-chat",
+                                  stop_conditions=StopConditions(max_tokens=4))
+    items = [x async for x in client.round_robin(request.to_dict())]
+    assert [len(i["token_ids"]) for i in items] == [1, 1, 1, 1, 0] and items[-1]["finish_reason"] == "length"
+    assert all(1000 <= t < 5000 for i in items for t in i["token_ids"])
+
+    # our frontend's pipeline: the remote engine turns 1.x's items into ours, the post-processor detokenizes
+    card = load_hf_folder(tiny_chat_5k)
+    engine = RemoteCoreEngine(client, SimpleRouter("round-robin"))
+    pipeline = CorePipeline("tiny-chat", card, engine)
+    raw = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+           "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [c async for c in pipeline.chat(parse_chat_request(raw), raw, Context())]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    assert text.count(" w") == 4, chunks
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+    # a consumer that leaves: "kill" reaches the mocker, which cancels the request
+    stream = client.round_robin(PreprocessedRequest(token_ids=[7, 8, 9], model="tiny-chat",
+                                                    stop_conditions=StopConditions(max_tokens=2000)).to_dict())
+    await stream.__anext__()
+    await stream.aclose()
+    await asyncio.sleep(1.0)
+    mocker.stop()
+    log = re.sub(r"\x1b\[[0-9;]*m", "", mocker.stderr_text())  # its log's colours off
+    assert 'cancellation.signal="kill"' in log
+
+
+async def test_d16_mocker_killed_mid_stream_is_an_incomplete_stream(d16_mocker_instance, our_runtime) -> None:
+    mocker, instance = d16_mocker_instance
+    client = await our_client_of(our_runtime, instance)
+    stream = client.round_robin(PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
+                                                    stop_conditions=StopConditions(max_tokens=5000)).to_dict())
+    await stream.__anext__()
+    mocker.kill()
+    with pytest.raises(StreamIncompleteError):
+        async for _ in stream:
+            pass
+
+
+
+def generate_records(store: Path) -> dict[int, dict]:
+    folder = store / "v1" / "instances"
+    return {r["instance_id"]: r for r in (json.loads(p.read_text()) for p in folder.iterdir()
+                                          if "%2Fgenerate%2F" in p.name)}
+
+
+async def test_a_request_migrates_off_a_d16_mocker_killed_mid_stream(tiny_chat_5k: Path, store: Path,
+                                                                     our_runtime) -> None:
+    from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
+
+    env = d16_env(store)
+    with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as first:
+        [first_id] = generate_records(store)
+        with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as second:
+            for _ in range(100):  # the second record may land a moment after the model's
+                if len(generate_records(store)) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            records = generate_records(store)
+            by_id = {first_id: first, next(i for i in records if i != first_id): second}
+            for record in records.values():
+                client = await our_client_of(our_runtime, Instance("m16", "backend", "generate",
+                                                                   record["instance_id"], record["transport"]["tcp"]))
+            while len(client.instance_ids()) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            # round-robin's first pick is the lowest id: that mocker is killed -9 after the first token
+            victim = by_id[min(client.instance_ids())]
+            engine = RemoteCoreEngine(client, SimpleRouter("round-robin"), migration_limit=1)
+            request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
+                                          stop_conditions=StopConditions(max_tokens=40))
+            outs = []
+            async for out in engine.generate(request, Context()):
+                outs.append(out)
+                if len(outs) == 1:
+                    victim.kill()
+            assert not victim.running
+            assert sum(len(o.token_ids) for o in outs) == 40 and outs[-1].finish_reason == "length"
