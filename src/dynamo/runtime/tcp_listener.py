@@ -30,6 +30,7 @@ from .transport import CONTROL_FRAMES, StreamState
 from .v1_wire import msgpack_decode
 
 log = logging.getLogger(__name__)
+_ANNOTATED_KEYS = frozenset(("data", "id", "event", "comment"))
 
 _loads = orjson.loads
 _PREFIX_UNPACK = struct.Struct(">QQQ").unpack_from
@@ -277,6 +278,8 @@ class _CallHomeProtocol(asyncio.Protocol):
                     transport.close()
                     return
                 ann = msg.get("data") if isinstance(msg, dict) else None
+                if state.msgpack and isinstance(ann, dict) and not ann.keys() & _ANNOTATED_KEYS:
+                    ann = {"data": ann}  # a 1.x control endpoint's answer (not Annotated): the item itself
                 if ann is not None:
                     if state.finished:
                         log.error("Response received after generation ended - this should never happen")

@@ -37,7 +37,7 @@ import orjson
 
 from dynamo.lazyjson import LazyJson
 
-from .annotated import Annotated
+from .annotated import Annotated, BareItem
 from .codec import encode_frame
 from .names import is_v1_tcp_address
 
@@ -231,7 +231,10 @@ def encode_msgpack(obj: Any) -> bytes:
 
 def encode_msgpack_item(item: Any) -> bytes:
     """One stream item as a msgpack data frame: ``{"data": <Annotated>, "complete_final": false}``."""
-    ann = item.to_dict() if isinstance(item, Annotated) else {"data": _builtins(item)}
+    if isinstance(item, BareItem):  # 1.x's control endpoints: the item itself, no Annotated layer
+        ann = _builtins(item.data())
+    else:
+        ann = item.to_dict() if isinstance(item, Annotated) else {"data": _builtins(item)}
     return encode_frame(body=_msgpack_encoder.encode({"data": ann, "complete_final": False}))
 
 

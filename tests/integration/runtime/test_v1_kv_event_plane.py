@@ -13,11 +13,21 @@ from dynamo.kv import KvRouter
 from dynamo.kv.events import stored_data
 from dynamo.kv.hashing import compute_hashes
 from dynamo.kv.publisher import emit
-from dynamo.kv.v1_events import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, decode_router_events, query_source_endpoint
+from dynamo.kv.v1_events import (
+    TOPIC_KV_EVENTS,
+    TOPIC_KV_METRICS,
+    decode_router_events,
+    dump_from_tree,
+    query_source_endpoint,
+    recovery_query,
+)
 from dynamo.kv.worker_state import WorkerKvState
 from dynamo.llm.model_entry import ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.runtime.instance import Instance
+from dynamo.runtime.names import EndpointId
 from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope
+from dynamo.runtime.v1_wire import v1_path
 from dynamo.worker.kv_publishing import V1KvPublishing
 from harness.wait import until
 
@@ -110,3 +120,28 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
         assert router.find_matches(early) == {}
     finally:
         await policy.close()
+
+
+async def test_the_recovery_endpoint_answers_a_1x_client_with_a_bare_tree_dump(make_runtime, ns):
+    """Over 1.x's TCP wire (as a 1.6.1 router asks) the answer goes without an Annotated layer
+    (runtime.annotated.BareItem: the bytes are pinned against 1.6.1's in test_v1_event_wire.py), and our
+    client reads such an answer (a 1.x control endpoint's) as the item itself."""
+    worker = await make_runtime(**PLANES["zmq"])
+    caller = await make_runtime(**PLANES["zmq"])
+    v1, state = await start_worker(worker, ns)
+    store(state, list(range(2 * BLOCK)))
+    name = query_source_endpoint(v1.kv_pub.publisher_id)
+    ident = EndpointId(ns, "backend", name)
+    key = ident.instance_key(worker.instance_id)
+    ours = Instance.from_json((await caller.discovery().get(key)).value)
+    hostport = ours.subject.partition("://")[2].partition("/")[0]
+    as_1x = Instance(ns, "backend", name, worker.instance_id,
+                     f"{hostport}/{v1_path(worker.instance_id, ns, 'backend', name)}")
+    await worker.discovery().put(key, as_1x.to_json(), lease=True)  # the record a 1.x worker would have
+    client = await caller.namespace(ns).component("backend").endpoint(name).client()
+    await until(lambda: any("://" not in i.subject for i in client.instances()), 5, "the 1.x address")
+    answers = [a async for a in client.direct(recovery_query(worker.instance_id), worker.instance_id)]
+    assert len(answers) == 1 and set(answers[0]) == {"TreeDump"}
+    assert answers[0]["TreeDump"]["last_event_id"] == 1
+    assert dump_from_tree(worker.instance_id, answers[0])["blocks"][-1][0] == compute_hashes(
+        list(range(2 * BLOCK)), BLOCK)[1][-1]

@@ -91,3 +91,20 @@ def test_bad_input_is_a_wire_error() -> None:
 
 def test_publisher_ids_fit_a_double() -> None:
     assert all(0 < new_publisher_id() <= MAX_JSON_SAFE_ID for _ in range(100))
+
+
+def test_a_bare_item_is_sent_as_1x_sends_its_recovery_answer() -> None:
+    """1.6.1's mocker answered a recovery query with ``{"data": {"TreeDump": ...}, "complete_final": false}``:
+    no Annotated layer.  A BareItem of the same answer is those bytes exactly; any other item keeps the
+    layer (1.x's LLM endpoints have it)."""
+    import msgspec
+
+    from dynamo.runtime.annotated import BareItem
+    from dynamo.runtime.codec import decode_frame
+    from dynamo.runtime.v1_wire import encode_msgpack_item
+
+    theirs = bytes.fromhex(DATA["recovery_tree_dump_item"])
+    answer = msgspec.msgpack.decode(theirs)["data"]
+    assert decode_frame(encode_msgpack_item(BareItem(answer))) == (b"", theirs)
+    wrapped = msgspec.msgpack.decode(decode_frame(encode_msgpack_item(answer))[1])
+    assert wrapped["data"] == {"data": answer}
