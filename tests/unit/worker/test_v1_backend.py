@@ -49,6 +49,23 @@ async def test_a_visible_stop_id_is_shown_and_ends_the_answer():
     assert items[-1]["finish_reason"] == "stop" and items[-1]["completion_usage"]["completion_tokens"] == 2
 
 
+async def test_max_tokens_ends_the_answer_with_length():
+    """A 1.x frontend does not cut the answer at max_tokens: the worker must (echo_core would echo on)."""
+    items = await collect(v1_request([5, 6, 7, 8], max_tokens=2))
+    assert [i["token_ids"] for i in items] == [[5], [6]]
+    assert items[-1]["finish_reason"] == "length" and items[-1]["completion_usage"]["completion_tokens"] == 2
+
+
+async def test_end_of_sequence_ends_the_answer_unless_ignored_or_too_early():
+    items = await collect(v1_request([5, 2, 7]))  # 2 is the end of sequence: not shown, finish "eos"
+    assert [i["token_ids"] for i in items] == [[5], []]
+    assert items[-1]["finish_reason"] == "eos" and items[-1]["completion_usage"]["completion_tokens"] == 1
+    ignored = await collect(v1_request([5, 2, 7], ignore_eos=True, stop_token_ids_hidden=None))
+    assert [i["token_ids"] for i in ignored][:3] == [[5], [2], [7]]
+    early = await collect(v1_request([2, 5, 2, 7], min_tokens=2))  # the first 2 comes before min_tokens
+    assert [i["token_ids"] for i in early] == [[2], [5], []]
+
+
 @pytest.mark.parametrize("change, named", [
     ({"stop_conditions": {"max_thinking_tokens": 10}}, "max_thinking_tokens"),
     ({"prompt_embeds": b"\x00"}, "prompt_embeds"),
