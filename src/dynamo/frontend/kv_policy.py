@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from dynamo.bounds import track
 from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.decision_log import DecisionLog
@@ -166,6 +167,9 @@ class KvRouterPolicy:
         self._mismatch_logged = False
         # id(request) -> (its token ids, their block hashes), from prepare() for open()
         self._prepared: dict[int, tuple[Any, tuple[list[int], list[int]]]] = {}
+        # per request, back to 0 when idle (the memory test checks: tests/integration/test_memory_bounded.py)
+        track("kv_policy_tracked_requests", self, lambda p: len(p._tracked))
+        track("kv_policy_prepared_hashes", self, lambda p: len(p._prepared))
 
     async def prepare(self, request: PreprocessedRequest) -> None:
         """Hash a long prompt before :meth:`open`, in slices that let the event loop run in between

@@ -14,14 +14,33 @@ cheaper (idle, or holding more of the prompt) still wins; among workers of equal
 prefix's longest remembered part was last sent to is taken.  It remembers the sequence hash at block
 counts 1, 2, 4, 8, ... of each routed prompt (a logarithmic number of entries per decision, so a
 4,096-token prompt of 256 blocks costs 9 dict writes), in a bounded LRU map.
+
+The bound (``DYN_KV_PREFIX_HOMES``, default 32,768 entries): an entry costs 124 bytes (the OrderedDict's
+slot and link and the hash's int, measured with tracemalloc), so 4 MB.  With unique prompts every
+decision adds ~4-9 entries, so the map fills in ~5,000 decisions and then stays flat; it was 131,072
+entries (16 MB), which at issue 43's 19 requests/s took half an hour to fill: the frontend's RSS "still
+rising" after 900 s of load was mostly this map and the segment cache.  32k entries still remember
+the last 3,600-8,000 routed prompts, minutes at the rates a tie-break helps (docs/routing.md).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Collection, Sequence
 
-DEFAULT_CAPACITY = 1 << 17  # entries: ~9 per decision, so the last ~15k decisions at least
+from dynamo.bounds import track
+
+DEFAULT_CAPACITY = 1 << 15  # entries: 4 MB; ~4-9 per decision, so the last 3,600-8,000 decisions
+CAPACITY_ENV = "DYN_KV_PREFIX_HOMES"
+
+
+def capacity_from_env() -> int:
+    raw = os.environ.get(CAPACITY_ENV, "").strip()
+    try:
+        return int(raw) if raw else DEFAULT_CAPACITY
+    except ValueError:
+        raise ValueError(f"{CAPACITY_ENV}={raw!r}: expected a number of entries") from None
 
 
 def checkpoints(n: int) -> list[int]:
@@ -39,13 +58,15 @@ def checkpoints(n: int) -> list[int]:
 class PrefixHomes:
     """Sequence hash (at a checkpoint) -> the worker a prompt with that prefix was last routed to."""
 
-    __slots__ = ("capacity", "_home")
+    __slots__ = ("capacity", "_home", "__weakref__")
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, capacity: int | None = None):
+        capacity = capacity_from_env() if capacity is None else capacity
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self._home: OrderedDict[int, int] = OrderedDict()
+        track("kv_prefix_homes", self, len)
 
     def __len__(self) -> int:
         return len(self._home)

@@ -64,6 +64,14 @@ class KvIndexer:
         self.events_applied = 0
         self.events_rejected = 0
 
+    def block_count(self) -> int:
+        """Distinct blocks known in every tier (what the workers hold: it shrinks with their evictions)."""
+        return self.tree.node_count() + sum(t.node_count() for t in self.lower.values())
+
+    def memory_bytes(self) -> int:
+        """Bytes of the index's tables, every tier (they keep their size once grown: freed slots are reused)."""
+        return self.tree.memory_bytes() + sum(t.memory_bytes() for t in self.lower.values())
+
     def tier_tree(self, tier: str) -> BlockIndex:
         if tier == DEVICE:
             return self.tree
@@ -270,6 +278,13 @@ class ApproxKvIndexer:
         self.clock = clock
         self._expiry: dict[tuple[WorkerId, int], float] = {}
         self._heap: list[tuple[float, WorkerId, int]] = []
+
+    def block_count(self) -> int:
+        """Blocks assumed cached now (each expires ``ttl`` after its last decision)."""
+        return len(self._expiry)
+
+    def memory_bytes(self) -> int:
+        return self.tree.memory_bytes()
 
     def process_routing_decision(self, worker: WorkerId, local_hashes: Sequence[int],
                                  seq_hashes: Sequence[int]) -> None:

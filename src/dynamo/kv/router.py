@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
+from dynamo.bounds import track
 from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import (
     DISK,
@@ -161,6 +162,7 @@ class KvRouter:
             self._owner = load_of._owner
             self._peer_of = load_of._peer_of
             self._peer_seen = load_of._peer_seen
+        _track_router(self)
 
     # -- per request ---------------------------------------------------------------------------
     def select(self, token_ids: Sequence[int], workers: Iterable[WorkerId],
@@ -572,6 +574,19 @@ class KvRouter:
 
     def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
         return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}
+
+
+def _track_router(router: KvRouter) -> None:
+    """Its structures in dynamo.bounds (``/debug/memory``): per request (back to 0 when idle), per worker,
+    and the index, bounded by what the workers hold (it shrinks with their ``removed`` events)."""
+    if router.owns_load:  # (a LoRA adapter's router shares these with its base model's)
+        track("kv_router_requests", router, lambda r: len(r._owner))
+        track("kv_router_peer_requests", router, lambda r: len(r._peer_of))
+        track("kv_router_request_heads", router, lambda r: len(r._heads))
+        track("kv_router_tracked_requests", router, lambda r: sum(len(t.requests) for t in r.trackers.values()))
+    track("kv_router_resync_events", router, lambda r: sum(len(v) for v in r._resync.values()))
+    track("kv_index_blocks", router, lambda r: r.indexer.block_count())
+    track("kv_index_bytes", router, lambda r: r.indexer.memory_bytes())
 
 
 def _apply_chains(tree: Any, worker_id: WorkerId, rows: Iterable[Sequence[Any]]) -> int:

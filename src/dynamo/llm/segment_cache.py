@@ -20,22 +20,34 @@ A tokenizer that breaks any of these is not cached (:func:`segmentable` says why
 the first few cached encodings are checked against a plain one, and a mismatch turns the cache off with
 a warning, so a tokenizer we misjudged costs time, never wrong ids.
 
-Segments of at least ``min_chars`` characters are kept in an LRU bounded by their total tokens.
+Segments of at least ``min_chars`` characters are kept in an LRU bounded by the bytes it holds: each
+entry's key (the segment's text), its ids and the map's own overhead, ``DYN_SEGMENT_CACHE_MB`` (default
+16) in all.  It was bounded by tokens only (4M, "about 16 MB of ids"), but the keys are the texts, as big
+as their ids or bigger: an entry of a 600-character segment of 150 tokens is 1,455 bytes, not 600
+(tracemalloc), so the 4M-token bound held 35-40 MB, and a frontend whose prompts are all unique (issue 43)
+filled it for hours.  16 MB holds some 2M tokens of long segments: a few hundred system prompts and
+conversations.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
+from dynamo.bounds import track
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_CHARS = 512
-DEFAULT_BUDGET_TOKENS = 4_000_000  # about 16 MB of ids
+DEFAULT_BUDGET_MB = 16.0  # keys, ids and the map's overhead: ~2M tokens of long segments
+BUDGET_ENV = "DYN_SEGMENT_CACHE_MB"
+ENTRY_OVERHEAD = 72  # bytes an OrderedDict entry costs besides its key and value (slot, link node)
 CHECKS = 3  # cached encodings verified against a plain encode before the cache is trusted
 
 
@@ -81,20 +93,22 @@ class SegmentCache:
     """Token ids of prompts, with the ids of their long segments remembered (thread-safe)."""
 
     def __init__(self, hf: Any, special_tokens: Sequence[str], *, min_chars: int = DEFAULT_MIN_CHARS,
-                 budget_tokens: int = DEFAULT_BUDGET_TOKENS):
+                 budget_bytes: int | None = None):
         self._hf = hf
         # leftmost-longest, as the tokenizer's own matcher
         alternatives = sorted(set(special_tokens), key=len, reverse=True)
         self._cut = re.compile("|".join(re.escape(s) for s in alternatives))
         self.min_chars = min_chars
-        self.budget_tokens = budget_tokens
+        self.budget_bytes = budget_from_env() if budget_bytes is None else budget_bytes
         self._lru: OrderedDict[str, array[int]] = OrderedDict()
-        self._tokens = 0
+        self._bytes = 0
         self._lock = threading.Lock()
         self._checks_left = CHECKS
         self.enabled = True
         self.hits = 0
         self.misses = 0
+        track("segment_cache_entries", self, len)
+        track("segment_cache_bytes", self, lambda c: c._bytes)
 
     def segments(self, text: str) -> list[str]:
         """``text`` cut right after each special token (the pieces join back to ``text``)."""
@@ -142,13 +156,14 @@ class SegmentCache:
         return ids
 
     def _remember(self, key: str, ids: array[int]) -> None:
-        if key in self._lru or len(ids) > self.budget_tokens:
+        cost = _cost(key, ids)
+        if key in self._lru or cost > self.budget_bytes:
             return
         self._lru[key] = ids
-        self._tokens += len(ids)
-        while self._tokens > self.budget_tokens:
-            _, old = self._lru.popitem(last=False)
-            self._tokens -= len(old)
+        self._bytes += cost
+        while self._bytes > self.budget_bytes:
+            old_key, old = self._lru.popitem(last=False)
+            self._bytes -= _cost(old_key, old)
 
     def _check(self, text: str, ids: list[int], plain: Callable[[str], list[int]]) -> list[int]:
         """The ids of the whole text; if the pieces' differ, the cache goes off for good."""
@@ -158,10 +173,24 @@ class SegmentCache:
             self.enabled = False
             with self._lock:
                 self._lru.clear()
-                self._tokens = 0
+                self._bytes = 0
             log.warning("tokenizing prompts piece by piece gave other ids than tokenizing them whole: "
                         "segment cache off for this tokenizer")
         return whole
 
     def __len__(self) -> int:
         return len(self._lru)
+
+
+def _cost(key: str, ids: array[int]) -> int:
+    """Bytes an entry holds: its key, its ids, the map's slot and link."""
+    return sys.getsizeof(key) + sys.getsizeof(ids) + ENTRY_OVERHEAD
+
+
+def budget_from_env() -> int:
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    try:
+        mb = float(raw) if raw else DEFAULT_BUDGET_MB
+    except ValueError:
+        raise ValueError(f"{BUDGET_ENV}={raw!r}: expected megabytes") from None
+    return int(mb * 2**20)

@@ -31,6 +31,7 @@ import msgspec
 import orjson
 
 from dynamo.aio import cancel_and_wait
+from dynamo.bounds import track
 from dynamo.lazyjson import LazyJson
 
 from .annotated import DRAINED_EVENT, ERROR_EVENT, Annotated
@@ -115,6 +116,8 @@ class Client:
         self._limits: dict[int, int] = {}  # instance -> requests it takes at once (what it announced)
         self._busy_until: dict[int, float] = {}  # instance -> loop time until which it is treated as full
         self._waiters: deque[asyncio.Future] = deque()  # callers queued for capacity, first come first served
+        track("client_streams", self, lambda c: sum(len(v) for v in c._active.values()))
+        track("client_capacity_waiters", self, lambda c: len(c._waiters))
 
     async def _start(self) -> "Client":
         if self.is_static:

@@ -18,6 +18,7 @@ import uuid
 import orjson
 
 from dynamo.aio import Acceptor
+from dynamo.bounds import track
 
 from .codec import PREFIX_LEN, FrameDecoder, FrameError
 from .errors import EngineError, StreamStalledError
@@ -57,6 +58,9 @@ class TcpResponseServer:
         self._heartbeat_ms = max(1, int(liveness * 1000 / HEARTBEATS_PER_BOUND))
         self.live: set[_CallHomeProtocol] = set()  # connected streams whose worker sends heartbeats
         self._ticker: asyncio.Task | None = None
+        track("response_streams_pending", self, lambda s: len(s.pending) + len(s.mux_pending))
+        track("response_streams_live", self, lambda s: len(s.live))
+        track("response_streams_mux", self, lambda s: sum(len(c.streams) for c in s.mux_connections))
 
     async def start(self) -> None:
         async with self._lock:

@@ -97,6 +97,22 @@ def test_response_store_is_bounded_and_evicts_the_least_recently_used():
     assert off.get("x") is None
 
 
+def test_response_store_is_bounded_in_bytes_too():
+    """1000 entries bound nothing when each holds a long conversation: the JSON they hold is bounded."""
+    def entry(rid: str, chars: int) -> Stored:
+        return Stored({"id": rid}, [{"role": "user", "content": "x" * chars}])
+
+    store = ResponseStore(1000, max_bytes=10_000)
+    for i in range(10):
+        store.put(f"r{i}", entry(f"r{i}", 3000))
+    assert len(store) == 3 and store.bytes <= 10_000
+    assert store.get("r9") is not None and store.get("r6") is None
+    store.put("big", entry("big", 20_000))  # alone more than the bound: not kept, nothing evicted for it
+    assert store.get("big") is None and len(store) == 3
+    store.put("r9", entry("r9", 10))  # replaced: its old size is given back
+    assert store.delete("r9") and store.bytes == sum(store.get(r).nbytes for r in ("r7", "r8"))
+
+
 def test_responses_input_mapping():
     req = parse_responses_request({"model": "m", "input": [
         {"role": "developer", "content": "d"},

@@ -94,14 +94,30 @@ def test_a_cache_that_gets_it_wrong_turns_itself_off(caplog):
     assert cache.encode(text, whole) == [len(text)]
 
 
-def test_the_cache_is_bounded_by_tokens():
+def test_the_cache_is_bounded_by_bytes_keys_included():
+    """The bound counts what an entry holds, its text too (it was tokens only: 2.5x more memory than
+    said); the bytes it reports are what tracemalloc sees it hold, within the map's own slack."""
+    import tracemalloc
+
+    from dynamo.bounds import sizes
+
     tok = Tokenizer(_tokenizers()[0][1])
     assert tok.segments is not None
-    tok.segments.budget_tokens = 3000
+    tok.segments.budget_bytes = 40_000
     rng = random.Random(3)
-    for _ in range(20):
-        tok.encode_prompt(f"<|im_start|>system\n{_text(rng, 300)}<|im_end|>\n")
-    assert 0 < tok.segments._tokens <= 3000
+    texts = [f"<|im_start|>system\n{_text(rng, 300)}<|im_end|>\n" for _ in range(40)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for text in texts:
+            tok.encode_prompt(text)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    reported = sizes()["segment_cache_bytes"]
+    assert 0 < tok.segments._bytes <= 40_000 and reported >= tok.segments._bytes
+    assert len(tok.segments) < 40  # some were evicted
+    assert held < 40_000 * 1.5, held
 
 
 def test_a_long_prompt_does_not_block_the_event_loop(tmp_path: Path):

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from dynamo.bounds import track
 from dynamo.errors import ServiceUnavailableError
 from dynamo.frontend.http.metrics import FrontendMetrics, RequestMetrics
 from dynamo.llm.engine import Context
@@ -37,6 +38,8 @@ class Admission:
         self.admitted = 0  # requests past the gate and not finished (some still reading their body)
         self.tasks: set[asyncio.Task[Any]] = set()  # the handlers of requests under way: shutdown waits for them
         self.contexts: set[Context] = set()  # their engines' contexts: shutdown stops them past its grace
+        track("http_requests_in_flight", self, lambda a: len(a.tasks))
+        track("http_contexts_in_flight", self, lambda a: len(a.contexts))
 
     def gate(self, endpoint: str, handler: Handler) -> Handler:
         """``handler`` behind the limit; ``endpoint`` names it in the rejection counter."""

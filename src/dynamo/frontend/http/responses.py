@@ -29,7 +29,7 @@ from dynamo.frontend.http.admission import Admission
 from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.http.metrics import RequestMetrics
 from dynamo.frontend.http.responses_output import Event, OutputItems
-from dynamo.frontend.http.responses_store import ResponseStore, Stored, store_size_from_env
+from dynamo.frontend.http.responses_store import ResponseStore, Stored, store_mb_from_env, store_size_from_env
 from dynamo.frontend.http.sse import stream_sse
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import Annotation
@@ -119,7 +119,7 @@ class ResponsesRoute:
     def __init__(self, models: ModelManager, admission: Admission):
         self.models = models
         self.admission = admission
-        self.store = ResponseStore(store_size_from_env())
+        self.store = ResponseStore(store_size_from_env(), store_mb_from_env())
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}``: a stored response as it was returned."""

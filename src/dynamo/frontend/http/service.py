@@ -19,6 +19,7 @@ from dynamo.aio import Acceptor
 from dynamo.frontend.http.admission import Admission
 from dynamo.frontend.http.body import BODY_LIMIT_KEY
 from dynamo.frontend.http.chat import ChatRoutes
+from dynamo.frontend.http.debug_memory import DebugMemoryRoute
 from dynamo.frontend.http.embeddings import EmbeddingsRoute
 from dynamo.frontend.http.errors import error_middleware
 from dynamo.frontend.http.health import HealthRoutes
@@ -86,6 +87,7 @@ class HttpService:
         router.add_get("/health", health.health)
         router.add_get("/live", health.live)
         router.add_get("/metrics", health.prometheus)
+        DebugMemoryRoute().install(router)  # only with DYN_DEBUG_MEMORY set
 
     # -- lifecycle
     async def start(self, host: str, port: int) -> None:
