@@ -125,7 +125,9 @@ def plot_svg(samples: list[dict[str, Any]], warmup: float, names: list[str], pat
 
 async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     model = build_tiny_hf_model(folder / "model", with_weights=False)
-    frontend_env = {"DYN_DEBUG_MEMORY": args.debug_memory} if args.debug_memory else {}
+    frontend_env = dict(kv.split("=", 1) for kv in args.frontend_env)
+    if args.debug_memory:
+        frontend_env["DYN_DEBUG_MEMORY"] = args.debug_memory
     with kv_fleet(model, folder, frontend_env=frontend_env) as fleet:
         pids = fleet.pids()
         base = fleet.frontend.base_url
@@ -163,6 +165,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"))
     ap.add_argument("--debug-memory", nargs="?", const="1", default="", choices=["1", "tracemalloc"],
                     help="frontend with DYN_DEBUG_MEMORY=1 (or =tracemalloc: allocation traces, ~2x slower)")
+    ap.add_argument("--frontend-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the frontend (e.g. a cache's cap), repeatable")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
