@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 
 WARMUP = 2000
 MEASURED = 4000
-CAPS = {"DYN_DEBUG_MEMORY": "1", "DYN_KV_PREFIX_HOMES": "2000", "DYN_SEGMENT_CACHE_MB": "0.25",
+CAPS = {"DYN_DEBUG_MEMORY": "1", "DYN_ROUTER_PREFIX_HOMES_SIZE": "2000", "DYN_SEGMENT_CACHE_MB": "0.25",
         "DYN_RESPONSES_STORE_SIZE": "50"}
 PER_REQUEST = ("kv_router_requests", "kv_router_tracked_requests", "kv_router_peer_requests",
                "kv_router_request_heads", "kv_router_resync_events", "kv_policy_tracked_requests",

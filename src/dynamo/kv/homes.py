@@ -15,7 +15,7 @@ prefix's longest remembered part was last sent to is taken.  It remembers the se
 counts 1, 2, 4, 8, ... of each routed prompt (a logarithmic number of entries per decision, so a
 4,096-token prompt of 256 blocks costs 9 dict writes), in a bounded LRU map.
 
-The bound (``DYN_KV_PREFIX_HOMES``, default 32,768 entries): an entry costs 124 bytes (the OrderedDict's
+The bound (``DYN_ROUTER_PREFIX_HOMES_SIZE``, default 32,768 entries): an entry costs 124 bytes (the OrderedDict's
 slot and link and the hash's int, measured with tracemalloc), so 4 MB.  With unique prompts every
 decision adds ~4-9 entries, so the map fills in ~5,000 decisions and then stays flat; it was 131,072
 entries (16 MB), which at issue 43's 19 requests/s took half an hour to fill: the frontend's RSS "still
@@ -32,7 +32,7 @@ from typing import Collection, Sequence
 from dynamo.bounds import track
 
 DEFAULT_CAPACITY = 1 << 15  # entries: 4 MB; ~4-9 per decision, so the last 3,600-8,000 decisions
-CAPACITY_ENV = "DYN_KV_PREFIX_HOMES"
+CAPACITY_ENV = "DYN_ROUTER_PREFIX_HOMES_SIZE"
 
 
 def capacity_from_env() -> int:
