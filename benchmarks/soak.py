@@ -3,7 +3,8 @@
 descriptors of every process sampled from /proc, written as JSON and plotted.
 
     PYTHONPATH=src:. .venv/bin/python -m benchmarks.soak --seconds 900 [--clients 64] [--warmup 60]
-        [--out benchmarks/results/soak] [--debug-memory]
+        [--out benchmarks/results/soak] [--debug-memory [tracemalloc]] [--infra etcd-nats]
+        [--http-workers N] [--frontend-env NAME=VALUE ...]
 
 After ``--warmup`` seconds of the same load, the figures the goal is about: each process's RSS at the end of
 warm-up, at the end, its peak, and the slope (least squares over the samples after warm-up, in MB per hour
@@ -128,7 +129,8 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     frontend_env = dict(kv.split("=", 1) for kv in args.frontend_env)
     if args.debug_memory:
         frontend_env["DYN_DEBUG_MEMORY"] = args.debug_memory
-    with kv_fleet(model, folder, frontend_env=frontend_env) as fleet:
+    with kv_fleet(model, folder, frontend_env=frontend_env, infra=args.infra,
+                  http_workers=args.http_workers) as fleet:
         pids = fleet.pids()
         base = fleet.frontend.base_url
         stats = LoadStats()
@@ -165,6 +167,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"))
     ap.add_argument("--debug-memory", nargs="?", const="1", default="", choices=["1", "tracemalloc"],
                     help="frontend with DYN_DEBUG_MEMORY=1 (or =tracemalloc: allocation traces, ~2x slower)")
+    ap.add_argument("--infra", choices=["files", "etcd-nats"], default="files",
+                    help="file discovery + TCP + ZMQ (nothing to start), or an etcd and a nats-server of its own")
+    ap.add_argument("--http-workers", type=int, default=0, help="the frontend as N processes on one port")
     ap.add_argument("--frontend-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the frontend (e.g. a cache's cap), repeatable")
     args = ap.parse_args()

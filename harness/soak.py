@@ -49,36 +49,72 @@ def proc_sample(pid: int) -> dict[str, float]:
     return {"rss_mb": rss_kb / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (``--http-workers``: the frontend processes under their parent)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 @dataclass
 class Fleet:
     frontend: DynamoRun
     workers: list[DynamoWorker]
+    infra: dict[str, int] = field(default_factory=dict)  # etcd, nats-server: name -> pid
 
     def pids(self) -> dict[str, int]:
-        out = {"frontend": self.frontend.pid}
+        """Every process to sample, by name: with ``--http-workers`` each frontend process and the parent."""
+        kids = children(self.frontend.pid)
+        out = {"frontend": self.frontend.pid} if not kids else {
+            "frontend-parent": self.frontend.pid, **{f"frontend{i}": k for i, k in enumerate(sorted(kids))}}
         out.update({f"worker{i}": w.pid for i, w in enumerate(self.workers)})
+        out.update(self.infra)
         return out
 
 
 @contextmanager
 def kv_fleet(model_dir: Path, folder: Path, *, frontend_env: dict[str, str] | None = None,
-             workers: int = 2) -> Iterator[Fleet]:
-    """The fleet, on a private file store under ``folder``; every process killed at the end."""
-    store = folder / "store"
-    store.mkdir(mode=0o700, exist_ok=True)
-    env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(store), "DYN_REQUEST_PLANE": "tcp",
-           "DYN_EVENT_PLANE": "zmq"}
+             workers: int = 2, infra: str = "files", http_workers: int = 0) -> Iterator[Fleet]:
+    """The fleet; every process killed at the end.  ``infra``: ``files`` (a private file store under
+    ``folder``, TCP request plane, ZMQ events) or ``etcd-nats`` (an etcd and a nats-server of its own);
+    ``http_workers``: the frontend as that many processes on one port (``--http-workers``)."""
+    with ExitStack() as stack:
+        servers: dict[str, int] = {}
+        if infra == "files":
+            store = folder / "store"
+            store.mkdir(mode=0o700, exist_ok=True)
+            env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(store), "DYN_REQUEST_PLANE": "tcp",
+                   "DYN_EVENT_PLANE": "zmq"}
+        elif infra == "etcd-nats":
+            from harness.servers import EtcdServer, NatsServer
+
+            etcd = stack.enter_context(EtcdServer())
+            nats = stack.enter_context(NatsServer())
+            env = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url, "DYN_DISCOVERY_BACKEND": "etcd",
+                   "DYN_REQUEST_PLANE": "nats", "DYN_EVENT_PLANE": "nats"}
+            assert etcd.proc is not None and nats.proc is not None
+            servers = {"etcd": etcd.proc.pid, "nats": nats.proc.pid}
+        else:
+            raise ValueError(f"infra {infra!r}: files or etcd-nats")
+        yield from _fleet(stack, model_dir, folder, env, frontend_env, workers, http_workers, servers)
+
+
+def _fleet(stack: ExitStack, model_dir: Path, folder: Path, env: dict[str, str],
+           frontend_env: dict[str, str] | None, workers: int, http_workers: int,
+           servers: dict[str, int]) -> Iterator[Fleet]:
     args_file = write_engine_args(folder / "mocker.json", MOCKER_ARGS)
     ws = [DynamoWorker(f"in=dyn://{MODEL}.mocker.generate", "out=mocker", str(model_dir), "--model-name", MODEL,
                        "--extra-engine-args", str(args_file), env=env) for _ in range(workers)]
-    with ExitStack() as stack:
-        running = stack.enter_context(workers_running(ws))
-        fe = DynamoRun("out=dyn", "--router-mode", "kv", "--enable-anthropic-api",
-                       env={**env, **(frontend_env or {})})
-        stack.enter_context(fe)
-        wait_for_model(fe, MODEL, ENDPOINT, workers, timeout=30)
-        assert sees_model(MODEL, workers)(fe)
-        yield Fleet(fe, running)
+    running = stack.enter_context(workers_running(ws))
+    extra = ["--http-workers", str(http_workers)] if http_workers else []
+    fe = DynamoRun("out=dyn", "--router-mode", "kv", "--enable-anthropic-api", *extra,
+                   env={**env, **(frontend_env or {})})
+    stack.enter_context(fe)
+    wait_for_model(fe, MODEL, ENDPOINT, workers, timeout=30)
+    assert sees_model(MODEL, workers)(fe)
+    yield Fleet(fe, running, servers)
 
 
 @dataclass

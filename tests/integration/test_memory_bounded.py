@@ -70,5 +70,4 @@ def test_per_request_state_returns_to_baseline_and_caches_stay_bounded(tiny_mode
     grown = after["objects_total"] - before["objects_total"]
     top = sorted(((after["objects"].get(k, 0) - before["objects"].get(k, 0), k) for k in after["objects"]),
                  reverse=True)[:8]
-    print("GROWN", grown, top, sizes)
     assert grown < 0.1 * MEASURED, f"{grown} more live objects after {MEASURED} requests; most grown: {top}"
