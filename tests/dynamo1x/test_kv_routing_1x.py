@@ -20,13 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-import dynamo
 from dynamo.kv.hashing import compute_hashes
-from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x import d16_frontend, d16_mocker, fleet_envs, models_listed
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
+from harness.wait import wait_until
 
-SRC = str(Path(dynamo.__file__).resolve().parents[1])
 BLOCK = 64  # both mockers' block size
 ROUTED = re.compile(r"route request completed.*?overlap_blocks=(\d+).*?worker_id=(\d+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -37,29 +35,13 @@ def routed(frontend) -> list[tuple[str, str]]:
     return ROUTED.findall(ANSI.sub("", frontend.stderr_text()))
 
 
-def wait_for(what: str, check, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:g}s: {what}")
 
 
 @pytest.fixture(params=["file+zmq", "etcd+zmq", "etcd+nats"])
 def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet."""
-    discovery, plane = request.param.split("+")
-    if discovery == "file":
-        theirs = d16_env(store)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), store
-        return
-    with EtcdServer() as etcd, NatsServer() as nats:
-        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane}
-        if plane == "nats":
-            extra["NATS_SERVER"] = nats.url
-        theirs = d16_env(None, extra)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), None
+    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param``."""
+    with fleet_envs(request.param, store) as envs:
+        yield envs
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -84,8 +66,8 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
             for prompt in prompts(4):
                 complete(frontend.url, prompt)
                 seen = len(routed(frontend))
-                wait_for("its router hears our worker's blocks",
-                         lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20)
+                wait_until(lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20,
+                           "its router hears our worker's blocks")
             assert {int(w) for _, w in routed(frontend)} <= ids
     finally:
         for w in workers:
@@ -108,16 +90,16 @@ def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat
     try:
         with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
                        startup_timeout=60) as frontend:
-            wait_for("our frontend lists the mockers' model", lambda: "tiny-chat" in models_listed(frontend.base_url))
+            wait_until(lambda: "tiny-chat" in models_listed(frontend.base_url), 30, "our frontend lists the mockers' model")
             for prompt in prompts(4):
                 complete(frontend.base_url, prompt)
                 blocks = compute_hashes(prompt, BLOCK)[1]
-                wait_for("our router applies the mocker's stored event",
-                         lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
-                                              for e in _lines(decisions)), 20)
+                wait_until(lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
+                                                for e in _lines(decisions)), 20,
+                           "our router applies the mocker's stored event")
                 usage = complete(frontend.base_url, prompt)["usage"]  # once: no second chance for a coin toss
                 assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-                wait_for("the repeat's decision in the log", lambda: _last_route(decisions) is not None, 5)
+                wait_until(lambda: _last_route(decisions) is not None, 5, "the repeat's decision in the log")
                 route = _last_route(decisions)
                 assert route["candidates"][route["worker"]]["overlap"] == 4, route
     finally:
@@ -149,12 +131,12 @@ def test_our_frontend_started_later_recovers_what_a_d16_mocker_holds(tiny_chat_5
         complete(first.url, prompt)  # the mocker now holds the prompt's 4 blocks
         with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
                        startup_timeout=60) as frontend:
-            wait_for("our frontend lists the mocker's model", lambda: "tiny-chat" in models_listed(frontend.base_url))
-            wait_for("our router recovers the mocker's blocks",
-                     lambda: any(e["ev"] == "route" for e in _lines(decisions)) or _recovered(frontend), 20)
+            wait_until(lambda: "tiny-chat" in models_listed(frontend.base_url), 30, "our frontend lists the mocker's model")
+            wait_until(lambda: any(e["ev"] == "route" for e in _lines(decisions)) or _recovered(frontend), 20,
+                       "our router recovers the mocker's blocks")
             usage = complete(frontend.base_url, prompt)["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-            wait_for("the decision in the log", lambda: any(e["ev"] == "route" for e in _lines(decisions)), 5)
+            wait_until(lambda: any(e["ev"] == "route" for e in _lines(decisions)), 5, "the decision in the log")
             route = [e for e in _lines(decisions) if e["ev"] == "route"][-1]
             assert route["candidates"][route["worker"]]["overlap"] == 4, route
 
