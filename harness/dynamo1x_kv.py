@@ -1,4 +1,4 @@
-"""What the interop tier's KV-routing tests share (tests/dynamo1x): prompts as token ids, the routing
+"""What the interop tier's tests share (tests/dynamo1x): prompts as token ids, the routing
 decisions each side's frontend logs, and a fleet's environments on each discovery and event plane.
 
 Both routers hash the token ids they are sent, so a prompt sent as ids is hashed exactly as written; 1.6.1's
@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,16 +32,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 @contextmanager
 def fleet_envs(name: str, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``name`` (one of KV_PLANES)."""
-    discovery, plane = name.split("+")
+    """(1.6.1's environment, ours, the file store or None) of one fleet on ``name``: ``file`` or ``etcd``
+    discovery, with ``+zmq`` or ``+nats`` its event plane (KV_PLANES; ZMQ when not named)."""
+    discovery, _, plane = name.partition("+")
     if discovery == "file":
         theirs = d16_env(store)
         yield theirs, dict(theirs, PYTHONPATH=SRC), store
         return
-    with EtcdServer() as etcd, NatsServer() as nats:
-        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane}
+    with EtcdServer() as etcd, ExitStack() as stack:
+        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane or "zmq"}
         if plane == "nats":
-            extra["NATS_SERVER"] = nats.url
+            extra["NATS_SERVER"] = stack.enter_context(NatsServer()).url
         theirs = d16_env(None, extra)
         yield theirs, dict(theirs, PYTHONPATH=SRC), None
 
