@@ -126,6 +126,14 @@ def test_a_peer_without_the_handshake_is_refused_at_its_first_bytes(first: bytes
             listener.feed(first)
 
 
+def test_a_dynamo_1x_request_is_named_in_the_refusal() -> None:
+    """A 1.x frontend has no fleet secret: the one line a worker that requires it logs says so."""
+    path = b"59f5a0430fd477b0/d16/backend/generate"
+    listener = FleetAuth(SECRET).handshake(LISTENER, ADDRESS)
+    with pytest.raises(FleetAuthError, match="a Dynamo 1.x request"):
+        listener.feed(len(path).to_bytes(2, "big") + path + b"\x00\x10")
+
+
 def test_the_derived_keys_depend_on_the_secret_only() -> None:
     assert FleetAuth(SECRET).derive("x") == FleetAuth(SECRET).derive("x") != FleetAuth(OTHER).derive("x")
     assert FleetAuth(SECRET).derive("x") != FleetAuth(SECRET).derive("y")
