@@ -423,6 +423,9 @@ class TcpRequestPlane:
 
     async def _send_v1(self, address: str, payload: bytes, timeout: float, state: StreamState | None) -> bytes:
         """A request to a Dynamo 1.x worker, in its framing, on this process's connection to it."""
+        if self.auth is not None:  # its call-home would be refused by our listener: say so now, not at a deadline
+            raise NoResponders(f"{address} is a Dynamo 1.x worker, which has no fleet secret: its response stream "
+                               "cannot reach this process, which requires DYN_FLEET_SECRET")
         hostport, path = split_v1_address(address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

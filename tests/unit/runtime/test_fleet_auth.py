@@ -236,3 +236,15 @@ async def test_a_silent_connection_is_dropped_after_the_handshake_timeout(worker
     assert is_fleet_hello(hello)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the worker
     writer.close()
+
+
+async def test_a_client_with_a_fleet_secret_refuses_to_send_to_a_1x_worker_in_one_line() -> None:
+    """A 1.x worker's call-home would be refused by our listener: the request fails at once, not at a deadline."""
+    from dynamo.runtime.request_plane import NoResponders
+    from dynamo.runtime.tcp_request_plane import TcpRequestPlane
+
+    plane = TcpRequestPlane(auth=FleetAuth(SECRET))
+    with pytest.raises(NoResponders) as e:
+        await plane.send("127.0.0.1:1/59f5a0430fd477b0/d16/backend/generate", b"x", 5)
+    assert "Dynamo 1.x worker" in str(e.value) and "DYN_FLEET_SECRET" in str(e.value) and "\n" not in str(e.value)
+    await plane.close()
