@@ -16,12 +16,10 @@ import json
 import os
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Self, Sequence
+from typing import Any, Callable, Mapping, Self, Sequence
 
 from harness.proc import ChildProcess, free_port
-from harness.servers import EtcdServer, NatsServer
 from harness.tiny_model import build_tiny_hf_model
 
 __all__ = [
@@ -33,14 +31,11 @@ __all__ = [
     "d16_mocker",
     "d16_python",
     "d16_skip_reason",
-    "fleet_envs",
-    "OUR_SRC",
 ]
 
 D16_VERSION = "1.6.1"
 TINY_VOCAB = 6000
 REPO_ROOT = Path(__file__).resolve().parents[1]
-OUR_SRC = str(REPO_ROOT / "src")  # this checkout's code, on our child processes' PYTHONPATH
 
 
 def d16_python() -> Path | None:
@@ -192,26 +187,3 @@ def d16_mocker(model_dir: Path, endpoint: str, env: Mapping[str, str], *flags: s
             folder = store / "v1" / "mdc"
             return folder.is_dir() and any(p.name.startswith(prefix) for p in folder.iterdir())
     return D16Process("mocker", args, env, ready).start()
-
-
-@contextmanager
-def fleet_envs(kind: str, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``kind``: ``file`` (or
-    ``file+zmq``), ``etcd`` (or ``etcd+zmq``: a real etcd started here) or ``etcd+nats`` (etcd and NATS, KV
-    events over NATS).  Both sides get the same variables; ours also this checkout's code."""
-    discovery, _, plane = kind.partition("+")
-    if discovery == "file":
-        theirs = d16_env(store)
-        yield theirs, dict(theirs, PYTHONPATH=OUR_SRC), store
-        return
-    with EtcdServer() as etcd, NatsServer() if plane == "nats" else _nothing() as nats:
-        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane or "zmq"}
-        if nats is not None:
-            extra["NATS_SERVER"] = nats.url
-        theirs = d16_env(None, extra)
-        yield theirs, dict(theirs, PYTHONPATH=OUR_SRC), None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None

@@ -6,21 +6,11 @@ model goes when its worker stops. Requests across are the request plane's tests.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from harness.dynamo1x import OUR_SRC, d16_env, d16_frontend, d16_mocker, fleet_envs, models_listed
+from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x_kv import SRC, wait_for
 from harness.proc import DynamoRun, DynamoWorker
-from harness.wait import wait_until
-
-
-@pytest.fixture(params=["file", "etcd"])
-def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param``."""
-    with fleet_envs(request.param, store) as envs:
-        yield envs
 
 
 def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:
@@ -30,8 +20,8 @@ def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:
     try:
         with d16_frontend(theirs, model="ours-model") as frontend:  # ready once /v1/models lists it
             worker.stop()
-            wait_until(lambda: "ours-model" not in models_listed(frontend.url), 30,
-                       "1.6.1's frontend drops the model of our stopped worker")
+            wait_for("1.6.1's frontend drops the model of our stopped worker",
+                     lambda: "ours-model" not in models_listed(frontend.url))
     finally:
         worker.stop()
 
@@ -42,10 +32,10 @@ def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
         mocker = d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", theirs, "--speedup-ratio", "0",
                             model_name="m16-model", store=store)
         try:
-            wait_until(lambda: "m16-model" in models_listed(frontend.base_url), 30, "our frontend lists 1.6.1's mocker's model")
+            wait_for("our frontend lists 1.6.1's mocker's model", lambda: "m16-model" in models_listed(frontend.base_url))
             mocker.stop()
-            wait_until(lambda: "m16-model" not in models_listed(frontend.base_url), 30,
-                       "our frontend drops the model of the stopped mocker")
+            wait_for("our frontend drops the model of the stopped mocker",
+                     lambda: "m16-model" not in models_listed(frontend.base_url))
         finally:
             mocker.stop()
 
@@ -66,7 +56,7 @@ def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path,
                 return sorted(i["instance_id"] for i in body.get("instances", [])
                               if i["endpoint"] == "dyn://mix.backend.generate" and "shared" in i["models"])
 
-            wait_until(lambda: len(instances()) == 2, 30, "our frontend serves 'shared' over both workers")
+            wait_for("our frontend serves 'shared' over both workers", lambda: len(instances()) == 2)
             assert worker.instance_id in instances()
             assert models_listed(frontend.base_url) == {"shared"}
             time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third
@@ -82,7 +72,7 @@ def test_d16_frontend_lists_our_gguf_workers_model(tiny_chat_5k: Path, store: Pa
 
     gguf = build_tiny_gguf(tmp_path / "tiny.gguf", tiny_chat_5k)
     theirs = d16_env(store)
-    ours = dict(theirs, PYTHONPATH=OUR_SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    ours = dict(theirs, PYTHONPATH=SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
     with DynamoWorker("in=dyn://gg.backend.generate", "out=mocker", str(gguf), "--model-name", "gguf-model",
                       env=ours, startup_timeout=60), d16_frontend(theirs, model="gguf-model"):
         cached = list((tmp_path / "cache" / "dynamo" / "v1_cards").glob("*/tokenizer.json"))

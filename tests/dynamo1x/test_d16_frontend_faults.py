@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.dynamo1x import OUR_SRC, d16_env, d16_frontend
+from harness.dynamo1x import d16_env, d16_frontend
+from harness.dynamo1x_kv import SRC
 from harness.proc import DynamoWorker, free_port
 from harness.wait import wait_until
 
@@ -20,7 +21,7 @@ PYSTR = Path(__file__).resolve().parents[1] / "e2e" / "data" / "seed_pystr_engin
 
 def ours_env(store: Path, **extra: str) -> tuple[dict[str, str], dict[str, str]]:
     theirs = d16_env(store)
-    return theirs, {**theirs, "PYTHONPATH": OUR_SRC, "DYN_LOG": "info,dynamo.worker=debug", **extra}
+    return theirs, {**theirs, "PYTHONPATH": SRC, "DYN_LOG": "info,dynamo.worker=debug", **extra}
 
 
 def stream_text(url: str, body: dict) -> tuple[str, str | None]:

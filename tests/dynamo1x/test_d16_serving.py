@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness.dynamo1x import OUR_SRC, d16_env, d16_frontend, d16_mocker, fleet_envs, models_listed
+from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x_kv import SRC
 from harness.proc import DynamoRun, DynamoWorker
-
-
-@pytest.fixture(params=["file", "etcd"])
-def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param``."""
-    with fleet_envs(request.param, store) as envs:
-        yield envs
 
 
 def wait_listed(url: str, model: str, timeout: float = 30.0) -> None:
@@ -89,7 +82,7 @@ def test_d16_frontend_serves_our_llamacpp_worker(gguf: Path, store: Path, tmp_pa
     """SmolLM2 on llama.cpp (a CPU engine 1.x does not have) behind 1.6.1's frontend: greedy answers, the same
     streamed and unary."""
     theirs = d16_env(store)
-    ours = dict(theirs, PYTHONPATH=OUR_SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    ours = dict(theirs, PYTHONPATH=SRC, XDG_CACHE_HOME=str(tmp_path / "cache"))
     with DynamoWorker("in=dyn://ll.backend.generate", "out=llamacpp", str(gguf), "--model-name", "smol",
                       env=ours, startup_timeout=120), d16_frontend(theirs, model="smol") as frontend:
         answers = []
