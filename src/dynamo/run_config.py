@@ -45,6 +45,9 @@ class RunConfig:
     disaggregation_mode: str = "agg"  # worker side: agg, prefill or decode (docs/disaggregation.md)
     max_local_prefill_length: int | None = None  # frontend side; None: the default of disagg/plan.py
     namespace: str | None = None  # frontend side (out=dyn): serve only models registered in this namespace
+    # frontend side: serve only models of namespaces whose names start with this (1.x's --namespace-prefix;
+    # wins over namespace, as in 1.x)
+    namespace_prefix: str | None = None
     batch_concurrency: int = 16
     tool_call_parser: str | None = None  # None: auto (from the chat template)
     reasoning_parser: str | None = None

@@ -6,11 +6,13 @@ virtualenv is missing.  Each test gets its own file store, so fleets of differen
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness.dynamo1x import build_tiny_chat_5k, d16_skip_reason
+from harness.dynamo1x_kv import fleet_envs
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,3 +37,11 @@ def store(tmp_path: Path) -> Path:
     root = tmp_path / "store"
     root.mkdir()
     return root
+
+
+@pytest.fixture(params=["file", "etcd"])
+def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
+    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param`` discovery (a
+    module of KV tests overrides it with event planes too)."""
+    with fleet_envs(request.param, store) as fleet:
+        yield fleet

@@ -6,38 +6,11 @@ model goes when its worker stops. Requests across are the request plane's tests.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-import dynamo
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x_kv import SRC, wait_for
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer
-
-SRC = str(Path(dynamo.__file__).resolve().parents[1])  # this checkout's code, in our child processes
-
-
-def wait_for(what: str, check, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:g}s: {what}")
-
-
-@pytest.fixture(params=["file", "etcd"])
-def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param`` discovery."""
-    if request.param == "file":
-        theirs = d16_env(store)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), store
-        return
-    with EtcdServer() as etcd:
-        theirs = d16_env(None, {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url})
-        yield theirs, dict(theirs, PYTHONPATH=SRC), None
 
 
 def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import httpx
 
-import dynamo
 from harness.dynamo1x import d16_env, d16_frontend
+from harness.dynamo1x_kv import SRC
 from harness.proc import DynamoWorker, free_port
 from harness.wait import wait_until
 
-SRC = str(Path(dynamo.__file__).resolve().parents[1])
 PYSTR = Path(__file__).resolve().parents[1] / "e2e" / "data" / "seed_pystr_engine.py"
 
 

@@ -12,24 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-import dynamo
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x_kv import SRC
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer
-
-SRC = str(Path(dynamo.__file__).resolve().parents[1])  # this checkout's code, in our child processes
-
-
-@pytest.fixture(params=["file", "etcd"])
-def envs(request: pytest.FixtureRequest, store: Path):
-    """(1.6.1's environment, ours, the file store or None) of one fleet on ``request.param`` discovery."""
-    if request.param == "file":
-        theirs = d16_env(store)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), store
-        return
-    with EtcdServer() as etcd:
-        theirs = d16_env(None, {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url})
-        yield theirs, dict(theirs, PYTHONPATH=SRC), None
 
 
 def wait_listed(url: str, model: str, timeout: float = 30.0) -> None:

@@ -11,66 +11,23 @@ routed with the prompt's blocks found (``overlap_blocks`` in 1.6.1's log; ``cach
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-import dynamo
 from dynamo.kv.hashing import compute_hashes
-from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x import d16_frontend, d16_mocker, models_listed
+from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed, wait_for
 from harness.proc import DynamoRun, DynamoWorker
-from harness.servers import EtcdServer, NatsServer
-
-SRC = str(Path(dynamo.__file__).resolve().parents[1])
-BLOCK = 64  # both mockers' block size
-ROUTED = re.compile(r"route request completed.*?overlap_blocks=(\d+).*?worker_id=(\d+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def routed(frontend) -> list[tuple[str, str]]:
-    """(overlap_blocks, worker_id) of every request 1.6.1's frontend has routed, from its log."""
-    return ROUTED.findall(ANSI.sub("", frontend.stderr_text()))
-
-
-def wait_for(what: str, check, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:g}s: {what}")
-
-
-@pytest.fixture(params=["file+zmq", "etcd+zmq", "etcd+nats"])
+@pytest.fixture(params=KV_PLANES)
 def envs(request: pytest.FixtureRequest, store: Path) -> Iterator[tuple[dict[str, str], dict[str, str], Path | None]]:
     """(1.6.1's environment, ours, the file store or None) of one fleet."""
-    discovery, plane = request.param.split("+")
-    if discovery == "file":
-        theirs = d16_env(store)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), store
-        return
-    with EtcdServer() as etcd, NatsServer() as nats:
-        extra = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_EVENT_PLANE": plane}
-        if plane == "nats":
-            extra["NATS_SERVER"] = nats.url
-        theirs = d16_env(None, extra)
-        yield theirs, dict(theirs, PYTHONPATH=SRC), None
-
-
-def prompts(n: int) -> list[list[int]]:
-    return [[1000 + (i * 31 + k * 997) % 3000 for i in range(4 * BLOCK + 7)] for k in range(n)]
-
-
-def complete(url: str, prompt: list[int]) -> dict:
-    reply = httpx.post(f"{url}/v1/completions", timeout=30,
-                       json={"model": "tiny-chat", "prompt": prompt, "max_tokens": 2})
-    assert reply.status_code == 200, reply.text
-    return reply.json()
+    with fleet_envs(request.param, store) as fleet:
+        yield fleet
 
 
 def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k: Path, envs) -> None:
@@ -102,11 +59,11 @@ def _repeat_finds(frontend, prompt: list[int], seen: int) -> bool:
 def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat_5k: Path, envs,
                                                                      tmp_path: Path) -> None:
     theirs, ours, store = envs
-    decisions = tmp_path / "decisions.jsonl"  # our router's log: the events it applied, what it saw per request
+    log = tmp_path / "decisions.jsonl"  # our router's log: the events it applied, what it saw per request
     mockers = [d16_mocker(tiny_chat_5k, "dyn://m16kv.backend.generate", theirs, "--speedup-ratio", "0",
                           model_name="tiny-chat", store=store) for _ in range(2)]
     try:
-        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
+        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(log)),
                        startup_timeout=60) as frontend:
             wait_for("our frontend lists the mockers' model", lambda: "tiny-chat" in models_listed(frontend.base_url))
             for prompt in prompts(4):
@@ -114,25 +71,19 @@ def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat
                 blocks = compute_hashes(prompt, BLOCK)[1]
                 wait_for("our router applies the mocker's stored event",
                          lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
-                                              for e in _lines(decisions)), 20)
+                                              for e in decisions(log)), 20)
                 usage = complete(frontend.base_url, prompt)["usage"]  # once: no second chance for a coin toss
                 assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-                wait_for("the repeat's decision in the log", lambda: _last_route(decisions) is not None, 5)
-                route = _last_route(decisions)
+                wait_for("the repeat's decision in the log", lambda: _last_route(log) is not None, 5)
+                route = _last_route(log)
                 assert route["candidates"][route["worker"]]["overlap"] == 4, route
     finally:
         for m in mockers:
             m.stop()
 
 
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _last_route(path: Path) -> dict | None:
-    routes = [e for e in _lines(path) if e["ev"] == "route"]
+    routes = [e for e in decisions(path) if e["ev"] == "route"]
     return routes[-1] if len(routes) % 2 == 0 and routes else None
 
 
@@ -141,21 +92,21 @@ def test_our_frontend_started_later_recovers_what_a_d16_mocker_holds(tiny_chat_5
     ``worker_kv_query_source_*``, named in its EventSource record): the first request of ours already finds
     them."""
     theirs, ours, store = envs
-    decisions = tmp_path / "decisions.jsonl"
+    log = tmp_path / "decisions.jsonl"
     prompt = prompts(1)[0]
     with d16_mocker(tiny_chat_5k, "dyn://m16rec.backend.generate", theirs, "--speedup-ratio", "0",
                     model_name="tiny-chat", store=store), \
             d16_frontend(theirs, "--router-mode", "kv", model="tiny-chat") as first:
         complete(first.url, prompt)  # the mocker now holds the prompt's 4 blocks
-        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(decisions)),
+        with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(log)),
                        startup_timeout=60) as frontend:
             wait_for("our frontend lists the mocker's model", lambda: "tiny-chat" in models_listed(frontend.base_url))
             wait_for("our router recovers the mocker's blocks",
-                     lambda: any(e["ev"] == "route" for e in _lines(decisions)) or _recovered(frontend), 20)
+                     lambda: any(e["ev"] == "route" for e in decisions(log)) or _recovered(frontend), 20)
             usage = complete(frontend.base_url, prompt)["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-            wait_for("the decision in the log", lambda: any(e["ev"] == "route" for e in _lines(decisions)), 5)
-            route = [e for e in _lines(decisions) if e["ev"] == "route"][-1]
+            wait_for("the decision in the log", lambda: any(e["ev"] == "route" for e in decisions(log)), 5)
+            route = [e for e in decisions(log) if e["ev"] == "route"][-1]
             assert route["candidates"][route["worker"]]["overlap"] == 4, route
 
 

@@ -170,6 +170,31 @@ def test_llama_cpp_worker_behind_the_frontend(env):
         worker.stop()
 
 
+def test_frontend_namespace_prefix_serves_only_the_namespaces_it_starts(env, tiny_model: Path, tmp_path: Path):
+    """``--namespace-prefix team-a``: the models of ``team-a1`` (a name it starts), not those of ``other``;
+    the prefix wins over ``--namespace``, as in 1.x."""
+    env = dict(env, DYN_FILE_KV=str(tmp_path / "store"))
+    workers = [v1_worker("mocker", "--model-path", str(tiny_model), "--endpoint", f"dyn://{ns}.backend.generate",
+                         "--model-name", name, "--speedup-ratio", "0", env=env).start(wait=False)
+               for ns, name in (("team-a1", "in-team"), ("other", "elsewhere"))]
+    fe = None
+    try:
+        for w in workers:
+            w.wait_ready(60)
+        fe = V1Frontend("--namespace-prefix", "team-a", "--namespace", "other", env=env).start()
+        wait_for_model(fe, "in-team", "dyn://team-a1.backend.generate", 1, timeout=30)
+        r = httpx.post(fe.api_url + "/chat/completions", timeout=30, json={
+            "model": "in-team", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        listed = {m["id"] for m in httpx.get(fe.api_url + "/models", timeout=5).json()["data"]}
+        assert listed == {"in-team"}, listed
+    finally:
+        if fe is not None:
+            fe.stop()
+        for w in workers:
+            w.stop()
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_help_lists_what_it_takes_and_refuses(module: str):
     out = subprocess.run(module_cmd(module) + ["--help"], capture_output=True, text=True, env=cli_env(), timeout=60)

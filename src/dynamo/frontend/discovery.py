@@ -56,11 +56,16 @@ class ModelWatcher:
     RETRY_CAP = 30.0
 
     def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None,
-                 namespace: str | None = None):
+                 namespace: str | None = None, namespace_prefix: str | None = None):
         self.runtime = runtime
-        # entries are keyed models/<namespace>/...: one namespace is a narrower watch, nothing to filter
-        self.prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
-        self.v1_prefix = models_prefix(namespace)  # Dynamo 1.x workers' models
+        # entries are keyed models/<namespace>/...: one namespace, or the namespaces starting with a prefix
+        # (1.x's --namespace-prefix, which wins over --namespace), is a narrower watch, nothing to filter
+        if namespace_prefix:
+            self.prefix = f"{MODELS_PREFIX}{namespace_prefix}"
+            self.v1_prefix = models_prefix() + namespace_prefix  # Dynamo 1.x workers' models
+        else:
+            self.prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
+            self.v1_prefix = models_prefix(namespace)
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
@@ -307,7 +312,7 @@ async def start_frontend(cfg: RunConfig, metrics: FrontendMetrics | None = None
         migration_limit=cfg.migration_limit,
         queue=QueuePolicy(size=cfg.queue_size, timeout=cfg.queue_timeout),
         max_local_prefill_length=cfg.max_local_prefill_length,
-    ), metrics=metrics, namespace=cfg.namespace)
+    ), metrics=metrics, namespace=cfg.namespace, namespace_prefix=cfg.namespace_prefix)
     try:
         await watcher.start()
     except BaseException:

@@ -51,6 +51,7 @@ from dynamo.llm.model_entry import (
     is_1x_worker,
 )
 from dynamo.llm.protocols.common import PreprocessedRequest
+from dynamo.llm.protocols.v1 import PeerRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
 from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope
@@ -191,7 +192,7 @@ class KvRouterPolicy:
         if request.backend_instance_id is not None:
             self.router.add_request(body_id, request.token_ids, request.backend_instance_id)
             self._tracked.add(body_id)
-            return client.direct(request.to_dict(), request.backend_instance_id, context=rt_ctx)
+            return client.direct(PeerRequest(request), request.backend_instance_id, context=rt_ctx)
         if body_id in self._tracked:  # a migration retry: forget the previous choice first
             self.router.on_finished(body_id)
         # workers at their limit of requests in flight are left out (all of them only in a race)
@@ -202,7 +203,7 @@ class KvRouterPolicy:
         if decision.prefix_source is not None:
             request.prefix_source = {"address": decision.prefix_source[0], "tokens": decision.prefix_source[1]}
         log.debug("request %s -> worker %x (%d cached blocks)", body_id, decision.worker_id, decision.overlap_blocks)
-        return client.direct(request.to_dict(), decision.worker_id, context=rt_ctx)
+        return client.direct(PeerRequest(request), decision.worker_id, context=rt_ctx)
 
     def first_token(self, request_id: str) -> None:
         self.router.on_first_token(request_id)

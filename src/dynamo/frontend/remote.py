@@ -32,7 +32,7 @@ from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
-from dynamo.llm.protocols.v1 import V1_OUTPUT_KEY, engine_output_from_v1
+from dynamo.llm.protocols.v1 import V1_OUTPUT_KEY, PeerRequest, engine_output_from_v1
 from dynamo.runtime import (
     STREAM_INCOMPLETE_MESSAGE,
     InstanceNotFoundError,
@@ -124,7 +124,7 @@ class SimpleRouter:
         self.mode = mode
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any:
-        body = request.to_dict()
+        body = PeerRequest(request)  # our dict, or 1.x's for a 1.x worker
         if request.backend_instance_id is not None:
             return client.direct(body, request.backend_instance_id, context=rt_ctx)
         if self.mode == "random":

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import random as _random
 from collections import deque
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import orjson
@@ -85,6 +85,25 @@ def _encode_request_msgpack(request: Any) -> bytes:
     if isinstance(request, (bytes, bytearray, memoryview)):
         request = orjson.loads(request)  # JSON bytes: re-encoded (a rare caller's; ours pass dicts)
     return encode_msgpack(request)
+
+
+@runtime_checkable
+class PeerBody(Protocol):
+    """A request body that differs by the worker it goes to: ours take :meth:`body` as it is; a Dynamo 1.x
+    worker takes :meth:`v1_body`, which may raise (a :class:`~dynamo.errors.RequestError` naming what a 1.x
+    worker cannot be given: it would ignore it and answer something else).  The runtime knows only which
+    wire an instance speaks; what the body means is the caller's (the frontend's LLM requests)."""
+
+    def body(self) -> Any: ...
+
+    def v1_body(self) -> Any: ...
+
+
+def _request_bytes(request: Any, v1: bool) -> bytes:
+    """The request's payload for the chosen instance: 1.x's codec and shape, or ours."""
+    if isinstance(request, PeerBody):
+        request = request.v1_body() if v1 else request.body()
+    return _encode_request_msgpack(request) if v1 else _encode_request(request)
 
 
 class Client:
@@ -475,6 +494,7 @@ class ResponseStream:
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
         v1 = is_v1_address(subject)  # a Dynamo 1.x worker: its framing and codec (runtime/v1_wire.py)
+        payload = _request_bytes(self._request, v1)  # before any bookkeeping: a body 1.x cannot take raises
         if not v1:
             conn = receiver.register(state)
         elif isinstance(receiver, TcpResponseServer):
@@ -497,9 +517,9 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         if v1:
-            frame = encode_v1_request(ctx.id(), conn, _encode_request_msgpack(self._request))
+            frame = encode_v1_request(ctx.id(), conn, payload)
         else:
-            frame = encode_request(ctx.id(), conn, _encode_request(self._request))
+            frame = encode_request(ctx.id(), conn, payload)
         bound = client.settings.stream_liveness
         try:
             ack = await requests.send(subject, frame, bound, state)  # or the first frame

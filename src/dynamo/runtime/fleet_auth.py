@@ -61,6 +61,8 @@ HELLO_LEN = len(MAGIC) + NONCE_LEN
 # a fleet mixing 1.x processes runs without one; docs/runtime.md, "Dynamo 1.x on the request plane")
 NO_HANDSHAKE = ("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there? a Dynamo 1.x process, "
                 "which has none?)")
+NO_HANDSHAKE_1X = ("it sent a Dynamo 1.x request (1.x has no fleet secret: its frontends cannot use a worker that "
+                   "requires DYN_FLEET_SECRET)")
 HANDSHAKE_TIMEOUT = 10.0  # a peer that has not proved itself by then is dropped
 MIN_SECRET_LEN = 16
 REFUSAL_LOG_EVERY_S = 60.0  # the same peer refused for the same reason: one warning per minute
@@ -68,6 +70,20 @@ SECRET_ENV = "DYN_FLEET_SECRET"
 SECRET_FILE_ENV = "DYN_FLEET_SECRET_FILE"
 DIALER = "dialer"
 LISTENER = "listener"
+
+
+def starts_like_v1(first: bytes | bytearray) -> bool:
+    """A connection's first bytes start a Dynamo 1.x request: a u16 path length (1..4096), then the path,
+    which begins with the instance id in hex.  Only to name a refused peer: HTTP or garbage is not one."""
+    if len(first) < 3:
+        return False
+    length = int.from_bytes(first[:2], "big")
+    return 0 < length <= 4096 and chr(first[2]) in "0123456789abcdef"
+
+
+def _no_handshake(first: bytes | bytearray) -> str:
+    """Why a peer's first bytes are no handshake: one of 1.x's requests is named as such (one line)."""
+    return NO_HANDSHAKE_1X if starts_like_v1(first) else NO_HANDSHAKE
 
 
 class FleetAuthError(Exception):
@@ -184,10 +200,10 @@ class Handshake:
         if self._peer_nonce is None:
             if len(buf) < len(MAGIC):
                 if bytes(buf) != MAGIC[:len(buf)]:
-                    raise FleetAuthError(NO_HANDSHAKE)
+                    raise FleetAuthError(_no_handshake(buf))
                 return b"", b""
             if not is_fleet_hello(buf):
-                raise FleetAuthError(NO_HANDSHAKE)
+                raise FleetAuthError(_no_handshake(buf))
             if len(buf) < HELLO_LEN:
                 return b"", b""
             peer = bytes(buf[len(MAGIC):HELLO_LEN])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, cast
+from typing import Any, Awaitable, Callable, Generic, Protocol, TypeVar, cast
 
 from dynamo.aio import finish
 
@@ -313,6 +313,58 @@ class ClientConnection(CoalescingWriter, asyncio.Protocol):
         return rid
 
 
+async def _acknowledged(fut: asyncio.Future[Any], deadline: float, address: str, timeout: float) -> Any:
+    """The ack (or first frame) a request waits for, by ``deadline`` (the loop's clock)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await fut
+    except TimeoutError:
+        raise TimeoutError(f"no acknowledgement from {address} within {timeout:g}s") from None
+
+
+class _Connection(Protocol):
+    closed: bool
+    transport: asyncio.Transport | None
+
+
+C = TypeVar("C", bound=_Connection)
+
+
+class ConnectionPool(Generic[C]):
+    """A client's connections, one per worker process (``host:port``), each dialed once however many
+    requests wait for it: requests share a connection (ours multiplexed, 1.x's in order), and a dial per
+    request would cost a round trip (and a fleet-secret handshake) each."""
+
+    def __init__(self, dial: Callable[[str], Awaitable[C]]) -> None:
+        self._dial = dial
+        self._conns: dict[str, C] = {}
+        self._dialing: dict[str, asyncio.Future[C]] = {}
+
+    async def get(self, hostport: str, timeout: float) -> C:
+        conn = self._conns.get(hostport)
+        if conn is not None and not conn.closed:
+            return conn
+        dialing = self._dialing.get(hostport)
+        if dialing is None:
+            dialing = self._dialing[hostport] = asyncio.ensure_future(self._open(hostport))
+            dialing.add_done_callback(lambda _f: self._dialing.pop(hostport, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(dialing), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no connection to {hostport} within {timeout:g}s") from None
+
+    async def _open(self, hostport: str) -> C:
+        conn = await self._dial(hostport)
+        self._conns[hostport] = conn
+        return conn
+
+    def close(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._conns.clear()
+
+
 class TcpRequestPlane:
     """Both sides: a listener for the endpoints this process serves (started on the first ``serve``),
     and a connection per worker process for the requests it sends.
@@ -337,10 +389,11 @@ class TcpRequestPlane:
         self._server: asyncio.AbstractServer | None = None
         self._advertised = ""
         self._listening = asyncio.Lock()
-        self._conns: dict[str, ClientConnection] = {}
-        self._dialing: dict[str, asyncio.Future] = {}
-        self._v1_conns: dict[str, V1ClientConnection] = {}  # Dynamo 1.x workers, by host:port
-        self._v1_dialing: dict[str, asyncio.Future] = {}
+        self._conns: ConnectionPool[ClientConnection] = ConnectionPool(
+            lambda hostport: self._dial(hostport, self.auth, lambda: ClientConnection(hostport)))
+        # Dynamo 1.x workers: no fleet-secret handshake, a 1.x worker has none (docs/runtime.md, "Dynamo 1.x")
+        self._v1_conns: ConnectionPool[V1ClientConnection] = ConnectionPool(
+            lambda hostport: self._dial(hostport, None, lambda: V1ClientConnection(hostport)))
         self._services: dict[str, Callable[[Any], Any] | None] = {}
         self._closed = False
 
@@ -359,59 +412,24 @@ class TcpRequestPlane:
             return False
         return True if self.serving is None else bool(await self.serving.wait_connected(timeout))
 
-    async def _connection(self, hostport: str, timeout: float) -> ClientConnection:
-        conn = self._conns.get(hostport)
-        if conn is not None and not conn.closed:
-            return conn
-        dialing = self._dialing.get(hostport)
-        if dialing is None:  # one dial per worker process, however many requests wait for it
-            dialing = self._dialing[hostport] = asyncio.ensure_future(self._dial(hostport))
-            dialing.add_done_callback(lambda _f: self._dialing.pop(hostport, None))
-        return await asyncio.wait_for(asyncio.shield(dialing), timeout)
-
-    async def _dial(self, hostport: str) -> ClientConnection:
+    async def _dial(self, hostport: str, auth: FleetAuth | None, factory: Callable[[], Any]) -> Any:
         host, port = split_address(hostport)
         try:
-            conn = cast(ClientConnection, await dial(self.auth, hostport, host, port,
-                                                     lambda: ClientConnection(hostport), CALL_HOME_TIMEOUT,
-                                                     "request plane"))
+            return await dial(auth, hostport, host, port, factory, CALL_HOME_TIMEOUT, "request plane")
         except (OSError, asyncio.TimeoutError, FleetAuthError) as exc:
             # refused: nobody listens there any more (the worker is gone), or it is not of this fleet
             # (another secret); as NATS's "no responders"
             raise NoResponders(f"{hostport}: {exc}") from None
-        self._conns[hostport] = conn
-        return conn
-
-    async def _v1_connection(self, hostport: str, timeout: float) -> V1ClientConnection:
-        conn = self._v1_conns.get(hostport)
-        if conn is not None and not conn.closed:
-            return conn
-        dialing = self._v1_dialing.get(hostport)
-        if dialing is None:  # one connection per 1.x worker process, as 1.x's own clients keep
-            dialing = self._v1_dialing[hostport] = asyncio.ensure_future(self._v1_dial(hostport))
-            dialing.add_done_callback(lambda _f: self._v1_dialing.pop(hostport, None))
-        return await asyncio.wait_for(asyncio.shield(dialing), timeout)
-
-    async def _v1_dial(self, hostport: str) -> V1ClientConnection:
-        host, port = split_address(hostport)
-        try:
-            # no fleet-secret handshake: a 1.x worker has none (docs/runtime.md, "Dynamo 1.x")
-            conn = cast(V1ClientConnection, await dial(None, hostport, host, port, lambda: V1ClientConnection(hostport),
-                                                       CALL_HOME_TIMEOUT, "request plane"))
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise NoResponders(f"{hostport}: {exc}") from None
-        self._v1_conns[hostport] = conn
-        return conn
 
     async def _send_v1(self, address: str, payload: bytes, timeout: float, state: StreamState | None) -> bytes:
         """A request to a Dynamo 1.x worker, in its framing, on this process's connection to it."""
+        if self.auth is not None:  # its call-home would be refused by our listener: say so now, not at a deadline
+            raise NoResponders(f"{address} is a Dynamo 1.x worker, which has no fleet secret: its response stream "
+                               "cannot reach this process, which requires DYN_FLEET_SECRET")
         hostport, path = split_v1_address(address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        try:
-            conn = await self._v1_connection(hostport, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no connection to {hostport} within {timeout:g}s") from None
+        conn = await self._v1_conns.get(hostport, timeout)
         if not payload:  # a ping (a probe of an instance set aside): 1.x has none; a live connection answers
             return b""
         fut = loop.create_future()
@@ -422,10 +440,7 @@ class TcpRequestPlane:
             headers["request-id"] = state.request_id
         conn.send(path, headers, payload, fut)
         try:
-            async with asyncio.timeout_at(deadline):
-                result = await fut
-        except TimeoutError:
-            raise TimeoutError(f"no acknowledgement from {address} within {timeout:g}s") from None
+            result = await _acknowledged(fut, deadline, address, timeout)
         finally:
             if state is not None:
                 state.clear_waiter(fut)
@@ -447,19 +462,13 @@ class TcpRequestPlane:
             raise NoResponders(address) from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        try:
-            conn = await self._connection(hostport, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no connection to {hostport} within {timeout:g}s") from None
+        conn = await self._conns.get(hostport, timeout)
         fut = loop.create_future()
         if state is not None:
             state.set_waiter(fut)  # the stream's first frame is as good as the ack (runtime/ack.py)
         rid = conn.send(name.encode(), payload, fut)
         try:
-            async with asyncio.timeout_at(deadline):
-                result = await fut
-        except TimeoutError:
-            raise TimeoutError(f"no acknowledgement from {address} within {timeout:g}s") from None
+            result = await _acknowledged(fut, deadline, address, timeout)
         finally:
             conn.waiting.pop(rid, None)
             if state is not None:
@@ -535,13 +544,7 @@ class TcpRequestPlane:
         for sconn in list(self.server_conns):
             if sconn.transport is not None:
                 sconn.transport.close()
-        for conn in list(self._conns.values()):
-            if conn.transport is not None:
-                conn.transport.close()
-        self._conns.clear()
-        for v1 in list(self._v1_conns.values()):
-            if v1.transport is not None:
-                v1.transport.close()
-        self._v1_conns.clear()
+        self._conns.close()
+        self._v1_conns.close()
         if self.fallback is not None:
             await self.fallback.close()

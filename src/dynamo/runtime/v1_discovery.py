@@ -2,11 +2,11 @@
 records and 1.x's as one list.
 
 Writing: an endpoint of ours served on the TCP request plane also gets a ``v1/instances`` record under
-the process's lease (:func:`publish_endpoint`), so a 1.x frontend finds it; the event plane's writers use
-:func:`put_event_channel` for ``v1/event_channels``. Both go through the runtime's
-:class:`~.kv_store.KeyValueStore` with ``lease=True``: on etcd they are plain keys under our lease, on the
-file store they are 1.x's files (:mod:`.file_v1`), and either way they are re-published if the store
-loses them and go when the lease goes.
+the process's lease (:func:`publish_endpoint`), so a 1.x frontend finds it (the event plane writes its own
+``v1/event_channels`` records: :mod:`.v1_event_plane`). It goes through the runtime's
+:class:`~.kv_store.KeyValueStore` with ``lease=True``: on etcd a plain key under our lease, on the file
+store 1.x's file (:mod:`.file_v1`), and either way it is re-published if the store loses it and goes
+when the lease goes.
 
 Reading: :class:`MergedWatch` follows two prefixes as one watch: our records (primary) and 1.x's
 (secondary, translated into our key space and shape). A worker of ours writes both, so one instance id
@@ -33,8 +33,6 @@ from .names import EndpointId, is_v1_tcp_address
 from .v1_records import (
     endpoint_key,
     endpoint_record,
-    event_channel_key,
-    event_channel_record,
     instances_prefix,
     translate_instance,
 )
@@ -180,16 +178,5 @@ async def publish_endpoint(store: Any, endpoint: EndpointId, lease_id: int, addr
     hostport = address.removeprefix(TCP_SCHEME).split("/", 1)[0]  # tcp://host:port/<service>.<ep>
     key = endpoint_key(endpoint.namespace, endpoint.component, endpoint.name, lease_id)
     await store.put(key, endpoint_record(endpoint.namespace, endpoint.component, endpoint.name, lease_id, hostport),
-                    lease=True)
-    return key
-
-
-async def put_event_channel(store: Any, namespace: str, component: str, endpoint: str, topic: str,
-                            publisher_id: int, zmq_endpoint: str) -> str:
-    """Advertise a ZMQ publisher of ``topic`` for an endpoint in ``v1/event_channels`` (under the primary
-    lease, through the runtime's KeyValueStore ``store``), as 1.6.1's publishers do; its key (delete it
-    when the publisher closes; the lease's end removes it otherwise)."""
-    key = event_channel_key(namespace, component, endpoint, topic, publisher_id)
-    await store.put(key, event_channel_record(namespace, component, endpoint, topic, publisher_id, zmq_endpoint),
                     lease=True)
     return key

@@ -49,6 +49,7 @@ from .v1_event_wire import (
     zmq_channel_record,
     zmq_frames,
 )
+from .zmq_event_plane import SubPeers
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class V1Subscription:
         self.scope = scope
         self.topic = topic
         self.handler = handler
-        self.connected: dict[str, str] = {}  # record key -> ZMQ address
+        self.peers = SubPeers()  # record key -> ZMQ address
         self._sock: Any = None
         self._nats_sub: Any = None
         self._watch: Any = None
@@ -120,7 +121,7 @@ class V1Subscription:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._sock = sock
+        self._sock = self.peers.sock = sock
         self._watch = await plane.discovery.watch_prefix(self.scope.key_prefix(EVENT_CHANNELS, self.topic)).start()
         for kv in self._watch.initial:
             await self._add(kv.key, kv.value)
@@ -141,22 +142,8 @@ class V1Subscription:
         if channel.kind == "nats":
             await self._subscribe_nats()
             return
-        old = self.connected.get(key)
-        if old == channel.address:
-            return
-        if old is not None:
-            self._disconnect(key)
-        self.connected[key] = channel.address
-        self._sock.connect(channel.address)
-        log.debug("1.x events: following %s %s at %s", self.scope.subject_prefix, self.topic, channel.address)
-
-    def _disconnect(self, key: str) -> None:
-        address = self.connected.pop(key, None)
-        if address is not None and address not in self.connected.values():
-            try:
-                self._sock.disconnect(address)
-            except zmq.ZMQError:
-                pass
+        if self.peers.follow(key, channel.address):
+            log.debug("1.x events: following %s %s at %s", self.scope.subject_prefix, self.topic, channel.address)
 
     async def _subscribe_nats(self) -> None:
         nats = self.plane.nats
@@ -184,7 +171,7 @@ class V1Subscription:
             if ev.kind == "put":
                 await self._add(ev.key, ev.value)
             else:
-                self._disconnect(ev.key)
+                self.peers.drop(ev.key)
 
     async def _receive(self) -> None:
         sock = self._sock

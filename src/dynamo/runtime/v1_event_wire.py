@@ -32,12 +32,14 @@ from typing import Any
 import msgspec
 import orjson
 
+from . import v1_records
+
 FRAME_VERSION = 1
 _HEADER = struct.Struct(">BI")
 _U64 = struct.Struct(">Q")
 MAX_JSON_SAFE_ID = (1 << 53) - 1
-EVENT_CHANNELS = "v1/event_channels/"
-EVENT_SOURCES = "v1/event_sources/"
+EVENT_CHANNELS = v1_records.EVENT_CHANNELS + "/"
+EVENT_SOURCES = v1_records.EVENT_SOURCES + "/"
 
 
 class WireError(ValueError):

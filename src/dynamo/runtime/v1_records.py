@@ -9,6 +9,9 @@ writes both; a frontend of ours reads both and prefers ours for an instance that
 padding) are what 1.6.1 writes, observed on disk and in etcd; the values here are built from them, not
 from 1.x's code.
 
+The ``v1/event_channels`` and ``v1/event_sources`` records are built where the event plane uses them
+(:mod:`.v1_event_wire`); only their buckets are named here, for the file store.
+
 Keys are full keys (``v1/instances/ns/comp/ep/59f5a04...``): on etcd exactly that string, under the
 writer's lease; on the file store the first two segments are the bucket's directories and the rest one
 percent-encoded file name (:mod:`.file_v1`).
@@ -39,8 +42,7 @@ DEVICE_TYPE = "cpu"
 
 __all__ = [
     "BUCKETS", "CODEC", "EVENT_CHANNELS", "EVENT_SOURCES", "INSTANCES", "MODELS", "PREFIX",
-    "endpoint_key", "endpoint_record", "event_channel_key", "event_channel_record", "event_source_record",
-    "instance_from_record", "instances_prefix", "model_key", "model_record", "models_prefix", "our_instance_key",
+    "endpoint_key", "endpoint_record", "instance_from_record", "instances_prefix", "model_key", "model_record", "models_prefix", "our_instance_key",
     "signed_id", "tcp_transport", "translate_instance", "u64_id",
 ]
 
@@ -83,14 +85,6 @@ def models_prefix(namespace: str | None = None) -> str:
     return f"{MODELS}/{namespace}/" if namespace else f"{MODELS}/"
 
 
-def event_channel_key(namespace: str, component: str, endpoint: str, topic: str, publisher_id: int,
-                      bucket: str = EVENT_CHANNELS) -> str:
-    """``v1/event_channels/namespace/{ns}/component/{comp}/endpoint/{ep}/topic/{topic}/{publisher_id:x}``
-    (``bucket=EVENT_SOURCES`` for the matching ``v1/event_sources`` key)."""
-    return (f"{bucket}/namespace/{namespace}/component/{component}/endpoint/{endpoint}/topic/{topic}/"
-            f"{lease_hex(publisher_id)}")
-
-
 def our_instance_key(v1_key: str) -> str | None:
     """``v1/instances/ns/comp/ep/{id:x}`` -> our ``instances/ns/comp/ep:{id:x}`` (None: not such a key)."""
     parts = v1_key.split("/")
@@ -131,31 +125,6 @@ def model_record(namespace: str, component: str, endpoint: str, instance_id: int
     if model_suffix:
         record["model_suffix"] = model_suffix
     return _dumps(record)
-
-
-def _scope(namespace: str, component: str, endpoint: str) -> dict[str, Any]:
-    return {"kind": "endpoint", "endpoint": {"namespace": namespace, "component": component, "name": endpoint}}
-
-
-def event_channel_record(namespace: str, component: str, endpoint: str, topic: str, publisher_id: int,
-                         zmq_endpoint: str) -> bytes:
-    """The ``EventChannel`` value of a ``v1/event_channels`` key: a ZMQ PUB socket (``tcp://host:port``)
-    publishing ``topic`` (``kv-events``, ``kv_metrics``, ...) for an endpoint. ``publisher_id`` is the
-    publisher's own random id (1.6.1 gives each its own, not the worker's instance id)."""
-    return _dumps({
-        "type": "EventChannel", "scope": _scope(namespace, component, endpoint), "topic": topic,
-        "instance_id": u64_id(publisher_id), "transport": {"kind": "Zmq", "config": {"endpoint": zmq_endpoint}},
-    })
-
-
-def event_source_record(namespace: str, component: str, endpoint: str, topic: str, publisher_id: int,
-                        metadata: dict[str, Any]) -> bytes:
-    """The ``EventSource`` value of a ``v1/event_sources`` key (``metadata`` as the topic needs: for
-    ``kv-events`` 1.6.1 writes ``kv_state_endpoint``, ``worker``, ``publisher_id``, ``recovery_target``)."""
-    return _dumps({
-        "type": "EventSource", "scope": _scope(namespace, component, endpoint), "topic": topic,
-        "publisher_id": u64_id(publisher_id), "metadata": metadata,
-    })
 
 
 # ---------------------------------------------------------------------------------------- reading

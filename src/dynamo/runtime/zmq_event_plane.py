@@ -80,6 +80,36 @@ def _topic(subject: str) -> bytes:
     return subject.encode() + b"\0"
 
 
+class SubPeers:
+    """The publishers a SUB socket is connected to, by the discovery record that named each (ours under
+    ``event_plane/zmq/``, 1.x's ``EventChannel`` records).  A record may come back with another address (a
+    publisher restarted) and two records may name one address, so an address is disconnected only once no
+    record names it.  ``sock`` is set once the socket exists."""
+
+    def __init__(self) -> None:
+        self.sock: Any = None
+        self.addresses: dict[str, str] = {}
+
+    def follow(self, key: str, address: str) -> bool:
+        """Connect to ``address`` for record ``key``; False when it already was."""
+        old = self.addresses.get(key)
+        if old == address:
+            return False
+        if old is not None:
+            self.drop(key)
+        self.addresses[key] = address
+        self.sock.connect(address)
+        return True
+
+    def drop(self, key: str) -> None:
+        address = self.addresses.pop(key, None)
+        if address is not None and address not in self.addresses.values() and self.sock is not None:
+            try:
+                self.sock.disconnect(address)
+            except zmq.ZMQError:
+                pass
+
+
 class ZmqSubscription:
     def __init__(self, plane: "ZmqEventPlane", subject: str, handler: EventHandler) -> None:
         self.plane = plane
@@ -103,7 +133,7 @@ class ZmqEventPlane:
         self._pub: Any = None
         self._sub: Any = None
         self._handlers: dict[bytes, list[ZmqSubscription]] = {}
-        self._publishers: dict[str, str] = {}  # discovery key -> address connected to
+        self._publishers = SubPeers()  # discovery key -> address connected to
         self._tasks: list[asyncio.Task] = []
         self._watch: Any = None
         self._reconnects = 0
@@ -186,7 +216,7 @@ class ZmqEventPlane:
                 sock.curve_publickey = curve.client_public
                 sock.curve_secretkey = curve.client_secret
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILURES)
-            self._sub = sock
+            self._sub = self._publishers.sock = sock
             self._watch = await self.discovery.watch_prefix(PUBLISHERS_PREFIX).start()
             for kv in self._watch.initial:
                 self._connect(kv.key, kv.value)
@@ -201,22 +231,11 @@ class ZmqEventPlane:
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             log.warning("ignoring invalid event publisher record %s: %s", key, exc)
             return
-        old = self._publishers.get(key)
-        if old == address:
-            return
-        if old is not None:
-            self._sub.disconnect(old)
-        self._publishers[key] = address
-        self._sub.connect(address)
-        log.debug("event plane: subscribed to %s", address)
+        if self._publishers.follow(key, address):
+            log.debug("event plane: subscribed to %s", address)
 
     def _disconnect(self, key: str) -> None:
-        address = self._publishers.pop(key, None)
-        if address is not None and address not in self._publishers.values():
-            try:
-                self._sub.disconnect(address)
-            except zmq.ZMQError:
-                pass
+        self._publishers.drop(key)
 
     async def _follow(self) -> None:
         async for ev in self._watch:

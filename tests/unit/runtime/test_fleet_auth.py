@@ -126,6 +126,14 @@ def test_a_peer_without_the_handshake_is_refused_at_its_first_bytes(first: bytes
             listener.feed(first)
 
 
+def test_a_dynamo_1x_request_is_named_in_the_refusal() -> None:
+    """A 1.x frontend has no fleet secret: the one line a worker that requires it logs says so."""
+    path = b"59f5a0430fd477b0/d16/backend/generate"
+    listener = FleetAuth(SECRET).handshake(LISTENER, ADDRESS)
+    with pytest.raises(FleetAuthError, match="a Dynamo 1.x request"):
+        listener.feed(len(path).to_bytes(2, "big") + path + b"\x00\x10")
+
+
 def test_the_derived_keys_depend_on_the_secret_only() -> None:
     assert FleetAuth(SECRET).derive("x") == FleetAuth(SECRET).derive("x") != FleetAuth(OTHER).derive("x")
     assert FleetAuth(SECRET).derive("x") != FleetAuth(SECRET).derive("y")
@@ -228,3 +236,15 @@ async def test_a_silent_connection_is_dropped_after_the_handshake_timeout(worker
     assert is_fleet_hello(hello)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the worker
     writer.close()
+
+
+async def test_a_client_with_a_fleet_secret_refuses_to_send_to_a_1x_worker_in_one_line() -> None:
+    """A 1.x worker's call-home would be refused by our listener: the request fails at once, not at a deadline."""
+    from dynamo.runtime.request_plane import NoResponders
+    from dynamo.runtime.tcp_request_plane import TcpRequestPlane
+
+    plane = TcpRequestPlane(auth=FleetAuth(SECRET))
+    with pytest.raises(NoResponders) as e:
+        await plane.send("127.0.0.1:1/59f5a0430fd477b0/d16/backend/generate", b"x", 5)
+    assert "Dynamo 1.x worker" in str(e.value) and "DYN_FLEET_SECRET" in str(e.value) and "\n" not in str(e.value)
+    await plane.close()

@@ -12,12 +12,23 @@ from pathlib import Path
 import pytest
 
 from dynamo.cli.infra_secure import prepare
-from dynamo.runtime.config import NatsSettings
+from dynamo.runtime.config import TCP_TLS_VARIABLES, NatsSettings, RuntimeSettings
 from dynamo.runtime.errors import RuntimeConfigError
 from dynamo.runtime.nats_conn import tls_context
 from dynamo.runtime.tls import client_context
 
 NAMES = ("CA_SETTING", "CERT_SETTING", "KEY_SETTING")
+
+
+@pytest.mark.parametrize("name", TCP_TLS_VARIABLES)
+def test_dynamo_1x_tcp_tls_is_refused_in_one_line_naming_it(monkeypatch, name: str):
+    """1.x's TLS on the TCP planes is not implemented here: a process asked for it does not run in plaintext."""
+    for other in TCP_TLS_VARIABLES:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "/etc/dynamo/tls.pem")
+    with pytest.raises(RuntimeConfigError) as e:
+        RuntimeSettings.from_env()
+    assert str(e.value).startswith(f"{name} is set") and "\n" not in str(e.value)
 
 
 def test_nats_tls_settings_read_by_dynamo_names(monkeypatch):

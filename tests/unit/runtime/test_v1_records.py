@@ -1,5 +1,5 @@
 """Dynamo 1.x's discovery records, byte for byte against what 1.6.1 wrote (/tmp/d16/FACTS.md, observed
-on disk): keys, file names, the Endpoint and EventChannel values, reading them back as our Instances."""
+on disk): keys, file names, the Endpoint and Model values (the EventChannel value: test_v1_event_wire.py), reading them back as our Instances."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from dynamo.runtime.names import EndpointId, is_v1_tcp_address, lease_hex
 from dynamo.runtime.v1_records import (
     endpoint_key,
     endpoint_record,
-    event_channel_key,
-    event_channel_record,
     instance_from_record,
     instances_prefix,
     model_key,
@@ -28,17 +26,12 @@ ID = 6482263448558532528  # 59f5a0430fd477b0
 ENDPOINT_1_6_1 = (b'{"type":"Endpoint","component":"backend","endpoint":"generate","namespace":"d16",'
                   b'"instance_id":6482263448558532528,"transport":{"tcp":"127.0.0.1:43837/59f5a0430fd477b0/d16/backend/'
                   b'generate"},"device_type":"cuda","request_plane_codec":"msgpack"}')
-CHANNEL_1_6_1 = (b'{"type":"EventChannel","scope":{"kind":"endpoint","endpoint":{"namespace":"d16","component":"backend",'
-                 b'"name":"generate"}},"topic":"kv-events","instance_id":2775582686796709,"transport":{"kind":"Zmq",'
-                 b'"config":{"endpoint":"tcp://127.0.0.1:42567"}}}')
 
 
 def test_keys_as_1_6_1_writes_them() -> None:
     assert endpoint_key("d16", "backend", "generate", ID) == "v1/instances/d16/backend/generate/59f5a0430fd477b0"
     assert model_key("d16", "backend", "generate", ID) == "v1/mdc/d16/backend/generate/59f5a0430fd477b0"
     assert model_key("d16", "backend", "generate", ID, "lora-a") == "v1/mdc/d16/backend/generate/59f5a0430fd477b0/lora-a"
-    assert event_channel_key("d16", "backend", "generate", "kv-events", 0x9dc60b4175ba5) == (
-        "v1/event_channels/namespace/d16/component/backend/endpoint/generate/topic/kv-events/9dc60b4175ba5")
     assert instances_prefix(EndpointId("d16", "backend", "gen")) == "v1/instances/d16/backend/gen/"
 
 
@@ -55,11 +48,6 @@ def test_endpoint_record_is_byte_identical_to_1_6_1s() -> None:
     assert endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837", device_type="cuda") == ENDPOINT_1_6_1
     ours = orjson.loads(endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837"))
     assert ours["device_type"] == "cpu" and ours["request_plane_codec"] == "msgpack"
-
-
-def test_event_channel_record_is_byte_identical_to_1_6_1s() -> None:
-    assert event_channel_record("d16", "backend", "generate", "kv-events", 2775582686796709,
-                                "tcp://127.0.0.1:42567") == CHANNEL_1_6_1
 
 
 def test_model_record_wraps_the_card() -> None:

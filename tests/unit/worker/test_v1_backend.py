@@ -116,3 +116,21 @@ async def test_the_backend_handler_answers_a_v1_peer_with_tokens_only(tmp_path):
     handler = backend_handler(card, EchoCoreEngine(delay=0))
     items = [x async for x in handler(v1_request([5, 6]), _RuntimeContext().ctx)]
     assert [i["token_ids"] for i in items] == [[5], [6], []] and items[0]["text"] is None
+
+
+def test_our_request_as_a_1x_worker_reads_it():
+    """The frontend's request in 1.x's shape: our own fields gone, the instance under ``routing``; what a 1.x
+    worker would ignore and so answer differently is refused by name."""
+    from dynamo.llm.protocols.common import ImageInput, PreprocessedRequest, SamplingOptions
+    from dynamo.llm.protocols.v1 import PeerRequest, request_to_v1
+
+    req = PreprocessedRequest(token_ids=[1, 2], model="m", backend_instance_id=7, prefix_source={"address": "x"})
+    body = request_to_v1(req)
+    assert body["routing"] == {"backend_instance_id": 7} and body["token_ids"] == [1, 2] and body["model"] == "m"
+    assert not {"prefix_source", "parsing", "backend_instance_id", "multi_modal_data"} & set(body)
+    assert "logit_bias" not in body["sampling_options"]
+    assert PeerRequest(req).body() == req.to_dict()
+    with pytest.raises(RequestError, match="images"):
+        request_to_v1(PreprocessedRequest(token_ids=[1], multi_modal_data=[ImageInput(b"x", 1, 0, 1)]))
+    with pytest.raises(RequestError, match="logit_bias"):
+        request_to_v1(PreprocessedRequest(token_ids=[1], sampling_options=SamplingOptions(logit_bias={"3": 1.0})))

@@ -49,6 +49,8 @@ def frontend_opts() -> list[Opt]:
             metavar="PEM"),
         Opt(("--namespace",), "namespace", "serve only the models registered in this namespace (default: all)",
             env="DYN_NAMESPACE"),
+        Opt(("--namespace-prefix",), "namespace_prefix", "serve only the models of namespaces whose names start "
+            "with this (wins over --namespace)", env="DYN_NAMESPACE_PREFIX"),
         Opt(("--migration-limit",), "migration_limit", "times a request may move to another worker when its "
             "worker dies or freezes", env="DYN_MIGRATION_LIMIT", default=0, type=nonneg_int),
         Opt(("--metrics-prefix",), "metrics_prefix", "prefix of the frontend's metrics (DYN_METRICS_PREFIX; "
@@ -134,8 +136,6 @@ def frontend_refusals() -> list[Refused]:
         *runtime_refusals(),
         refused("--tls-client-ca-cert-path", "HTTPS client certificates (mutual TLS); --api-key is ours",
                 "DYN_TLS_CLIENT_CA_CERT_PATH"),
-        refused("--namespace-prefix", "discovery by namespace prefix (ours watches one namespace, --namespace, "
-                "or all)", "DYN_NAMESPACE_PREFIX"),
         refused("--kv-cache-block-size", "the block size comes from the workers' model cards",
                 "DYN_KV_CACHE_BLOCK_SIZE"),
         refused("--model-name", "a frontend with a static model; ours serves what workers register",
@@ -205,7 +205,8 @@ def build(argv: list[str], env: Mapping[str, str] | None = None) -> tuple[RunCon
     if bool(ns.tls_cert_path) != bool(ns.tls_key_path):
         raise UserError("--tls-cert-path and --tls-key-path go together")
     cfg = RunConfig(input="text" if ns.interactive else "http", output="dyn", http_host=ns.http_host,
-                    http_port=ns.http_port, namespace=ns.namespace, migration_limit=ns.migration_limit,
+                    http_port=ns.http_port, namespace=ns.namespace, namespace_prefix=ns.namespace_prefix or None,
+                    migration_limit=ns.migration_limit,
                     router_mode=ns.router_mode, router_temperature=ns.router_temperature,
                     use_kv_events=ns.use_kv_events, router_replica_sync=ns.router_replica_sync,
                     kv_overlap_score_weight=ns.kv_overlap_score_weight, tls_cert_path=ns.tls_cert_path,

@@ -18,7 +18,7 @@ ROUTER_DESTS = {"router_temperature", "use_kv_events", "router_replica_sync", "k
                 "track_active_blocks", "assume_kv_reuse", "track_output_blocks", "track_prefill_tokens",
                 "prefill_load_model", "shared_cache_type", "use_remote_indexer", "session_prefix_index",
                 "conditional_disagg", "load_aware", "serve_indexer"}
-FRONTEND_ONLY = ("--tls-client-ca-cert-path", "--namespace-prefix", "--kv-cache-block-size", "--model-name",
+FRONTEND_ONLY = ("--tls-client-ca-cert-path", "--kv-cache-block-size", "--model-name",
                  "--model-path", "--migration-max-seq-len", "--grpc-metrics-port", "--frontend-route-extension",
                  "--admission-control", "--router-min-initial-workers", "--router-session-affinity-ttl-secs",
                  "--router-session-affinity-mode", "--active-decode-blocks-threshold",

@@ -141,3 +141,47 @@ def engine_output_from_v1(item: dict[str, Any]) -> EngineOutput:
         cached_tokens=cached if isinstance(cached, int) else None,
         disaggregated_params=item.get("disaggregated_params"),
     )
+
+
+# ours, with no 1.x field: what the frontend needs (parsing), or hints a 1.x worker may ignore without
+# changing the answer (the router's prefix estimate, a prefix to fetch, our disaggregation ticket: without it
+# the worker computes the prompt itself)
+_OURS_ONLY = ("parsing", "prefix_source", "estimated_prefix_hit_num_blocks", "disaggregated_params",
+              "batch_token_ids", "backend_instance_id", "multi_modal_data")
+
+
+def request_to_v1(req: PreprocessedRequest) -> dict[str, Any]:
+    """Our request as a 1.x worker's ``PreprocessedRequest``.  What it would ignore and so answer wrongly
+    (images, ``logit_bias``) is refused, naming it: the client then gets a 400, not another answer."""
+    if req.multi_modal_data:
+        raise RequestError("images cannot be sent to a Dynamo 1.x worker (it takes no image bytes over this "
+                           "wire); serve the model with a dynamo-run worker", param="messages")
+    if req.sampling_options.logit_bias:
+        raise RequestError("logit_bias is not applied by a Dynamo 1.x worker", param="logit_bias")
+    if req.batch_token_ids:
+        raise RequestError("a batch of prompts in one engine request cannot be sent to a Dynamo 1.x worker",
+                           param="prompt")
+    body = req.to_dict()
+    for key in _OURS_ONLY:
+        body.pop(key, None)
+    body["sampling_options"].pop("logit_bias", None)
+    body["output_options"].pop("stop_token_logprobs", None)
+    body["routing"] = {"backend_instance_id": req.backend_instance_id} if req.backend_instance_id is not None \
+        else None
+    return body
+
+
+class PeerRequest:
+    """A request on its way to a worker chosen by the router: our dict for our workers, 1.x's for a 1.x
+    worker (the runtime client asks for the one it needs: ``runtime.client.PeerBody``)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: PreprocessedRequest) -> None:
+        self.request = request
+
+    def body(self) -> dict[str, Any]:
+        return self.request.to_dict()
+
+    def v1_body(self) -> dict[str, Any]:
+        return request_to_v1(self.request)

@@ -1,0 +1,42 @@
+"""A mixed fleet and our fleet secret, with real processes: the secret stays between our own processes.
+
+A worker of ours started with ``DYN_FLEET_SECRET`` is still listed by Dynamo 1.6.1's frontend (its records are
+1.x's), but the frontend's requests are refused at the worker's port, in one line that names 1.x, and the
+client gets an error, not a hang; and the worker opens no 1.x event plane (1.x's has no authentication: no
+``v1/event_channels`` or ``v1/event_sources`` record of its own).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from harness.dynamo1x import d16_env, d16_frontend
+from harness.dynamo1x_kv import SRC, wait_for
+from harness.proc import DynamoWorker
+
+SECRET = "a-fleet-secret-of-ours-0123456789"
+
+
+def test_our_worker_with_a_fleet_secret_refuses_a_d16_frontend_in_one_line(tiny_chat_5k: Path, store: Path) -> None:
+    theirs = d16_env(store)
+    ours = dict(theirs, PYTHONPATH=SRC, DYN_FLEET_SECRET=SECRET)
+    worker = DynamoWorker("in=dyn://sec.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name",
+                          "tiny-chat", env=ours, startup_timeout=60).start()
+    try:
+        with d16_frontend(theirs, model="tiny-chat") as frontend:
+            started = time.monotonic()
+            reply = httpx.post(f"{frontend.url}/v1/completions", timeout=60,
+                               json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 2})
+            assert reply.status_code >= 500, reply.text
+            assert time.monotonic() - started < 30
+            wait_for("the worker's refusal line", lambda: "a Dynamo 1.x request" in worker.stderr_text(), 10)
+            lines = [line for line in worker.stderr_text().splitlines() if "a Dynamo 1.x request" in line]
+            assert "refused a connection from 127.0.0.1:" in lines[0] and "DYN_FLEET_SECRET" in lines[0], lines
+        for bucket in ("event_channels", "event_sources"):
+            folder = store / "v1" / bucket
+            assert not folder.exists() or not any(folder.iterdir()), sorted(p.name for p in folder.iterdir())
+    finally:
+        worker.stop()
