@@ -111,6 +111,10 @@ def plot_svg(samples: list[dict[str, Any]], warmup: float, names: list[str], pat
 
         parts.append(f'<text x="5" y="{y0 + 20}">{label}: {lo:.0f} to {hi:.0f}; dotted: end of warm-up; '
                      f'x: 0 to {t_max:.0f} s</text>')
+        for v in (lo, (lo + hi) / 2, hi):  # y ticks
+            y = xy(0, v).split(",")[1]
+            parts.append(f'<text x="2" y="{y}" font-size="10">{v:.0f}</text>')
+            parts.append(f'<line x1="{pad}" y1="{y}" x2="{width - pad}" y2="{y}" stroke="#eee"/>')
         wx = pad + (width - 2 * pad) * warmup / t_max
         parts.append(f'<line x1="{wx:.1f}" y1="{y0 + pad}" x2="{wx:.1f}" y2="{y0 + height - pad}" '
                      'stroke="grey" stroke-dasharray="3,3"/>')
