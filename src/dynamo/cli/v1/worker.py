@@ -7,6 +7,7 @@ its engine's flags, declared per module; the engine's own command-line flags, wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -112,8 +113,19 @@ def engine_flag_diff(parser: argparse.ArgumentParser, model_flag: str, model: st
     for key, value in given.items():
         if key in ("model", "model_path") or base.get(key) == value:
             continue
-        out[key] = json.loads(json.dumps(value, default=str))
+        out[key] = json.loads(json.dumps(value, default=_json_value))
     return out
+
+
+def _json_value(value: Any) -> Any:
+    """A parsed flag value that is an object (vLLM parses ``--kv-events-config '{...}'`` into a dataclass or a
+    pydantic model) as the JSON object it was given as, so the engine rebuilds it; anything else as text."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
 
 
 def int_opt(flags: tuple[str, ...], dest: str, help: str, env: str | None = None) -> Opt:
