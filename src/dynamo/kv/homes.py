@@ -25,22 +25,33 @@ the last 3,600-8,000 routed prompts, minutes at the rates a tie-break helps (doc
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from typing import Collection, Sequence
 
 from dynamo.bounds import track
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CAPACITY = 1 << 15  # entries: 4 MB; ~4-9 per decision, so the last 3,600-8,000 decisions
 CAPACITY_ENV = "DYN_ROUTER_PREFIX_HOMES_SIZE"
 
 
 def capacity_from_env() -> int:
+    """``DYN_ROUTER_PREFIX_HOMES_SIZE``; a value that is not a positive whole number is warned about and
+    the default used (as ``DYN_ROUTER_PREFIX_HOMES`` is: a knob of a tie-break never stops a frontend)."""
     raw = os.environ.get(CAPACITY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CAPACITY
     try:
-        return int(raw) if raw else DEFAULT_CAPACITY
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{CAPACITY_ENV}={raw!r}: expected a number of entries") from None
+        value = 0
+    if value <= 0:
+        log.warning("%s=%r is not a positive whole number; using %d", CAPACITY_ENV, raw, DEFAULT_CAPACITY)
+        return DEFAULT_CAPACITY
+    return value
 
 
 def checkpoints(n: int) -> list[int]:

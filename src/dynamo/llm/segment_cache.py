@@ -188,9 +188,12 @@ def _cost(key: str, ids: array[int]) -> int:
 
 
 def budget_from_env() -> int:
+    """``DYN_SEGMENT_CACHE_MB`` in bytes (0 caches nothing); a value that is not a number is warned about and
+    the default used: a cache's knob never stops a frontend."""
     raw = os.environ.get(BUDGET_ENV, "").strip()
     try:
         mb = float(raw) if raw else DEFAULT_BUDGET_MB
     except ValueError:
-        raise ValueError(f"{BUDGET_ENV}={raw!r}: expected megabytes") from None
-    return int(mb * 2**20)
+        log.warning("%s=%r is not a number of megabytes; using %g", BUDGET_ENV, raw, DEFAULT_BUDGET_MB)
+        mb = DEFAULT_BUDGET_MB
+    return max(0, int(mb * 2**20))

@@ -66,3 +66,18 @@ def test_a_worker_that_left_is_forgotten_and_the_memory_is_bounded():
     for i in range(100):
         h.record([i], i)
     assert len(h) == 5 and h.pick([99], {99}) == 99 and h.pick([0], {0}) is None
+
+
+def test_the_bound_is_32k_entries_unless_the_environment_says_otherwise(monkeypatch):
+    """32,768 entries (4 MB) by default: 131,072 took half an hour of unique prompts to fill (issue 43)."""
+    from dynamo.bounds import sizes
+
+    monkeypatch.delenv("DYN_ROUTER_PREFIX_HOMES_SIZE", raising=False)
+    assert PrefixHomes().capacity == 32768
+    monkeypatch.setenv("DYN_ROUTER_PREFIX_HOMES_SIZE", "7")
+    h = PrefixHomes()
+    for i in range(20):
+        h.record([i], 1)
+    assert h.capacity == 7 and len(h) == 7 and sizes()["kv_prefix_homes"] >= 7
+    monkeypatch.setenv("DYN_ROUTER_PREFIX_HOMES_SIZE", "lots")
+    assert PrefixHomes().capacity == 32768  # warned about, the default used
