@@ -105,6 +105,7 @@ def test_standalone_router_answers_best_worker_id_and_generate(mocker_fleet, env
 
 async def ask_router(router: DynamoWorker) -> None:
     from dynamo.runtime.distributed import connect_runtime
+    from dynamo.runtime.errors import EngineError
 
     runtime = await connect_runtime()
     try:
@@ -121,11 +122,14 @@ async def ask_router(router: DynamoWorker) -> None:
                 return int(item)
             raise AssertionError("best_worker_id answered nothing")
 
-        for _ in range(20):  # until the router has seen both workers
-            workers.add(await best_worker())
+        for _ in range(60):  # until the router has seen both workers (it says "no workers yet" before any)
+            try:
+                workers.add(await best_worker())
+            except EngineError as e:
+                assert "no workers" in str(e), e
             if len(workers) == 2:
                 break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.25)
         items = [item async for item in gen.generate({
             "token_ids": tokens, "stop_conditions": {"max_tokens": 3}, "sampling_options": {},
             "output_options": {}, "eos_token_ids": []})]

@@ -95,10 +95,14 @@ def test_seed_pystr_chunks_reach_the_client_as_yielded(seed_pystr: DynamoRun):
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert len(chunks) == 8
-    assert chunks[0] == {"id": "1", "choices": [{"index": 0, "delta": {"content": "The", "role": "assistant"}}],
+    # as yielded, but for the role: the stream opens with it alone (as OpenAI's do), the first chunk without it
+    assert len(chunks) == 9
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+    assert chunks[1] == {"id": "1", "choices": [{"index": 0, "delta": {"content": "The"}}],
                          "created": 1841762283, "model": "Llama-3.2-3B-Instruct", "system_fingerprint": "local",
                          "object": "chat.completion.chunk"}
+    assert chunks[2]["choices"][0]["delta"] == {"content": " capital", "role": "assistant"}  # the rest untouched
 
 
 def test_seed_pystr_unary(seed_pystr: DynamoRun):
@@ -218,8 +222,9 @@ def test_raise_mid_stream_is_an_error_event(behaviour: DynamoRun):
     with httpx.stream("POST", behaviour.api_url + "/chat/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[0])["choices"][0]["delta"]["content"] == "partial"
-    error = json.loads(events[1])["error"]
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the opening
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "partial"
+    error = json.loads(events[2])["error"]
     assert "RuntimeError: mid-stream failure" in error["message"]
     assert events[-1] == "[DONE]"
     # and the openai SDK surfaces it as an error

@@ -105,8 +105,9 @@ async def test_failure_before_the_first_chunk_is_a_500(service: HttpService, str
 async def test_engine_error_mid_stream_is_an_error_event_then_done(service: HttpService):
     async with httpx.AsyncClient(base_url=url(service)) as client:
         data = await sse_data(client, "/v1/chat/completions", chat("fails-mid-stream", True))
-    assert json.loads(data[0])["choices"][0]["delta"]["content"] == "partial "
-    error = json.loads(data[1])["error"]
+    assert json.loads(data[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the opening
+    assert json.loads(data[1])["choices"][0]["delta"]["content"] == "partial "
+    error = json.loads(data[2])["error"]
     assert "engine lost its GPU" in error["message"]
     assert data[-1] == "[DONE]"
 
@@ -134,7 +135,7 @@ async def test_openai_sdk_raises_the_mid_stream_error(service: HttpService):
     with pytest.raises(openai.APIError, match="engine lost its GPU"):
         async for chunk in stream:
             seen.append(chunk.choices[0].delta.content)
-    assert seen == ["partial "]
+    assert seen == ["", "partial "]  # the role-only opening chunk, then the text
     await client.close()
 
 

@@ -164,11 +164,17 @@ async def raw_chunks(port: int, model: str) -> list[bytes]:
     return chunks
 
 
+OPENING = {"role": "assistant", "content": ""}  # a chat stream's role-only first chunk (llm/chunks.py)
+
+
 def contents(data: bytes) -> list[str]:
+    """The content of each chunk event, the role-only opening chunk left out."""
     out = []
     for event in data.split(b"\n\n"):
         if event.startswith(b"data: {"):
-            out.append(json.loads(event[6:])["choices"][0]["delta"].get("content") or "")
+            delta = json.loads(event[6:])["choices"][0]["delta"]
+            if delta != OPENING:
+                out.append(delta.get("content") or "")
     return out
 
 

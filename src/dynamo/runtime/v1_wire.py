@@ -123,9 +123,16 @@ def encode_ack(error: str | None = None) -> bytes:
     return _pack_u32(len(data)) + data
 
 
+MAX_PATH = 1024  # a 1.x path is "{instance hex}/{ns}/{comp}/{ep}": far below this
+_PATH_OK = re.compile(rb"[0-9a-f]{1,16}/[\x21-\x7e]+\Z")
+
+
 class RequestDecoder:
     """Incremental decoder of 1.x requests: ``feed(bytes)`` -> [(path, headers, payload)] now complete.
-    A payload announced over ``max_len`` raises at its length, before any of it is buffered."""
+    A payload announced over ``max_len`` raises at its length, before any of it is buffered; a path that is
+    not one (empty, over :data:`MAX_PATH`, not ``{hex}/...`` in printable ASCII) raises as soon as its bytes
+    are in, so a stranger's bytes (what the port's first two bytes took for a 1.x path length) drop the
+    connection at once instead of holding it open waiting for a path that never ends."""
 
     __slots__ = ("_buf", "max_len")
 
@@ -147,7 +154,11 @@ class RequestDecoder:
             if size - pos < 2:
                 break
             plen = _U16.unpack_from(buf, pos)[0]
+            if not 0 < plen <= MAX_PATH:
+                raise V1WireError(f"a request path of {plen} bytes announced (1 to {MAX_PATH} accepted)")
             hpos = pos + 2 + plen
+            if size >= hpos and not _PATH_OK.match(bytes(buf[pos + 2:hpos])):
+                raise V1WireError("a request path that is not {instance}/{namespace}/{component}/{endpoint}")
             if size - hpos < 2:
                 break
             hlen = _U16.unpack_from(buf, hpos)[0]

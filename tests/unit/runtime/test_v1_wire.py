@@ -161,4 +161,15 @@ def test_telling_the_two_wires_and_the_addresses_apart():
 def test_an_announced_request_over_the_limit_is_refused_at_its_length():
     decoder = RequestDecoder(max_len=100)
     with pytest.raises(V1WireError, match="101 bytes"):
-        decoder.feed(b"\x00\x01p\x00\x00" + (101).to_bytes(4, "big"))
+        decoder.feed(b"\x00\x071/a/b/c\x00\x00" + (101).to_bytes(4, "big"))
+
+
+@pytest.mark.parametrize("prefix", [
+    b"\xff\xff",  # a path of 65535 bytes: no 1.x path is that long
+    b"\x00\x04\x00\x01\x02\x03",  # a path of control bytes
+    b"\x00\x05hello",  # no instance and no endpoint
+])
+def test_bytes_that_are_no_1x_path_are_refused_as_soon_as_they_are_in(prefix):
+    """A stranger's bytes taken for a 1.x path length drop the connection at once (not a wait for more)."""
+    with pytest.raises(V1WireError, match="path"):
+        RequestDecoder().feed(prefix)

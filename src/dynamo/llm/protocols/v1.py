@@ -171,17 +171,19 @@ def request_to_v1(req: PreprocessedRequest) -> dict[str, Any]:
     return body
 
 
-class PeerRequest:
-    """A request on its way to a worker chosen by the router: our dict for our workers, 1.x's for a 1.x
-    worker (the runtime client asks for the one it needs: ``runtime.client.PeerBody``)."""
+class PeerRequest(dict[str, Any]):
+    """A request on its way to a worker chosen by the router: the dict our workers take (it *is* that dict,
+    so whoever looks at the body sent sees the usual fields), and 1.x's for a 1.x worker (the runtime client
+    asks for the one it needs: ``runtime.client.PeerBody``)."""
 
     __slots__ = ("request",)
 
     def __init__(self, request: PreprocessedRequest) -> None:
+        super().__init__(request.to_dict())
         self.request = request
 
     def body(self) -> dict[str, Any]:
-        return self.request.to_dict()
+        return self
 
     def v1_body(self) -> dict[str, Any]:
         return request_to_v1(self.request)
