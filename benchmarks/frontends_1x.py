@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,16 +38,12 @@ from typing import Any
 
 from benchmarks import dist_compare, loadgen, machine
 from harness.dynamo1x import build_tiny_chat_5k, d16_env, d16_python
+from harness.proc import cli_command, free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 ENDPOINT = "dyn://bench.backend.generate"
-
-
-def our_cli() -> list[str]:
-    script = Path(sys.executable).parent / "dynamo-run"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dynamo.cli"]
 
 
 def our_env(base: dict[str, str]) -> dict[str, str]:
@@ -72,13 +67,13 @@ def start_workers(kind: str, env: dict[str, str], model_dir: Path, log: Path) ->
     model = Path(os.popen(str(REPO / "scripts" / "smollm2-path.sh")).read().strip())
     for i in range(2):
         procs.append(dist_compare.Proc(f"llamacpp-{i}", [
-            *our_cli(), f"in={ENDPOINT}", "out=llamacpp", str(model), "--model-name", "bench"], our_env(env), log))
+            *cli_command(), f"in={ENDPOINT}", "out=llamacpp", str(model), "--model-name", "bench"], our_env(env), log))
     return procs, "bench"
 
 
 def frontend_cmd(which: str, port: int) -> list[str]:
     if which == "ours":
-        return [*our_cli(), "in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(port),
+        return [*cli_command(), "in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(port),
                 "--router-mode", "kv"]
     python = d16_python()
     assert python is not None
@@ -88,7 +83,7 @@ def frontend_cmd(which: str, port: int) -> list[str]:
 
 def one_run(which: str, streams: int, duration: float, env: dict[str, str], workers: list[dist_compare.Proc],
             log: Path) -> dict[str, Any]:
-    port = loadgen_port()
+    port = free_port()
     fenv = our_env(env) if which == "ours" else env
     frontend = dist_compare.Proc(f"frontend-{which}", frontend_cmd(which, port), fenv, log)
     url = f"http://127.0.0.1:{port}"
@@ -123,14 +118,6 @@ def wait_ready(url: str, procs: list[dist_compare.Proc], timeout: float) -> None
             last = repr(e)
         time.sleep(0.2)
     raise SystemExit(f"the frontend at {url} did not answer in {timeout}s: {last[:300]}")
-
-
-def loadgen_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def row(which: str, streams: int, r: dict[str, Any]) -> list[str]:

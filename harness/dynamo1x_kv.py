@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import dynamo
 from harness.dynamo1x import d16_env
 from harness.servers import EtcdServer, NatsServer
 
-__all__ = ["BLOCK", "KV_PLANES", "SRC", "complete", "decisions", "fleet_envs", "prompts", "routed", "wait_for"]
+__all__ = ["BLOCK", "KV_PLANES", "SRC", "complete", "decisions", "fleet_envs", "prompts", "routed"]
 
 SRC = str(Path(dynamo.__file__).resolve().parents[1])  # this checkout's code, in our child processes
 BLOCK = 64  # the block size of 1.6.1's mocker and of ours, by default
@@ -57,15 +56,6 @@ def decisions(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:g}s: {what}")
 
 
 def prompts(n: int, first: int = 0) -> list[list[int]]:

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
-from harness.dynamo1x_kv import SRC, wait_for
+from harness.dynamo1x_kv import SRC
 from harness.proc import DynamoRun, DynamoWorker
+from harness.wait import wait_until
 
 
 def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:
@@ -20,8 +21,8 @@ def test_d16_frontend_lists_our_workers_model(tiny_chat_5k: Path, envs) -> None:
     try:
         with d16_frontend(theirs, model="ours-model") as frontend:  # ready once /v1/models lists it
             worker.stop()
-            wait_for("1.6.1's frontend drops the model of our stopped worker",
-                     lambda: "ours-model" not in models_listed(frontend.url))
+            wait_until(lambda: "ours-model" not in models_listed(frontend.url), 30,
+                       "1.6.1's frontend drops the model of our stopped worker")
     finally:
         worker.stop()
 
@@ -32,10 +33,11 @@ def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
         mocker = d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", theirs, "--speedup-ratio", "0",
                             model_name="m16-model", store=store)
         try:
-            wait_for("our frontend lists 1.6.1's mocker's model", lambda: "m16-model" in models_listed(frontend.base_url))
+            wait_until(lambda: "m16-model" in models_listed(frontend.base_url), 30,
+                       "our frontend lists 1.6.1's mocker's model")
             mocker.stop()
-            wait_for("our frontend drops the model of the stopped mocker",
-                     lambda: "m16-model" not in models_listed(frontend.base_url))
+            wait_until(lambda: "m16-model" not in models_listed(frontend.base_url), 30,
+                       "our frontend drops the model of the stopped mocker")
         finally:
             mocker.stop()
 
@@ -56,7 +58,8 @@ def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path,
                 return sorted(i["instance_id"] for i in body.get("instances", [])
                               if i["endpoint"] == "dyn://mix.backend.generate" and "shared" in i["models"])
 
-            wait_for("our frontend serves 'shared' over both workers", lambda: len(instances()) == 2)
+            wait_until(lambda: len(instances()) == 2, 30,
+                       "our frontend serves 'shared' over both workers")
             assert worker.instance_id in instances()
             assert models_listed(frontend.base_url) == {"shared"}
             time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third

@@ -20,8 +20,9 @@ import pytest
 
 from dynamo.kv.hashing import compute_hashes
 from harness.dynamo1x import d16_frontend, d16_mocker, models_listed
-from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed, wait_for
+from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed
 from harness.proc import DynamoRun, DynamoWorker
+from harness.wait import wait_until
 
 ENDPOINT = "dyn://mixkv.backend.generate"
 
@@ -81,7 +82,8 @@ def test_d16_frontend_routes_repeats_in_a_mixed_fleet(fleet) -> None:
         def send(prompt: list[int]) -> tuple[str, str, dict]:
             seen = len(routed(frontend))
             body = complete(frontend.url, prompt)
-            wait_for("the route in 1.6.1's log", lambda: len(routed(frontend)) > seen, 5)
+            wait_until(lambda: len(routed(frontend)) > seen, 5,
+                       "the route in 1.6.1's log")
             overlap, worker_id = routed(frontend)[-1]
             return overlap, worker_id, body["usage"]
 
@@ -103,12 +105,14 @@ def test_our_frontend_routes_repeats_in_a_mixed_fleet(fleet, tmp_path: Path) -> 
     log = tmp_path / "decisions.jsonl"
     with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours_env, DYN_ROUTER_LOG=str(log)),
                    startup_timeout=60) as frontend:
-        wait_for("our frontend lists the model", lambda: "tiny-chat" in models_listed(frontend.base_url))
+        wait_until(lambda: "tiny-chat" in models_listed(frontend.base_url), 30,
+                   "our frontend lists the model")
 
         def send(prompt: list[int]) -> tuple[dict, dict]:
             seen = len(_routes(log))
             usage = complete(frontend.base_url, prompt)["usage"]
-            wait_for("the decision in the log", lambda: len(_routes(log)) > seen, 5)
+            wait_until(lambda: len(_routes(log)) > seen, 5,
+                       "the decision in the log")
             return _routes(log)[-1], usage
 
         def send_new(prompt: list[int]) -> str:
@@ -117,13 +121,14 @@ def test_our_frontend_routes_repeats_in_a_mixed_fleet(fleet, tmp_path: Path) -> 
             assert route["candidates"][route["worker"]]["overlap"] == 0, route
             return route["worker"]
 
-        wait_for("our router has both workers", lambda: len(send(prompts(1, first=99)[0])[0]["candidates"]) == 2, 20)
+        wait_until(lambda: len(send(prompts(1, first=99)[0])[0]["candidates"]) == 2, 20,
+                   "our router has both workers")
         served = _served_by_each_kind(send_new, frontend.base_url, worker.instance_hex)
         for prompt in prompts(len(served)):
             last = compute_hashes(prompt, BLOCK)[1][-1]
-            wait_for("our router applies the prompt's stored event",
-                     lambda last=last: any(e["ev"] == "stored" and e["blocks"][-1:] == [last]
-                                           for e in decisions(log)), 20)
+            wait_until(lambda last=last: any(e["ev"] == "stored" and e["blocks"][-1:] == [last]
+                                           for e in decisions(log)), 20,
+                       "our router applies the prompt's stored event")
         for prompt, holder in zip(prompts(len(served)), served, strict=True):
             route, usage = send(prompt)
             assert route["worker"] == holder, f"served first by {holder}: {served}; {route}"

@@ -19,8 +19,9 @@ import pytest
 
 from dynamo.kv.hashing import compute_hashes
 from harness.dynamo1x import d16_frontend, d16_mocker, models_listed
-from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed, wait_for
+from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed
 from harness.proc import DynamoRun, DynamoWorker
+from harness.wait import wait_until
 
 
 @pytest.fixture(params=KV_PLANES)
@@ -41,8 +42,8 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
             for prompt in prompts(4):
                 complete(frontend.url, prompt)
                 seen = len(routed(frontend))
-                wait_for("its router hears our worker's blocks",
-                         lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20)
+                wait_until(lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20,
+                           "its router hears our worker's blocks")
             assert {int(w) for _, w in routed(frontend)} <= ids
     finally:
         for w in workers:
@@ -65,16 +66,18 @@ def test_our_frontend_routes_repeats_to_the_d16_mocker_that_holds_them(tiny_chat
     try:
         with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(log)),
                        startup_timeout=60) as frontend:
-            wait_for("our frontend lists the mockers' model", lambda: "tiny-chat" in models_listed(frontend.base_url))
+            wait_until(lambda: "tiny-chat" in models_listed(frontend.base_url), 30,
+                       "our frontend lists the mockers' model")
             for prompt in prompts(4):
                 complete(frontend.base_url, prompt)
                 blocks = compute_hashes(prompt, BLOCK)[1]
-                wait_for("our router applies the mocker's stored event",
-                         lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
-                                              for e in decisions(log)), 20)
+                wait_until(lambda b=blocks: any(e["ev"] == "stored" and e["blocks"][-1:] == b[-1:]
+                                              for e in decisions(log)), 20,
+                           "our router applies the mocker's stored event")
                 usage = complete(frontend.base_url, prompt)["usage"]  # once: no second chance for a coin toss
                 assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-                wait_for("the repeat's decision in the log", lambda: _last_route(log) is not None, 5)
+                wait_until(lambda: _last_route(log) is not None, 5,
+                           "the repeat's decision in the log")
                 route = _last_route(log)
                 assert route["candidates"][route["worker"]]["overlap"] == 4, route
     finally:
@@ -100,12 +103,14 @@ def test_our_frontend_started_later_recovers_what_a_d16_mocker_holds(tiny_chat_5
         complete(first.url, prompt)  # the mocker now holds the prompt's 4 blocks
         with DynamoRun("out=dyn", "--router-mode", "kv", env=dict(ours, DYN_ROUTER_LOG=str(log)),
                        startup_timeout=60) as frontend:
-            wait_for("our frontend lists the mocker's model", lambda: "tiny-chat" in models_listed(frontend.base_url))
-            wait_for("our router recovers the mocker's blocks",
-                     lambda: any(e["ev"] == "route" for e in decisions(log)) or _recovered(frontend), 20)
+            wait_until(lambda: "tiny-chat" in models_listed(frontend.base_url), 30,
+                       "our frontend lists the mocker's model")
+            wait_until(lambda: any(e["ev"] == "route" for e in decisions(log)) or _recovered(frontend), 20,
+                       "our router recovers the mocker's blocks")
             usage = complete(frontend.base_url, prompt)["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK, usage
-            wait_for("the decision in the log", lambda: any(e["ev"] == "route" for e in decisions(log)), 5)
+            wait_until(lambda: any(e["ev"] == "route" for e in decisions(log)), 5,
+                       "the decision in the log")
             route = [e for e in decisions(log) if e["ev"] == "route"][-1]
             assert route["candidates"][route["worker"]]["overlap"] == 4, route
 

@@ -1,7 +1,8 @@
 """Building OpenAI stream chunks for one request, shaped as the OpenAI API sends them.
 
 One builder per request holds the fields every chunk repeats, so the per-token cost is one small dict.
-The role goes on the first chunk only; usage, when asked for, comes in a final chunk with no choices.
+The role goes on the first chunk only (the chat route splits it off into a role-only opening chunk:
+:func:`split_opening`); usage, when asked for, comes in a final chunk with no choices.
 """
 
 from __future__ import annotations
