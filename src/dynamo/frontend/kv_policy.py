@@ -292,8 +292,7 @@ class KvRouterPolicy:
         what it holds, in that order so that nothing falls between the answer and the stream."""
         scope = EndpointScope(entry.namespace, entry.component, entry.endpoint)
         if scope not in self._v1_subs:
-            opener = getattr(self._runtime, "v1_event_plane", None)
-            plane = opener() if opener is not None else None
+            plane = self._runtime.v1_event_plane()
             if plane is None:
                 log.warning("model %s: worker %x publishes its KV events in Dynamo 1.x's form only and this "
                             "process has no 1.x event plane (a fleet secret, or a static runtime): it is routed "
@@ -415,8 +414,7 @@ class KvRouterPolicy:
         """The 1.x event plane if this router follows a 1.x worker (else None: nothing opened for it)."""
         if not self._v1_subs:
             return None
-        opener = getattr(self._runtime, "v1_event_plane", None)
-        return opener() if opener is not None else None
+        return self._runtime.v1_event_plane()
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,

@@ -124,8 +124,7 @@ class WorkerMetrics:
         task.add_done_callback(self._tasks.discard)
 
     async def _follow_1x(self, scope: EndpointScope) -> None:
-        opener = getattr(self.runtime, "v1_event_plane", None)
-        plane = opener() if opener is not None else None
+        plane = self.runtime.v1_event_plane()
         if plane is None or scope in self._v1_subs:
             return
 

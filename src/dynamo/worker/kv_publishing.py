@@ -111,8 +111,7 @@ class V1KvPublishing:
         1.x form is off (``DYN_KV_EVENTS_1X=0``, a fleet secret, a static runtime)."""
         if not kv_events_1x_enabled():
             return None
-        opener = getattr(endpoint.runtime, "v1_event_plane", None)
-        plane = opener() if opener is not None else None
+        plane = endpoint.runtime.v1_event_plane()
         if plane is None:
             return None
         ident = endpoint.id
