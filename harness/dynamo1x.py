@@ -174,7 +174,7 @@ def d16_mocker(model_dir: Path, endpoint: str, env: Mapping[str, str], *flags: s
                model_name: str | None = None, store: Path | None = None) -> D16Process:
     """1.6.1's mocker serving ``model_dir`` at ``endpoint`` (``dyn://ns.comp.ep``), started.
 
-    Ready once its instance record is in the file ``store`` (when given), else as soon as it runs: a caller
+    Ready once its card and instance record are in the file ``store`` (when given), else as soon as it runs: a caller
     on etcd waits for the model on a frontend instead."""
     ns, comp, ep = endpoint.removeprefix("dyn://").split(".")
     args = ["--model-path", str(model_dir), "--endpoint", endpoint,
@@ -183,7 +183,7 @@ def d16_mocker(model_dir: Path, endpoint: str, env: Mapping[str, str], *flags: s
     if store is not None:
         prefix = f"{ns}%2F{comp}%2F{ep.replace('_', '%5F')}%2F"
 
-        def ready() -> bool:
-            folder = store / "v1" / "mdc"
-            return folder.is_dir() and any(p.name.startswith(prefix) for p in folder.iterdir())
+        def ready() -> bool:  # its card and its instance record: 1.6.1 writes them in either order
+            folders = (store / "v1" / "mdc", store / "v1" / "instances")
+            return all(f.is_dir() and any(p.name.startswith(prefix) for p in f.iterdir()) for f in folders)
     return D16Process("mocker", args, env, ready).start()
