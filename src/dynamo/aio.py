@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl as ssl_module
 import types
-from typing import Any, AsyncIterator, Callable, Generator, TypeVar
+from typing import Any, AsyncIterator, Callable, Generator, TypeVar, cast
 
 log = logging.getLogger(__name__)
 ACCEPT_RETRY_S = 1.0  # pause after a failed accept (out of file descriptors) before accepting again
@@ -132,10 +133,16 @@ class Acceptor:
     """
 
     def __init__(self, sock: socket.socket, protocol_factory: Callable[[], asyncio.BaseProtocol],
-                 *, per_turn: int = 1024, ssl: "ssl_module.SSLContext | None" = None) -> None:
+                 *, per_turn: int = 1024, ssl: "ssl_module.SSLContext | None" = None,
+                 ssl_handshake_timeout: float | None = None,
+                 on_failure: Callable[[Any, BaseException], None] | None = None) -> None:
         self.sock = sock
         self._factory = protocol_factory
-        self._ssl = ssl  # HTTPS (--tls-cert-path): the loop's TLS transport does the handshake
+        self._ssl = ssl  # TLS (HTTPS, the TCP planes): the loop's TLS transport does the handshake
+        self._handshake_timeout = ssl_handshake_timeout if ssl is not None else None
+        # a connection that failed to start (a failed TLS handshake), with the peer's address: the loop
+        # itself says nothing of it
+        self._on_failure = on_failure
         self._per_turn = per_turn
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -146,7 +153,7 @@ class Acceptor:
         loop = self._loop
         for _ in range(self._per_turn):
             try:
-                conn, _addr = self.sock.accept()
+                conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. out of file descriptors: pause, as asyncio's own server does
@@ -159,7 +166,11 @@ class Acceptor:
             conn.setblocking(False)
             # Its first step sets the transport up and starts reading, now rather than a turn later;
             # what is left (waiting for connection_made) runs as a task.
-            coro = loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl)
+            if self._handshake_timeout is None:
+                coro = loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl)
+            else:
+                coro = loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl,
+                                                    ssl_handshake_timeout=self._handshake_timeout)
             try:
                 first = coro.send(None)
             except StopIteration:
@@ -170,15 +181,19 @@ class Acceptor:
                 continue
             task = loop.create_task(_finish(Pending(coro, first)))
             self._tasks.add(task)
-            task.add_done_callback(self._accepted)
+            task.add_done_callback(functools.partial(self._accepted, peer=addr))
 
     def _resume(self, fd: int) -> None:
         if self.sock.fileno() == fd:  # not closed meanwhile
             self._loop.add_reader(fd, self._on_readable)
 
-    def _accepted(self, task: "asyncio.Task[Any]") -> None:
+    def _accepted(self, task: "asyncio.Task[Any]", peer: Any) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._on_failure is not None:
+            self._on_failure(peer, cast(BaseException, task.exception()))
+        else:
             log.debug("accepted connection failed to start: %s", task.exception())
 
     def close(self) -> None:

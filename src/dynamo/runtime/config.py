@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from . import tcp_tls
 from .errors import RuntimeConfigError
 from .fleet_auth import load_secret
 
@@ -236,7 +237,9 @@ class RuntimeSettings:
 
     @classmethod
     def from_env(cls) -> "RuntimeSettings":
-        refuse_tcp_tls()
+        # DYN_TCP_TLS_* read afresh for this runtime; a setting that cannot work stops it here, in one line
+        tcp_tls.reset()
+        tcp_tls.settings()
         timeout = _env("DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT")
         return cls(
             discovery_backend=discovery_backend_name(_env("DYN_DISCOVERY_BACKEND"), "DYN_DISCOVERY_BACKEND"),
@@ -255,24 +258,6 @@ class RuntimeSettings:
             event_plane=_choice_env("DYN_EVENT_PLANE", EVENT_PLANES),
             fleet_secret=load_secret(),
         )
-
-
-# Dynamo 1.x's TLS on its TCP planes (server: cert, key, client CA; client: CA, insecure, client cert and key,
-# server name, handshake timeout); not implemented here (docs/security.md, "A mixed fleet with Dynamo 1.x")
-TCP_TLS_VARIABLES = ("DYN_TCP_TLS_CERT_PATH", "DYN_TCP_TLS_KEY_PATH", "DYN_TCP_TLS_CLIENT_CA_CERT_PATH",
-                     "DYN_TCP_TLS_CA_CERT_PATH", "DYN_TCP_TLS_INSECURE", "DYN_TCP_TLS_CLIENT_CERT_PATH",
-                     "DYN_TCP_TLS_CLIENT_KEY_PATH", "DYN_TCP_TLS_SERVER_NAME", "DYN_TCP_TLS_HANDSHAKE_TIMEOUT_SECS")
-
-
-def refuse_tcp_tls() -> None:
-    """A 1.x launch script may set ``DYN_TCP_TLS_*``; our TCP planes cannot honour it, and running in plaintext
-    where TLS was asked for would be worse than not starting: one line, naming the variable."""
-    for name in TCP_TLS_VARIABLES:
-        if _env(name):
-            raise RuntimeConfigError(
-                f"{name} is set, but TLS on the TCP request plane and response streams (Dynamo 1.x's DYN_TCP_TLS_*) "
-                "is not implemented here: unset it (for an authenticated fleet of ours: DYN_FLEET_SECRET; "
-                "docs/security.md, \"A mixed fleet with Dynamo 1.x\")")
 
 
 REQUEST_PLANES = ("nats", "tcp")

@@ -34,6 +34,7 @@ from nats.aio.client import Client as NatsClient
 
 from dynamo.aio import cancel_and_wait
 
+from . import tcp_tls
 from .component import Namespace
 from .config import EVENT_PLANES, REQUEST_PLANES, RuntimeSettings, check_choice, discovery_backend_name
 from .discovery import Discovery
@@ -181,10 +182,11 @@ class DistributedRuntime:
                 self.system = SystemStatusServer(replace(settings.system, host=system_host))
                 await self.system.start()
                 listeners.append(Listener("status", self.system.host, self.system.port or 0))
+            tls = tcp_tls.settings()
             log.info("%s, request plane %s, event plane %s (%s), object store %s%s", self._discovery_line,
                      planes.requests, planes.events, planes.why, self._object_store_kind(),
-                     listeners_line(listeners, hosts, authenticated=auth is not None))
-            warning = exposure_warning(listeners, authenticated=auth is not None)
+                     listeners_line(listeners, hosts, authenticated=auth is not None, tls=tls.describe()))
+            warning = exposure_warning(listeners, authenticated=auth is not None, mutual_tls=tls.mutual)
             if warning:
                 log.warning("%s", warning)
             if self.etcd is not None:

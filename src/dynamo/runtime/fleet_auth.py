@@ -45,10 +45,12 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import stat
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
+from . import tcp_tls
 from .errors import RuntimeConfigError
 
 log = logging.getLogger(__name__)
@@ -384,10 +386,28 @@ async def handshake_streams(auth: FleetAuth, role: str, address: str, reader: as
 def guarded(auth: FleetAuth | None, address: Callable[[], str], factory: Callable[[], asyncio.Protocol],
             what: str) -> Callable[[], asyncio.Protocol]:
     """A listener's protocol factory: ``factory`` itself without a secret, else behind an :class:`AuthGate`
-    (``address()``: what dialers dial, read when a connection arrives)."""
+    (``address()``: what dialers dial, read when a connection arrives). Under TLS (:mod:`.tcp_tls`) the
+    handshake runs inside the TLS session."""
     if auth is None:
         return factory
     return lambda: AuthGate(auth, LISTENER, address(), factory(), what)
+
+
+P = TypeVar("P", bound=asyncio.Protocol)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, factory: Callable[[], P], host: str, port: int,
+                   address: str) -> tuple[asyncio.BaseTransport, P]:
+    """A connection to ``host:port``, in TLS when this process dials with it (:mod:`.tcp_tls`); a failed
+    handshake is a :class:`tcp_tls.TlsDialError` (an OSError: callers treat it as an unreachable peer) whose
+    message says why in one line."""
+    options = tcp_tls.settings().dial_options(host)
+    if not options:
+        return await loop.create_connection(factory, host, port)
+    try:
+        return await loop.create_connection(factory, host, port, **options)
+    except (ssl.SSLError, ConnectionAbortedError, ConnectionResetError, TimeoutError) as exc:
+        raise tcp_tls.TlsDialError(f"TLS handshake with {address} failed: {tcp_tls.handshake_reason(exc)}") from None
 
 
 async def dial(auth: FleetAuth | None, address: str, host: str, port: int,
@@ -397,12 +417,12 @@ async def dial(auth: FleetAuth | None, address: str, host: str, port: int,
     Raises OSError / TimeoutError (no connection) or :class:`FleetAuthError` (refused)."""
     loop = asyncio.get_running_loop()
     if auth is None:
-        _, proto = await asyncio.wait_for(loop.create_connection(factory, host, port), timeout)
+        _, proto = await asyncio.wait_for(_connect(loop, factory, host, port, address), timeout)
         return proto
 
     async def connect() -> asyncio.Protocol:
-        transport, gate = await loop.create_connection(lambda: AuthGate(auth, DIALER, address, factory(), what),
-                                                       host, port)
+        transport, gate = await _connect(loop, lambda: AuthGate(auth, DIALER, address, factory(), what),
+                                         host, port, address)
         try:
             return await gate.ready
         except BaseException:  # refused, or the caller's timeout: the connection goes either way

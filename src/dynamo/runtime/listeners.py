@@ -23,6 +23,7 @@ _EXPOSES = {
     "status": "read its health and metrics",
 }
 AUTHENTICATED = frozenset(("requests", "response streams", "events"))  # by the fleet secret, when set
+TCP_PLANES = frozenset(("requests", "response streams"))  # by mutual TLS (DYN_TCP_TLS_CLIENT_CA_CERT_PATH), when set
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +37,10 @@ class Listener:
         return f"{self.name} {where}:{self.port}" if self.port else f"{self.name} {where}"
 
 
-def listeners_line(listeners: list[Listener], hosts: ListenHosts, *, authenticated: bool = False) -> str:
-    """The start-up line's part that says where each plane listens (empty when none does), and whether
-    the fleet secret guards them."""
+def listeners_line(listeners: list[Listener], hosts: ListenHosts, *, authenticated: bool = False,
+                   tls: str = "") -> str:
+    """The start-up line's part that says where each plane listens (empty when none does), whether
+    the fleet secret guards them, and ``tls``: what TLS the TCP planes have (empty: none)."""
     if not listeners:
         return ""
     if all(is_loopback(x.host) for x in listeners):
@@ -46,13 +48,17 @@ def listeners_line(listeners: list[Listener], hosts: ListenHosts, *, authenticat
     else:
         scope = "reachable from other machines"
     secret = "; fleet secret on" if authenticated else ""
-    return f"; listening: {', '.join(map(str, listeners))} ({scope}; {hosts.why}{secret})"
+    tls = f"; {tls}" if tls else ""
+    return f"; listening: {', '.join(map(str, listeners))} ({scope}; {hosts.why}{secret}{tls})"
 
 
-def exposure_warning(listeners: list[Listener], *, authenticated: bool = False) -> str | None:
+def exposure_warning(listeners: list[Listener], *, authenticated: bool = False,
+                     mutual_tls: bool = False) -> str | None:
     """One line naming the listeners other machines can reach without a credential and what that gives
-    them; None when there is none (every one on loopback, or guarded by the fleet secret)."""
-    exposed = [x for x in listeners if not is_loopback(x.host) and not (authenticated and x.name in AUTHENTICATED)]
+    them; None when there is none (every one on loopback, guarded by the fleet secret, or the TCP planes by
+    mutual TLS)."""
+    exposed = [x for x in listeners if not is_loopback(x.host) and not (authenticated and x.name in AUTHENTICATED)
+               and not (mutual_tls and x.name in TCP_PLANES)]
     if not exposed:
         return None
     gains = list(dict.fromkeys(_EXPOSES[x.name] for x in exposed))

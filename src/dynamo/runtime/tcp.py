@@ -130,9 +130,10 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def listen(host: str) -> socket.socket:
-    """A listening socket on an ephemeral port of ``host`` (an address or a name)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+async def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening socket on ``port`` of ``host`` (an address or a name; port 0: an ephemeral one)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)
     if not infos:
         raise OSError(f"cannot resolve {host}")
     family, _, _, _, addr = infos[0]

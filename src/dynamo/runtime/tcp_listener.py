@@ -20,6 +20,7 @@ import orjson
 from dynamo.aio import Acceptor
 from dynamo.bounds import track
 
+from . import tcp_tls
 from .codec import PREFIX_LEN, FrameDecoder, FrameError
 from .errors import EngineError, StreamStalledError
 from .fleet_auth import FleetAuth, guarded, is_fleet_hello, peer_name, refusals
@@ -80,7 +81,8 @@ class TcpResponseServer:
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.address = f"{host}:{port}"
             self._acceptor = Acceptor(sock, guarded(self.auth, lambda: self.address, lambda: _CallHomeProtocol(self),
-                                                    "response streams"))
+                                                    "response streams"),
+                                      **tcp_tls.acceptor_options("response streams"))
             self._ticker = asyncio.get_running_loop().create_task(self._check_liveness(), name="tcp-stream-liveness")
 
     def register(self, state: StreamState, v1: bool = False) -> dict:

@@ -31,8 +31,9 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Generic, Protocol, TypeVar, cast
 
-from dynamo.aio import finish
+from dynamo.aio import Acceptor, finish
 
+from . import tcp_tls
 from .codec import decode_frame, encode_frame
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
 from .fleet_auth import FleetAuth, FleetAuthError, dial, guarded, is_fleet_hello, peer_name, refusals
@@ -386,7 +387,7 @@ class TcpRequestPlane:
         self.handlers: dict[str, RequestHandler] = {}
         self.server_conns: set[ServerConnection | V1ServerConnection] = set()
         self.pending = 0  # bytes held in unfinished requests over all server connections (MAX_PENDING)
-        self._server: asyncio.AbstractServer | None = None
+        self._server: Acceptor | None = None
         self._advertised = ""
         self._listening = asyncio.Lock()
         self._conns: ConnectionPool[ClientConnection] = ConnectionPool(
@@ -481,15 +482,12 @@ class TcpRequestPlane:
         async with self._listening:
             if self._server is not None:
                 return
-            loop = asyncio.get_running_loop()
             bind = self.host or ANY_ADDRESS
             factory = guarded(self.auth, lambda: self._advertised, lambda: ServerConnection(self), "request plane")
-            if self.port:
-                self._server = await loop.create_server(factory, bind, self.port, backlog=1024, reuse_address=True)
-            else:
-                sock = await listen(bind)
-                self._server = await loop.create_server(factory, sock=sock)
-            port = self._server.sockets[0].getsockname()[1]
+            sock = await listen(bind, self.port)  # a fixed port is reused at once after a restart (SO_REUSEADDR)
+            # our own accept loop, as the response streams': a burst of connections is accepted in one turn
+            self._server = Acceptor(sock, factory, **tcp_tls.acceptor_options("request plane"))
+            port = sock.getsockname()[1]
             host = self.advertise
             self._advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             log.info("request plane: listening for requests on %s:%d (reached at tcp://%s)", bind, port,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dynamo.cli.infra_secure import prepare
-from dynamo.runtime.config import TCP_TLS_VARIABLES, NatsSettings, RuntimeSettings
+from dynamo.runtime import tcp_tls
+from dynamo.runtime.config import NatsSettings, RuntimeSettings
 from dynamo.runtime.errors import RuntimeConfigError
 from dynamo.runtime.nats_conn import tls_context
 from dynamo.runtime.tls import client_context
@@ -20,15 +21,51 @@ from dynamo.runtime.tls import client_context
 NAMES = ("CA_SETTING", "CERT_SETTING", "KEY_SETTING")
 
 
-@pytest.mark.parametrize("name", TCP_TLS_VARIABLES)
-def test_dynamo_1x_tcp_tls_is_refused_in_one_line_naming_it(monkeypatch, name: str):
-    """1.x's TLS on the TCP planes is not implemented here: a process asked for it does not run in plaintext."""
-    for other in TCP_TLS_VARIABLES:
-        monkeypatch.delenv(other, raising=False)
-    monkeypatch.setenv(name, "/etc/dynamo/tls.pem")
+def tcp_tls_env(monkeypatch, **values: str) -> None:
+    for name in tcp_tls.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(getattr(tcp_tls, name), value)
+
+
+@pytest.mark.parametrize(("given", "names"), [
+    ({"CERT": "c.pem"}, ("DYN_TCP_TLS_CERT_PATH", "DYN_TCP_TLS_KEY_PATH")),
+    ({"CLIENT_CA": "ca.pem"}, ("DYN_TCP_TLS_CLIENT_CA_CERT_PATH", "DYN_TCP_TLS_CERT_PATH")),
+    ({"CLIENT_CERT": "c.pem"}, ("DYN_TCP_TLS_CLIENT_CERT_PATH", "DYN_TCP_TLS_CLIENT_KEY_PATH")),
+    ({"CLIENT_CERT": "c.pem", "CLIENT_KEY": "k.pem"}, ("DYN_TCP_TLS_CA_CERT_PATH", "DYN_TCP_TLS_INSECURE")),
+    ({"CA": "/nowhere/ca.pem"}, ("DYN_TCP_TLS_CA_CERT_PATH=/nowhere/ca.pem: no such file",)),
+    ({"CERT": "/nowhere/c.pem", "KEY": "/nowhere/k.pem"}, ("/nowhere/c.pem: no such file",)),
+    ({"HANDSHAKE_TIMEOUT": "soon"}, ("DYN_TCP_TLS_HANDSHAKE_TIMEOUT_SECS='soon'",)),
+], ids=["cert-without-key", "client-ca-without-server-tls", "client-cert-without-key", "client-cert-without-ca",
+        "missing-ca", "missing-cert", "bad-timeout"])
+def test_a_dynamo_1x_tcp_tls_setting_that_cannot_work_stops_start_up_in_one_line(monkeypatch, given, names):
+    """1.x's DYN_TCP_TLS_* are read by our runtime: a setting that cannot work is one line at start-up naming
+    it, never a plaintext process where TLS was asked for."""
+    tcp_tls_env(monkeypatch, **given)
     with pytest.raises(RuntimeConfigError) as e:
         RuntimeSettings.from_env()
-    assert str(e.value).startswith(f"{name} is set") and "\n" not in str(e.value)
+    assert all(name in str(e.value) for name in names) and "\n" not in str(e.value), str(e.value)
+
+
+def test_dynamo_1x_tcp_tls_roles_follow_their_variables(monkeypatch, tmp_path: Path):
+    files = prepare(tmp_path / "infra", "127.0.0.1")
+    tcp_tls_env(monkeypatch)
+    assert tcp_tls.from_env() == tcp_tls.PLAIN and tcp_tls.PLAIN.dial_options("10.0.0.2") == {}
+    tcp_tls_env(monkeypatch, CERT=str(files.server_cert), KEY=str(files.server_key))  # serves, dials plain
+    tls = tcp_tls.from_env()
+    assert tls.server is not None and tls.client is None and not tls.mutual
+    tcp_tls_env(monkeypatch, CERT=str(files.server_cert), KEY=str(files.server_key), CLIENT_CA=str(files.ca),
+                CA=str(files.ca), CLIENT_CERT=str(files.client_cert), CLIENT_KEY=str(files.client_key),
+                SERVER_NAME="worker.internal", HANDSHAKE_TIMEOUT="7")
+    tls = tcp_tls.from_env()
+    assert tls.mutual and tls.server is not None and tls.server.verify_mode == ssl.CERT_REQUIRED
+    assert tls.dial_options("10.0.0.2") == {"ssl": tls.client, "server_hostname": "worker.internal",
+                                            "ssl_handshake_timeout": 7.0}
+    assert tls.describe() == "TLS on the TCP planes: serving mutual, dialing on"
+    tcp_tls_env(monkeypatch, INSECURE="true")
+    tls = tcp_tls.from_env()
+    assert tls.client is not None and tls.client.verify_mode == ssl.CERT_NONE
+    assert tls.dial_options("10.0.0.2")["server_hostname"] == "10.0.0.2"
 
 
 def test_nats_tls_settings_read_by_dynamo_names(monkeypatch):

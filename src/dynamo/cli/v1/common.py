@@ -288,14 +288,36 @@ def runtime_opts() -> list[Opt]:
     ]
 
 
-TCP_TLS_WHY = "the TCP request plane's TLS (ours proves each connection with DYN_FLEET_SECRET: docs/security.md)"
+TCP_TLS_PATHS = (("cert-path", "certificate this process serves its TCP listeners with (TLS on when the key "
+                  "is set too)"),
+                 ("key-path", "private key of --tcp-tls-cert-path"),
+                 ("ca-cert-path", "CA that signed the peers' certificates: this process dials its TCP peers in TLS"),
+                 ("client-cert-path", "client certificate this process presents to TCP listeners (mutual TLS)"),
+                 ("client-key-path", "private key of --tcp-tls-client-cert-path"),
+                 ("client-ca-cert-path", "CA this process's TCP listeners require client certificates from "
+                  "(mutual TLS)"))
 
 
-def runtime_refusals() -> list[Refused]:
-    out = [refused(f"--tcp-tls-{name}", TCP_TLS_WHY, "DYN_TCP_TLS_" + name.upper().replace("-", "_"))
-           for name in ("cert-path", "key-path", "ca-cert-path", "client-cert-path", "client-key-path",
-                        "client-ca-cert-path")]
-    return out
+def tcp_tls_opts() -> list[Opt]:
+    """1.x's TLS flags for the TCP request plane and response streams: each sets its DYN_TCP_TLS_* variable,
+    which the runtime reads (runtime/tcp_tls.py)."""
+    return [Opt((f"--tcp-tls-{name}",), "tcp_tls_" + name.replace("-", "_"), help,
+                env=(var := "DYN_TCP_TLS_" + name.upper().replace("-", "_")), env_to=var, metavar="PEM")
+            for name, help in TCP_TLS_PATHS]
+
+
+def worker_tcp_tls_opts() -> list[Opt]:
+    """The TCP TLS flags 1.x's workers take beyond the frontend's."""
+    return [
+        Opt(("--tcp-tls-insecure",), "tcp_tls_insecure", "dial TCP peers in TLS without verifying their "
+            "certificates (development only)", env="DYN_TCP_TLS_INSECURE", default=False, switch=True,
+            env_to="DYN_TCP_TLS_INSECURE"),
+        Opt(("--tcp-tls-server-name",), "tcp_tls_server_name", "name to verify TCP peers' certificates for, "
+            "instead of the dialed host", env="DYN_TCP_TLS_SERVER_NAME", env_to="DYN_TCP_TLS_SERVER_NAME"),
+        Opt(("--tcp-tls-handshake-timeout",), "tcp_tls_handshake_timeout", "seconds a TLS handshake on the TCP "
+            "planes may take (default 3)", env="DYN_TCP_TLS_HANDSHAKE_TIMEOUT_SECS", type=pos_int,
+            env_to="DYN_TCP_TLS_HANDSHAKE_TIMEOUT_SECS"),
+    ]
 
 
 def worker_runtime_opts() -> list[Opt]:
@@ -323,7 +345,7 @@ def worker_runtime_opts() -> list[Opt]:
 
 
 def worker_runtime_refusals() -> list[Refused]:
-    return runtime_refusals() + [
+    return [
         refused("--kv-state-endpoint", "a separate KV state endpoint (ours is the worker's kv_state)",
                 "DYN_KV_STATE_ENDPOINT"),
         refused("--connector", "deprecated in 1.x; KV transfer is configured by --disaggregation-mode here",
@@ -343,9 +365,6 @@ def worker_runtime_refusals() -> list[Refused]:
         refused("--media-output-fs-url", "media output", "DYN_MEDIA_OUTPUT_FS_URL"),
         refused("--media-output-http-url", "media output", "DYN_MEDIA_OUTPUT_HTTP_URL"),
         refused("--health-check-payload", "the health-check canary", "DYN_HEALTH_CHECK_PAYLOAD"),
-        refused("--tcp-tls-insecure", TCP_TLS_WHY, "DYN_TCP_TLS_INSECURE", switch=True),
-        refused("--tcp-tls-server-name", TCP_TLS_WHY, "DYN_TCP_TLS_SERVER_NAME"),
-        refused("--tcp-tls-handshake-timeout", TCP_TLS_WHY, "DYN_TCP_TLS_HANDSHAKE_TIMEOUT_SECS"),
         refused("--durable-kv-events", "JetStream-durable KV events (deprecated in 1.x)", "DYN_DURABLE_KV_EVENTS",
                 switch=True),
     ]

@@ -23,7 +23,7 @@ from dynamo.cli.v1.common import (
     port,
     refused,
     runtime_opts,
-    runtime_refusals,
+    tcp_tls_opts,
 )
 from dynamo.errors import UserError
 from dynamo.run_config import RunConfig
@@ -128,12 +128,12 @@ def frontend_opts() -> list[Opt]:
         Opt(("--load-aware",), "load_aware", "1.6's load-aware preset: not here", env="DYN_ROUTER_LOAD_AWARE",
             default=False, switch=True, only=(False,)),
         *runtime_opts(),
+        *tcp_tls_opts(),
     ]
 
 
 def frontend_refusals() -> list[Refused]:
     return [
-        *runtime_refusals(),
         refused("--tls-client-ca-cert-path", "HTTPS client certificates (mutual TLS); --api-key is ours",
                 "DYN_TLS_CLIENT_CA_CERT_PATH"),
         refused("--kv-cache-block-size", "the block size comes from the workers' model cards",

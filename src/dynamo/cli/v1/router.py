@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any, Mapping
 
-from dynamo.cli.v1.common import Opt, Refused, Spec, dump_config, refused, runtime_opts
+from dynamo.cli.v1.common import Opt, Refused, Spec, dump_config, refused, runtime_opts, tcp_tls_opts
 from dynamo.cli.v1.frontend import frontend_opts, frontend_refusals
 from dynamo.errors import UserError
 
@@ -32,6 +32,7 @@ def router_opts() -> list[Opt]:
             env="DYN_ROUTER_ENDPOINT"),
         *[o for o in frontend_opts() if o.dest in ROUTER_DESTS],
         *runtime_opts(),
+        *tcp_tls_opts(),
     ]
 
 

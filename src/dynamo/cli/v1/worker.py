@@ -21,9 +21,11 @@ from dynamo.cli.v1.common import (
     entry,
     pos_int,
     runtime_opts,
+    tcp_tls_opts,
     worker_endpoint,
     worker_runtime_opts,
     worker_runtime_refusals,
+    worker_tcp_tls_opts,
 )
 from dynamo.cli.v1.mocker import write_args
 from dynamo.engines.engine_args import read_json_args
@@ -61,7 +63,7 @@ class WorkerModule:
         self.engine = engine
         self.passthrough = passthrough
         self.apply = apply
-        self.spec_opts = [*opts, *worker_runtime_opts(), *runtime_opts()]
+        self.spec_opts = [*opts, *worker_runtime_opts(), *runtime_opts(), *tcp_tls_opts(), *worker_tcp_tls_opts()]
         self.spec_refusals = [*refusals, *worker_runtime_refusals()]
         self.description = description or (
             f"Dynamo 1.x's {prog} worker on dynamo-run's: dynamo-run in=dyn://NAMESPACE.backend.generate "
