@@ -9,12 +9,8 @@ stops with one line naming what to check and a non-zero status; the generated se
 from __future__ import annotations
 
 import json
-import shlex
-import signal
 import ssl
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,7 +26,8 @@ from harness.fleet import (
     stream_killing_its_worker,
     wait_for_model,
 )
-from harness.proc import DynamoRun, DynamoWorker, free_port, run_cli
+from harness.proc import DynamoRun, DynamoWorker, run_cli
+from harness.secure_infra import secure_infra
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -40,37 +37,10 @@ MOCKER_ARGS = {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 20.0}
 LONG_PROMPT = " ".join(f"word{i}" for i in range(80))
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """``NAME=value`` lines as a shell's ``. file`` would read them (values are shell-quoted)."""
-    env = {}
-    for line in path.read_text().splitlines():
-        name, _, value = line.partition("=")
-        env[name] = shlex.split(value)[0] if value else ""
-    return env
-
-
 @pytest.fixture(scope="module")
 def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    data = tmp_path_factory.mktemp("secure-infra") / "infra"
-    ports = {"etcd": free_port(), "peer": free_port(), "nats": free_port()}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "dynamo-run-infra"), "--secure", "--data-dir", str(data),
-         "--etcd-port", str(ports["etcd"]), "--etcd-peer-port", str(ports["peer"]),
-         "--nats-port", str(ports["nats"])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        banner = [proc.stdout.readline() for _ in range(2)]
-        assert "set -a; . " in banner[1], (banner, proc.poll())
-        env_file = data / "secure.env"
-        yield {"data": data, "ports": ports, "banner": banner, "env": read_env_file(env_file),
-               "env_file": env_file}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with secure_infra(tmp_path_factory.mktemp("secure-infra") / "infra") as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
