@@ -37,7 +37,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from dynamo.cli.infra import etcd_binary, nats_server_binary
 
@@ -64,8 +64,11 @@ class _ServerProcess:
 
     name = "server"
 
-    def __init__(self, startup_timeout: float = 20.0) -> None:
+    def __init__(self, startup_timeout: float = 20.0, host: str = "127.0.0.1",
+                 command_prefix: Sequence[str] = ()) -> None:
         self.startup_timeout = startup_timeout
+        self.host = host  # where it listens (another network namespace's address in a fleet across hosts)
+        self.command_prefix = list(command_prefix)  # e.g. ``ip netns exec NS``
         self.tmpdir = Path(tempfile.mkdtemp(prefix=f"dyn-{self.name}-"))
         self.log_path = self.tmpdir / f"{self.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -87,7 +90,7 @@ class _ServerProcess:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [*self.command_prefix, *self.command()], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the test runner must not hit the server first
             )
         finally:
@@ -179,8 +182,8 @@ class EtcdServer(_ServerProcess):
     name = "etcd"
 
     def __init__(self, startup_timeout: float = 20.0, extra_args: list[str] | None = None,
-                 scheme: str = "http") -> None:
-        super().__init__(startup_timeout)
+                 scheme: str = "http", host: str = "127.0.0.1", command_prefix: Sequence[str] = ()) -> None:
+        super().__init__(startup_timeout, host, command_prefix)
         self.client_port = free_port()
         self.peer_port = 0
         self._bound = False  # a restart keeps the ports the first start got
@@ -189,10 +192,10 @@ class EtcdServer(_ServerProcess):
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     def command(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         return [
             etcd_binary(),
             "--name", "default",
@@ -226,7 +229,7 @@ class EtcdServer(_ServerProcess):
     def is_ready(self) -> bool:
         if self.scheme == "https":  # the test's CA is not the system's: only check that it listens
             try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                with socket.create_connection((self.host, self.client_port), timeout=1):
                     return True
             except OSError:
                 return False
@@ -245,17 +248,18 @@ class NatsServer(_ServerProcess):
 
     name = "nats"
 
-    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True) -> None:
-        super().__init__(startup_timeout)
+    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True, host: str = "127.0.0.1",
+                 command_prefix: Sequence[str] = ()) -> None:
+        super().__init__(startup_timeout, host, command_prefix)
         self.port = 0  # known once started: a restart binds the same one
         self.jetstream = jetstream
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port or -1)]  # -1: any free port
+        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port or -1)]  # -1: any free port
         if self.jetstream:
             cmd += ["-js", "--store_dir", str(self.data_dir)]
         return cmd
@@ -268,7 +272,7 @@ class NatsServer(_ServerProcess):
                 return False
             self.port = int(found.group("port"))
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            with socket.create_connection((self.host, self.port), timeout=1) as s:
                 s.settimeout(1)
                 return s.recv(4).startswith(b"INFO")
         except OSError:
