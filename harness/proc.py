@@ -25,10 +25,14 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Mapping, Self, Sequence
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
 __all__ = ["ChildProcess", "DynamoRun", "DynamoWorker", "run_cli", "cli_command", "free_port", "cli_env"]
 
 
 def free_port() -> int:
+    """A port that was free a moment ago: only for an address where nothing must listen (a dead peer), or
+    for a server that cannot bind port 0 and is retried on another port when the bind fails."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -202,8 +206,16 @@ class ChildProcess:
         self.stop()
 
 
+# the HTTP service's start-up line: "OpenAI-compatible HTTP service listening on http://127.0.0.1:41234"
+LISTENING = re.compile(r"HTTP service listening on https?://\S+?:(?P<port>\d+)")
+
+
 class DynamoRun(ChildProcess):
-    """``dynamo-run in=http <args>`` on a free loopback port, for the duration of a ``with`` block."""
+    """``dynamo-run in=http <args>`` on a loopback port it binds itself (port 0), for the duration of a
+    ``with`` block; :attr:`port` is the one it got (known once :meth:`start` returned).
+
+    ``host`` is its ``--http-host`` and the address the test reaches it at (another network namespace's
+    address in a fleet across hosts); ``command_prefix`` runs it inside something (``ip netns exec NS``)."""
 
     def __init__(
         self,
@@ -212,15 +224,20 @@ class DynamoRun(ChildProcess):
         delay_ms: float | int = 0,
         startup_timeout: float = 30.0,
         api_key: str | None = None,
+        host: str = "127.0.0.1",
+        command_prefix: Sequence[str] = (),
+        port: int = 0,
     ) -> None:
         self.args = list(args)
-        self.port = free_port()
+        self.host = host
+        self.command_prefix = list(command_prefix)
+        self.port = port  # 0: the kernel picks; _ready reads what it picked from the log
         self.api_key = api_key  # its --api-key: readiness asks /v1/models with it
         super().__init__(env, delay_ms, startup_timeout)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def api_url(self) -> str:
@@ -228,16 +245,26 @@ class DynamoRun(ChildProcess):
 
     def command(self) -> list[str]:
         key = ["--api-key", self.api_key] if self.api_key else []
-        return cli_command() + ["in=http", *self.args, *key, "--http-host", "127.0.0.1", "--http-port", str(self.port)]
+        return [*self.command_prefix, *cli_command(), "in=http", *self.args, *key, "--http-host", self.host,
+                "--http-port", str(self.port)]
 
     def _name(self) -> str:
         return "dynamo-run"
 
     def start(self) -> "DynamoRun":
-        """Start it and return once ``/v1/models`` answers."""
+        """Start it and return once ``/v1/models`` answers (on the port it logged)."""
         self._spawn()
-        self._wait_serving(self._serving, self.startup_timeout)
+        self._wait_serving(self._ready, self.startup_timeout)
         return self
+
+    def _ready(self) -> bool:
+        """The port is known (the log line, when it was started on port 0), then :meth:`_serving`."""
+        if self.port == 0:
+            found = LISTENING.search(ANSI.sub("", self.stderr_text()))
+            if found is None:
+                return False
+            self.port = int(found.group("port"))
+        return self._serving()
 
     def _serving(self) -> bool:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -309,6 +336,28 @@ class DynamoWorker(ChildProcess):
         assert self.ready is not None
         self.ready_match = self.ready.search(self.stderr_text())
         return self.ready_match is not None
+
+    SYSTEM_LISTENING = r"system status server listening on http://\S+?:(?P<port>\d+)"
+    PLANNER_METRICS = r"planner metrics on http://\S+?:(?P<port>\d+)"
+
+    def logged_port(self, pattern: str, timeout: float = 10.0) -> int:
+        """The port in the first log line matching ``pattern`` (its group ``port``): where a listener it was
+        told to bind on port 0 landed (:attr:`SYSTEM_LISTENING`, :attr:`PLANNER_METRICS`)."""
+        regex = re.compile(pattern)
+        found: list[int] = []
+
+        def logged() -> bool:
+            m = regex.search(self.stderr_text())
+            if m:
+                found.append(int(m.group("port")))
+            return bool(m)
+
+        self._wait_serving(logged, timeout)
+        return found[0]
+
+    def system_port(self, timeout: float = 10.0) -> int:
+        """The port its status server bound (``DYN_SYSTEM_PORT=0``: the kernel picked it), from its log."""
+        return self.logged_port(self.SYSTEM_LISTENING, timeout)
 
     @property
     def instance_hex(self) -> str:

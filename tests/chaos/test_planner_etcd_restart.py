@@ -25,7 +25,7 @@ import pytest
 from harness.chat_load import ChatLoad
 from harness.dist_configs import ETCD_CONFIGS, DistConfig, dist_config
 from harness.fleet import health_instances, mocker_worker_cmd, scrape
-from harness.proc import DynamoRun, DynamoWorker, free_port
+from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -74,7 +74,7 @@ def sees_load_through(port: int, fe: DynamoRun, after: float) -> bool:
 def test_planner_keeps_its_workers_and_resumes_observing_through_etcd_restarts(config, tiny_model, tmp_path):
     assert config.etcd is not None
     etcd = config.etcd
-    state, port = tmp_path / "state", free_port()
+    state = tmp_path / "state"
     cmd = mocker_worker_cmd(tmp_path, tiny_model, f"{NS}.backend.generate", MODEL,
                             {"num_gpu_blocks": 256, "block_size": 16, "speedup_ratio": 5.0})
     env = {**config.env, "DYN_LOG": "info"}
@@ -82,11 +82,12 @@ def test_planner_keeps_its_workers_and_resumes_observing_through_etcd_restarts(c
     planner = DynamoWorker(
         "--namespace", NS, "--adjustment-interval", "1", "--itl", "1", "--ttft", "100000", "--min-endpoint", "1",
         "--max-workers", "2", "--scale-down-after", "2", "--decode-cmd", f"{cmd} {' '.join(config.flags)}",
-        "--state-dir", str(state), "--log-dir", str(tmp_path / "logs"), "--metrics-port", str(port),
+        "--state-dir", str(state), "--log-dir", str(tmp_path / "logs"), "--metrics-port", "0",
         "--discovery-backend", "etcd", "--stop-workers-on-exit",
         command=[sys.executable, "-m", "dynamo.planner"], ready=r"planner for namespace", env=env)
     try:
         planner.start()
+        port = planner.logged_port(planner.PLANNER_METRICS)
         wait_until(lambda: len(health_instances(frontend, ENDPOINT)) == 1, 90, "the first worker serving")
         with ChatLoad(frontend.api_url, MODEL, n=3, max_tokens=20) as load:
             # under load, over the ITL target: the budget, two workers, both serving

@@ -155,10 +155,10 @@ def test_completions_through_frontend(frontend, fleet):
 
 def test_worker_status_server_counts_frontend_requests(frontend, rt_env, tiny_model):
     """A dynamo-run worker with DYN_SYSTEM_PORT: ready on /health, dynamo_component_* counts what it served."""
-    port = free_port()
-    env = {**rt_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1"}
+    env = {**rt_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": "0", "DYN_SYSTEM_HOST": "127.0.0.1"}
     with DynamoWorker("in=dyn://sys.backend.generate", "out=echo_core", str(tiny_model), "--model-name", "sys",
                       env=env).start() as worker:
+        port = worker.system_port()
         base = f"http://127.0.0.1:{port}"
         health = httpx.get(base + "/health", timeout=5)
         assert health.status_code == 200, worker.stderr_text()

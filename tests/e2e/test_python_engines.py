@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from harness.proc import DynamoRun, run_cli
+from harness.proc import DynamoRun, free_port, run_cli
 from harness.wait import wait_until
 
 DATA = Path(__file__).parent / "data"
@@ -189,7 +189,8 @@ def test_argv_with_multinode_flags_and_extras(tmp_path: Path, tiny_model: Path):
 def test_argv_over_http_has_the_real_port(tmp_path: Path):
     _argv_engine_in(tmp_path)
     record = tmp_path / "argv.json"
-    with PyEngineServer(f"out=pystr:{tmp_path / 'my_engine.py'}", "--model-name", "argv",
+    # a port named on the command line (the others bind port 0, which the engine would be told instead)
+    with PyEngineServer(f"out=pystr:{tmp_path / 'my_engine.py'}", "--model-name", "argv", port=free_port(),
                         env={"DYN_TEST_ARGV_OUT": str(record)}, engine_args=("--flag",)) as server:
         text, _ = _stream_text(_client(server), "argv", "hi")
         port = server.port

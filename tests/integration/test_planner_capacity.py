@@ -24,7 +24,7 @@ import pytest
 
 from harness.chat_load import ChatLoad
 from harness.fleet import mocker_worker_cmd, scrape
-from harness.proc import DynamoRun, DynamoWorker, free_port
+from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
 
@@ -57,13 +57,13 @@ def test_learned_capacity_converges_to_the_right_fleet(servers, tiny_model, tmp_
     cmd = mocker_worker_cmd(tmp_path, tiny_model, f"{NS}.backend.generate", MODEL,
                             {"num_gpu_blocks": 64, "block_size": 16, "speedup_ratio": 0.9})
     state = tmp_path / "state"
-    port = free_port()
     planner = DynamoWorker(
         "--namespace", NS, "--adjustment-interval", str(INTERVAL), "--itl", "50", "--ttft", "10000",
         "--min-endpoint", "1", "--max-workers", "4", "--scale-down-after", "3", "--decode-cmd", cmd,
-        "--state-dir", str(state), "--metrics-port", str(port), "-v",
+        "--state-dir", str(state), "--metrics-port", "0", "-v",
         command=[sys.executable, "-m", "dynamo.planner"], ready=r"planner for namespace", env=servers)
     with DynamoRun("out=dyn", env=servers) as fe, planner:
+        port = planner.logged_port(planner.PLANNER_METRICS)
         try:
             wait_until(lambda: planner_gauges(port).get(("dynamo_planner_workers", "decodeready")) == 1, 60,
                        "the first worker serving")

@@ -16,7 +16,7 @@ from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
 from dynamo.runtime.distributed import DistributedRuntime
 from harness.chat_load import ChatLoad
 from harness.fleet import scrape
-from harness.proc import DynamoRun, DynamoWorker, free_port
+from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.wait import wait_until
 
@@ -59,14 +59,14 @@ def test_frontends_found_lost_and_found_again(servers, tiny_model, tmp_path):
                         "--extra-engine-args", str(args), env=env)
     theirs = DynamoWorker("in=dyn://otherns.backend.generate", "out=mocker", str(tiny_model), "--model-name", OTHER,
                           "--extra-engine-args", str(args), env=env)
-    port = free_port()
     planner = DynamoWorker(
-        "--namespace", NS, "--environment", "virtual", "--adjustment-interval", "1", "--metrics-port", str(port),
+        "--namespace", NS, "--environment", "virtual", "--adjustment-interval", "1", "--metrics-port", "0",
         "--itl", "1000", "--ttft", "100000",
         command=[sys.executable, "-m", "dynamo.planner"], ready=r"planner for namespace", env=servers)
     fe1 = DynamoRun("out=dyn", env=env)
     fe2 = DynamoRun("out=dyn", env=env)
     with ours, theirs, fe1, fe2, planner:
+        port = planner.logged_port(planner.PLANNER_METRICS)
         wait_until(lambda: frontends_seen(port) == 2, 20, "both frontends found in discovery")
         log = planner.stderr_text()
         assert f"frontend {fe1.base_url} found in discovery" in log and f"{fe2.base_url} found" in log

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                    help="local: the workers' log files (default <state-dir>/logs)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve the dynamo_planner_* metrics on this port")
+                   help="serve the dynamo_planner_* metrics on this port (0: any free port, logged)")
     p.add_argument("--discovery-backend", choices=("etcd", "kv_store", "file"), default=None,
                    help="where the fleet registers: etcd (kv_store is the same) or file (one host); default "
                         "DYN_DISCOVERY_BACKEND, else etcd when ETCD_ENDPOINTS is set or etcd answers, else file")
@@ -145,7 +145,8 @@ async def run(cfg: PlannerConfig) -> int:
     metrics = PlannerMetrics()
     if cfg.metrics_port is not None:
         try:
-            metrics.serve(cfg.metrics_port)
+            bound = metrics.serve(cfg.metrics_port)
+            log.info("planner metrics on http://0.0.0.0:%d/metrics", bound)
         except OSError as e:
             raise UserError(f"--metrics-port {cfg.metrics_port}: {e.strerror or e}") from None
     # discovery: the frontends registered there, the namespace's models, and the virtual connector's keys

@@ -35,8 +35,10 @@ class PlannerMetrics:
         self.frontends = Gauge(f"{PREFIX}_frontends", "Frontends that answered the last scrape", registry=r)
         self._server: Any = None
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve the metrics; returns the port bound (``port`` 0: one the kernel picked)."""
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
 
     def close(self) -> None:
         if self._server is not None:

@@ -37,6 +37,7 @@ from .component_metrics import (
 )
 from .context import Context
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
+from .tcp import is_loopback, split_address
 from .tcp_callhome import open_tcp_sink
 from .transport import (
     ACK_BUSY,
@@ -167,7 +168,7 @@ class Ingress:
         try:
             sink = await opener(transport, info, context)
         except Exception as exc:
-            log.warning("%s: cannot open response stream for %s: %s", self.name, request_id, exc)
+            log.warning("%s: cannot open response stream for %s%s", self.name, request_id, _why_no_stream(info, exc))
             self._error(ERROR_RESPONSE_STREAM)
             return
         if codec == MSGPACK:
@@ -322,3 +323,21 @@ class Ingress:
 def _message(exc: BaseException) -> str:
     text = str(exc)
     return text if text else type(exc).__name__
+
+
+def _why_no_stream(info: dict, exc: Exception) -> str:
+    """The tail of the warning for a response stream that could not be opened: where it dialed, why it
+    failed, and, for a loopback address, the setting the caller lacks. A caller on another machine whose
+    host name resolves to loopback advertises 127.0.0.1, which here is this machine: its requests are
+    acknowledged and then wait for a stream that never comes (the caller sees the call-home bound pass)."""
+    address = info.get("address")
+    if not isinstance(address, str):
+        return f": {exc}"
+    try:
+        host, _ = split_address(address)
+    except ValueError:
+        return f" to {address}: {exc}"
+    if not is_loopback(host):
+        return f" to {address}: {exc}"
+    return (f" to {address}: {exc} (the caller advertised a loopback address: a caller on another machine "
+            f"must set DYN_TCP_RPC_HOST to its address that this machine reaches)")

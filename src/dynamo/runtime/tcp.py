@@ -121,6 +121,11 @@ def listen_hosts(configured: str | None, *, one_machine: bool) -> ListenHosts:
     if one_machine:
         return ListenHosts(LOOPBACK, LOOPBACK, LOOPBACK, ONE_MACHINE)
     advertise = advertise_host(None)
+    if is_loopback(advertise):  # the host name resolves to loopback: nobody on another machine calls back
+        return ListenHosts(ANY_ADDRESS, advertise, advertise,
+                           f"a fleet across machines, but the host name {socket.gethostname()!r} resolves to "
+                           f"loopback: processes on other machines cannot reach this one's response streams; "
+                           f"set DYN_TCP_RPC_HOST to its address")
     return ListenHosts(ANY_ADDRESS, advertise, advertise, "a fleet across machines")
 
 

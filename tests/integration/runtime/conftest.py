@@ -127,6 +127,7 @@ class WorkerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.instance_hex = ""
+        self.system_port: int | None = None  # its status server's port, when it runs one
 
     async def ready(self, timeout: float = 20) -> str:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
@@ -134,6 +135,9 @@ class WorkerProcess:
             self.proc.kill()
             raise RuntimeError(f"worker failed: {line!r} {self.proc.stderr.read()}")
         self.instance_hex = line.split()[1]
+        for word in line.split()[2:]:
+            if word.startswith("system="):
+                self.system_port = int(word[len("system="):])
         return self.instance_hex
 
     @property

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.runtime import EngineError
 from dynamo.runtime.config import RuntimeConfigError, SystemSettings
-from harness.proc import free_port
 
 
 async def start_serving(endpoint, handler) -> asyncio.Task:
@@ -42,10 +41,11 @@ async def get(url: str) -> httpx.Response:
 
 
 async def test_worker_process_health_and_component_metrics(make_runtime, ns, spawn):
-    port = free_port()
-    worker = spawn(ns, DYN_SYSTEM_ENABLED="true", DYN_SYSTEM_PORT=str(port), DYN_SYSTEM_HOST="127.0.0.1",
+    worker = spawn(ns, DYN_SYSTEM_ENABLED="true", DYN_SYSTEM_PORT="0", DYN_SYSTEM_HOST="127.0.0.1",
                    DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT="10")
     await worker.ready()
+    port = worker.system_port
+    assert port
     base = f"http://127.0.0.1:{port}"
     health = await get(base + "/health")
     assert health.status_code == 200

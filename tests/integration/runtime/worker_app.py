@@ -3,8 +3,9 @@
     python worker_app.py <namespace> [--graceful-timeout S]
 
 Serves ``<namespace>.backend.generate`` with a handler that yields ``{"i", "pid"}`` items, ``n`` of them,
-sleeping ``delay`` seconds before each. Prints ``READY <instance hex>`` once registered and ``EXITED``
-when the worker function returns.
+sleeping ``delay`` seconds before each. Prints ``READY <instance hex>`` once registered (then
+``system=<port>`` when its status server runs: the port it bound, ``DYN_SYSTEM_PORT=0`` letting the
+kernel pick) and ``EXITED`` when the worker function returns.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ async def worker(runtime: DistributedRuntime, namespace: str) -> None:
 
     async def announce() -> None:
         await ready.wait()
-        print(f"READY {endpoint.lease_id():x}", flush=True)
+        system = f" system={runtime.system.port}" if runtime.system is not None else ""
+        print(f"READY {endpoint.lease_id():x}{system}", flush=True)
 
     announcer = asyncio.create_task(announce())
     await endpoint.serve_endpoint(generate, ready=ready)

@@ -72,3 +72,17 @@ def test_the_warning_suggests_a_fleet_secret_and_goes_once_one_guards_the_planes
     hosts = listen_hosts(None, one_machine=True)
     assert listeners_line([Listener("requests", "127.0.0.1")], hosts, authenticated=True) == (
         "; listening: requests 127.0.0.1 (loopback only; one machine; fleet secret on)")
+
+
+def test_a_fleet_on_etcd_whose_host_name_is_loopback_says_which_setting_it_lacks(monkeypatch) -> None:
+    """A machine whose host name resolves to 127.0.0.1 (a common /etc/hosts) gives out loopback for its
+    response streams: a worker on another machine would dial itself. The start-up line says so."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "box")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.0.1")
+    hosts = listen_hosts(None, one_machine=False)
+    assert hosts.advertise == "127.0.0.1"
+    assert "'box' resolves to loopback" in hosts.why and "set DYN_TCP_RPC_HOST" in hosts.why
+    line = listeners_line([Listener("response streams", hosts.callhome)], hosts)
+    assert "set DYN_TCP_RPC_HOST to its address" in line
