@@ -17,6 +17,7 @@ from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.tokenizer import Tokenizer
+from dynamo.runtime import tracing
 from dynamo.worker.v1_backend import v1_token_stream
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         link_contexts(context, ctx)
         log.debug("request %s: %d prompt tokens", ctx.id, len(req.token_ids))
         gen = engine.generate(req, ctx)
+        if tracing.ENABLED and context is not None and context.trace is not None:
+            gen = traced_generation(gen, req, context.trace)
         if tokenizer is None:  # no tokenizer: tokens only, the frontend detokenizes
             try:
                 async for out in gen:
@@ -117,6 +120,45 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
 
     return generate
+
+
+async def traced_generation(gen: AsyncIterator[Any], req: PreprocessedRequest,
+                            parent: tracing.Span) -> AsyncIterator[Any]:
+    """The engine's stream with its phases as spans under the worker's server span: ``prefill`` until the
+    first item (the engine's queue with it: an engine reports no admission), with the prompt's tokens and
+    the cached ones it reports; ``decode`` from there to the end, with the tokens generated.  Only a
+    traced request goes through here."""
+    prefill: tracing.Span | None = tracing.start_span("prefill", parent, attributes={
+        "gen_ai.request.model": req.model or "", "gen_ai.usage.input_tokens": len(req.token_ids)})
+    decode: tracing.Span | None = None
+    tokens = 0
+    reasons: list[str] = []
+    try:
+        async for out in gen:
+            if prefill is not None:
+                if out.cached_tokens is not None:
+                    prefill.set_attribute("gen_ai.usage.cache_read.input_tokens", out.cached_tokens)
+                prefill.end()
+                prefill = None
+                decode = tracing.start_span("decode", parent)
+            tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                reasons.append(str(out.finish_reason))
+            yield out
+    except GeneratorExit:  # the handler is done with the stream (it ended with a finish reason)
+        raise
+    except BaseException as exc:
+        tracing.fail(decode or prefill, str(exc) or type(exc).__name__)
+        raise
+    finally:
+        if prefill is not None:
+            prefill.end()
+        if decode is not None:
+            decode.set_attribute("gen_ai.usage.output_tokens", tokens)
+            if reasons:
+                decode.set_attribute("gen_ai.response.finish_reasons", reasons)
+            decode.end()
+        await gen.aclose()  # type: ignore[attr-defined]
 
 
 def chat_handler(served: Any):
