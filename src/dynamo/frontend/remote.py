@@ -288,8 +288,6 @@ class RemoteCoreEngine:
                                                                              prompt_logprobs=None)
                         yield out
                         if out.finish_reason is not None:
-                            if trace is not None:
-                                trace.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason])
                             return
                     return
                 except WorkerDrainedError:

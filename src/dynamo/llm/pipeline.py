@@ -317,7 +317,10 @@ class CorePipeline:
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         if echo:  # the engine sent nothing at all: the echo still goes out
             yield chunks.delta(echo, logprobs=[])
-        last = chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        reason = stage.finish_reason(reason) if stage is not None else reason
+        if ctx.trace is not None and reason is not None:
+            ctx.trace.set_attribute("gen_ai.response.finish_reasons", [reason])
+        last = chunks.delta(None, reason, logprobs=carried)
         if post.stop_sequence is not None:  # vLLM's field: the stop string that ended the answer
             last["choices"][0]["stop_reason"] = post.stop_sequence
         yield last
