@@ -113,7 +113,7 @@ def test_one_trace_spans_frontend_request_plane_and_both_workers_of_a_migration(
                 victim = wait_until(lambda: served_by(list(workers.values()), rid), 5, "the worker serving it")[0]
                 name = next(n for n, w in workers.items() if w is victim)
                 # its prefill span ended at its first token: once exported, the kill -9 loses only the rest
-                receiver.wait_for(trace_id, lambda ss: any(s.service == name and s.name == "prefill" for s in ss),
+                receiver.wait_for(trace_id, lambda ss, n=name: any(s.service == n and s.name == "prefill" for s in ss),
                                   5, f"{name}'s prefill span")
                 victim.kill()
     assert victim is not None and done
