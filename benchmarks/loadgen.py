@@ -189,12 +189,15 @@ async def run_load(
     verify_echo: bool = False,
     server_pid: int | None = None,
     timeout: float = 300.0,
+    extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``extra_body``: more fields of every request (e.g. ``ignore_eos``)."""
     prompt = make_prompt(prompt_words)
     payload: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
+        **(extra_body or {}),
     }
     if max_tokens:
         payload["max_tokens"] = max_tokens

@@ -3,7 +3,8 @@
 ``DYN_LOG`` is a comma list of ``level`` or ``target=level`` items, e.g. ``info,dynamo.frontend.http=debug``.
 Rust-style ``dynamo_llm::http`` targets are accepted and mapped to our module names.
 ``DYN_LOGGING_JSONL=1`` writes one JSON object per line (time, level, target, message, file, line, and
-the exception when there is one).  Timestamps are ISO-8601 with microseconds in UTC (``...Z``), as
+the exception when there is one); with tracing on (``OTEL_EXPORT_ENABLED``), a line logged while a request's
+span is current carries its ``trace_id`` and ``span_id`` too, so logs and traces join.  Timestamps are ISO-8601 with microseconds in UTC (``...Z``), as
 Dynamo writes them; ``DYN_LOG_USE_LOCAL_TZ=1`` uses local time with its offset instead.
 """
 
@@ -14,6 +15,8 @@ import logging
 import os
 import sys
 from datetime import datetime, timezone
+
+from dynamo.runtime import tracing
 
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
@@ -89,6 +92,10 @@ class _JsonFormatter(logging.Formatter):
                "line": record.lineno}
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
+        if tracing.ENABLED:
+            ids = tracing.log_ids()
+            if ids is not None:
+                out["trace_id"], out["span_id"] = ids
         return json.dumps(out)
 
 

@@ -72,14 +72,28 @@ def _serve(cfg: RunConfig) -> int:
 
         runner = asyncio.run  # type: ignore[assignment]  # same call shape as uvloop.run
     from dynamo.cli.launch import run
+    from dynamo.runtime import tracing
 
     try:
+        # here, not before a fork (--http-workers): the span exporter's thread is per process
+        tracing.init(_service_name(cfg))
         return runner(run(cfg))
-    except UserError as e:
+    except (UserError, tracing.TracingSetupError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        tracing.shutdown()  # the spans still buffered leave before the process does
+
+
+def _service_name(cfg: RunConfig) -> str:
+    """The traces' service name unless OTEL_SERVICE_NAME says one: the process's role."""
+    if cfg.input_kind == "http":
+        return "dynamo-frontend"
+    if cfg.input_kind == "endpoint":
+        return "dynamo-worker"
+    return "dynamo-run"
 
 
 if __name__ == "__main__":

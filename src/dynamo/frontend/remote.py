@@ -42,6 +42,7 @@ from dynamo.runtime import (
     StreamIncompleteError,
     WorkerBusyError,
     WorkerDrainedError,
+    tracing,
 )
 from dynamo.runtime import (
     Context as RtContext,
@@ -249,10 +250,23 @@ class RemoteCoreEngine:
         starts = WorkerStarts(self.client, self.queue, observer, context.id)
         router, client = self.router, self.client
         prepare = getattr(router, "prepare", None)
+        trace = context.trace  # the request's server span (runtime/tracing.py); None: tracing off
+        migrated_from: int | None = None
+        migrations = 0
         try:
             while True:  # once, and once more per migration
-                stream = await starts.start(lambda: router.open(client, request, rt_ctx),
-                                            None if prepare is None else lambda: prepare(request))
+                route = _route_span(trace, migrations) if trace is not None else None
+                rt_ctx.trace = route  # the request-plane span, and so the worker's spans, are its children
+                try:
+                    stream = await starts.start(lambda: router.open(client, request, rt_ctx),
+                                                None if prepare is None else lambda: prepare(request))
+                except BaseException as exc:
+                    if route is not None:
+                        tracing.fail(route, str(exc) or type(exc).__name__)
+                        route.end()
+                    raise
+                if route is not None:
+                    _routed(trace, route, stream.instance_id, request.estimated_prefix_hit_num_blocks, migrated_from)
                 # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
                 timing = observer.request(stream.instance_id, len(request.token_ids)) if observer is not None else None
                 generated: list[int] = []  # this attempt's tokens: a resumed request carries them
@@ -267,6 +281,8 @@ class RemoteCoreEngine:
                         if first:
                             first = False
                             self.router.first_token(context.id)
+                            if trace is not None:
+                                trace.add_event("first_token")
                         if out.prompt_logprobs is not None:  # received: another worker need not compute them
                             request.output_options = msgspec.structs.replace(request.output_options,
                                                                              prompt_logprobs=None)
@@ -284,6 +300,7 @@ class RemoteCoreEngine:
                         if observer is not None:
                             observer.migrated("ongoing_request")
                         _resume_after(request, generated)
+                        migrated_from, migrations = stream.instance_id, migrations + 1
                         continue
                     raise LlmEngineError(STREAM_INCOMPLETE_MESSAGE) from None
                 except StreamIncompleteError as e:
@@ -294,6 +311,7 @@ class RemoteCoreEngine:
                         if observer is not None:
                             observer.migrated("ongoing_request")
                         _resume_after(request, generated)
+                        migrated_from, migrations = stream.instance_id, migrations + 1
                         continue
                     if self.migration_limit > 0:
                         raise LlmEngineError("Migration limit exhausted: " + str(e)) from None
@@ -306,6 +324,28 @@ class RemoteCoreEngine:
                     await stream.aclose()
         finally:
             self.router.finished(context.id)
+
+
+def _hex(instance_id: int | None) -> str:
+    return f"{(instance_id or 0) & 0xFFFFFFFFFFFFFFFF:x}"
+
+
+def _route_span(trace: tracing.Span, migrations: int) -> tracing.Span | None:
+    """The span of one choice of a worker (queue, KV scoring, send and ack): the first, or a migration's."""
+    return tracing.start_span("route", trace, attributes={"dynamo.migration.attempt": migrations})
+
+
+def _routed(trace: tracing.Span, route: tracing.Span, worker: int | None, overlap: int | None,
+            migrated_from: int | None) -> None:
+    """A worker took the request: the route span names it and its cached prefix, and ends; a migration
+    is an event on the request's span naming both workers."""
+    route.set_attribute("dynamo.worker_id", _hex(worker))
+    if overlap is not None:
+        route.set_attribute("dynamo.kv.overlap_blocks", overlap)
+    route.end()
+    if migrated_from is not None:
+        trace.add_event("migration", {"dynamo.migration.from_worker": _hex(migrated_from),
+                                      "dynamo.migration.to_worker": _hex(worker)})
 
 
 def _resume_after(request: PreprocessedRequest, generated: list[int]) -> None:

@@ -26,7 +26,7 @@ class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
     __slots__ = ("id", "is_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
-                 "annotations", "_callbacks", "stamps")
+                 "annotations", "_callbacks", "stamps", "trace")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
@@ -44,6 +44,9 @@ class Context:
         self._callbacks: list[Any] = []
         # time-to-first-token stamps (first_token.py), only while the dynamo.ttft debug log is on
         self.stamps: list[Any] | None = None
+        # the request's server span (runtime/tracing.py): the parent of its pre-processing and routing
+        # spans; None when tracing is off
+        self.trace: Any = None
 
     def on_stop(self, callback: Any) -> None:
         """``callback("stop" | "kill")`` when the request is stopped or killed (transports hook in here)."""

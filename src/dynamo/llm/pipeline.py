@@ -27,6 +27,7 @@ from dynamo.llm.protocols.openai import (
     CompletionRequest,
     include_usage,
 )
+from dynamo.runtime import tracing
 
 if TYPE_CHECKING:  # the pre/post-processors (jinja2, tokenizers) load with the first CorePipeline
     from dynamo.llm.preprocessor import Preprocessed
@@ -63,23 +64,35 @@ class CorePipeline:
     def chat(self, req: ChatCompletionRequest, raw: dict[str, Any], ctx: Context) -> AsyncIterator[StreamItem]:
         from dynamo.llm.tokenizer import OFF_LOOP_CHARS
 
-        rendered = self.preprocessor.render_chat(req, raw)  # raises RequestError before any streaming starts
-        stamp(ctx.stamps, "template")
-        if rendered.images:
-            return self._chat_images(rendered, req, ctx)
-        if len(rendered.prompt) >= OFF_LOOP_CHARS:
-            # a long prompt is tokenized in a thread: the stream starts with that (errors come with its
-            # first item, which every input awaits before it answers)
-            return self._chat_off_loop(rendered, req, ctx)
-        pre = self.preprocessor.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))  # type: ignore[union-attr]
+        span = tracing.start_span("preprocess", ctx.trace) if ctx.trace is not None else None
+        try:
+            rendered = self.preprocessor.render_chat(req, raw)  # raises RequestError before any streaming starts
+            stamp(ctx.stamps, "template")
+            if rendered.images:
+                return self._chat_images(rendered, req, ctx, span)
+            if len(rendered.prompt) >= OFF_LOOP_CHARS:
+                # a long prompt is tokenized in a thread: the stream starts with that (errors come with its
+                # first item, which every input awaits before it answers)
+                return self._chat_off_loop(rendered, req, ctx, span)
+            pre = self.preprocessor.finish_chat(rendered, self.tokenizer.encode_prompt(rendered.prompt))  # type: ignore[union-attr]
+        except BaseException as exc:
+            _end_preprocess(span, None, exc)
+            raise
         stamp(ctx.stamps, "tokenized")
+        _end_preprocess(span, pre)
         return self._chat_stream(pre, req, ctx)
 
-    async def _chat_images(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
+    async def _chat_images(self, rendered: Any, req: ChatCompletionRequest, ctx: Context,
+                           span: tracing.Span | None = None) -> AsyncIterator[StreamItem]:
         """A chat with images: they are loaded (and refused) first, so errors come with the first item."""
-        ids, images = await self.preprocessor.image_prompt(rendered)
+        try:
+            ids, images = await self.preprocessor.image_prompt(rendered)
+        except BaseException as exc:
+            _end_preprocess(span, None, exc)
+            raise
         stamp(ctx.stamps, "images loaded", f"{len(images)}")
         pre = self.preprocessor.finish_chat(rendered, ids)
+        _end_preprocess(span, pre)
         pre.request.multi_modal_data = images
         stream = self._chat_stream(pre, req, ctx)
         try:
@@ -88,10 +101,17 @@ class CorePipeline:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def _chat_off_loop(self, rendered: Any, req: ChatCompletionRequest, ctx: Context) -> AsyncIterator[StreamItem]:
-        ids = await self.tokenizer.encode_prompt_async(rendered.prompt)  # type: ignore[union-attr]
+    async def _chat_off_loop(self, rendered: Any, req: ChatCompletionRequest, ctx: Context,
+                             span: tracing.Span | None = None) -> AsyncIterator[StreamItem]:
+        try:
+            ids = await self.tokenizer.encode_prompt_async(rendered.prompt)  # type: ignore[union-attr]
+        except BaseException as exc:
+            _end_preprocess(span, None, exc)
+            raise
         stamp(ctx.stamps, "tokenized", "in a thread")
-        stream = self._chat_stream(self.preprocessor.finish_chat(rendered, ids), req, ctx)
+        pre = self.preprocessor.finish_chat(rendered, ids)
+        _end_preprocess(span, pre)
+        stream = self._chat_stream(pre, req, ctx)
         try:
             async for item in stream:
                 yield item
@@ -110,15 +130,28 @@ class CorePipeline:
         prompts = self.preprocessor.completion_prompts(req)
         if len(prompts) > 1:
             return self._batch(prompts, req, raw, ctx)
-        text = self.preprocessor.completion_text(req)
-        if text is not None and len(text) >= OFF_LOOP_CHARS:
-            return self._completions_off_loop(text, req, raw, ctx)
-        return self._completions_stream(self.preprocessor.completion(req, raw), req, ctx)
+        span = tracing.start_span("preprocess", ctx.trace) if ctx.trace is not None else None
+        try:
+            text = self.preprocessor.completion_text(req)
+            if text is not None and len(text) >= OFF_LOOP_CHARS:
+                return self._completions_off_loop(text, req, raw, ctx, span)
+            pre = self.preprocessor.completion(req, raw)
+        except BaseException as exc:
+            _end_preprocess(span, None, exc)
+            raise
+        _end_preprocess(span, pre)
+        return self._completions_stream(pre, req, ctx)
 
     async def _completions_off_loop(self, text: str, req: CompletionRequest, raw: dict[str, Any],
-                                    ctx: Context) -> AsyncIterator[StreamItem]:
-        ids = await self.tokenizer.encode_prompt_async(text)  # type: ignore[union-attr]
-        stream = self._completions_stream(self.preprocessor.completion(req, raw, ids), req, ctx)
+                                    ctx: Context, span: tracing.Span | None = None) -> AsyncIterator[StreamItem]:
+        try:
+            ids = await self.tokenizer.encode_prompt_async(text)  # type: ignore[union-attr]
+            pre = self.preprocessor.completion(req, raw, ids)
+        except BaseException as exc:
+            _end_preprocess(span, None, exc)
+            raise
+        _end_preprocess(span, pre)
+        stream = self._completions_stream(pre, req, ctx)
         try:
             async for item in stream:
                 yield item
@@ -284,12 +317,27 @@ class CorePipeline:
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
         if echo:  # the engine sent nothing at all: the echo still goes out
             yield chunks.delta(echo, logprobs=[])
-        last = chunks.delta(None, stage.finish_reason(reason) if stage is not None else reason, logprobs=carried)
+        reason = stage.finish_reason(reason) if stage is not None else reason
+        if ctx.trace is not None and reason is not None:
+            ctx.trace.set_attribute("gen_ai.response.finish_reasons", [reason])
+        last = chunks.delta(None, reason, logprobs=carried)
         if post.stop_sequence is not None:  # vLLM's field: the stop string that ended the answer
             last["choices"][0]["stop_reason"] = post.stop_sequence
         yield last
         if with_usage:
             yield chunks.usage(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+
+
+def _end_preprocess(span: tracing.Span | None, pre: Preprocessed | None, error: BaseException | None = None) -> None:
+    """End the request's pre-processing span (template, images, tokenize): its prompt's token count, or
+    what failed."""
+    if span is None:
+        return
+    if pre is not None:
+        span.set_attribute("gen_ai.usage.input_tokens", len(pre.request.token_ids))
+    if error is not None:
+        tracing.fail(span, str(error) or type(error).__name__)
+    span.end()
 
 
 def _annotation(name: str, pre: Preprocessed, ctx: Context) -> Any:

@@ -34,6 +34,7 @@ from dynamo.aio import cancel_and_wait
 from dynamo.bounds import track
 from dynamo.lazyjson import LazyJson
 
+from . import tracing
 from .annotated import DRAINED_EVENT, ERROR_EVENT, Annotated
 from .config import RuntimeSettings
 from .context import Context
@@ -425,6 +426,17 @@ class Client:
             self._wake_waiters()  # a slot freed: the first queued caller may go
 
 
+def _request_span(ctx: Context, endpoint: Any, instance_id: int) -> tracing.Span | None:
+    """The request-plane client span of one request to ``instance_id``: a child of the context's span (or
+    of this task's current one), ended with the stream; the worker's spans are its children."""
+    parent = ctx.trace or tracing.current()
+    if parent is None:
+        return None
+    return tracing.start_span(f"dynamo.request_plane {endpoint}", parent, kind=tracing.CLIENT, attributes={
+        "rpc.system": "dynamo", "rpc.service": str(endpoint), "dynamo.request_id": ctx.id(),
+        "dynamo.worker_id": f"{instance_id & 0xFFFFFFFFFFFFFFFF:x}"})
+
+
 class ResponseStream:
     """One request's response stream: an async iterator of items (or Annotated with ``annotated=True``).
 
@@ -504,10 +516,16 @@ class ResponseStream:
                                          "streams responses over TCP call-home only, and this process receives "
                                          "them over NATS (unset DYN_RESPONSE_TRANSPORT)")
 
+        span = _request_span(ctx, self._client.endpoint_id, instance_id) if tracing.ENABLED else None
+
         def finished(s: StreamState) -> None:
             receiver.unregister(s)
             ctx.remove_callback(s.send_control)
             client._untrack(s)
+            if span is not None:
+                if s.error is not None:
+                    tracing.fail(span, str(s.error) or type(s.error).__name__)
+                span.end()
 
         # All bookkeeping before the request leaves: a fast worker may finish the whole stream
         # before we have even processed its ack.
@@ -516,10 +534,12 @@ class ResponseStream:
         if ctx.is_stopped():
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
+        trace = tracing.headers_of(span) if span is not None else None
         if v1:
+            state.trace = trace  # (1.x: in the request message's headers, runtime/tcp_request_plane.py)
             frame = encode_v1_request(ctx.id(), conn, payload)
         else:
-            frame = encode_request(ctx.id(), conn, payload)
+            frame = encode_request(ctx.id(), conn, payload, trace)
         bound = client.settings.stream_liveness
         try:
             ack = await requests.send(subject, frame, bound, state)  # or the first frame

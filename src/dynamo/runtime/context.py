@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 
 class Context:
-    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks", "v1_peer")
+    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks", "v1_peer", "trace")
 
     def __init__(self, request_id: str | None = None) -> None:
         # True when the request came from a Dynamo 1.x process (runtime/v1_wire.py): a handler answers
         # such a peer in 1.x's shapes (worker/v1_backend.py)
         self.v1_peer = False
+        # the span a request sent with this context is a child of (runtime/tracing.py; None: tracing off,
+        # or this task's current span): the worker's ingress sets its own server span here
+        self.trace: Any = None
         self._id = request_id or str(uuid.uuid4())
         self._stopped = False
         self._killed = False

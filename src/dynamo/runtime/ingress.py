@@ -26,6 +26,7 @@ import orjson
 
 from dynamo.aio import abandon, finish
 
+from . import tracing
 from .annotated import Annotated
 from .codec import decode_frame
 from .component_metrics import (
@@ -36,6 +37,7 @@ from .component_metrics import (
     EndpointMetrics,
 )
 from .context import Context
+from .request_plane import CarriesHeaders
 from .tcp import TRANSPORT_NAME as TCP_TRANSPORT
 from .tcp import is_loopback, split_address
 from .tcp_callhome import open_tcp_sink
@@ -135,31 +137,50 @@ class Ingress:
         # a Dynamo 1.x client names its body's codec (or came over 1.x's framing): it gets 1.x's answers
         v1 = CODEC_KEY in control or getattr(request, "v1", False)
         codec = request_codec(control) if v1 else JSON
-        task = asyncio.get_running_loop().create_task(self._serve(request_id, transport, info, body, codec, v1))
+        trace = None
+        if tracing.ENABLED:  # the W3C context: 1.x's in its message headers, ours in the control JSON
+            trace = request.headers if isinstance(request, CarriesHeaders) and "traceparent" in request.headers \
+                else control
+        task = asyncio.get_running_loop().create_task(
+            self._serve(request_id, transport, info, body, codec, v1, trace))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
     async def _serve(self, request_id: str, transport: str, info: dict, body: bytes, codec: str = JSON,
-                     v1: bool = False) -> None:
+                     v1: bool = False, trace: Any = None) -> None:
+        span = token = None
+        if trace is not None and "traceparent" in trace:
+            # the worker's server span, a child of the client's request-plane span; current in this task, so
+            # the handler's logs carry its ids and the requests it sends on are its children
+            span = tracing.start_remote_child(f"dynamo.worker {self.name}", trace, attributes={
+                "rpc.system": "dynamo", "rpc.service": self.name, "dynamo.request_id": request_id})
+            token = tracing.attach(span)
         metrics = self.metrics
-        if metrics is None:
-            await self._serve_one(request_id, transport, info, body, None, codec, v1)
-            return
-        start = metrics.started()
-        sent = [0]  # response bytes, added up by the pump and reported once (nothing per token)
         try:
-            await self._serve_one(request_id, transport, info, body, sent, codec, v1)
+            if metrics is None:
+                await self._serve_one(request_id, transport, info, body, None, codec, v1, span)
+                return
+            start = metrics.started()
+            sent = [0]  # response bytes, added up by the pump and reported once (nothing per token)
+            try:
+                await self._serve_one(request_id, transport, info, body, sent, codec, v1, span)
+            finally:
+                metrics.finished(start, sent[0])
         finally:
-            metrics.finished(start, sent[0])
+            if span is not None:
+                span.end()
+                tracing.detach(token)
 
     def _error(self, error_type: str) -> None:
         if self.metrics is not None:
             self.metrics.error(error_type)
 
     async def _serve_one(self, request_id: str, transport: str, info: dict, body: bytes,
-                         sent: list[int] | None, codec: str = JSON, v1: bool = False) -> None:
+                         sent: list[int] | None, codec: str = JSON, v1: bool = False,
+                         span: tracing.Span | None = None) -> None:
         context = Context(request_id)
         context.v1_peer = v1
+        context.trace = span
         opener = self._openers.get(transport)
         if opener is None:
             log.error("%s: request %s wants unknown transport %r", self.name, request_id, transport)
@@ -206,6 +227,7 @@ class Ingress:
             except Exception as exc:
                 log.warning("%s: handler failed to start for %s: %s", self.name, request_id, exc)
                 self._error(ERROR_GENERATE)
+                tracing.fail(span, _message(exc))
                 sink.send_prologue(_message(exc))
                 sink.finish()
                 return
@@ -225,6 +247,7 @@ class Ingress:
         except Exception as exc:  # the handler raised mid-stream: report it, keep serving
             log.info("%s: handler error for %s: %s", self.name, request_id, exc)
             self._error(ERROR_GENERATE)
+            tracing.fail(span, _message(exc))
             frame = encode(Annotated.from_error(_message(exc)))
             if sent is not None:
                 sent[0] += len(frame)

@@ -35,6 +35,14 @@ class IncomingRequest(Protocol):
         """The ack (empty: taken)."""
 
 
+@runtime_checkable
+class CarriesHeaders(Protocol):
+    """A request that came with headers of its own (a Dynamo 1.x client's TCP request message): the W3C
+    trace context (``traceparent``, ``tracestate``) is among them."""
+
+    headers: dict[str, str]
+
+
 RequestHandler = Callable[[Any], Awaitable[None]]  # called with an IncomingRequest
 
 

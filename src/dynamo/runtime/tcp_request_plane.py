@@ -439,6 +439,8 @@ class TcpRequestPlane:
         headers = {"x-endpoint-path": path}
         if state is not None:
             headers["request-id"] = state.request_id
+            if state.trace:  # 1.x carries the W3C trace context in the message's headers
+                headers.update(state.trace)
         conn.send(path, headers, payload, fut)
         try:
             result = await _acknowledged(fut, deadline, address, timeout)

@@ -86,8 +86,11 @@ def encode_handshake(subject: str, heartbeat_ms: int | None = None) -> bytes:
     return encode_frame(header=_dumps(ctl))
 
 
-def encode_request(request_id: str, connection_info: dict, body: bytes) -> bytes:
-    control = {
+def encode_request(request_id: str, connection_info: dict, body: bytes,
+                   trace: dict[str, str] | None = None) -> bytes:
+    """``trace``: the W3C ``traceparent``/``tracestate`` the worker's spans are children of (ours: keys of
+    the control JSON; runtime/tracing.py)."""
+    control: dict[str, Any] = {
         "id": request_id,
         "request_type": "single_in",
         "response_type": "many_out",
@@ -96,6 +99,8 @@ def encode_request(request_id: str, connection_info: dict, body: bytes) -> bytes
             "info": _dumps(connection_info["info"]).decode(),
         },
     }
+    if trace:
+        control.update(trace)
     return encode_frame(_dumps(control), body, with_checksum=True)
 
 
@@ -161,7 +166,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "mux_id", "_loop", "msgpack")
+                 "_resume", "quiet", "mux_id", "_loop", "msgpack", "trace")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -185,6 +190,7 @@ class StreamState:
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
         self.mux_id = 0  # its id on a multiplexed call-home connection (0: not offered; runtime/mux.py)
+        self.trace: dict[str, str] | None = None  # W3C headers for a 1.x worker's request message (tracing)
         self.msgpack = False  # the worker (Dynamo 1.x) sends its data frames' bodies in msgpack (runtime/v1_wire.py)
 
     # fed by the transport

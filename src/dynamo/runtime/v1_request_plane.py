@@ -58,11 +58,12 @@ class V1IncomingRequest:
     """One request from a 1.x client as the ingress sees it (the IncomingRequest of the other planes).
     ``v1`` tells the ingress that its peer is a 1.x process whatever its control JSON says."""
 
-    __slots__ = ("data", "_conn", "_slot")
+    __slots__ = ("data", "headers", "_conn", "_slot")
     v1 = True
 
-    def __init__(self, conn: "V1ServerConnection", slot: list, data: bytes) -> None:
+    def __init__(self, conn: "V1ServerConnection", slot: list, data: bytes, headers: dict[str, str]) -> None:
         self.data = data
+        self.headers = headers  # request-id, x-endpoint-path, a W3C traceparent when the client traces
         self._conn = conn
         self._slot = slot
 
@@ -114,7 +115,7 @@ class V1ServerConnection(asyncio.Protocol):
                            f"bytes (this one holds {held})")
                 return
         handlers = self.plane.handlers
-        for path, _headers, payload in requests:
+        for path, headers, payload in requests:
             slot: list = [None]
             self.acks.append(slot)
             try:
@@ -126,7 +127,7 @@ class V1ServerConnection(asyncio.Protocol):
             if handler is None:  # stopped, or another process on this port: the client tries elsewhere
                 self.ack(slot, f"Unknown endpoint: {path}")
                 continue
-            self._run(handler, V1IncomingRequest(self, slot, payload), path)
+            self._run(handler, V1IncomingRequest(self, slot, payload, headers), path)
 
     def _run(self, handler: Callable[[Any], Any], request: V1IncomingRequest, path: str) -> None:
         # as our plane does: the ingress normally acks and returns without waiting, so no task per request

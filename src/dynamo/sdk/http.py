@@ -24,6 +24,8 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from dynamo.runtime import tracing
+
 from .annotations import is_model, request_annotation
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,26 @@ def route(instance: Any, fn: Callable[..., Any]) -> Callable[[web.Request], Any]
     bound = fn.__get__(instance, type(instance))
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        if not tracing.ENABLED:
+            return await answer(request)
+        # the graph's server span (the client's traceparent its parent), current in this task: the calls
+        # the endpoint makes to other services are its children (runtime/client.py)
+        span = tracing.start_remote_child(f"{request.method} {request.path}", request.headers, attributes={
+            "http.request.method": request.method, "url.path": request.path})
+        token = tracing.attach(span)
+        try:
+            resp = await answer(request)
+            if span is not None:
+                span.set_attribute("http.response.status_code", resp.status)
+                if resp.status >= 400:
+                    tracing.fail(span, f"HTTP {resp.status}")
+            return resp
+        finally:
+            if span is not None:
+                span.end()
+            tracing.detach(token)
+
+    async def answer(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw) if raw.strip() else {}

@@ -25,7 +25,7 @@ import sys
 from typing import Any, AsyncIterator, Callable
 
 from dynamo.cli.logs import setup_logging
-from dynamo.runtime import DistributedRuntime, run_worker
+from dynamo.runtime import DistributedRuntime, run_worker, tracing
 
 from .annotations import convert, request_annotation
 from .client import to_wire
@@ -144,13 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging()
     try:
+        tracing.init(args.service)  # the service's class name, unless OTEL_SERVICE_NAME says one
         asyncio.run(_main(args.root, args.service, args.replica, args.working_dir))
-    except (ServiceStartError, GraphError, ConfigError, ConnectionError) as e:
+    except (ServiceStartError, GraphError, ConfigError, ConnectionError, tracing.TracingSetupError) as e:
         msg = str(e) if isinstance(e, ServiceStartError) else f"service {args.service} failed to start: {e}"
         print(FATAL_MARK + msg, file=sys.stderr, flush=True)
         return FATAL_EXIT
     except KeyboardInterrupt:
         return 130
+    finally:
+        tracing.shutdown()  # the spans still buffered leave before the process does
     if dynamo_context.get("fatal"):  # a role it ran failed the way every restart would (lib/roles.py)
         print(FATAL_MARK + dynamo_context["fatal"], file=sys.stderr, flush=True)
         return FATAL_EXIT
