@@ -95,7 +95,7 @@ class ModelWatcher:
     def _observer(self, name: str) -> Any:
         if self.worker_metrics is None:
             return None
-        return self.worker_metrics.observer(name, self.metrics.migrated)
+        return self.worker_metrics.observer(name, self.metrics)
 
     async def start(self) -> None:
         store = self.runtime.discovery()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
@@ -249,10 +250,19 @@ class RemoteCoreEngine:
         starts = WorkerStarts(self.client, self.queue, observer, context.id)
         router, client = self.router, self.client
         prepare = getattr(router, "prepare", None)
+        migrating_since: float | None = None  # a stream lost mid-way: when (its migration's duration)
         try:
             while True:  # once, and once more per migration
-                stream = await starts.start(lambda: router.open(client, request, rt_ctx),
-                                            None if prepare is None else lambda: prepare(request))
+                try:
+                    stream = await starts.start(lambda: router.open(client, request, rt_ctx),
+                                                None if prepare is None else lambda: prepare(request))
+                except BaseException:
+                    if migrating_since is not None and observer is not None:
+                        observer.migration_done("ongoing_request", False, time.monotonic() - migrating_since)
+                    raise
+                if migrating_since is not None and observer is not None:
+                    observer.migration_done("ongoing_request", True, time.monotonic() - migrating_since)
+                migrating_since = None
                 # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
                 timing = observer.request(stream.instance_id, len(request.token_ids)) if observer is not None else None
                 generated: list[int] = []  # this attempt's tokens: a resumed request carries them
@@ -283,6 +293,7 @@ class RemoteCoreEngine:
                                  context.id, stream.instance_id)
                         if observer is not None:
                             observer.migrated("ongoing_request")
+                        migrating_since = time.monotonic()
                         _resume_after(request, generated)
                         continue
                     raise LlmEngineError(STREAM_INCOMPLETE_MESSAGE) from None
@@ -293,6 +304,7 @@ class RemoteCoreEngine:
                                     context.id, stream.instance_id, attempts_left)
                         if observer is not None:
                             observer.migrated("ongoing_request")
+                        migrating_since = time.monotonic()
                         _resume_after(request, generated)
                         continue
                     if self.migration_limit > 0:
