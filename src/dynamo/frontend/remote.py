@@ -98,7 +98,7 @@ class RouterPolicy(Protocol):
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any: ...
 
-    def finished(self, request_id: str) -> None: ...
+    def finished(self, request_id: str, output_tokens: int = 0) -> None: ...
 
     def first_token(self, request_id: str) -> None: ...
 
@@ -132,7 +132,7 @@ class SimpleRouter:
             return client.random(body, context=rt_ctx)
         return client.round_robin(body, context=rt_ctx)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
         pass
 
     def first_token(self, request_id: str) -> None:
@@ -251,6 +251,7 @@ class RemoteCoreEngine:
         router, client = self.router, self.client
         prepare = getattr(router, "prepare", None)
         migrating_since: float | None = None  # a stream lost mid-way: when (its migration's duration)
+        produced = 0  # tokens generated over every attempt (the router's output length)
         try:
             while True:  # once, and once more per migration
                 try:
@@ -313,11 +314,12 @@ class RemoteCoreEngine:
                 except RtEngineError as e:
                     raise LlmEngineError(str(e)) from None
                 finally:
+                    produced += len(generated)  # (once per attempt, not per item)
                     if timing is not None:
                         timing.done(len(generated))
                     await stream.aclose()
         finally:
-            self.router.finished(context.id)
+            self.router.finished(context.id, produced)
 
 
 def _resume_after(request: PreprocessedRequest, generated: list[int]) -> None:
