@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo.frontend.http.metrics import FrontendMetrics
