@@ -290,6 +290,8 @@ class MigrationSink(Protocol):
 
     def migrated(self, model: str, migration_type: str) -> None: ...
 
+    def migrations_from_zero(self, model: str) -> None: ...
+
     def migration_done(self, model: str, migration_type: str, success: bool, seconds: float) -> None: ...
 
 
@@ -302,6 +304,8 @@ class ModelObserver:
         self._wm = wm
         self.model = model
         self._sink = sink
+        if sink is not None:
+            sink.migrations_from_zero(model)
 
     def migrated(self, migration_type: str) -> None:
         if self._sink is not None:

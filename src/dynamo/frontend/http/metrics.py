@@ -106,6 +106,12 @@ class FrontendMetrics:
     def migrated(self, model: str, migration_type: str) -> None:
         self.migrations.labels(model.lower(), migration_type).inc()
 
+    def migrations_from_zero(self, model: str) -> None:
+        """The model's migration counters, at 0 before its first migration: Prometheus's ``increase()`` takes
+        a series' first sample as its start, so a counter born at 1 would never show its first migration."""
+        for migration_type in ("ongoing_request", "new_request"):
+            self.migrations.labels(model.lower(), migration_type)
+
     def migration_done(self, model: str, migration_type: str, success: bool, seconds: float) -> None:
         self.migration_duration.labels(model.lower(), migration_type, "success" if success else "failure").observe(seconds)
 
