@@ -168,7 +168,8 @@ def test_worker_status_server_counts_frontend_requests(frontend, rt_env, tiny_mo
         for _ in range(3):
             assert client.completions.create(model="sys", prompt="one two", max_tokens=5).choices[0].text == "one two"
         text = httpx.get(base + "/metrics", timeout=5).text
-        labels = '{dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="sys"}'
+        labels = ('{dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="sys",'
+                  f'worker_id="{worker.instance_hex}"}}')
         assert f"dynamo_component_requests_total{labels} 3.0" in text
         assert f"dynamo_component_inflight_requests{labels} 0.0" in text
         assert f"dynamo_component_request_duration_seconds_count{labels} 3.0" in text

@@ -135,10 +135,16 @@ def test_metrics_move_after_requests(core_server: DynamoRun):
 
     total = "dynamo_frontend_requests_total"
     common = {"model": "tiny-chat"}
-    assert delta(total, endpoint="chat_completions", request_type="stream", status="success", **common) == 1
-    assert delta(total, endpoint="chat_completions", request_type="unary", status="success", **common) == 1
-    assert delta(total, endpoint="completions", request_type="unary", status="success", **common) == 1
+    ok = {"status": "success", "error_type": "", **common}
+    assert delta(total, endpoint="chat_completions", request_type="stream", **ok) == 1
+    assert delta(total, endpoint="chat_completions", request_type="unary", **ok) == 1
+    assert delta(total, endpoint="completions", request_type="unary", **ok) == 1
+    assert delta("dynamo_frontend_requests_started_total", endpoint="completions", request_type="unary", **common) == 1
     assert sample(after, "dynamo_frontend_inflight_requests", **common) == 0
+    assert sample(after, "dynamo_frontend_active_requests", **common) == 0
+    # the token counter agrees with the histogram of output lengths
+    assert delta("dynamo_frontend_output_tokens_total", **common) == delta("dynamo_frontend_output_sequence_tokens_sum",
+                                                                          **common)
     for hist in ("request_duration_seconds", "time_to_first_token_seconds", "input_sequence_tokens",
                  "output_sequence_tokens"):
         assert delta(f"dynamo_frontend_{hist}_count", **common) >= 3, hist
@@ -153,7 +159,7 @@ def test_metric_model_label_is_lowercased(tiny_model):
         assert r.status_code == 200
         m = metrics(srv.base_url)
         assert sample(m, "dynamo_frontend_requests_total", model="tiny-chat", endpoint="completions",
-                      request_type="unary", status="success") == 1
+                      request_type="unary", status="success", error_type="") == 1
 
 
 def test_unknown_model_is_not_counted(full_server: DynamoRun):
@@ -175,7 +181,7 @@ def test_metrics_prefix_from_environment():
         assert "my_app_inflight_requests" in names
         assert not any(n.startswith("dynamo_frontend") for n in names)
         assert sample(m, "my_app_requests_total", model="echo", endpoint="completions",
-                      request_type="unary", status="success") == 1
+                      request_type="unary", status="success", error_type="") == 1
 
 
 def test_invalid_echo_delay_falls_back_with_a_warning():

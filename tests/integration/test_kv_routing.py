@@ -159,7 +159,8 @@ def scrape(fe: DynamoRun) -> str:
 
 
 def gauge(metrics: str, name: str, model: str, worker_id: int) -> float | None:
-    pattern = (rf'^dynamo_frontend_{name}\{{(?=[^}}]*model="{model}")(?=[^}}]*worker_id="{worker_id}")'
+    # Dynamo 1.x's per-worker gauges have no model label; ours have it
+    pattern = (rf'^dynamo_frontend_{name}\{{(?=[^}}]*model="{model}"|(?![^}}]*model=))(?=[^}}]*worker_id="{worker_id}")'
                rf'(?=[^}}]*dp_rank="0")[^}}]*\}} (\S+)$')
     m = re.search(pattern, metrics, re.M)
     return float(m.group(1)) if m else None

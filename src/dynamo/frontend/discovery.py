@@ -79,23 +79,33 @@ class ModelWatcher:
         # per-worker load gauges on the HTTP service's /metrics (its FrontendMetrics), if it has one
         self.worker_metrics: Any = None
         self.metrics = metrics
+        router_metrics: Any = None
         if metrics is not None:
+            from dynamo.frontend.model_metrics import ModelLimitsCollector
+            from dynamo.frontend.router_metrics import RouterMetrics
             from dynamo.frontend.worker_metrics import QueueCollector, WorkerMetrics
 
             self.worker_metrics = WorkerMetrics(runtime, metrics.registry, metrics.prefix, self._kv_router_for)
             metrics.registry.register(QueueCollector(self.queued, metrics.prefix))
+            metrics.registry.register(ModelLimitsCollector(self._model_limits, metrics.prefix))
+            router_metrics = RouterMetrics(metrics.registry, runtime.instance_hex)
         # disaggregated serving: the prefill workers, and where prompts were prefilled
         self.prefill = PrefillPool(metrics)
         self.builder = ModelBuilder(runtime, router, prefill_engine=self.prefill.engine,
-                                    prefill_stats=self.prefill.stats, observer=self._observer)
+                                    prefill_stats=self.prefill.stats, observer=self._observer,
+                                    router_metrics=None if router_metrics is None else
+                                    lambda e: router_metrics.for_router(e.namespace, e.component, e.name))
         # /v1/load_lora_adapter and /v1/unload_lora_adapter, sent on to the workers
         self.loras = LoraFleet(runtime, manager, self.entries)
         manager.loras = self.loras
 
+    def _model_limits(self) -> list[tuple[str, Any, bool]]:
+        return [(name, served.limits, bool(served.client.instance_ids())) for name, served in list(self.served.items())]
+
     def _observer(self, name: str) -> Any:
         if self.worker_metrics is None:
             return None
-        return self.worker_metrics.observer(name, self.metrics.migrated)
+        return self.worker_metrics.observer(name, self.metrics)
 
     async def start(self) -> None:
         store = self.runtime.discovery()

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -55,6 +55,9 @@ from dynamo.llm.protocols.v1 import PeerRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
 from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope
+
+if TYPE_CHECKING:
+    from dynamo.frontend.router_metrics import BoundRouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +151,11 @@ def publishes_kv_events(entry: Any) -> bool:
 
 class KvRouterPolicy:
     def __init__(self, router: KvRouter, events: Any, *, runtime: Any = None, events_requested: bool = True,
-                 weight_from_workers: bool = False):
+                 weight_from_workers: bool = False, metrics: BoundRouterMetrics | None = None):
         self.router = router
+        self.metrics = metrics  # the router's series on /metrics (router_metrics.py), or None
+        if metrics is not None:
+            router.overhead = metrics.decision_overhead
         self.events_requested = events_requested  # --use-kv-events
         # the overlap weight is what the first worker's engine suggested (no --kv-overlap-score-weight)
         self.weight_from_workers = weight_from_workers
@@ -199,6 +205,9 @@ class KvRouterPolicy:
         candidates = client.free_instance_ids() or client.instance_ids()
         decision = self.router.select(request.token_ids, candidates, request_id=body_id, hashes=hashes)
         self._tracked.add(body_id)
+        if self.metrics is not None:
+            n = len(request.token_ids)
+            self.metrics.routed(body_id, n, decision.overlap_blocks, -(-n // self.router.block_size))
         request.estimated_prefix_hit_num_blocks = decision.overlap_blocks
         if decision.prefix_source is not None:
             request.prefix_source = {"address": decision.prefix_source[0], "tokens": decision.prefix_source[1]}
@@ -207,10 +216,14 @@ class KvRouterPolicy:
 
     def first_token(self, request_id: str) -> None:
         self.router.on_first_token(request_id)
+        if self.metrics is not None:
+            self.metrics.first_token(request_id)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
         self._tracked.discard(request_id)
         self.router.on_finished(request_id)
+        if self.metrics is not None:
+            self.metrics.finished(request_id, output_tokens)
 
     def remove_worker(self, worker_id: int) -> None:
         self._workers.pop(worker_id, None)
@@ -418,7 +431,8 @@ class KvRouterPolicy:
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
-                         cfg: RouterConfig, *, load_of: KvRouter | None = None) -> KvRouterPolicy:
+                         cfg: RouterConfig, *, load_of: KvRouter | None = None,
+                         metrics: BoundRouterMetrics | None = None) -> KvRouterPolicy:
     """``load_of``: the router whose bookings this one shares (a LoRA adapter's base model's, router.py),
     so that a worker's load is one figure whatever model its requests name; the peers' bookings reach
     both through that router's subscription."""
@@ -452,7 +466,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     if router.decision_log is not None:
         log.info("KV router for %s: logging every decision to %s", entry.name, router.decision_log.path)
     policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events,
-                            weight_from_workers=load_of is None and cfg.kv_overlap_score_weight is None)
+                            weight_from_workers=load_of is None and cfg.kv_overlap_score_weight is None,
+                            metrics=metrics)
     if events:
         await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
                                router.apply_event)

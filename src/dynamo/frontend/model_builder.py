@@ -17,6 +17,7 @@ from typing import Any, Callable
 from dynamo.disagg.plan import DisaggStats
 from dynamo.frontend.disagg import DisaggCoreEngine
 from dynamo.frontend.model_client import ModelClient
+from dynamo.frontend.model_metrics import ModelLimits
 from dynamo.frontend.remote import (
     QueuePolicy,
     RemoteChatEngine,
@@ -44,6 +45,7 @@ class RemoteModel:
     endpoints: dict[EndpointKey, set[str]] = field(default_factory=dict)  # endpoint -> entry keys
     router: RouterPolicy | None = None
     engine: Any = None  # prefill entries: the RemoteCoreEngine over the prefill workers
+    limits: ModelLimits = field(default_factory=ModelLimits)  # the model_* gauges (model_metrics.py)
 
     @property
     def entries(self) -> set[str]:
@@ -55,17 +57,20 @@ class ModelBuilder:
 
     ``prefill_engine(name)`` is the engine over a model's prefill workers (None while there are none),
     ``prefill_stats(name)`` what counts where its prompts were prefilled (None without metrics): the
-    prefill pool's (prefill_pool.py).  ``observer(name)`` the per-worker metrics of a model, or None.
+    prefill pool's (prefill_pool.py).  ``observer(name)`` the per-worker metrics of a model, or None;
+    ``router_metrics(entry)`` a KV router's series (frontend/router_metrics.py), or None.
     """
 
     def __init__(self, runtime: Any, config: RouterConfig, *, prefill_engine: Callable[[str], Any],
-                 prefill_stats: Callable[[str], Any], observer: Callable[[str], Any]):
+                 prefill_stats: Callable[[str], Any], observer: Callable[[str], Any],
+                 router_metrics: Callable[[ModelEntry], Any] | None = None):
         self.runtime = runtime
         self.config = config
         self.clients: dict[EndpointKey, Any] = {}  # one runtime client per endpoint
         self._prefill_engine = prefill_engine
         self._prefill_stats = prefill_stats
         self._observer = observer
+        self._router_metrics = router_metrics  # a KV router's series on /metrics (router_metrics.py), or None
         # base model name -> its KV router, whose bookings its LoRA adapters' routers share (kv/router.py)
         self._base_kv_routers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
@@ -84,7 +89,8 @@ class ModelBuilder:
         card = await load_entry_card(self.runtime.object_store(OBJECT_BUCKET), entry.card)
         observer = self._observer(entry.name)  # per-worker timing and migration counts on /metrics
         card.display_name = entry.name
-        served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}})
+        served = RemoteModel(entry.name, entry.model_type, client, {ep_key: {key}},
+                             limits=ModelLimits.of(card, entry.runtime_config))
         cfg = self.config
         if entry.model_type is ModelType.Backend:
             served.router = await self.make_router(entry, card, client, shares_load=True)
@@ -143,7 +149,8 @@ class ModelBuilder:
 
         base = (card.lora or {}).get("base_model") if shares_load else None
         load_of = self._base_kv_routers.get(base) if isinstance(base, str) else None
-        policy = await make_kv_router(self.runtime, entry, card, client, cfg, load_of=load_of)
+        metrics = self._router_metrics(entry) if self._router_metrics is not None else None
+        policy = await make_kv_router(self.runtime, entry, card, client, cfg, load_of=load_of, metrics=metrics)
         if shares_load and card.lora is None:
             self._base_kv_routers[entry.name] = policy.router
         return policy

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
@@ -98,7 +99,7 @@ class RouterPolicy(Protocol):
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any: ...
 
-    def finished(self, request_id: str) -> None: ...
+    def finished(self, request_id: str, output_tokens: int = 0) -> None: ...
 
     def first_token(self, request_id: str) -> None: ...
 
@@ -132,7 +133,7 @@ class SimpleRouter:
             return client.random(body, context=rt_ctx)
         return client.round_robin(body, context=rt_ctx)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_tokens: int = 0) -> None:
         pass
 
     def first_token(self, request_id: str) -> None:
@@ -253,6 +254,8 @@ class RemoteCoreEngine:
         trace = context.trace  # the request's server span (runtime/tracing.py); None: tracing off
         migrated_from: int | None = None
         migrations = 0
+        migrating_since: float | None = None  # a stream lost mid-way: when (its migration's duration)
+        produced = 0  # tokens generated over every attempt (the router's output length)
         try:
             while True:  # once, and once more per migration
                 route = _route_span(trace, migrations) if trace is not None else None
@@ -264,7 +267,12 @@ class RemoteCoreEngine:
                     if route is not None:
                         tracing.fail(route, str(exc) or type(exc).__name__)
                         route.end()
+                    if migrating_since is not None and observer is not None:
+                        observer.migration_done("ongoing_request", False, time.monotonic() - migrating_since)
                     raise
+                if migrating_since is not None and observer is not None:
+                    observer.migration_done("ongoing_request", True, time.monotonic() - migrating_since)
+                migrating_since = None
                 if route is not None:
                     _routed(trace, route, stream.instance_id, request.estimated_prefix_hit_num_blocks, migrated_from)
                 # per-worker last TTFT / ISL / ITL: a timestamp at the first item, a count per item
@@ -299,6 +307,7 @@ class RemoteCoreEngine:
                                  context.id, stream.instance_id)
                         if observer is not None:
                             observer.migrated("ongoing_request")
+                        migrating_since = time.monotonic()
                         _resume_after(request, generated)
                         migrated_from, migrations = stream.instance_id, migrations + 1
                         continue
@@ -310,6 +319,7 @@ class RemoteCoreEngine:
                                     context.id, stream.instance_id, attempts_left)
                         if observer is not None:
                             observer.migrated("ongoing_request")
+                        migrating_since = time.monotonic()
                         _resume_after(request, generated)
                         migrated_from, migrations = stream.instance_id, migrations + 1
                         continue
@@ -319,11 +329,12 @@ class RemoteCoreEngine:
                 except RtEngineError as e:
                     raise LlmEngineError(str(e)) from None
                 finally:
+                    produced += len(generated)  # (once per attempt, not per item)
                     if timing is not None:
                         timing.done(len(generated))
                     await stream.aclose()
         finally:
-            self.router.finished(context.id)
+            self.router.finished(context.id, produced)
 
 
 def _hex(instance_id: int | None) -> str:

@@ -6,7 +6,7 @@ metrics on their ``load_metrics`` endpoint.  For every namespace of a discovered
 subscribes to the subject; when a worker is discovered it also asks its ``load_metrics`` endpoint once,
 so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as on
 every frontend metric, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
-metric prefix (every one in docs/metrics.md)::
+metric prefix (every one in docs/metrics.md; the planner reads them per model)::
 
     <prefix>_worker_kv_total_blocks         kv_stats.kv_total_blocks
     <prefix>_worker_kv_cache_usage_ratio    kv_stats.gpu_cache_usage_perc (0..1)
@@ -15,7 +15,8 @@ metric prefix (every one in docs/metrics.md)::
     <prefix>_worker_request_active_slots    worker_stats.request_active_slots
     <prefix>_worker_request_total_slots     worker_stats.request_total_slots
 
-Dynamo 1.x's per-worker names, so its dashboards work: ``<prefix>_worker_active_decode_blocks`` and
+Dynamo 1.x's per-worker names and labels (``worker_id``, ``dp_rank``, ``worker_type``: no ``model``, a
+worker serving several models has one series), so its dashboards work: ``<prefix>_worker_active_decode_blocks`` and
 ``<prefix>_worker_active_prefill_tokens`` are, as in Dynamo, the KV router's own count of what it sent
 to each worker (read at scrape time); without a KV router the decode blocks are the worker's published
 ``kv_stats.kv_active_blocks``.  ``<prefix>_worker_last_time_to_first_token_seconds``,
@@ -38,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import orjson
 from prometheus_client import CollectorRegistry, Gauge
@@ -55,7 +56,8 @@ LOAD_METRICS_ENDPOINT = "load_metrics"
 
 POLL_TIMEOUT_S = 2.0
 
-LABELS = ["model", "worker_id", "dp_rank", "worker_type"]
+LABELS = ["worker_id", "dp_rank", "worker_type"]  # Dynamo 1.6.1's
+MODEL_LABELS = ["model", *LABELS]  # ours: the gauges of _FIELDS
 WORKER_TYPE = "decode"  # aggregated serving: every worker is a decode worker, as Dynamo labels them
 
 # gauge suffix, help, (section, field)
@@ -77,7 +79,7 @@ class WorkerMetrics:
                  kv_router_for: Callable[[str], Any] | None = None):
         self.runtime = runtime
         self.prefix = prefix
-        self.gauges = [(Gauge(f"{prefix}_{suffix}", doc, LABELS, registry=registry), path)
+        self.gauges = [(Gauge(f"{prefix}_{suffix}", doc, MODEL_LABELS, registry=registry), path)
                        for suffix, doc, path in _FIELDS]
         self.last_ttft = Gauge(f"{prefix}_worker_last_time_to_first_token_seconds",
                                "Time to first token of the last request a worker served", LABELS, registry=registry)
@@ -89,7 +91,7 @@ class WorkerMetrics:
         # model (lowercased) -> the KV router serving it (or None): the source of the active-load gauges
         self._kv_router_for = kv_router_for or (lambda model: None)
         self._published_active: dict[tuple[int, str], float] = {}  # (worker, dp rank) -> kv_active_blocks
-        self._timed: set[tuple[str, int]] = set()  # (model, worker) with timing series
+        self._timed: set[int] = set()  # workers with timing series
         registry.register(_ActiveLoadCollector(self))
         self._models: dict[int, set[str]] = {}  # worker id -> models it serves (lowercased)
         self._ranks: dict[int, set[str]] = {}  # worker id -> dp ranks seen
@@ -145,25 +147,27 @@ class WorkerMetrics:
         if not models:
             return
         gone = set(models) if model is None else {model.lower()} & models
+        wid = str(worker_id)
         for m in gone:
             for rank in self._ranks.get(worker_id, ()):
                 for gauge, _ in self.gauges:
                     try:
-                        gauge.remove(m, str(worker_id), rank, WORKER_TYPE)
-                    except KeyError:
-                        pass
-            if (m, worker_id) in self._timed:
-                self._timed.discard((m, worker_id))
-                for gauge in self._timing_gauges:
-                    try:
-                        gauge.remove(m, str(worker_id), "0", WORKER_TYPE)
+                        gauge.remove(m, wid, rank, WORKER_TYPE)
                     except KeyError:
                         pass
         models -= gone
-        if not models:
-            del self._models[worker_id]
-            for rank in self._ranks.pop(worker_id, ()):
-                self._published_active.pop((worker_id, rank), None)
+        if models:
+            return  # it still serves another model: its 1.x series stay
+        del self._models[worker_id]
+        for rank in self._ranks.pop(worker_id, ()):
+            self._published_active.pop((worker_id, rank), None)
+        if worker_id in self._timed:
+            self._timed.discard(worker_id)
+            for gauge in self._timing_gauges:
+                try:
+                    gauge.remove(wid, "0", WORKER_TYPE)
+                except KeyError:
+                    pass
 
     async def close(self) -> None:
         self._closed = True
@@ -221,9 +225,9 @@ class WorkerMetrics:
             self._published_active[(worker_id, rank)] = float(active)
         return True
 
-    def observer(self, model: str, on_migration: Callable[[str, str], None] | None = None) -> "ModelObserver":
+    def observer(self, model: str, migrations: "MigrationSink | None" = None) -> "ModelObserver":
         """What a model's engine reports per request: the worker's timing, and migrations."""
-        return ModelObserver(self, model.lower(), on_migration)
+        return ModelObserver(self, model.lower(), migrations)
 
     def _active_load(self) -> Iterator[Metric]:
         decode = GaugeMetricFamily(f"{self.prefix}_worker_active_decode_blocks",
@@ -233,17 +237,18 @@ class WorkerMetrics:
                                     "Prompt tokens still to prefill on a worker (the KV router's count)", labels=LABELS)
         for worker_id, models in list(self._models.items()):
             wid = str(worker_id)
-            for m in models:
-                router = self._kv_router_for(m)
-                if router is not None:
-                    load = router.worker_load(worker_id)
-                    decode.add_metric([m, wid, "0", WORKER_TYPE], load["active_blocks"])
-                    prefill.add_metric([m, wid, "0", WORKER_TYPE], load["active_tokens"])
-                    continue
-                for rank in self._ranks.get(worker_id, ()):
-                    value = self._published_active.get((worker_id, rank))
-                    if value is not None:
-                        decode.add_metric([m, wid, rank, WORKER_TYPE], value)
+            # the first KV router among its models: a LoRA adapter's router shares its base model's bookings,
+            # so any one of them has the worker's whole load
+            router = next((r for r in map(self._kv_router_for, sorted(models)) if r is not None), None)
+            if router is not None:
+                load = router.worker_load(worker_id)
+                decode.add_metric([wid, "0", WORKER_TYPE], load["active_blocks"])
+                prefill.add_metric([wid, "0", WORKER_TYPE], load["active_tokens"])
+                continue
+            for rank in self._ranks.get(worker_id, ()):
+                value = self._published_active.get((worker_id, rank))
+                if value is not None:
+                    decode.add_metric([wid, rank, WORKER_TYPE], value)
         yield decode
         yield prefill
 
@@ -280,19 +285,36 @@ class _ActiveLoadCollector:
         return self.owner._active_load()
 
 
+class MigrationSink(Protocol):
+    """Where migrations are counted (the HTTP service's FrontendMetrics)."""
+
+    def migrated(self, model: str, migration_type: str) -> None: ...
+
+    def migrations_from_zero(self, model: str) -> None: ...
+
+    def migration_done(self, model: str, migration_type: str, success: bool, seconds: float) -> None: ...
+
+
 class ModelObserver:
     """One model's per-request reports from its engine (``RemoteCoreEngine(observer=...)``)."""
 
-    __slots__ = ("_wm", "model", "_on_migration")
+    __slots__ = ("_wm", "model", "_sink")
 
-    def __init__(self, wm: WorkerMetrics, model: str, on_migration: Callable[[str, str], None] | None) -> None:
+    def __init__(self, wm: WorkerMetrics, model: str, sink: MigrationSink | None) -> None:
         self._wm = wm
         self.model = model
-        self._on_migration = on_migration
+        self._sink = sink
+        if sink is not None:
+            sink.migrations_from_zero(model)
 
     def migrated(self, migration_type: str) -> None:
-        if self._on_migration is not None:
-            self._on_migration(self.model, migration_type)
+        if self._sink is not None:
+            self._sink.migrated(self.model, migration_type)
+
+    def migration_done(self, migration_type: str, success: bool, seconds: float) -> None:
+        """A migration's stream started on another worker (``success``), or the request gave up."""
+        if self._sink is not None:
+            self._sink.migration_done(self.model, migration_type, success, seconds)
 
     def request(self, worker_id: int | None, isl: int) -> "RequestTiming | None":
         if worker_id is None:
@@ -327,18 +349,18 @@ class RequestTiming:
         if labels is not None:
             self._obs._wm.last_itl.labels(*labels).set((time.monotonic() - self.first_at) / (tokens - 1))
 
-    def _labels(self) -> tuple[str, str, str, str] | None:
+    def _labels(self) -> tuple[str, str, str] | None:
         wm, model = self._obs._wm, self._obs.model
         if model not in wm._models.get(self.worker_id, ()):
             return None  # a worker that is gone (or not one of ours): no series to leave behind
-        wm._timed.add((model, self.worker_id))
-        return (model, str(self.worker_id), "0", WORKER_TYPE)
+        wm._timed.add(self.worker_id)
+        return (str(self.worker_id), "0", WORKER_TYPE)
 
 
 class QueueCollector:
     """``<prefix>_router_queue_pending_requests``: requests waiting because every worker is at its
     limit (``--queue-size``), per model (``queued()``: lowercased name -> count), read when /metrics is
-    scraped."""
+    scraped.  ``policy_class`` is 1.6.1's label of its queue policies; ours has one, ``default``."""
 
     def __init__(self, queued: Callable[[], dict[str, int]], prefix: str) -> None:
         self.queued = queued
@@ -346,7 +368,7 @@ class QueueCollector:
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, "Requests waiting for a worker with room (every worker at its limit)",
-                                   labels=["model", "worker_type"])
+                                   labels=["model", "policy_class", "worker_type"])
         for model, n in sorted(self.queued().items()):
-            family.add_metric([model, "decode"], n)
+            family.add_metric([model, "default", "decode"], n)
         yield family

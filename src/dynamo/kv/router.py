@@ -135,6 +135,9 @@ class KvRouter:
         self.publish_hit_rate = publish_hit_rate
         self.publish_active_sequence = publish_active_sequence
         self.router_id = router_id or str(uuid.uuid4())
+        # told each decision's stages in seconds (block_hashing, seq_hashing: when hashed here,
+        # indexer_find_matches, scheduling, total): the frontend's router overhead histograms, or None
+        self.overhead: Callable[[dict[str, float]], None] | None = None
         self.trackers: dict[WorkerId, ActiveSequences] = {}
         # for decisions over many workers (scheduler.fast_pick): each worker's base cost, and which
         # workers have an in-flight request starting with a given block
@@ -172,12 +175,26 @@ class KvRouter:
         chosen worker until :meth:`on_finished`; without it the call is a pure query.  ``hashes``: the
         prompt's (local, sequence) block hashes, computed beforehand (``compute_hashes_async`` for a long
         prompt, so that hashing does not hold the event loop)."""
+        sink = self.overhead
+        clock = time.perf_counter if sink is not None else None
+        stages: dict[str, float] = {}
+        t0 = clock() if clock is not None else 0.0
         if hashes is None:
             local = compute_block_hashes(token_ids, self.block_size, self.lora_name)
+            if clock is not None:
+                t1 = clock()
+                stages["block_hashing"] = t1 - t0
             seq = compute_seq_hashes(local)
+            if clock is not None:
+                stages["seq_hashing"] = clock() - t1
         else:
             local, seq = hashes
+        if clock is not None:
+            t2 = clock()
         overlaps = self.indexer.find_matches(local, seq)
+        if clock is not None:
+            t3 = clock()
+            stages["indexer_find_matches"] = t3 - t2
         lower = self._lower_matches(seq)
         restorable = self._restorable(lower, overlaps)
         holder = self._best_lender(overlaps, lower)
@@ -213,6 +230,11 @@ class KvRouter:
             prefer = None if homes is None else (lambda among: homes.pick(seq, among))
             choice = select_worker(costs, self.temperature, self.rng, prefer)
         self.last_costs = costs
+        if sink is not None and clock is not None:
+            t4 = clock()
+            stages["scheduling"] = t4 - t3
+            stages["total"] = t4 - t0
+            sink(stages)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("kv route: %d tokens -> worker %x (overlap %d blocks); costs %s; overlaps %s%s",
                       len(token_ids), choice.worker_id, choice.overlap_blocks,

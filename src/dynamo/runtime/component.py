@@ -24,7 +24,7 @@ from .event_plane import EventPlane
 from .ingress import Handler, Ingress
 from .instance import Instance
 from .kv_store import KeyValueStore
-from .names import EndpointId, component_event_subject, component_service_name, namespace_event_subject
+from .names import EndpointId, component_event_subject, component_service_name, lease_hex, namespace_event_subject
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
 from .v1_discovery import publish_endpoint
@@ -148,7 +148,7 @@ class Endpoint:
         system = runtime.system
         metrics = None
         if system is not None:
-            metrics = system.endpoint_metrics(self.id.namespace, self.id.component, self.id.name)
+            metrics = system.endpoint_metrics(self.id.namespace, self.id.component, self.id.name, lease_hex(lease))
             system.set_endpoint(self.name, False)
         ingress = Ingress(handler, name=str(self.id), sink_openers=runtime.response_streams().sink_openers(),
                           max_inflight=max_inflight, metrics=metrics)

@@ -203,7 +203,12 @@ class Ingress:
         task = asyncio.current_task()
         takes_context = self.takes_context
 
+        uncounted = [self.metrics]  # counted as cancelled once, at its first stop or kill
+
         def on_signal(kind: str) -> None:
+            counter = uncounted.pop() if uncounted else None
+            if counter is not None:
+                counter.cancelled()
             if kind == "kill" or not takes_context:
                 if task is not None and not task.done():
                     task.cancel()

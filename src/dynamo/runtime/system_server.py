@@ -45,8 +45,9 @@ class SystemStatusServer:
         self._runner: web.AppRunner | None = None
 
     # -- what the runtime tells it
-    def endpoint_metrics(self, namespace: str, component: str, endpoint: str) -> EndpointMetrics:
-        return self.metrics.endpoint(namespace, component, endpoint)
+    def endpoint_metrics(self, namespace: str, component: str, endpoint: str, worker_id: str = "") -> EndpointMetrics:
+        """``worker_id``: this process's instance id in hex (1.x's label on every series)."""
+        return self.metrics.endpoint(namespace, component, endpoint, worker_id)
 
     def set_endpoint(self, name: str, ready: bool) -> None:
         self.endpoints[name] = READY if ready else NOT_READY

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from dynamo.bounds import track
-from dynamo.errors import ServiceUnavailableError
+from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.frontend.http.metrics import FrontendMetrics, RequestMetrics
 from dynamo.llm.engine import Context
 
@@ -72,6 +72,19 @@ class Admission:
         return InFlight(self, ctx, self.metrics.request(model, endpoint, streaming), task)
 
 
+def error_type(exc: BaseException | None) -> str:
+    """``requests_total``'s ``error_type`` of a failed request, by what ended it: ``cancelled`` (the client
+    went away), ``overloaded`` (every worker busy), ``unavailable`` (no worker, or none reachable),
+    ``invalid_request`` (a 4xx), ``internal`` (the engine failed: an exception, or an error mid-stream)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(exc, ServiceUnavailableError):
+        return "overloaded" if exc.overload else "unavailable"
+    if isinstance(exc, RequestError):
+        return "invalid_request" if exc.status < 500 else "internal"
+    return "internal"
+
+
 class InFlight:
     """One admitted request's engine run, as a ``with`` block around it. The handler sets ``ok`` once
     the request completed without error; leaving the block records the outcome in the metrics and stops
@@ -96,7 +109,8 @@ class InFlight:
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
             self.ctx.kill()
             log.debug("request %s cancelled: client went away", self.ctx.id)
-        self.metrics.done(self.ok)
+            self.admission.metrics.client_gone()
+        self.metrics.done(self.ok, error_type(exc))
         self.admission.contexts.discard(self.ctx)
         if self._task is not None:
             self.admission.tasks.discard(self._task)

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 DEFAULT_PREFIX = "dynamo_frontend"
 
+# Dynamo 1.6.1's buckets (also the KV router's ISL/OSL/TTFT histograms: frontend/router_metrics.py)
+ISL_BUCKETS = (0, 100, 210, 430, 870, 1800, 3600, 7400, 15000, 31000, 63000, 130000)
+OSL_BUCKETS = (0, 100, 210, 430, 880, 1800, 3700, 7600, 16000, 32000)
+TTFT_BUCKETS = (0, .0022, .0047, .01, .022, .047, .1, .22, .47, 1, 2.2, 4.7, 10, 22, 48, 100, 220, 480)
+
 
 def metrics_prefix() -> str:
     raw = os.environ.get("DYN_METRICS_PREFIX")
@@ -59,18 +64,28 @@ class FrontendMetrics:
         p = self.prefix
         r = CollectorRegistry()
         self.registry = r
-        self.requests = Counter(f"{p}_requests", "Requests handled", ["model", "endpoint", "request_type", "status"], registry=r)
-        self.inflight = Gauge(f"{p}_inflight_requests", "Requests in flight", ["model"], registry=r)
+        self.requests = Counter(f"{p}_requests", "Requests handled",
+                                ["model", "endpoint", "request_type", "status", "error_type"], registry=r)
+        self.started = Counter(f"{p}_requests_started", "Requests started (admitted, their model known)",
+                               ["model", "endpoint", "request_type"], registry=r)
+        self.active = Gauge(f"{p}_active_requests", "Requests from arrival to their last byte", ["model"], registry=r)
+        self.inflight = Gauge(f"{p}_inflight_requests", "Requests in flight (deprecated in Dynamo 1.x: "
+                              "active_requests)", ["model"], registry=r)
+        self.disconnected = Gauge(f"{p}_disconnected_clients", "Clients that went away before their answer ended",
+                                  registry=r)
+        # Dynamo 1.6.1's buckets, as its scrape shows them (tests/unit/metrics/data)
         self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model"],
-                                  buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+                                  buckets=(0, 2, 4, 8, 16, 32, 64, 130, 260, 510), registry=r)
         self.isl = Histogram(f"{p}_input_sequence_tokens", "Input sequence length in tokens", ["model"],
-                             buckets=(0, 50, 100, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000), registry=r)
+                             buckets=ISL_BUCKETS, registry=r)
         self.osl = Histogram(f"{p}_output_sequence_tokens", "Output sequence length in tokens", ["model"],
-                             buckets=(0, 50, 100, 500, 1000, 2000, 4000, 8000, 16000, 32000), registry=r)
+                             buckets=OSL_BUCKETS, registry=r)
+        self.output_tokens = Counter(f"{p}_output_tokens", "Output tokens generated", ["model"], registry=r)
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
-                              buckets=(0, .001, .005, .01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120, 240, 480), registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
-                             buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
+                             buckets=(0, .0018, .0033, .0059, .011, .02, .035, .064, .12, .21, .38, .69, 1.2, 2.3,
+                                      4.1, 7.4, 13, 24, 44, 80), registry=r)
         # Dynamo 1.x names (docs/metrics.md): requests not yet at their first token, overload, migrations
         self.queued = Gauge(f"{p}_queued_requests", "Requests that have not had their first token yet",
                             ["model"], registry=r)
@@ -80,12 +95,28 @@ class FrontendMetrics:
         self.migrations = Counter(f"{p}_model_migration", "Requests sent to another worker: ongoing_request "
                                   "(a worker died, froze or drained mid-stream), new_request (an instance had no responder)",
                                   ["model", "migration_type"], registry=r)
+        self.migration_duration = Histogram(
+            f"{p}_model_migration_duration_seconds", "From a stream's loss to its stream on another worker (outcome "
+            "success) or to giving up (failure)", ["model", "migration_type", "outcome"],
+            buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 60), registry=r)
 
     def rejected(self, model: str, endpoint: str) -> None:
         self.rejections.labels(model.lower(), endpoint).inc()
 
     def migrated(self, model: str, migration_type: str) -> None:
         self.migrations.labels(model.lower(), migration_type).inc()
+
+    def migrations_from_zero(self, model: str) -> None:
+        """The model's migration counters, at 0 before its first migration: Prometheus's ``increase()`` takes
+        a series' first sample as its start, so a counter born at 1 would never show its first migration."""
+        for migration_type in ("ongoing_request", "new_request"):
+            self.migrations.labels(model.lower(), migration_type)
+
+    def migration_done(self, model: str, migration_type: str, success: bool, seconds: float) -> None:
+        self.migration_duration.labels(model.lower(), migration_type, "success" if success else "failure").observe(seconds)
+
+    def client_gone(self) -> None:
+        self.disconnected.inc()
 
     @staticmethod
     def prepare_in_background() -> None:
@@ -120,25 +151,37 @@ class FrontendMetrics:
 class _ModelSeries:
     """One model's children of the frontend's metrics (the same objects ``labels(model)`` returns)."""
 
-    __slots__ = ("inflight", "queued", "itl", "ttft", "isl", "duration", "osl", "_requests", "_m", "_model")
+    __slots__ = ("inflight", "active", "queued", "itl", "ttft", "isl", "duration", "osl", "output_tokens",
+                 "_requests", "_started", "_m", "_model")
 
     def __init__(self, m: FrontendMetrics, model: str):
         self.inflight = m.inflight.labels(model)
+        self.active = m.active.labels(model)
+        self.output_tokens = m.output_tokens.labels(model)
         self.queued = m.queued.labels(model)
         self.itl = m.itl.labels(model)
         self.ttft = m.ttft.labels(model)
         self.isl = m.isl.labels(model)
         self.duration = m.duration.labels(model)
         self.osl = m.osl.labels(model)
-        self._requests: dict[tuple[str, str, str], Any] = {}
+        self._requests: dict[tuple[str, str, str, str], Any] = {}
+        self._started: dict[tuple[str, str], Any] = {}
         self._m = m
         self._model = model
 
-    def requests(self, endpoint: str, request_type: str, status: str) -> Any:
-        key = (endpoint, request_type, status)
+    def requests(self, endpoint: str, request_type: str, status: str, error_type: str) -> Any:
+        key = (endpoint, request_type, status, error_type)
         child = self._requests.get(key)
         if child is None:
-            child = self._requests[key] = self._m.requests.labels(self._model, endpoint, request_type, status)
+            child = self._requests[key] = self._m.requests.labels(self._model, endpoint, request_type, status,
+                                                                  error_type)
+        return child
+
+    def started(self, endpoint: str, request_type: str) -> Any:
+        key = (endpoint, request_type)
+        child = self._started.get(key)
+        if child is None:
+            child = self._started[key] = self._m.started.labels(self._model, endpoint, request_type)
         return child
 
 
@@ -174,6 +217,8 @@ class RequestMetrics:
         self._flushed_at = self._start
         self._flushed_tokens = 0
         s.inflight.inc()
+        s.active.inc()
+        s.started(endpoint, request_type).inc()
         self._queued = s.queued  # until the first token (Dynamo's queued_requests)
         self._queued.inc()
 
@@ -188,6 +233,7 @@ class RequestMetrics:
             self._queued.dec()
             self._s.ttft.observe(now - self._start)
             self._s.isl.observe(prompt_tokens)
+            self._s.output_tokens.inc(total_tokens)  # the rest when the binned latencies are flushed
             self._flushed_at = now
             self._flushed_tokens = total_tokens
         else:
@@ -212,23 +258,26 @@ class RequestMetrics:
                 child._buckets[i].inc(n)
                 counts[i] = 0
         child._sum.inc(self._last - self._flushed_at)
+        self._s.output_tokens.inc(self._tokens - self._flushed_tokens)
         self._flushed_at = self._last
         self._flushed_tokens = self._tokens
 
-    def done(self, ok: bool) -> None:
+    def done(self, ok: bool, error_type: str = "") -> None:
+        """``error_type``: why a failed request failed (admission.py's classes); "" for a success."""
         self._flush_itl()
         s = self._s
-        s.inflight.dec()
         if self._first:  # ended (or failed) before its first token
             self._first = False
             self._queued.dec()
-        s.requests(self.endpoint, self.request_type, "success" if ok else "error").inc()
+        s.inflight.dec()
+        s.active.dec()
+        s.requests(self.endpoint, self.request_type, "success" if ok else "error", "" if ok else error_type).inc()
         s.duration.observe(time.monotonic() - self._start)
         s.osl.observe(self._tokens)
 
 
-_LAZY = frozenset(("registry", "requests", "inflight", "duration", "isl", "osl", "ttft", "itl", "queued", "rejections",
-                   "migrations"))
+_LAZY = frozenset(("registry", "requests", "started", "active", "inflight", "disconnected", "duration", "isl", "osl",
+                   "output_tokens", "ttft", "itl", "queued", "rejections", "migrations", "migration_duration"))
 
 
 class _WithLabel:
