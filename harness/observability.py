@@ -198,15 +198,18 @@ def observed_fleet(seconds: float = 8.0, threads: int = 3) -> Iterator[FleetRun]
         store.mkdir()
         env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(store), "ETCD_ENDPOINTS": "", "NATS_SERVER": "",
                "DYN_LOG": "warn"}
-        ports = [free_port(), free_port()]
+        # status servers on port 0: each worker's is read from its log (no port picked here and raced for)
         workers = [DynamoWorker("in=dyn://fleet.backend.generate", "out=mocker", str(model), "--model-name", "fleet",
-                                env={**env, "DYN_SYSTEM_PORT": str(p), "DYN_LOG": "info"}) for p in ports]
+                                env={**env, "DYN_SYSTEM_PORT": "0", "DYN_LOG": "info"}) for _ in range(2)]
         for w in workers:
             w.start(wait=False)
         try:
             for w in workers:
                 w.wait_ready()
-            with DynamoRun("out=dyn", "--router-mode", "kv", "--migration-limit", "1", env=env) as frontend:
+            ports = [w.system_port() for w in workers]
+            # info: the harness reads the port the frontend bound from its start-up line
+            with DynamoRun("out=dyn", "--router-mode", "kv", "--migration-limit", "1",
+                           env={**env, "DYN_LOG": "info"}) as frontend:
                 wait_until(lambda: len(httpx.get(frontend.base_url + "/health").json().get("instances", [])) >= 2,
                            20, "both workers on the frontend")
                 config = scrape_config({"dynamo-frontend": [f"127.0.0.1:{frontend.port}"],
