@@ -13,6 +13,7 @@ import orjson
 from . import tcp_tls
 from .errors import RuntimeConfigError
 from .fleet_auth import load_secret
+from .tcp import DEFAULT_SILENCE_1X
 
 DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
 DEFAULT_NATS_SERVER = "nats://localhost:4222"
@@ -215,6 +216,9 @@ class RuntimeSettings:
     response_transport: str = "tcp"
     # Seconds of silence after which a stream's worker counts as frozen (docs/reliability.md).
     stream_liveness: float = DEFAULT_STREAM_LIVENESS
+    # Seconds a Dynamo 1.x worker's stream may be silent after its first token (it sends no heartbeats;
+    # DYN_STREAM_SILENCE_1X_S, 0: unbounded).
+    stream_silence_1x: float = DEFAULT_SILENCE_1X
     # One call-home connection per worker for all streams (runtime/mux.py), offered by clients and
     # accepted by workers; DYN_TCP_MUX=0 keeps a connection per stream (the original's protocol).
     tcp_mux: bool = True
@@ -251,6 +255,7 @@ class RuntimeSettings:
             tcp_host=_env("DYN_TCP_RPC_HOST"),
             response_transport=(_env("DYN_RESPONSE_TRANSPORT") or "tcp").lower(),
             stream_liveness=_float_env("DYN_STREAM_LIVENESS_S", DEFAULT_STREAM_LIVENESS, minimum=0.05),
+            stream_silence_1x=_float_env("DYN_STREAM_SILENCE_1X_S", DEFAULT_SILENCE_1X, minimum=0.0),
             tcp_mux=_bool_env("DYN_TCP_MUX", True),
             system=SystemSettings.from_env(),
             request_plane=_choice_env("DYN_REQUEST_PLANE", REQUEST_PLANES),

@@ -72,7 +72,8 @@ class ResponseStreams:
                 hosts = self.hosts
                 receiver = TcpResponseServer(hosts.advertise if hosts else self.settings.tcp_host,
                                              self.settings.stream_liveness, mux=self.settings.tcp_mux,
-                                             bind=hosts.callhome if hosts else None, auth=self.auth)
+                                             bind=hosts.callhome if hosts else None, auth=self.auth,
+                                             silence_1x=self.settings.stream_silence_1x)
             self._receiver = receiver
         if not receiver.address:
             await receiver.start()

@@ -28,6 +28,10 @@ TRANSPORT_NAME = "tcp_server"
 LIVENESS_TICKS = 4  # the client checks its streams LIVENESS_TICKS times per liveness bound
 HEARTBEATS_PER_BOUND = 5  # the worker is asked for a heartbeat every bound / HEARTBEATS_PER_BOUND
 CALL_HOME_TIMEOUT = 10.0  # a worker's connect to the client's listener
+# A Dynamo 1.x worker sends no heartbeats: a stream of one that has sent its first token and then nothing for
+# this long is treated as frozen (its host cut off, SIGSTOP). Longer than our bound since nothing but the
+# tokens themselves says it is alive: a long gap between tokens (a preempted sequence) must not count.
+DEFAULT_SILENCE_1X = 30.0
 _TCP_KEEPALIVE = tuple((getattr(socket, name), value) for name, value in
                        (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)) if hasattr(socket, name))
 

@@ -27,7 +27,16 @@ from .fleet_auth import FleetAuth, guarded, is_fleet_hello, peer_name, refusals
 from .mux import INFO_KEY as MUX_INFO_KEY
 from .mux import is_mux_handshake
 from .mux_listener import MuxClientProtocol
-from .tcp import HEARTBEATS_PER_BOUND, LIVENESS_TICKS, TRANSPORT_NAME, advertise_host, instance_hex, listen, tune_socket
+from .tcp import (
+    DEFAULT_SILENCE_1X,
+    HEARTBEATS_PER_BOUND,
+    LIVENESS_TICKS,
+    TRANSPORT_NAME,
+    advertise_host,
+    instance_hex,
+    listen,
+    tune_socket,
+)
 from .transport import CONTROL_FRAMES, StreamState
 from .v1_wire import msgpack_decode
 
@@ -42,7 +51,8 @@ class TcpResponseServer:
     """The client process's listener for call-home streams; one per DistributedRuntime."""
 
     def __init__(self, host: str | None = None, liveness: float = 5.0, mux: bool = True,
-                 bind: str | None = None, auth: FleetAuth | None = None) -> None:
+                 bind: str | None = None, auth: FleetAuth | None = None,
+                 silence_1x: float = DEFAULT_SILENCE_1X) -> None:
         self.auth = auth  # the fleet secret's keys: a worker proves it before its stream is read (None: none)
         self.host = advertise_host(host)  # the address workers dial
         self.bind = bind or self.host  # where the listener binds (a wildcard: every interface)
@@ -58,6 +68,10 @@ class TcpResponseServer:
         self.liveness = liveness
         self._heartbeat_ms = max(1, int(liveness * 1000 / HEARTBEATS_PER_BOUND))
         self.live: set[_CallHomeProtocol] = set()  # connected streams whose worker sends heartbeats
+        # connected streams of Dynamo 1.x workers, which send no heartbeats: held to ``silence_1x`` seconds
+        # without data once their first token came (0: not held)
+        self.unbeating: set[_CallHomeProtocol] = set()
+        self.silence_1x = silence_1x
         self._ticker: asyncio.Task | None = None
         track("response_streams_pending", self, lambda s: len(s.pending) + len(s.mux_pending))
         track("response_streams_live", self, lambda s: len(s.live))
@@ -161,6 +175,8 @@ class TcpResponseServer:
                     state.quiet += 1
                     if state.quiet > LIVENESS_TICKS:
                         stalled.append(proto)
+            if self.unbeating and self.silence_1x > 0:
+                stalled.extend(self._silent_1x(period))
             for mux in list(self.mux_connections):
                 mux.quiet += 1
                 if mux.quiet > LIVENESS_TICKS:
@@ -173,10 +189,35 @@ class TcpResponseServer:
                 self.live.discard(proto)
                 state = proto.state
                 if state is not None and not state.finished:
-                    log.warning("response stream %s: no data or heartbeat from worker %s for %.1fs; treating it "
-                                "as dead", state.request_id, instance_hex(state.instance_id), self.liveness)
+                    if proto in self.unbeating:
+                        self.unbeating.discard(proto)
+                        log.warning("response stream %s: nothing from Dynamo 1.x worker %s for %.0fs after its "
+                                    "first token (it sends no heartbeats: frozen, or its host cut off; "
+                                    "DYN_STREAM_SILENCE_1X_S); treating it as dead", state.request_id,
+                                    instance_hex(state.instance_id), self.silence_1x)
+                    else:
+                        log.warning("response stream %s: no data or heartbeat from worker %s for %.1fs; treating "
+                                    "it as dead", state.request_id, instance_hex(state.instance_id), self.liveness)
                     state.fail(StreamStalledError())
                     proto.send_control("kill")  # closes the socket: a worker that wakes up stops at once
+
+    def _silent_1x(self, period: float) -> list["_CallHomeProtocol"]:
+        """The 1.x streams silent past the bound since their first token (a 1.x worker sends nothing while it
+        prefills or queues, so the bound starts at its first token: before it, only the client's patience
+        bounds a frozen 1.x worker). Forgets the finished ones."""
+        ticks = max(1, round(self.silence_1x / period))
+        out = []
+        for proto in list(self.unbeating):
+            state = proto.state
+            if state is None or state.finished:
+                self.unbeating.discard(proto)
+            elif not proto.spoke or state.paused:
+                state.quiet = 0
+            else:
+                state.quiet += 1
+                if state.quiet > ticks:
+                    out.append(proto)
+        return out
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -197,7 +238,7 @@ class _CallHomeProtocol(asyncio.Protocol):
     """A worker's call-home connection: one response stream, or, when its first frame is the mux
     handshake, handed over to a :class:`MuxClientProtocol` carrying many (runtime/mux.py)."""
 
-    __slots__ = ("server", "transport", "decoder", "state", "_head")
+    __slots__ = ("server", "transport", "decoder", "state", "_head", "spoke")
 
     def __init__(self, server: TcpResponseServer) -> None:
         self.server = server
@@ -205,6 +246,7 @@ class _CallHomeProtocol(asyncio.Protocol):
         self.decoder = FrameDecoder()
         self.state: StreamState | None = None
         self._head = bytearray()  # bytes before the first frame (the handshake) is complete
+        self.spoke = False  # an item came (a 1.x stream's silence bound starts there)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -253,6 +295,8 @@ class _CallHomeProtocol(asyncio.Protocol):
         state.attach(self.send_control)
         if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold it to the bound
             self.server.live.add(self)
+        else:  # a Dynamo 1.x worker: held to the longer silence bound once it has spoken
+            self.server.unbeating.add(self)
         state.quiet = 0
         return rest
 
@@ -303,6 +347,8 @@ class _CallHomeProtocol(asyncio.Protocol):
                 elif ctl == "sentinel":
                     transport.close()
         state.quiet = 0
+        if state.items:  # an item came in this read (the consumer runs later)
+            self.spoke = True
         if len(state.items) > state.HIGH_WATER and not state.finished:
             state.pause(transport.pause_reading, transport.resume_reading)
         state.wake()
@@ -321,6 +367,7 @@ class _CallHomeProtocol(asyncio.Protocol):
             state.fail_incomplete()
         self.transport = None
         self.server.live.discard(self)
+        self.server.unbeating.discard(self)
 
 
 # ---------------------------------------------------------------------------------- worker side
