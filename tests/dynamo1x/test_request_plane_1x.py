@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -182,37 +183,44 @@ def generate_records(store: Path) -> dict[int, dict]:
                                           if "%2Fgenerate%2F" in p.name)}
 
 
-async def test_a_request_migrates_off_a_d16_mocker_killed_mid_stream(tiny_chat_5k: Path, store: Path,
-                                                                     our_runtime) -> None:
+@asynccontextmanager
+async def two_mockers(tiny_chat_5k: Path, store: Path, rt: DistributedRuntime, *flags: str):
+    """Two 1.6.1 mockers at one endpoint, our client following both: (the client, the mocker round-robin sends
+    the first request to, the engine routing round-robin with one migration allowed)."""
     from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
 
     env = d16_env(store)
-    with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as first:
+    with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, *flags, store=store) as first:
         [first_id] = generate_records(store)
-        with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, store=store) as second:
-            for _ in range(100):  # the second record may land a moment after the model's
+        with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, *flags, store=store) as second:
+            for _ in range(100):  # the second record may land a moment after the first's
                 if len(generate_records(store)) == 2:
                     break
                 await asyncio.sleep(0.1)
             records = generate_records(store)
             by_id = {first_id: first, next(i for i in records if i != first_id): second}
             for record in records.values():
-                client = await our_client_of(our_runtime, Instance("m16", "backend", "generate",
-                                                                   record["instance_id"], record["transport"]["tcp"]))
+                client = await our_client_of(rt, Instance("m16", "backend", "generate", record["instance_id"],
+                                                          record["transport"]["tcp"]))
             while len(client.instance_ids()) < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
-            # round-robin's first pick is the lowest id: that mocker is killed -9 after the first token
-            victim = by_id[min(client.instance_ids())]
-            engine = RemoteCoreEngine(client, SimpleRouter("round-robin"), migration_limit=1)
-            request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
-                                          stop_conditions=StopConditions(max_tokens=40))
-            outs = []
-            async for out in engine.generate(request, Context()):
-                outs.append(out)
-                if len(outs) == 1:
-                    victim.kill()
-            assert not victim.running
-            assert sum(len(o.token_ids) for o in outs) == 40 and outs[-1].finish_reason == "length"
+            # round-robin's first pick is the lowest id
+            yield by_id[min(client.instance_ids())], RemoteCoreEngine(client, SimpleRouter("round-robin"),
+                                                                      migration_limit=1)
+
+
+async def test_a_request_migrates_off_a_d16_mocker_killed_mid_stream(tiny_chat_5k: Path, store: Path,
+                                                                     our_runtime) -> None:
+    async with two_mockers(tiny_chat_5k, store, our_runtime) as (victim, engine):
+        request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
+                                      stop_conditions=StopConditions(max_tokens=40))
+        outs = []
+        async for out in engine.generate(request, Context()):
+            outs.append(out)
+            if len(outs) == 1:
+                victim.kill()  # -9 after the first token
+        assert not victim.running
+        assert sum(len(o.token_ids) for o in outs) == 40 and outs[-1].finish_reason == "length"
 
 
 async def test_a_request_migrates_off_a_d16_mocker_frozen_mid_stream(tiny_chat_5k: Path, store: Path,
@@ -220,46 +228,26 @@ async def test_a_request_migrates_off_a_d16_mocker_frozen_mid_stream(tiny_chat_5
     """A 1.x worker sends no heartbeats, and a stopped process's kernel keeps its sockets open: without a
     bound the stream would wait for ever. Silent past DYN_STREAM_SILENCE_1X_S after its first token, it is
     treated as dead, and the request goes on on the other mocker with its tokens so far."""
-    from dynamo.frontend.remote import RemoteCoreEngine, SimpleRouter
-
     rt = await DistributedRuntime.connect(RuntimeSettings(discovery_backend="file", file_kv=str(tmp_path / "ours"),
                                                           request_plane="tcp", event_plane="zmq",
                                                           stream_silence_1x=2.0))
-    env = d16_env(store)
     try:
-        with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, "--speedup-ratio", "0.2",
-                        store=store) as first:
-            [first_id] = generate_records(store)
-            with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", env, "--speedup-ratio", "0.2",
-                            store=store) as second:
-                for _ in range(100):  # the second record may land a moment after the first's
-                    if len(generate_records(store)) == 2:
-                        break
-                    await asyncio.sleep(0.1)
-                records = generate_records(store)
-                by_id = {first_id: first, next(i for i in records if i != first_id): second}
-                for record in records.values():
-                    client = await our_client_of(rt, Instance("m16", "backend", "generate",
-                                                              record["instance_id"], record["transport"]["tcp"]))
-                while len(client.instance_ids()) < 2:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
-                victim = by_id[min(client.instance_ids())]  # round-robin's first pick
-                engine = RemoteCoreEngine(client, SimpleRouter("round-robin"), migration_limit=1)
-                request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
-                                              stop_conditions=StopConditions(max_tokens=30))
-                outs = []
-                loop = asyncio.get_running_loop()
-                frozen_at = None
-                try:
-                    async with asyncio.timeout(60):
-                        async for out in engine.generate(request, Context()):
-                            outs.append(out)
-                            if len(outs) == 2:
-                                victim.proc.send_signal(signal.SIGSTOP)
-                                frozen_at = loop.time()
-                finally:
-                    victim.proc.send_signal(signal.SIGCONT)
-                assert frozen_at is not None and loop.time() - frozen_at >= 2.0  # no sooner than the bound
-                assert sum(len(o.token_ids) for o in outs) == 30 and outs[-1].finish_reason == "length"
+        async with two_mockers(tiny_chat_5k, store, rt, "--speedup-ratio", "0.2") as (victim, engine):
+            request = PreprocessedRequest(token_ids=[1, 2, 3], model="tiny-chat",
+                                          stop_conditions=StopConditions(max_tokens=30))
+            outs = []
+            loop = asyncio.get_running_loop()
+            frozen_at = None
+            try:
+                async with asyncio.timeout(60):
+                    async for out in engine.generate(request, Context()):
+                        outs.append(out)
+                        if len(outs) == 2:
+                            victim.proc.send_signal(signal.SIGSTOP)
+                            frozen_at = loop.time()
+            finally:
+                victim.proc.send_signal(signal.SIGCONT)
+            assert frozen_at is not None and loop.time() - frozen_at >= 2.0  # no sooner than the bound
+            assert sum(len(o.token_ids) for o in outs) == 30 and outs[-1].finish_reason == "length"
     finally:
         await rt.close()
