@@ -149,12 +149,13 @@ def force_flush(timeout_ms: int = 5000) -> None:
 
 
 def start_span(name: str, parent: Span | None = None, *, kind: str = INTERNAL,
-               attributes: Attributes | None = None) -> Span | None:
-    """A new span, child of ``parent`` (else of this task's current span); None when tracing is off."""
+               attributes: Attributes | None = None, start_time: int | None = None) -> Span | None:
+    """A new span, child of ``parent`` (else of this task's current span); None when tracing is off.
+    ``start_time`` (``time.time_ns()``) for a phase recorded once it is over; end it with ``end(ns)``."""
     if _tracer is None:
         return None
     ctx = _api.set_span_in_context(parent) if parent is not None else None
-    return _tracer.start_span(name, context=ctx, kind=_kinds[kind], attributes=attributes)
+    return _tracer.start_span(name, context=ctx, kind=_kinds[kind], attributes=attributes, start_time=start_time)
 
 
 def start_remote_child(name: str, carrier: Mapping[str, Any] | None, *, kind: str = SERVER,
