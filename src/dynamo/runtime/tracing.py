@@ -96,6 +96,8 @@ def init(default_service: str) -> None:
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service}))
+    # which process of a service (--http-workers N: N frontends under one name) sent a span
+    resource = Resource({"process.pid": os.getpid()}).merge(resource)
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER, as the SDK reads it
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
