@@ -92,8 +92,9 @@ def child(spans: list[Span], parent: Span, name: str) -> Span:
     return found[0]
 
 
-def has(service: str, name: str):
-    return lambda ss: any(s.service == service and s.name == name for s in ss)
+def served(*services: str):
+    """Each of ``services`` exported its server span: it ends after the process's other spans of the request."""
+    return lambda ss: all(any(s.service == service and s.kind == "server" for s in ss) for service in services)
 
 
 def worker_chain(spans: list[Span], server: Span, worker: str) -> Span:
@@ -118,7 +119,7 @@ def test_responses_and_messages_are_traced_like_chat(fleet, receiver):
     ]:
         header, trace_id, client_span = traceparent()
         post(fe, path, body, header)
-        spans = receiver.wait_for(trace_id, lambda ss, p=path: has(FRONTEND, f"POST {p}")(ss) and has("decode", "decode")(ss),
+        spans = receiver.wait_for(trace_id, served(FRONTEND, "decode"),
                                   15, f"the spans of {path}")
         server = one(spans, service=FRONTEND, kind="server")
         assert server.name == f"POST {path}" and server.parent == client_span
@@ -137,8 +138,7 @@ def test_embeddings_are_traced_through_the_request_plane(fleet, receiver):
     fe: DynamoRun = fleet["frontend"]
     header, trace_id, client_span = traceparent()
     r = post(fe, "/v1/embeddings", {"model": EMBED, "input": ["one two", "three"]}, header)
-    spans = receiver.wait_for(trace_id, lambda ss: has(FRONTEND, "POST /v1/embeddings")(ss)
-                              and any(s.service == "embed" and s.kind == "server" for s in ss), 15, "the embedding's spans")
+    spans = receiver.wait_for(trace_id, served(FRONTEND, "embed"), 15, "the embedding's spans")
     server = one(spans, service=FRONTEND, kind="server")
     assert server.parent == client_span
     assert server.attributes["gen_ai.operation.name"] == "embeddings"
@@ -154,8 +154,9 @@ def test_a_refused_request_is_traced_with_its_error(fleet, receiver):
     r = httpx.post(fe.api_url + "/responses", json={"model": "no-such-model", "input": "hi"}, timeout=30,
                    headers={"traceparent": header})
     assert r.status_code == 404
-    spans = receiver.wait_for(trace_id, has(FRONTEND, "POST /v1/responses"), 15, "the refused request's span")
+    spans = receiver.wait_for(trace_id, served(FRONTEND), 15, "the refused request's span")
     server = one(spans, service=FRONTEND, kind="server")
+    assert server.name == "POST /v1/responses" and server.parent == client_span
     assert server.error and server.attributes["http.response.status_code"] == 404
 
 
@@ -197,10 +198,7 @@ def test_waits_in_the_frontend_queue_and_in_the_worker_scheduler_are_spans(fleet
         t.join(60)
     assert not errors, errors
 
-    def done(ss: list[Span]) -> bool:
-        return has(FRONTEND, "POST /v1/completions")(ss) and has("decode", "decode")(ss)
-
-    spans = {k: receiver.wait_for(ids[k][1], done, 15, f"{k}'s spans") for k in "ABC"}
+    spans = {k: receiver.wait_for(ids[k][1], served(FRONTEND, "decode"), 15, f"{k}'s spans") for k in "ABC"}
     a_decode = one(spans["A"], service="decode", name="decode")
     for k in "ABC":
         ss = spans[k]
@@ -226,8 +224,7 @@ def test_a_disaggregated_request_shows_its_kv_transfer(fleet, receiver):
     header, trace_id, _ = traceparent()
     prompt = " ".join(f"word{i}" for i in range(60))  # far over --max-local-prefill-length: a remote prefill
     post(fe, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3}, header)
-    spans = receiver.wait_for(trace_id, lambda ss: has("decode", "decode")(ss) and has("prefill", "prefill")(ss),
-                              15, "both workers' spans")
+    spans = receiver.wait_for(trace_id, served(FRONTEND, "decode", "prefill"), 15, "the three processes' spans")
     server = one(spans, service=FRONTEND, kind="server")
     decode_server = one(spans, service="decode", kind="server")
     transfer = child(spans, decode_server, "kv_transfer")
