@@ -37,6 +37,7 @@ class Span:
     error: bool = False
     start_ns: int = 0
     end_ns: int = 0
+    resource: dict[str, Any] = field(default_factory=dict)  # the sending process's (process.pid, ...)
 
 
 def _value(v: Any) -> Any:
@@ -76,7 +77,8 @@ class OtlpReceiver:
         """Keep the spans of one ExportTraceServiceRequest."""
         got = []
         for rs in request.resource_spans:
-            service = str(_attrs(rs.resource.attributes).get("service.name", ""))
+            resource = _attrs(rs.resource.attributes)
+            service = str(resource.get("service.name", ""))
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     got.append(Span(service=service, name=s.name, kind=KINDS.get(s.kind, str(s.kind)),
@@ -84,7 +86,7 @@ class OtlpReceiver:
                                     parent=s.parent_span_id.hex(), attributes=_attrs(s.attributes),
                                     events=[(e.name, _attrs(e.attributes)) for e in s.events],
                                     error=s.status.code == 2, start_ns=s.start_time_unix_nano,
-                                    end_ns=s.end_time_unix_nano))
+                                    end_ns=s.end_time_unix_nano, resource=resource))
         with self._lock:
             self.spans += got
 

@@ -82,12 +82,14 @@ class GraphStarter:
         self.started: list[Graph] = []
 
     def __call__(self, *args: str, cwd: Path | None = None, want: dict[str, int] | None = None,
-                 timeout: float = 60) -> Graph:
+                 timeout: float = 60, env: dict[str, str] | None = None) -> Graph:
+        """``env``: more variables for the graph's processes (the tracing exporter's, say)."""
         from harness.proc import free_port
 
         port = free_port()
         service = args[0].split(":")[1]
-        g = Graph(*args, f"--{service}.port={port}", cwd=cwd or self.default_cwd, env=env_for(self.tmp_path),
+        g = Graph(*args, f"--{service}.port={port}", cwd=cwd or self.default_cwd,
+                  env={**env_for(self.tmp_path), **(env or {})},
                   port=port)
         g.start()
         self.started.append(g)

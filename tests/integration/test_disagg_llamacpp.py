@@ -101,6 +101,43 @@ async def test_bad_transfer_or_state_falls_back_to_local_prefill(engines, tok, d
     assert got == await tokens(agg, req(prompt))
 
 
+class Recorded:
+    """A traced request's PhaseReport (what the worker's Phases would make spans of), kept as calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def admitted(self) -> None:
+        self.calls.append(("admitted",))
+
+    def kv_transfer(self, started_ns: int, n_bytes: int, n_tokens: int, blocks: int | None,
+                    error: str | None = None) -> None:
+        self.calls.append(("kv_transfer", n_bytes, n_tokens, blocks, error))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_traced_decode_reports_its_transfer_then_its_admission(engines, tok):
+    """What a trace's ``kv_transfer`` and ``queue`` spans come from: the pull (its bytes, or why it
+    failed), then llama.cpp's scheduler taking the request into a slot."""
+    pre, dec, _ = engines
+    prompt = chat(tok, "Name three colors.")
+    for damage in (False, True):
+        [first] = [o async for o in pre.generate(req(prompt), Context())]
+        ticket = dict(first.disaggregated_params)
+        if damage:
+            ticket["sha256"] = hashlib.sha256(b"other").hexdigest()
+        ctx, report = Context(), Recorded()
+        ctx.phases = report
+        got = [t async for out in dec.generate(req(prompt, params=ticket), ctx) for t in out.token_ids]
+        assert got
+        transfer, admitted = report.calls
+        assert admitted == ("admitted",)
+        if damage:
+            assert transfer[:4] == ("kv_transfer", 0, 0, None) and "does not match" in transfer[4]
+        else:
+            assert transfer == ("kv_transfer", ticket["size"], len(prompt), None, None)
+
+
 # -- distributed --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from dynamo.errors import EngineError
-from dynamo.llm.engine import Context, close_engine
+from dynamo.llm.engine import Context, close_engine, phase_report
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.runtime.fleet_auth import FleetAuth
 
@@ -148,6 +148,8 @@ class DisaggWorkerEngine:
         params = request.disaggregated_params
         if not params:
             return None
+        report = phase_report(context)  # a traced request: the pull is its kv_transfer span
+        started = time.time_ns()
         try:
             ticket = Ticket.from_dict(params)
             if ticket.n_tokens != len(request.token_ids):
@@ -161,5 +163,9 @@ class DisaggWorkerEngine:
         except TransferError as e:
             self.fallbacks += 1
             log.warning("request %s: no KV state from the prefill worker (%s); prefilling locally", context.id, e)
+            if report is not None:
+                report.kv_transfer(started, 0, 0, None, str(e))
             return None
+        if report is not None:  # the state is one blob (no blocks)
+            report.kv_transfer(started, len(data), ticket.n_tokens, None)
         return StateIO(state=data, first_token=ticket.first_token)

@@ -70,6 +70,16 @@ class ModelClient:
             free = sorted(ids)
         return free if self.only is None else [i for i in free if i in self.only]
 
+    def must_wait(self) -> bool:
+        """Whether :meth:`wait_for_capacity` would queue a caller now (Client.must_wait)."""
+        if len(self._clients) == 1:
+            return self._clients[0].must_wait()
+        return bool(self.instance_ids()) and not self.free_instance_ids()
+
+    def queued(self) -> int:
+        """Callers waiting for capacity now (a waiter waits in every endpoint's queue: the longest)."""
+        return max((c.queued() for c in self._clients), default=0)
+
     async def wait_for_capacity(self, deadline: float, max_waiters: int) -> bool:
         """Wait until some endpoint has an instance with room (Client.wait_for_capacity); with several
         endpoints, in each endpoint's queue at once, and the first to have room wins."""

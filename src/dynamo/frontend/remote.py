@@ -183,9 +183,11 @@ class WorkerStarts:
         self.no_responders = 0
 
     async def start(self, open_stream: Callable[[], Any],
-                    prepare: Callable[[], Awaitable[None]] | None = None) -> Any:
+                    prepare: Callable[[], Awaitable[None]] | None = None,
+                    trace: tracing.Span | None = None) -> Any:
         """``open_stream()``'s stream, started; ``prepare`` is awaited before each try (the KV router
-        hashes a long prompt without holding the loop)."""
+        hashes a long prompt without holding the loop).  ``trace``: the route span, parent of a ``queue``
+        span when the request waits for a worker with room."""
         client, queue = self.client, self.queue
         deadline = None  # of the wait for a worker with room
         while True:
@@ -193,8 +195,13 @@ class WorkerStarts:
             if deadline is None:
                 deadline = asyncio.get_running_loop().time() + queue.timeout
             wait = getattr(client, "wait_for_capacity", None)
-            if wait is not None and not await wait(deadline, queue.size):
-                raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after, overload=True)
+            if wait is not None:
+                if trace is not None and client.must_wait():
+                    room = await _queued(trace, client, wait(deadline, queue.size))
+                else:
+                    room = await wait(deadline, queue.size)
+                if not room:
+                    raise ServiceUnavailableError(BUSY_MESSAGE, retry_after=queue.retry_after, overload=True)
             if prepare is not None:
                 await prepare()
             try:
@@ -218,6 +225,22 @@ class WorkerStarts:
                 raise ServiceUnavailableError(NO_WORKER_MESSAGE) from None
             except InstanceNotFoundError as e:  # a request for a given instance (nvext.backend_instance_id)
                 raise RequestError(str(e), status=400, param="nvext.backend_instance_id") from None
+
+
+async def _queued(trace: tracing.Span, client: Any, waiting: Awaitable[bool]) -> bool:
+    """A traced request's wait in the queue for a worker with room, as a ``queue`` span under its route:
+    how many waited before it, and whether it got a worker (a full queue or the timeout fail the span)."""
+    span = tracing.start_span("queue", trace, attributes={"dynamo.queue.ahead": client.queued()})
+    room = False
+    try:
+        room = await waiting
+        return room
+    finally:
+        if span is not None:
+            span.set_attribute("dynamo.queue.admitted", room)
+            if not room:
+                tracing.fail(span, BUSY_MESSAGE)
+            span.end()
 
 
 async def _ensure_instances(client: Any) -> None:
@@ -262,7 +285,7 @@ class RemoteCoreEngine:
                 rt_ctx.trace = route  # the request-plane span, and so the worker's spans, are its children
                 try:
                     stream = await starts.start(lambda: router.open(client, request, rt_ctx),
-                                                None if prepare is None else lambda: prepare(request))
+                                                None if prepare is None else lambda: prepare(request), route)
                 except BaseException as exc:
                     if route is not None:
                         tracing.fail(route, str(exc) or type(exc).__name__)

@@ -22,11 +22,30 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
 
 
+class PhaseReport(Protocol):
+    """What an engine may tell of a traced request's phases (the worker records them as spans).
+
+    Engines that know when their scheduler admits a request call :meth:`admitted` (the worker's
+    ``queue`` span ends and ``prefill`` starts there); a disaggregated decode calls :meth:`kv_transfer`
+    once the prefill worker's KV state is fetched (or the fetch failed).  Each call is cheap (a
+    timestamp, or one finished span) and engines call it only when ``context.phases`` is set."""
+
+    def admitted(self) -> None: ...
+
+    def kv_transfer(self, started_ns: int, n_bytes: int, n_tokens: int, blocks: int | None,
+                    error: str | None = None) -> None: ...
+
+
+def phase_report(context: Any) -> PhaseReport | None:
+    """The request's :class:`PhaseReport`, if it is traced (``context``: what the engine was given)."""
+    return context.phases if isinstance(context, Context) else None
+
+
 class Context:
     """Per-request state shared by the input, the pipeline stages and the engine."""
 
     __slots__ = ("id", "is_stopped", "_killed", "_event", "prompt_tokens", "completion_tokens", "cached_tokens",
-                 "annotations", "_callbacks", "stamps", "trace")
+                 "annotations", "_callbacks", "stamps", "trace", "phases")
 
     def __init__(self, request_id: str | None = None):
         self.id = request_id or uuid.uuid4().hex
@@ -47,6 +66,9 @@ class Context:
         # the request's server span (runtime/tracing.py): the parent of its pre-processing and routing
         # spans; None when tracing is off
         self.trace: Any = None
+        # a traced request on a worker: what the engine tells of its phases (admission, a KV transfer);
+        # None when tracing is off or the request is not traced
+        self.phases: PhaseReport | None = None
 
     def on_stop(self, callback: Any) -> None:
         """``callback("stop" | "kill")`` when the request is stopped or killed (transports hook in here)."""

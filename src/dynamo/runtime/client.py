@@ -295,11 +295,16 @@ class Client:
         """Callers waiting in :meth:`wait_for_capacity` now."""
         return len(self._waiters)
 
+    def must_wait(self) -> bool:
+        """Whether :meth:`wait_for_capacity` would queue a caller now (every available instance is full,
+        or others wait already)."""
+        return not (self.is_static or (not self._waiters and (not self._available or self.free_instance_ids())))
+
     async def wait_for_capacity(self, deadline: float, max_waiters: int) -> bool:
         """Wait, first come first served, until an available instance has room (or none is available:
         the caller then handles "no instances"). ``deadline`` is in loop time. False when the queue
         already holds ``max_waiters`` callers or the deadline passed."""
-        if self.is_static or (not self._waiters and (not self._available or self.free_instance_ids())):
+        if not self.must_wait():
             return True
         if len(self._waiters) >= max_waiters:
             return False

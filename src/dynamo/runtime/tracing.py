@@ -96,6 +96,8 @@ def init(default_service: str) -> None:
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service}))
+    # which process of a service (--http-workers N: N frontends under one name) sent a span
+    resource = Resource({"process.pid": os.getpid()}).merge(resource)
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER, as the SDK reads it
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -149,12 +151,13 @@ def force_flush(timeout_ms: int = 5000) -> None:
 
 
 def start_span(name: str, parent: Span | None = None, *, kind: str = INTERNAL,
-               attributes: Attributes | None = None) -> Span | None:
-    """A new span, child of ``parent`` (else of this task's current span); None when tracing is off."""
+               attributes: Attributes | None = None, start_time: int | None = None) -> Span | None:
+    """A new span, child of ``parent`` (else of this task's current span); None when tracing is off.
+    ``start_time`` (``time.time_ns()``) for a phase recorded once it is over; end it with ``end(ns)``."""
     if _tracer is None:
         return None
     ctx = _api.set_span_in_context(parent) if parent is not None else None
-    return _tracer.start_span(name, context=ctx, kind=_kinds[kind], attributes=attributes)
+    return _tracer.start_span(name, context=ctx, kind=_kinds[kind], attributes=attributes, start_time=start_time)
 
 
 def start_remote_child(name: str, carrier: Mapping[str, Any] | None, *, kind: str = SERVER,

@@ -19,6 +19,7 @@ from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.runtime import tracing
+from dynamo.worker.phases import Phases
 from dynamo.worker.v1_backend import v1_token_stream
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,15 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         ctx = Context(context.id() if context is not None else None)
         link_contexts(context, ctx)
         log.debug("request %s: %d prompt tokens", ctx.id, len(req.token_ids))
-        gen = engine.generate(req, ctx)
         phases = Phases(context.trace, req) if tracing.ENABLED and context is not None and context.trace else None
+        ctx.phases = phases  # the engine reports admission and a KV transfer to it (phases.py)
+        gen = engine.generate(req, ctx)
         if tokenizer is None:  # no tokenizer: tokens only, the frontend detokenizes
             tokens, reason, error = 0, None, None
             try:
                 async for out in gen:
                     if phases is not None:
-                        if phases.prefill is not None:
+                        if phases.prefilling:
                             phases.first(out)
                         tokens += len(out.token_ids)
                         reason = out.finish_reason or reason
@@ -103,7 +105,7 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         failed: BaseException | None = None
         try:
             async for out in gen:
-                if phases is not None and phases.prefill is not None:
+                if phases is not None and phases.prefilling:
                     phases.first(out)
                 text, reason = post.process(out)
                 item: dict[str, Any] = {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
@@ -139,48 +141,6 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
 
     return generate
-
-
-class Phases:
-    """A traced request's engine phases as spans under the worker's server span: ``prefill`` until the
-    engine's first item (its queue with it: an engine reports no admission), with the prompt's tokens and
-    the cached ones the engine reports; ``decode`` from there to the end, with the tokens generated.
-
-    Why not a wrapper generator around the engine's stream: one more generator hop per token cost about as
-    much as all the spans of a request (benchmarks/tracing_overhead.py); the handler's loop tests
-    ``phases.prefill`` instead, and only a traced request has a :class:`Phases` at all."""
-
-    __slots__ = ("parent", "prefill", "decode", "tokens")
-
-    def __init__(self, parent: tracing.Span, req: PreprocessedRequest) -> None:
-        self.parent = parent
-        self.prefill: tracing.Span | None = tracing.start_span("prefill", parent, attributes={
-            "gen_ai.request.model": req.model or "", "gen_ai.usage.input_tokens": len(req.token_ids)})
-        self.decode: tracing.Span | None = None
-        self.tokens = 0
-
-    def first(self, out: Any) -> None:
-        """The engine's first item: prefill ends, decode starts."""
-        prefill = self.prefill
-        if prefill is not None:
-            if out.cached_tokens is not None:
-                prefill.set_attribute("gen_ai.usage.cache_read.input_tokens", out.cached_tokens)
-            prefill.end()
-            self.prefill = None
-            self.decode = tracing.start_span("decode", self.parent)
-
-    def end(self, tokens: int, reason: str | None, error: BaseException | None = None) -> None:
-        span = self.decode or self.prefill
-        if span is None:
-            return
-        if error is not None:
-            tracing.fail(span, str(error) or type(error).__name__)
-        if self.decode is not None:
-            self.decode.set_attribute("gen_ai.usage.output_tokens", tokens)
-            if reason is not None:
-                self.decode.set_attribute("gen_ai.response.finish_reasons", [reason])
-        span.end()
-        self.prefill = self.decode = None
 
 
 def chat_handler(served: Any):

@@ -266,6 +266,8 @@ class Scheduler:
                 return  # (the state's arrival wakes the thread)
             req = self.waiting.popleft()
             stamp(req.stamps, "taken")
+            if req.ctx.phases is not None:  # a traced request: its queue ends here (a timestamp, thread-safe)
+                req.ctx.phases.admitted()
             if req.cancelled or req.ctx.is_stopped:
                 self._deliver([(req, EngineOutput(finish_reason="cancelled"))])
                 continue

@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from typing import Any, AsyncIterator, Iterable
 
 from dynamo.disagg.transfer import Ticket, TransferError
@@ -46,6 +47,7 @@ from dynamo.kv.events import removed_data, stored_data
 from dynamo.kv.hashing import compute_hashes
 from dynamo.kv.publisher import Publisher, emit
 from dynamo.kv.worker_state import WorkerKvState
+from dynamo.llm.engine import PhaseReport, phase_report
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.run_config import RunConfig
@@ -140,7 +142,8 @@ class MockerEngine:
         if max_tokens <= 0:
             yield EngineOutput(finish_reason="length")
             return
-        ticket = await self._import(request, prompt) if self.mode != "prefill" else None
+        report = phase_report(context)  # a traced request (None otherwise): admission and transfer go there
+        ticket = await self._import(request, prompt, report) if self.mode != "prefill" else None
         sched = self.schedulers[self._dp_rank(request, prompt)]
         avoid = self.special_ids | frozenset(request.eos_token_ids or ()) | frozenset(
             request.stop_conditions.stop_token_ids_hidden or ())
@@ -151,6 +154,7 @@ class MockerEngine:
             request_id=str(getattr(context, "id", None) or next(self._request_ids)),
             tokens=prompt, prompt_len=len(prompt), max_tokens=max_tokens,
             next_token=next_token, ctx=context, imported=ticket is not None,
+            on_admit=report.admitted if report is not None else None,
         )
         sched.enqueue(req)
         try:
@@ -169,10 +173,12 @@ class MockerEngine:
             req.cancelled = True  # a no-op if it finished; otherwise the scheduler drops it next step
             sched.wake()
 
-    async def _import(self, request: PreprocessedRequest, prompt: list[int]) -> Ticket | None:
+    async def _import(self, request: PreprocessedRequest, prompt: list[int],
+                      report: PhaseReport | None) -> Ticket | None:
         """The simulated KV transfer of a disaggregated request: the ticket, after the modelled time."""
         if not request.disaggregated_params:
             return None
+        started = time.time_ns()
         try:
             ticket = Ticket.from_dict(request.disaggregated_params)
             if not ticket.address.startswith("mocker:"):
@@ -181,10 +187,14 @@ class MockerEngine:
                 raise TransferError(f"the ticket covers {ticket.n_tokens} tokens, the prompt has {len(prompt)}")
         except TransferError as e:
             log.warning("mocker: unusable KV ticket (%s); prefilling locally", e)
+            if report is not None:
+                report.kv_transfer(started, 0, 0, None, str(e))
             return None
         a = self.args
         seconds = (a.kv_transfer_latency_ms / 1e3 + ticket.size / (a.kv_transfer_bandwidth_gbps * 1e9)) / a.speedup_ratio
         await asyncio.sleep(seconds)
+        if report is not None:
+            report.kv_transfer(started, ticket.size, ticket.n_tokens, -(-ticket.n_tokens // a.block_size))
         self.imported += 1
         log.debug("mocker: imported the KV state of %d tokens (%d bytes) in a simulated %.2f ms", ticket.n_tokens,
                   ticket.size, seconds * 1e3)

@@ -86,6 +86,7 @@ class MockRequest:
     cached_tokens: int = 0  # tokens found cached at the last allocation
     preemptions: int = 0
     imported: bool = False  # disaggregated decode: the prompt's KV came from a prefill worker, nothing to compute
+    on_admit: Callable[[], None] | None = None  # a traced request: told when it leaves ``waiting`` (once)
 
     @property
     def finished(self) -> bool:
@@ -254,6 +255,8 @@ class Scheduler:
             # (with nothing running the head request is always admitted, so nothing can deadlock)
             self.waiting.popleft()
             self.prefill.append(req)
+            if req.on_admit is not None:
+                req.on_admit()
             committed += new_tokens
             reserved += slots
 

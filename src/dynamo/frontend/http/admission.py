@@ -22,7 +22,9 @@ from aiohttp import web
 from dynamo.bounds import track
 from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.frontend.http.metrics import FrontendMetrics, RequestMetrics
+from dynamo.frontend.http.traced import bind, record_usage
 from dynamo.llm.engine import Context
+from dynamo.runtime import tracing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -61,10 +63,14 @@ class Admission:
 
         return admit
 
-    def run(self, request: web.Request, ctx: Context, model: str, endpoint: str, streaming: bool) -> "InFlight":
+    def run(self, request: web.Request, ctx: Context, model: str, endpoint: str, streaming: bool,
+            max_tokens: int | None = None) -> "InFlight":
         """A request that knows its model starts its engine: ``with admission.run(...) as flight:`` counts
-        it in flight and gives its metrics; leaving the block ends it (see :class:`InFlight`)."""
+        it in flight and gives its metrics; leaving the block ends it (see :class:`InFlight`).  Traced,
+        the request's server span becomes its context's trace (traced.py)."""
         request[_MODEL] = model
+        if tracing.ENABLED:
+            bind(ctx, model, max_tokens)
         task = asyncio.current_task()
         if task is not None:
             self.tasks.add(task)
@@ -111,6 +117,8 @@ class InFlight:
             log.debug("request %s cancelled: client went away", self.ctx.id)
             self.admission.metrics.client_gone()
         self.metrics.done(self.ok, error_type(exc))
+        if self.ctx.trace is not None:
+            record_usage(self.ctx)
         self.admission.contexts.discard(self.ctx)
         if self._task is not None:
             self.admission.tasks.discard(self._task)

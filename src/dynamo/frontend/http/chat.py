@@ -13,7 +13,6 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from dynamo.errors import RequestError
 from dynamo.frontend.http.admission import Admission
 from dynamo.frontend.http.body import json_response, read_json, request_id
 from dynamo.frontend.http.metrics import RequestMetrics
@@ -29,7 +28,6 @@ from dynamo.llm.protocols.openai import (
     parse_chat_request,
     parse_completion_request,
 )
-from dynamo.runtime import tracing
 
 
 class ChatRoutes:
@@ -44,61 +42,17 @@ class ChatRoutes:
         return await self._generate(request, "completions", parse_completion_request)
 
     async def _generate(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any]) -> web.StreamResponse:
-        if not tracing.ENABLED:
-            return await self._generate_one(request, endpoint, parse, None)
-        # the request's server span: the client's traceparent is its parent; current in this task, so the
-        # request's log lines carry its ids
-        span = tracing.start_remote_child(f"{request.method} {request.path}", request.headers, attributes={
-            "http.request.method": request.method, "url.path": request.path,
-            "gen_ai.operation.name": "chat" if endpoint == "chat_completions" else "text_completion"})
-        token = tracing.attach(span)
-        status = 500
-        try:
-            resp = await self._generate_one(request, endpoint, parse, span)
-            status = resp.status
-            return resp
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except RequestError as exc:
-            status = exc.status
-            raise
-        finally:
-            if span is not None:
-                span.set_attribute("http.response.status_code", status)
-                if status >= 400:
-                    tracing.fail(span, f"HTTP {status}")
-                span.end()
-            tracing.detach(token)
-
-    async def _generate_one(self, request: web.Request, endpoint: str, parse: Callable[[Any], Any],
-                            span: tracing.Span | None) -> web.StreamResponse:
         t_in = time.perf_counter()
         raw = await read_json(request)
         req = parse(raw)
         model = self.models.get(req.model)
-        streaming = bool(req.stream)
         ctx = Context(request_id(request))
-        if span is not None:
-            ctx.trace = span
-            span.set_attribute("gen_ai.request.model", req.model)
-            span.set_attribute("dynamo.request_id", ctx.id)
-            max_tokens = max_tokens_of(req)
-            if max_tokens is not None:
-                span.set_attribute("gen_ai.request.max_tokens", max_tokens)
-        try:
-            return await self._answer(request, endpoint, req, raw, model, streaming, ctx, t_in)
-        finally:
-            if span is not None:
-                span.set_attribute("gen_ai.usage.input_tokens", ctx.prompt_tokens)
-                span.set_attribute("gen_ai.usage.output_tokens", ctx.completion_tokens)
-                if ctx.cached_tokens is not None:
-                    span.set_attribute("gen_ai.usage.cache_read.input_tokens", ctx.cached_tokens)
+        return await self._answer(request, endpoint, req, raw, model, bool(req.stream), ctx, t_in)
 
     async def _answer(self, request: web.Request, endpoint: str, req: Any, raw: Any, model: Any, streaming: bool,
                       ctx: Context, t_in: float) -> web.StreamResponse:
         first_token.begin(ctx, t_in)
-        with self.admission.run(request, ctx, req.model, endpoint, streaming) as flight:
+        with self.admission.run(request, ctx, req.model, endpoint, streaming, max_tokens_of(req)) as flight:
             chat = isinstance(req, ChatCompletionRequest)
             stream = model.chat(req, raw, ctx) if chat else model.completions(req, raw, ctx)
             if streaming:

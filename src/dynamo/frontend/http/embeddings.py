@@ -41,6 +41,7 @@ class EmbeddingsRoute:
         ctx = Context()
         with self.admission.run(request, ctx, req.model, "embeddings", False) as flight:
             result = await model.embed(inputs, req.dimensions, ctx)
+            ctx.prompt_tokens = result.prompt_tokens
             flight.metrics.tokens(0, result.prompt_tokens)
             flight.ok = True
         b64 = req.encoding_format == "base64"

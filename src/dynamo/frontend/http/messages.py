@@ -57,7 +57,7 @@ class MessagesRoutes:
         headers = {"request-id": "req_" + ctx.id.replace("-", "")}
         first_token.begin(ctx, t_in)
         streaming = bool(req.stream)
-        with self.admission.run(request, ctx, req.model, "messages", streaming) as flight:
+        with self.admission.run(request, ctx, req.model, "messages", streaming, req.max_tokens) as flight:
             builder = MessageBuilder(req.model, ctx, thinking_omitted(req))
             stream = model.chat(chat_req, chat_raw, ctx)
             if streaming:

@@ -196,7 +196,8 @@ class ResponsesRoute:
         run = _Run(req)
         ctx = Context()
         streaming = bool(req.stream)
-        with self.admission.run(request, ctx, req.model, "responses", streaming) as flight:
+        with self.admission.run(request, ctx, req.model, "responses", streaming,
+                                 req.max_output_tokens) as flight:
             # streamed, the SSE writer counts the tokens; folded here, the deltas do
             stream = _deltas(model.chat(chat_req, chat_raw, ctx), run, ctx, None if streaming else flight.metrics)
             if streaming:

@@ -16,7 +16,7 @@ import socket
 from aiohttp import web
 
 from dynamo.aio import Acceptor
-from dynamo.frontend.http.admission import Admission
+from dynamo.frontend.http.admission import Admission, Handler
 from dynamo.frontend.http.body import BODY_LIMIT_KEY
 from dynamo.frontend.http.chat import ChatRoutes
 from dynamo.frontend.http.debug_memory import DebugMemoryRoute
@@ -30,6 +30,7 @@ from dynamo.frontend.http.models import ModelsRoute
 from dynamo.frontend.http.options import HttpOptions
 from dynamo.frontend.http.responses import ResponsesRoute
 from dynamo.frontend.http.tokenize import TokenizeRoutes
+from dynamo.frontend.http.traced import traced
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.lora import runtime_lora_allowed
 from dynamo.llm.media import use_policy
@@ -58,7 +59,11 @@ class HttpService:
         self.port: int | None = None
 
     def _add_routes(self) -> None:
-        router, admit = self.app.router, self.admission.gate
+        router, gate = self.app.router, self.admission.gate
+
+        def admit(endpoint: str, handler: Handler) -> Handler:  # behind the limit, in its server span if traced
+            return traced(endpoint, gate(endpoint, handler))
+
         models = ModelsRoute(self.models)
         router.add_get("/v1/models", models.list_models)
         chat = ChatRoutes(self.models, self.admission)
