@@ -23,7 +23,7 @@ import httpx
 import nats
 import pytest
 
-from harness.fleet import kv_frontend, sees_instances, workers_running, write_engine_args
+from harness.fleet import kv_frontend, metric, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
 from harness.wait import until, wait_until
@@ -237,6 +237,7 @@ def test_the_decision_log_records_what_the_router_saw(servers, workers, tmp_path
 def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, frontend):
     """The mocker reports its prefix hit; it travels in the worker's items and ends up in OpenAI's
     ``usage.prompt_tokens_details.cached_tokens``, unary and streamed, matching what the router expected."""
+    before = {k: metric(frontend, f"dynamo_frontend_cached_tokens_{k}", model="kvev") for k in ("count", "sum")}
     prefix = text(120)
     routed(servers, frontend, "kvev", prefix + " " + text(10), sync=True)
     (decision,) = routed(servers, frontend, "kvev", prefix + " " + text(10))
@@ -264,6 +265,10 @@ def test_cached_tokens_reach_the_client_through_out_dyn(servers, workers, fronte
     (again,), (usage,) = asyncio.run(_observed(servers, frontend, "kvev", [chat_usage], sync=False))
     assert again["overlap_blocks"] == usage["prompt_tokens"] // BLOCK_SIZE, (again, usage)
     assert usage["prompt_tokens_details"]["cached_tokens"] == again["overlap_blocks"] * BLOCK_SIZE, usage
+    # and Dynamo 1.x's histogram of them counts every request of this test (5), their sum at least the two read
+    after = {k: metric(frontend, f"dynamo_frontend_cached_tokens_{k}", model="kvev") for k in ("count", "sum")}
+    assert after["count"] - before["count"] >= 5, (before, after)
+    assert after["sum"] - before["sum"] >= cached + usage["prompt_tokens_details"]["cached_tokens"], (before, after)
 
 
 def test_approximate_indexer_without_kv_events(servers, workers, approx_frontend):

@@ -31,8 +31,6 @@ NOT_OURS: dict[str, str] = {
     "dynamo_frontend_stage_requests": "1.6.1's pipeline stages (preprocess/route/dispatch) in flight: ours are "
     "not separate stages with queues between them",
     "dynamo_frontend_stage_duration_seconds": "as stage_requests",
-    "dynamo_frontend_cached_tokens": "prompt tokens the worker reported cached: our workers report none per "
-    "request (the KV router's view is dynamo_component_router_kv_hit_rate)",
     # multimodal counts
     "dynamo_frontend_audio_per_request": "multimodal request counts: not counted",
     "dynamo_frontend_images_per_request": "multimodal request counts: not counted",

@@ -80,7 +80,7 @@ class ChatRoutes:
 async def _metered(stream: AsyncIterator[Any], ctx: Context, rm: RequestMetrics) -> AsyncIterator[Any]:
     try:
         async for item in stream:
-            rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+            rm.tokens(ctx.completion_tokens, ctx.prompt_tokens, ctx.cached_tokens)
             yield item
     finally:
         await stream.aclose()  # type: ignore[attr-defined]

@@ -65,7 +65,7 @@ class MessagesRoutes:
                 return resp
             try:
                 async for chunk in stream:
-                    flight.metrics.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                    flight.metrics.tokens(ctx.completion_tokens, ctx.prompt_tokens, ctx.cached_tokens)
                     builder.feed(chunk)
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]

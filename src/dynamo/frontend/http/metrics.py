@@ -81,6 +81,8 @@ class FrontendMetrics:
         self.osl = Histogram(f"{p}_output_sequence_tokens", "Output sequence length in tokens", ["model"],
                              buckets=OSL_BUCKETS, registry=r)
         self.output_tokens = Counter(f"{p}_output_tokens", "Output tokens generated", ["model"], registry=r)
+        self.cached = Histogram(f"{p}_cached_tokens", "Number of cached tokens (prefix cache hits) per request",
+                                ["model"], buckets=ISL_BUCKETS, registry=r)
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
@@ -152,7 +154,7 @@ class _ModelSeries:
     """One model's children of the frontend's metrics (the same objects ``labels(model)`` returns)."""
 
     __slots__ = ("inflight", "active", "queued", "itl", "ttft", "isl", "duration", "osl", "output_tokens",
-                 "_requests", "_started", "_m", "_model")
+                 "cached", "_requests", "_started", "_m", "_model")
 
     def __init__(self, m: FrontendMetrics, model: str):
         self.inflight = m.inflight.labels(model)
@@ -164,6 +166,7 @@ class _ModelSeries:
         self.isl = m.isl.labels(model)
         self.duration = m.duration.labels(model)
         self.osl = m.osl.labels(model)
+        self.cached = m.cached.labels(model)
         self._requests: dict[tuple[str, str, str, str], Any] = {}
         self._started: dict[tuple[str, str], Any] = {}
         self._m = m
@@ -222,8 +225,9 @@ class RequestMetrics:
         self._queued = s.queued  # until the first token (Dynamo's queued_requests)
         self._queued.inc()
 
-    def tokens(self, total_tokens: int, prompt_tokens: int) -> None:
-        """Called after each chunk with the running output count (on the per-token path: kept lean)."""
+    def tokens(self, total_tokens: int, prompt_tokens: int, cached_tokens: int | None = None) -> None:
+        """Called after each chunk with the running output count (on the per-token path: kept lean);
+        ``cached_tokens``: the prompt tokens the worker found cached (None: its engine does not say)."""
         new = total_tokens - self._tokens
         if new <= 0:
             return
@@ -233,6 +237,8 @@ class RequestMetrics:
             self._queued.dec()
             self._s.ttft.observe(now - self._start)
             self._s.isl.observe(prompt_tokens)
+            if cached_tokens is not None:
+                self._s.cached.observe(cached_tokens)
             self._s.output_tokens.inc(total_tokens)  # the rest when the binned latencies are flushed
             self._flushed_at = now
             self._flushed_tokens = total_tokens
@@ -277,7 +283,7 @@ class RequestMetrics:
 
 
 _LAZY = frozenset(("registry", "requests", "started", "active", "inflight", "disconnected", "duration", "isl", "osl",
-                   "output_tokens", "ttft", "itl", "queued", "rejections", "migrations", "migration_duration"))
+                   "cached", "output_tokens", "ttft", "itl", "queued", "rejections", "migrations", "migration_duration"))
 
 
 class _WithLabel:

@@ -233,7 +233,7 @@ async def _deltas(chunks: AsyncIterator[Any], run: _Run, ctx: Context,
                 delta = choice.get("delta")
                 if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
                     if rm is not None:
-                        rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                        rm.tokens(ctx.completion_tokens, ctx.prompt_tokens, ctx.cached_tokens)
                     yield delta
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

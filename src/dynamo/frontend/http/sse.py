@@ -178,7 +178,7 @@ async def stream_sse(request: web.Request, stream: AsyncIterator[Any], ctx: Cont
     except StopAsyncIteration:
         first = None
     else:
-        rm.tokens(ctx.completion_tokens, ctx.prompt_tokens)
+        rm.tokens(ctx.completion_tokens, ctx.prompt_tokens, ctx.cached_tokens)
     first_token.stamp(ctx.stamps, "first item")
     resp = SseResponse(status=200, headers={**SSE_HEADERS, **headers} if headers else SSE_HEADERS)
     try:
@@ -263,7 +263,7 @@ async def _pump(resp: web.StreamResponse, request: web.Request, stream: AsyncIte
                         item = await call
                     else:  # anything else it yielded: relayed by aio.finish
                         item = await finish(call, signal)
-                tokens(ctx.completion_tokens, ctx.prompt_tokens)
+                tokens(ctx.completion_tokens, ctx.prompt_tokens, ctx.cached_tokens)
                 data = encode(item)
                 if data:
                     parts.append(data)
