@@ -212,7 +212,7 @@ def test_help_lists_what_it_takes_and_refuses(module: str):
     ("frontend", ["--router-ttl-secs", "5"], "--router-ttl-secs"),
     ("mocker", ["--model-path", "M", "--engine-type", "sglang"], "--engine-type sglang"),
     ("router", ["--endpoint", "a.b.c", "--router-block-size", "64"], "--router-block-size"),
-    ("llama_cpp", ["--model-path", "m.gguf", "--tcp-tls-cert-path", "c.pem"], "--tcp-tls-cert-path"),
+    ("llama_cpp", ["--model-path", "m.gguf", "--kv-state-endpoint", "x"], "--kv-state-endpoint"),
     ("vllm", ["--model", "M", "--headless"], "--headless"),
     ("sglang", ["--model-path", "M", "--enable-multimodal"], "--enable-multimodal"),
     ("trtllm", ["--model", "M", "--skip-warmup"], "--skip-warmup"),
@@ -229,6 +229,18 @@ def test_a_refused_variable_is_refused_too():
     out = subprocess.run(module_cmd("frontend"), capture_output=True, text=True, timeout=60,
                          env=cli_env({"DYN_ROUTER_TTL_SECS": "5"}))
     assert out.returncode == 2 and "DYN_ROUTER_TTL_SECS" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tcp-tls-cert-path", "/nowhere/server.pem"], "DYN_TCP_TLS_CERT_PATH is set without DYN_TCP_TLS_KEY_PATH"),
+    (["--tcp-tls-cert-path", "/nowhere/s.pem", "--tcp-tls-key-path", "/nowhere/k.pem"], "/nowhere/s.pem: no such file"),
+], ids=["cert-without-key", "missing-file"])
+def test_a_tcp_tls_flag_that_cannot_work_stops_the_frontend_in_one_line(argv: list[str], says: str, tmp_path: Path):
+    """1.x's --tcp-tls-* flags are taken (they set DYN_TCP_TLS_*); one that cannot work stops the process at
+    start-up, never a frontend serving its planes in plaintext."""
+    out = subprocess.run(module_cmd("frontend") + ["--http-port", "0", *argv], capture_output=True, text=True,
+                         timeout=60, env=cli_env({"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path)}))
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0 and says in out.stderr, out.stderr
 
 
 def test_frontend_interactive_chats_on_stdin(mocker_fleet, env):
