@@ -24,7 +24,12 @@ from harness.fleet import WORKER_LOG, sse_events
 from harness.netns import Topology
 from harness.proc import DynamoRun, DynamoWorker, cli_command
 
-__all__ = ["Fleet", "StreamResult", "chat", "instances", "metric", "open_fds", "prompt", "sees", "stream_chat"]
+__all__ = ["NATS_CONFIG", "NATS_STALE_S", "Fleet", "StreamResult", "chat", "instances", "metric", "open_fds", "prompt", "sees", "stream_chat"]
+
+# nats-server drops a client that answered none of its pings for about 3 x 2 s (its default: 2 x 2 min), so
+# a test can cut a worker from NATS for longer than that: the server forgets it and it must reconnect
+NATS_STALE_S = 6
+NATS_CONFIG = 'ping_interval: "2s"\nping_max: 2\n'
 
 
 class Fleet:

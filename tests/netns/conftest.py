@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 from harness.netns import Topology, netns_unavailable
-from harness.netns_fleet import Fleet
+from harness.netns_fleet import NATS_CONFIG, Fleet
 from harness.servers import EtcdServer, NatsServer
 
 BLOCK_SIZE = 16
@@ -38,7 +38,7 @@ def infra(topology: Topology) -> Iterator[dict[str, str]]:
     """etcd and NATS, each on its host: the environment every process of the fleet gets."""
     etcd_host, nats_host = topology["etcd"], topology["nats"]
     with EtcdServer(host=etcd_host.address, command_prefix=etcd_host.prefix) as etcd, \
-            NatsServer(host=nats_host.address, command_prefix=nats_host.prefix) as nats:
+            NatsServer(host=nats_host.address, command_prefix=nats_host.prefix, config=NATS_CONFIG) as nats:
         yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
 
 

@@ -5,13 +5,18 @@ loop's own) and nothing is in flight on it."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import nats
 import pytest
 
+from dynamo.runtime.names import EndpointId
 from harness.fleet import served_by
-from harness.netns_fleet import StreamResult, chat, instances, metric, open_fds, prompt, sees, stream_chat
+from harness.netns_fleet import NATS_STALE_S, StreamResult, chat, instances, metric, open_fds, prompt, sees, stream_chat
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
@@ -35,15 +40,29 @@ def _settled(fe: DynamoRun, fds_before: int) -> None:
 
 
 def _warm(fe: DynamoRun, workers: list[DynamoWorker]) -> None:
-    """Requests until every worker served one: each has its connections to the frontend open."""
+    """Requests, two at a time (a KV router sends the second to the idle worker), until every worker
+    served one: each has its connections to the frontend open."""
     def all_served() -> bool:
-        rid = f"warm-{uuid.uuid4().hex[:8]}"
-        assert chat(fe, "m", prompt(10), rid).status_code == 200
-        served.update(id(w) for w in served_by(workers, rid))
+        rids = [f"warm-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            for resp in pool.map(lambda rid: chat(fe, "m", prompt(10), rid, max_tokens=24), rids):
+                assert resp.status_code == 200, resp.text
+        for rid in rids:
+            served.update(id(w) for w in served_by(workers, rid))
         return len(served) == len(workers)
 
     served: set[int] = set()
     wait_until(all_served, 30, "every worker to serve a request", interval=0)
+
+
+def _pair_landing_on(fe: DynamoRun, workers: list[DynamoWorker], target: DynamoWorker) -> str | None:
+    """Two new prompts at once (a KV router sends the second to the idle worker): the one ``target``
+    served, if it served one."""
+    asked = {f"pair-{uuid.uuid4().hex[:8]}": prompt() for _ in range(2)}
+    with ThreadPoolExecutor(2) as pool:
+        for resp in pool.map(lambda rid: chat(fe, "m", asked[rid], rid, max_tokens=24), asked):
+            assert resp.status_code == 200, resp.text
+    return next((text for rid, text in asked.items() if served_by(workers, rid) == [target]), None)
 
 
 def test_a_frontend_cut_from_one_worker_host_serves_from_the_other_then_from_both(fleet, topology):
@@ -108,4 +127,63 @@ def test_a_frontend_cut_from_one_worker_host_serves_from_the_other_then_from_bot
 
     wait_until(victim_serves_again, 30, "the healed worker to be sent requests again", interval=0.2)
     assert sorted(instances(fe, endpoint)) == sorted(w.instance_id for w in workers)
+    _settled(fe, fds_before)
+
+
+def _no_responders(nats_url: str, subject: str) -> bool:
+    """Whether nats-server has no subscriber on ``subject`` any more (asked from the test's leg)."""
+    async def ask() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.request(subject, b"", timeout=1)  # an empty request: a worker acks it as a ping
+            return False
+        except nats.errors.NoRespondersError:
+            return True
+        except nats.errors.TimeoutError:  # subscribed, but its worker does not answer (the cut)
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def test_a_worker_cut_from_nats_alone_is_forgotten_by_it_then_reconnects_and_its_planes_recover(fleet, topology):
+    """w1 loses the NATS host only (etcd and the frontend still reach it) for longer than nats-server
+    waits for a client's pong: the server drops it, its request subject has no responder, and every
+    request meanwhile goes to w2 (KV-routed). Healed, w1's NATS client reconnects and subscribes again:
+    it serves again, and its KV events reach the frontend again (a repeat of its prompt is routed back to
+    it for its cached blocks). Nothing stays in flight and the frontend's descriptors come back."""
+    ns = f"x{uuid.uuid4().hex[:6]}"
+    endpoint = f"{ns}.mocker.generate"
+    workers = _debug_workers(fleet, endpoint)
+    fe = fleet.frontend("--router-mode", "kv", env=fleet.host_env(
+        "fe", DYN_STREAM_LIVENESS_S=str(LIVENESS_S), DYN_LOG="info,dynamo.frontend.kv_policy=debug"))
+    wait_until(lambda: sees(fe, endpoint, workers), 30, "the frontend to see both workers")
+    _warm(fe, workers)
+    fds_before = open_fds(fe)
+    cut, other = workers
+    subject = EndpointId(ns, "mocker", "generate").subject(cut.instance_id)
+
+    topology.cut_between("w1", "nats")
+    wait_until(lambda: _no_responders(fleet.env["NATS_SERVER"], subject), 4 * NATS_STALE_S,
+               "nats-server to drop the cut worker")
+    during = [f"during{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
+    for rid in during:
+        resp = chat(fe, "m", prompt(), rid)
+        assert resp.status_code == 200, resp.text
+        assert served_by(workers, rid) == [other]
+    topology.heal_between("w1", "nats")
+    wait_until(lambda: "reconnected after" in cut.stderr_text(), 30, "the cut worker's NATS client to reconnect")
+
+    text = wait_until(lambda: _pair_landing_on(fe, workers, cut), 30, "the healed worker to be sent requests again",
+                      interval=0.2)
+
+    def routed_back_for_its_blocks() -> bool:
+        rid = f"again-{uuid.uuid4().hex[:8]}"
+        assert chat(fe, "m", text, rid).status_code == 200
+        decision = re.search(rf"request {rid} -> worker {cut.instance_id & 0xFFFFFFFFFFFFFFFF:x} \((\d+) cached blocks\)", fe.stderr_text())
+        return bool(decision and int(decision.group(1)) > 0)
+
+    wait_until(routed_back_for_its_blocks, 30, "the healed worker's KV events to reach the frontend", interval=0.2)
+    assert sorted(instances(fe, endpoint)) == sorted(w.instance_id for w in workers), "a duplicate instance"
     _settled(fe, fds_before)
