@@ -188,6 +188,14 @@ class Topology:
                 "nud", "reachable", ns=self.hosts[src].ns)
         self._cut_pairs.discard((a, b))
 
+    def heal_all(self) -> None:
+        """Every host back on the switch and every pair cut by :meth:`cut_between` healed: what a test
+        that failed half-way leaves to the next one is no cut."""
+        for name in self.names:
+            self.heal(name)
+        for a, b in list(self._cut_pairs):
+            self.heal_between(a, b)
+
     # -- teardown ----------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -249,10 +249,11 @@ class NatsServer(_ServerProcess):
     name = "nats"
 
     def __init__(self, startup_timeout: float = 20.0, jetstream: bool = True, host: str = "127.0.0.1",
-                 command_prefix: Sequence[str] = ()) -> None:
+                 command_prefix: Sequence[str] = (), config: str = "") -> None:
         super().__init__(startup_timeout, host, command_prefix)
         self.port = 0  # known once started: a restart binds the same one
         self.jetstream = jetstream
+        self.config = config  # nats-server configuration text (``ping_interval: "2s"``), given with -c
 
     @property
     def url(self) -> str:
@@ -262,6 +263,10 @@ class NatsServer(_ServerProcess):
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port or -1)]  # -1: any free port
         if self.jetstream:
             cmd += ["-js", "--store_dir", str(self.data_dir)]
+        if self.config:
+            path = self.tmpdir / "nats.conf"
+            path.write_text(self.config)
+            cmd += ["-c", str(path)]
         return cmd
 
     def is_ready(self) -> bool:

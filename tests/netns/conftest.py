@@ -1,7 +1,7 @@
-"""A fleet across hosts on one machine (harness/netns.py): etcd and nats-server on a host of their own
-(``infra``), two worker hosts (``w1``, ``w2``) and a frontend host (``fe``), each a network namespace with
-its own address. The module is skipped, with the reason, where namespaces cannot be made (not root, no
-``ip``); every namespace a test made is gone after it, whatever happened."""
+"""A fleet across hosts on one machine (harness/netns.py): etcd and nats-server each on a host of their
+own (``etcd``, ``nats``), two worker hosts (``w1``, ``w2``) and a frontend host (``fe``), each a network
+namespace with its own address. The module is skipped, with the reason, where namespaces cannot be made
+(not root, no ``ip``); every namespace a test made is gone after it, whatever happened."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Iterator
 
 import pytest
 
-from harness.fleet import WORKER_LOG
 from harness.netns import Topology, netns_unavailable
-from harness.proc import DynamoRun, DynamoWorker, cli_command
+from harness.netns_fleet import NATS_CONFIG, Fleet
 from harness.servers import EtcdServer, NatsServer
 
 BLOCK_SIZE = 16
+HOSTS = ["etcd", "nats", "w1", "w2", "fe"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,50 +29,17 @@ def topology() -> Iterator[Topology]:
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    with Topology(["infra", "w1", "w2", "fe"]) as topo:
+    with Topology(HOSTS) as topo:
         yield topo
 
 
 @pytest.fixture(scope="module")
 def infra(topology: Topology) -> Iterator[dict[str, str]]:
-    """etcd and NATS on the infra host: the environment every process of the fleet gets."""
-    host = topology["infra"]
-    with EtcdServer(host=host.address, command_prefix=host.prefix) as etcd, \
-            NatsServer(host=host.address, command_prefix=host.prefix) as nats:
+    """etcd and NATS, each on its host: the environment every process of the fleet gets."""
+    etcd_host, nats_host = topology["etcd"], topology["nats"]
+    with EtcdServer(host=etcd_host.address, command_prefix=etcd_host.prefix) as etcd, \
+            NatsServer(host=nats_host.address, command_prefix=nats_host.prefix, config=NATS_CONFIG) as nats:
         yield {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
-
-
-class Fleet:
-    """Start workers and frontends on the topology's hosts with the settings docs/runtime.md tells a user
-    to set on each machine (``DYN_TCP_RPC_HOST``: the host's own address); all stopped at the end."""
-
-    def __init__(self, topology: Topology, env: dict[str, str], model: Path, args_file: Path) -> None:
-        self.topology = topology
-        self.env = env
-        self.model = model
-        self.args_file = args_file
-        self.started: list[DynamoWorker | DynamoRun] = []
-
-    def host_env(self, host: str, **extra: str) -> dict[str, str]:
-        return {**self.env, "DYN_TCP_RPC_HOST": self.topology[host].address, **extra}
-
-    def worker(self, host: str, endpoint: str, model: str, *, env: dict[str, str] | None = None) -> DynamoWorker:
-        w = DynamoWorker(f"in=dyn://{endpoint}", "out=mocker", str(self.model), "--model-name", model,
-                         "--extra-engine-args", str(self.args_file),
-                         env=env if env is not None else self.host_env(host, **WORKER_LOG),
-                         command=[*self.topology[host].prefix, *cli_command()])
-        self.started.append(w)
-        return w.start()
-
-    def frontend(self, *flags: str, host: str = "fe", env: dict[str, str] | None = None) -> DynamoRun:
-        fe = DynamoRun("out=dyn", *flags, env=env if env is not None else self.host_env(host),
-                       host=self.topology[host].address, command_prefix=self.topology[host].prefix)
-        self.started.append(fe)
-        return fe.start()
-
-    def stop(self) -> None:
-        for p in reversed(self.started):
-            p.kill()
 
 
 @pytest.fixture
@@ -85,7 +52,4 @@ def fleet(topology: Topology, infra: dict[str, str], tiny_model: Path, tmp_path:
         yield f
     finally:
         f.stop()
-        for name in ("w1", "w2", "fe", "infra"):  # a test that failed half-way leaves no cut behind
-            topology.heal(name)
-        for a, b in (("w1", "infra"), ("w2", "infra"), ("fe", "w1"), ("fe", "w2")):
-            topology.heal_between(a, b)
+        topology.heal_all()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import uuid
 from typing import Any, Callable
@@ -17,6 +16,7 @@ import nats
 import pytest
 
 from harness.fleet import served_by, sse_events
+from harness.netns_fleet import chat, instances, metric, prompt, sees
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import until, wait_until
 
@@ -26,38 +26,13 @@ LIVENESS_S = 2.0  # the frontends' DYN_STREAM_LIVENESS_S: a silent worker is not
 LEASE_TTL_S = 3  # the workers' DYN_LEASE_TTL
 
 
-def _prompt(words: int = 120) -> str:
-    rng = random.Random(uuid.uuid4().int)
-    return " ".join(rng.choice(["alpha", "bravo", "charlie", "delta", "echo", "fox", "golf", "hotel"])
-                    for _ in range(words))
-
-
-def _instances(fe: DynamoRun, endpoint: str) -> list[int]:
-    doc = httpx.get(fe.base_url + "/health", timeout=5).json()
-    return [i["instance_id"] for i in doc.get("instances", []) if i["endpoint"] == f"dyn://{endpoint}"]
-
-
-def _chat(fe: DynamoRun, model: str, prompt: str, rid: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(fe.api_url + "/chat/completions", headers={"x-request-id": rid}, timeout=60,
-                      json={"model": model, "messages": [{"role": "user", "content": prompt}],
-                            "max_tokens": max_tokens})
-
-
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(url, timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _stored_and_applied(nats_url: str, fe: DynamoRun, ns: str, send: Callable[[], httpx.Response]) -> httpx.Response:
     """``send()``, then wait until the frontend applied the KV events the worker published for it.
 
     The test listens on the workers' KV-event subject from its own leg of the switch: once a stored-blocks
     event went by, it publishes a marker the frontend's router logs as undecodable; nats-server delivers
     in order, so when the marker is in the frontend's log, the worker's events (which crossed from the
-    worker's host through the infra host) were applied before it."""
+    worker's host through NATS's host) were applied before it."""
 
     async def run() -> httpx.Response:
         nc = await nats.connect(nats_url)
@@ -85,31 +60,27 @@ def _stored_and_applied(nats_url: str, fe: DynamoRun, ns: str, send: Callable[[]
     return asyncio.run(run())
 
 
-def _sees(fe: DynamoRun, endpoint: str, workers: list[DynamoWorker]) -> bool:
-    return set(_instances(fe, endpoint)) >= {w.instance_id for w in workers}
-
-
 def test_serving_and_kv_routing_across_hosts(fleet):
-    """Workers on two hosts, the frontend on a third, etcd and NATS on a fourth: requests are served, and
+    """Workers on two hosts, the frontend on a third, etcd and NATS on two more: requests are served, and
     the KV router sends a prompt back to the worker that cached it (it learned so from KV events that
     crossed from the worker's host through NATS's host to the frontend's)."""
     ns = f"x{uuid.uuid4().hex[:6]}"
     endpoint = f"{ns}.mocker.generate"
     workers = [fleet.worker(h, endpoint, "m") for h in ("w1", "w2")]
     fe = fleet.frontend("--router-mode", "kv", env=fleet.host_env("fe", DYN_LOG="info,dynamo.frontend.kv_policy=debug"))
-    wait_until(lambda: _sees(fe, endpoint, workers), 30, "the frontend to see both workers")
+    wait_until(lambda: sees(fe, endpoint, workers), 30, "the frontend to see both workers")
     for _ in range(2):
-        prompt = _prompt()
+        text = prompt()
         first = f"first-{uuid.uuid4().hex[:8]}"
         resp = _stored_and_applied(fleet.env["NATS_SERVER"], fe, ns,
-                                   lambda p=prompt, r=first: _chat(fe, "m", p, r))
+                                   lambda p=text, r=first: chat(fe, "m", p, r))
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["finish_reason"] == "length"
         owner = served_by(workers, first)
         assert len(owner) == 1
         for i in range(3):
             again = f"again{i}-{uuid.uuid4().hex[:8]}"
-            assert _chat(fe, "m", prompt, again).status_code == 200
+            assert chat(fe, "m", text, again).status_code == 200
             assert served_by(workers, again) == owner, f"request {i} of the same prompt left the worker that holds it"
             decision = re.search(rf"request {again} -> worker ([0-9a-f]+) \((\d+) cached blocks\)", fe.stderr_text())
             assert decision and int(decision.group(2)) > 0, "the router did not know the prompt's blocks"
@@ -129,9 +100,9 @@ def test_a_frontend_that_keeps_its_planes_on_loopback_is_told_what_it_lacks(flee
     endpoint = f"{ns}.mocker.generate"
     worker = fleet.worker("w1", endpoint, "m")
     fe = fleet.frontend(env={**fleet.env, "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_STREAM_LIVENESS_S": "1"})
-    wait_until(lambda: _sees(fe, endpoint, [worker]), 30, "the frontend to see the worker")
+    wait_until(lambda: sees(fe, endpoint, [worker]), 30, "the frontend to see the worker")
     assert "response streams 127.0.0.1 (loopback only" in fe.stderr_text()
-    resp = _chat(fe, "m", "hello", f"lo-{uuid.uuid4().hex[:8]}")
+    resp = chat(fe, "m", "hello", f"lo-{uuid.uuid4().hex[:8]}")
     assert resp.status_code >= 500
     warning = [line for line in worker.stderr_text().splitlines() if "cannot open response stream" in line]
     assert warning, worker.stderr_text()[-2000:]
@@ -148,7 +119,7 @@ def test_a_cable_cut_mid_stream_migrates_within_the_liveness_bound_then_the_work
     workers = [fleet.worker(h, endpoint, "m", env=fleet.host_env(
         h, DYN_LOG="info,dynamo.worker.handlers=debug", DYN_SYSTEM_PORT="0")) for h in ("w1", "w2")]
     fe = fleet.frontend("--migration-limit", "3", env=fleet.host_env("fe", DYN_STREAM_LIVENESS_S=str(LIVENESS_S)))
-    wait_until(lambda: _sees(fe, endpoint, workers), 30, "the frontend to see both workers")
+    wait_until(lambda: sees(fe, endpoint, workers), 30, "the frontend to see both workers")
     hosts = {workers[0].pid: "w1", workers[1].pid: "w2"}
     rid = f"cut-{uuid.uuid4().hex[:8]}"
     body = {"model": "m", "messages": [{"role": "user", "content": "cut me off"}], "stream": True,
@@ -180,22 +151,22 @@ def test_a_cable_cut_mid_stream_migrates_within_the_liveness_bound_then_the_work
 
     topology.heal(hosts[victim.pid])
     victim_metrics = f"http://{topology[hosts[victim.pid]].address}:{victim.system_port()}/metrics"
-    wait_until(lambda: _metric(victim_metrics, "dynamo_component_inflight_requests") == 0, 30,
+    wait_until(lambda: metric(victim_metrics, "dynamo_component_inflight_requests") == 0, 30,
                "the cut worker to stop the stream it was serving")
 
     def victim_serves_again() -> bool:
         probe = f"back-{uuid.uuid4().hex[:8]}"
-        assert _chat(fe, "m", _prompt(20), probe).status_code == 200
+        assert chat(fe, "m", prompt(20), probe).status_code == 200
         return served_by([victim], probe) == [victim]
 
     wait_until(victim_serves_again, 30, "the healed worker to be sent requests again", interval=0.2)
-    assert sorted(_instances(fe, endpoint)) == sorted(w.instance_id for w in workers)
-    wait_until(lambda: _metric(fe.base_url + "/metrics", "dynamo_frontend_inflight_requests") == 0, 10,
+    assert sorted(instances(fe, endpoint)) == sorted(w.instance_id for w in workers)
+    wait_until(lambda: metric(fe.base_url + "/metrics", "dynamo_frontend_inflight_requests") == 0, 10,
                "no request left in flight on the frontend")
 
 
 def test_a_worker_cut_from_etcd_and_nats_longer_than_its_lease_leaves_then_comes_back_once(fleet, topology):
-    """w1 loses the infra host (etcd and NATS) for twice its lease while the frontend still reaches it: etcd
+    """w1 loses the etcd and NATS hosts for twice its lease while the frontend still reaches it: etcd
     lets the lease expire, so the frontend drops the instance and serves from w2 meanwhile; healed, the
     worker re-registers (its lease again), is listed exactly once and serves again."""
     ns = f"x{uuid.uuid4().hex[:6]}"
@@ -203,23 +174,25 @@ def test_a_worker_cut_from_etcd_and_nats_longer_than_its_lease_leaves_then_comes
     env = {"DYN_LEASE_TTL": str(LEASE_TTL_S), "DYN_LOG": "info,dynamo.worker.handlers=debug"}
     workers = [fleet.worker(h, endpoint, "m", env=fleet.host_env(h, **env)) for h in ("w1", "w2")]
     fe = fleet.frontend(env=fleet.host_env("fe", DYN_STREAM_LIVENESS_S=str(LIVENESS_S)))
-    wait_until(lambda: _sees(fe, endpoint, workers), 30, "the frontend to see both workers")
+    wait_until(lambda: sees(fe, endpoint, workers), 30, "the frontend to see both workers")
     cut = workers[0]
-    topology.cut_between("w1", "infra")
-    wait_until(lambda: cut.instance_id not in _instances(fe, endpoint), 6 * LEASE_TTL_S,
+    topology.cut_between("w1", "etcd")
+    topology.cut_between("w1", "nats")
+    wait_until(lambda: cut.instance_id not in instances(fe, endpoint), 6 * LEASE_TTL_S,
                "the frontend to drop the worker whose lease expired")
     for i in range(4):  # meanwhile every request is served, by the worker that etcd still lists
         rid = f"during{i}-{uuid.uuid4().hex[:8]}"
-        assert _chat(fe, "m", _prompt(20), rid).status_code == 200
+        assert chat(fe, "m", prompt(20), rid).status_code == 200
         assert served_by(workers, rid) == [workers[1]]
-    topology.heal_between("w1", "infra")
-    wait_until(lambda: _instances(fe, endpoint).count(cut.instance_id) == 1, 30,
+    topology.heal_between("w1", "etcd")
+    topology.heal_between("w1", "nats")
+    wait_until(lambda: instances(fe, endpoint).count(cut.instance_id) == 1, 30,
                "the worker registered again")
-    assert sorted(_instances(fe, endpoint)) == sorted(w.instance_id for w in workers), "a duplicate instance"
+    assert sorted(instances(fe, endpoint)) == sorted(w.instance_id for w in workers), "a duplicate instance"
 
     def serves_again() -> bool:
         probe = f"back-{uuid.uuid4().hex[:8]}"
-        resp = _chat(fe, "m", _prompt(20), probe)
+        resp = chat(fe, "m", prompt(20), probe)
         assert resp.status_code == 200, resp.text
         return served_by([cut], probe) == [cut]
 

@@ -7,8 +7,9 @@ stream is awaited or first iterated, so both ``async for x in client.generate(re
 
 Health, as this client sees it: an instance whose request found no responder, or whose stream broke, is
 *down*; one that did not acknowledge a request or whose stream went silent (frozen: SIGSTOP, a stalled
-host) is *set aside*. Either way it gets no new request and is probed with pings, with backoff, until it
-answers again (or etcd says it is gone). A down mark also ends at the next etcd update for the endpoint
+host) is *set aside*. Either way it gets no new request and is probed with backoff until it answers
+again on both paths a request takes, out over the request plane and back over the response path
+(:mod:`.probe`), or etcd says it is gone. A down mark also ends at the next etcd update for the endpoint
 (as the original), but that alone is not enough: "no responders" also means a live worker that is not
 subscribed on NATS *yet*. After a NATS restart every process reconnects on its own retry timer, so a
 frontend back before its workers finds nobody on their subjects, while their leases and keys never change
@@ -54,10 +55,11 @@ from .errors import (
 )
 from .instance import Instance
 from .names import EndpointId, parse_lease_hex
+from .probe import reachable
 from .request_plane import NoResponders, RequestPlane, RequestPlaneError
 from .response_streams import ResponseStreams
 from .tcp_listener import TcpResponseServer
-from .transport import ACK_BUSY, PING, StreamState, encode_request
+from .transport import ACK_BUSY, StreamState, encode_request
 from .v1_discovery import watch_instances
 from .v1_wire import encode_msgpack, encode_v1_request, is_v1_address
 
@@ -220,8 +222,16 @@ class Client:
             self._available = [i for i in self._available if i != instance_id]
             self._start_probe(instance_id)
 
-    def report_instance_unresponsive(self, instance_id: int) -> None:
-        """Set aside an instance that did not ack or went silent mid-stream; ping it until it answers."""
+    def report_instance_unresponsive(self, instance_id: int, silent: bool = False) -> None:
+        """Set aside an instance that did not ack or went silent mid-stream; probe it until it answers.
+
+        ``silent``: a stream of it went silent (its host cut off, or frozen): its other requests that have
+        not called home yet will not either, so they fail now (and move on) rather than after the
+        call-home bound (15 s); nothing of theirs has reached the caller, and their stream keys are
+        withdrawn, so a late call-home is turned away."""
+        if silent and not self.is_static:
+            for state in [s for s in self._active.get(instance_id, ()) if not s.connected and not s.finished]:
+                state.fail(StreamStalledError())
         if instance_id not in self._instances or instance_id in self._aside or self.is_static:
             return
         log.warning("instance %x of %s is not responding; no new requests go to it until it answers again",
@@ -250,11 +260,13 @@ class Client:
                 self._probes.pop(instance_id, None)
                 return
             try:
-                ack = await self.requests.send(inst.subject or self.endpoint_id.subject(instance_id), PING, bound)
+                receiver = await self.streams.receiver() if self.streams is not None else None
+                answers = await reachable(self.requests, receiver, inst.subject or self.endpoint_id.subject(instance_id),
+                                          instance_id, bound)
             except Exception as exc:  # noqa: BLE001 - timeout, no responders, NATS away: still not healthy
                 log.debug("probe of instance %x: %s", instance_id & 0xFFFFFFFFFFFFFFFF, type(exc).__name__)
             else:
-                if not ack:
+                if answers:
                     log.info("instance %x of %s answers again; sending it requests",
                              instance_id & 0xFFFFFFFFFFFFFFFF, self.endpoint_id)
                     self._probes.pop(instance_id, None)
@@ -636,7 +648,7 @@ class ResponseStream:
             self._closed = True
             if state.instance_id:
                 if isinstance(exc, StreamStalledError):
-                    self._client.report_instance_unresponsive(state.instance_id)
+                    self._client.report_instance_unresponsive(state.instance_id, silent=True)
                 else:
                     self._client.report_instance_down(state.instance_id)
             raise

@@ -45,6 +45,7 @@ from .transport import (
     ACK_BUSY,
     ACK_REFUSED,
     FRAME_DRAINED,
+    PROBE_KEY,
     encode_item,
     parse_request_control_full,
 )
@@ -104,6 +105,7 @@ class Ingress:
         self.takes_context = handler_takes_context(handler)
         self.inflight: set[asyncio.Task] = set()
         self.accepting = True
+        self.probes: set[asyncio.Task] = set()  # empty streams answering clients' probes (runtime/probe.py)
         self.drained: set[asyncio.Task] = set()  # stopped by a drain that timed out: told to resume elsewhere
         self._openers: dict[str, SinkOpener] = {TCP_TRANSPORT: open_tcp_sink}
         if sink_openers:
@@ -115,14 +117,13 @@ class Ingress:
             await request.respond(b"" if self.accepting else REFUSED)
             return
         metrics = self.metrics
-        if metrics is not None:
-            metrics.received(len(request.data))
         try:
             header, body = decode_frame(request.data)
             request_id, transport, info, control = parse_request_control_full(header)
         except Exception as exc:
             log.warning("%s: undecodable request: %s", self.name, exc)
             if metrics is not None:
+                metrics.received(len(request.data))
                 metrics.error(ERROR_DESERIALIZATION)
             # a 1.x client is told why (its ack is text); nothing will stream back either way
             await request.respond(f"Decode error: {exc}".encode() if getattr(request, "v1", False) else b"")
@@ -130,6 +131,12 @@ class Ingress:
         if not self.accepting:
             await request.respond(REFUSED)  # the client treats it like "no responders"
             return
+        if control.get(PROBE_KEY) is True:  # a client checking both paths to us before it sends us requests
+            await request.respond(b"")
+            self._answer_probe(request_id, transport, info)
+            return
+        if metrics is not None:
+            metrics.received(len(request.data))
         if self.max_inflight is not None and len(self.inflight) >= self.max_inflight:
             await request.respond(ACK_BUSY)  # the client tries another instance or queues the request
             return
@@ -145,6 +152,26 @@ class Ingress:
             self._serve(request_id, transport, info, body, codec, v1, trace))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
+
+    def _answer_probe(self, request_id: str, transport: str, info: dict) -> None:
+        """An empty stream back to the prober: it proves our response path reaches it (a request plane
+        that reaches us through NATS says nothing about the direct path back)."""
+
+        async def answer() -> None:
+            opener = self._openers.get(transport)
+            if opener is None:
+                return
+            try:
+                sink = await opener(transport, info, Context(request_id))
+            except Exception as exc:  # noqa: BLE001 - the prober does not hear from us: that is its answer
+                log.debug("%s: probe %s: cannot open a response stream: %s", self.name, request_id, exc)
+                return
+            sink.send_prologue()
+            sink.finish()
+
+        task = asyncio.get_running_loop().create_task(answer(), name=f"probe-answer:{request_id}")
+        self.probes.add(task)
+        task.add_done_callback(self.probes.discard)
 
     async def _serve(self, request_id: str, transport: str, info: dict, body: bytes, codec: str = JSON,
                      v1: bool = False, trace: Any = None) -> None:

@@ -153,6 +153,14 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
             refusals((peer.rpartition(":")[0], reason), f"request plane: dropping a connection from {peer}: {what}")
             self.transport.close()
 
+    def _refuse_keyed(self) -> None:
+        """A peer that authenticates with a fleet secret, and this process has none: said in one line."""
+        if self.transport is not None:
+            peer = peer_name(self.transport)
+            refusals((peer.rpartition(":")[0], "no secret"), f"request plane: refused a connection from {peer}: it "
+                     "authenticates with a fleet secret and this process has none (set DYN_FLEET_SECRET)")
+            self.transport.close()
+
     def _sniff(self, data: bytes) -> bytes | None:
         """The connection's first bytes: ours go on here (returned), Dynamo 1.x's are handed over to a
         :class:`V1ServerConnection` (None; also while only one byte has come)."""
@@ -182,20 +190,21 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
         try:
             envelopes = self.decoder.feed(data)
         except EnvelopeTooLarge as exc:
-            self._drop("too large", f"it announced a request of {exc.length} bytes (at most {exc.limit} "
-                       "accepted)")
+            if is_fleet_hello(data):  # a fleet secret's hello reads as a huge envelope
+                self._refuse_keyed()
+            else:
+                self._drop("too large", f"it announced a request of {exc.length} bytes (at most {exc.limit} "
+                           "accepted)")
             return
         except ValueError as exc:
             if self.transport is not None:
                 if is_fleet_hello(data):
-                    peer = peer_name(self.transport)
-                    refusals((peer.rpartition(":")[0], "no secret"), f"request plane: refused a connection from "
-                             f"{peer}: it authenticates with a fleet secret and this process has none "
-                             "(set DYN_FLEET_SECRET)")
-                else:  # once a minute per peer host: a flood of garbage is not a flood of lines
-                    peer = peer_name(self.transport)
-                    refusals((peer.rpartition(":")[0], "garbage"), f"request plane: dropping a connection from "
-                             f"{peer} that sent garbage: {exc}")
+                    self._refuse_keyed()
+                    return
+                # once a minute per peer host: a flood of garbage is not a flood of lines
+                peer = peer_name(self.transport)
+                refusals((peer.rpartition(":")[0], "garbage"), f"request plane: dropping a connection from "
+                         f"{peer} that sent garbage: {exc}")
                 self.transport.close()
             return
         held = self.decoder.buffered

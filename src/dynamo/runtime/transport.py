@@ -53,7 +53,8 @@ CONTROL_FRAMES = {"stop": FRAME_STOP, "kill": FRAME_KILL}
 # Replies to a request (the NATS ack): empty = accepted; these refuse it.
 ACK_REFUSED = b'{"error":"instance shutting down"}'  # draining: the client treats it as "no responders"
 ACK_BUSY = b'{"error":"busy"}'  # at its limit of requests in flight: try another instance
-PING = b""  # an empty request: "are you there?", acked (empty) and not served; probes frozen instances
+PING = b""  # an empty request: "are you there?", acked (empty) and not served; probes 1.x instances
+PROBE_KEY = "probe"  # a request's control key (ours): answer with an empty stream over the response path
 
 
 def encode_item(item: Any) -> bytes:
@@ -87,9 +88,10 @@ def encode_handshake(subject: str, heartbeat_ms: int | None = None) -> bytes:
 
 
 def encode_request(request_id: str, connection_info: dict, body: bytes,
-                   trace: dict[str, str] | None = None) -> bytes:
+                   trace: dict[str, str] | None = None, probe: bool = False) -> bytes:
     """``trace``: the W3C ``traceparent``/``tracestate`` the worker's spans are children of (ours: keys of
-    the control JSON; runtime/tracing.py)."""
+    the control JSON; runtime/tracing.py). ``probe`` (ours, :data:`PROBE_KEY`): not a request but a
+    question, answered by an empty stream over the response path (runtime/probe.py)."""
     control: dict[str, Any] = {
         "id": request_id,
         "request_type": "single_in",
@@ -101,6 +103,8 @@ def encode_request(request_id: str, connection_info: dict, body: bytes,
     }
     if trace:
         control.update(trace)
+    if probe:
+        control[PROBE_KEY] = True
     return encode_frame(_dumps(control), body, with_checksum=True)
 
 

@@ -9,10 +9,17 @@ import asyncio
 import pytest
 
 from dynamo.runtime import AckTimeoutError, NoRespondersError
+from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from harness.wait import until
 
 LIVENESS = 0.4
+
+
+async def _never_called(request):  # a probe (all these fakes get once they answer) runs no handler
+    raise AssertionError(f"a probe reached the handler: {request!r}")
+    yield
 
 
 # the caller's response transport: multiplexed TCP (default), a TCP connection per stream, NATS subjects
@@ -44,10 +51,11 @@ async def test_an_instance_that_never_acks_is_set_aside_until_it_answers(make_ru
     ep = EndpointId(ns, "b", "g")
     inst = Instance.for_endpoint(ep, fake)
     answering = asyncio.Event()
+    thawed = Ingress(_never_called, name="thawed")  # what a worker that came back answers probes with
 
-    async def frozen(msg):  # takes requests, acks nothing until "thawed"; then answers pings
-        if answering.is_set() and not msg.data:
-            await msg.respond(b"")
+    async def frozen(msg):  # takes requests, acks nothing until "thawed"; then answers probes
+        if answering.is_set():
+            await thawed.on_request(msg)
 
     sub = await caller.nats.subscribe(inst.subject, cb=frozen)
     await caller.nats.flush()
@@ -63,6 +71,42 @@ async def test_an_instance_that_never_acks_is_set_aside_until_it_answers(make_ru
         assert await client.wait_for_instances(5) == [fake]  # a probe got its answer
     finally:
         await caller.etcd.delete(ep.instance_key(fake))
+        await sub.unsubscribe()
+
+
+async def test_an_instance_whose_answers_never_reach_us_stays_aside_though_it_acks(make_runtime, ns):
+    """Acks over NATS are half the way: an instance that acks everything but whose response streams never
+    arrive (its host cut from ours while both reach NATS) is probed on the way back too, and stays aside
+    probe after probe; once its answers get through it is sent requests again."""
+    caller = await make_runtime(stream_liveness=LIVENESS)
+    cut = 0x5EEF
+    ep = EndpointId(ns, "b", "g")
+    inst = Instance.for_endpoint(ep, cut)
+    probes: list[bytes] = []
+    healed = asyncio.Event()
+    back = Ingress(_never_called, name="healed")
+
+    async def acks_only(msg):
+        if healed.is_set():
+            await back.on_request(msg)
+        else:
+            probes.append(msg.data)
+            await msg.respond(b"")  # acked; the call-home it would start never arrives
+
+    sub = await caller.nats.subscribe(inst.subject, cb=acks_only)
+    await caller.nats.flush()
+    await caller.etcd.put(ep.instance_key(cut), inst.to_json())
+    try:
+        client = await caller.namespace(ns).component("b").endpoint("g").client()
+        assert await client.wait_for_instances(5) == [cut]
+        client.report_instance_unresponsive(cut, silent=True)  # as when one of its streams went silent
+        await until(lambda: len(probes) >= 3, 10, "three probes")
+        assert client.instance_ids() == [], "an ack alone put it back in rotation"
+        assert all(p for p in probes), "a bare ping (an ack says nothing about the way back)"
+        healed.set()
+        assert await client.wait_for_instances(5) == [cut]  # a probe's empty stream came back
+    finally:
+        await caller.etcd.delete(ep.instance_key(cut))
         await sub.unsubscribe()
 
 
@@ -84,9 +128,10 @@ async def test_an_instance_with_no_responder_gets_requests_again_once_it_answers
         assert not isinstance(info.value, AckTimeoutError) and info.value.instance_id == late
         assert client.instance_ids() == []  # down: no new request goes there
 
-        async def answer(msg):  # subscribed at last: answers pings
-            if not msg.data:
-                await msg.respond(b"")
+        subscribed = Ingress(_never_called, name="late")  # subscribed at last: answers probes
+
+        async def answer(msg):
+            await subscribed.on_request(msg)
 
         sub = await caller.nats.subscribe(inst.subject, cb=answer)
         await caller.nats.flush()

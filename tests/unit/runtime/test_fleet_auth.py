@@ -248,3 +248,21 @@ async def test_a_client_with_a_fleet_secret_refuses_to_send_to_a_1x_worker_in_on
         await plane.send("127.0.0.1:1/59f5a0430fd477b0/d16/backend/generate", b"x", 5)
     assert "Dynamo 1.x worker" in str(e.value) and "DYN_FLEET_SECRET" in str(e.value) and "\n" not in str(e.value)
     await plane.close()
+
+
+async def test_a_worker_without_the_secret_names_why_it_refuses_a_keyed_client(caplog) -> None:
+    """The keyed client's hello would read as a request of some 10^19 bytes; the worker says instead
+    that its peer has a fleet secret and it has none, and the client finds no responder there."""
+    caplog.set_level(logging.DEBUG)
+    plain = TcpRequestPlane("127.0.0.1")
+    endpoint = await plain.serve("svc", "gen", echo)
+    keyed = TcpRequestPlane(auth=FleetAuth(SECRET))
+    try:
+        with pytest.raises(NoResponders):
+            await keyed.send(endpoint.address, b"hello", 5)
+    finally:
+        await keyed.close()
+        await plain.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request plane: refused")]
+    assert lines and lines[0].endswith("it authenticates with a fleet secret and this process has none "
+                                       "(set DYN_FLEET_SECRET)"), [r.getMessage() for r in caplog.records]
