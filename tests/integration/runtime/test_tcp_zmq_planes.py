@@ -13,6 +13,7 @@ import pytest
 from dynamo.runtime import AckTimeoutError, NoRespondersError
 from dynamo.runtime.codec import decode_frame, encode_frame
 from dynamo.runtime.config import NatsSettings
+from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.mux import EnvelopeDecoder, envelope
 from dynamo.runtime.names import EndpointId
@@ -110,18 +111,31 @@ async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, n
     assert await busy.finish() == [{"done": True}]
 
 
+async def _never_called(request):  # a probe runs no handler
+    raise AssertionError(f"a probe reached the handler: {request!r}")
+    yield
+
+
 async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_runtime, ns):
     """A frozen worker's kernel still accepts the connection; only the missing ack tells."""
     caller = await no_nats_runtime(stream_liveness=LIVENESS)
     answering = asyncio.Event()
+    thawed = Ingress(_never_called, name="thawed")  # what a worker that came back answers probes with
+
+    class Request:  # one request as the TCP plane hands it to a worker's Ingress
+        def __init__(self, rid: int, data: bytes, writer: asyncio.StreamWriter) -> None:
+            self.data, self.rid, self.writer = data, rid, writer
+
+        async def respond(self, data: bytes = b"") -> None:
+            self.writer.write(envelope(self.rid, encode_frame(body=data)))
 
     async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         decoder = EnvelopeDecoder()
         while data := await reader.read(65536):
             for rid, payload in decoder.feed(data):
-                _, body = decode_frame(payload)
-                if answering.is_set() and not body:  # thawed: answers pings
-                    writer.write(envelope(rid, encode_frame()))
+                if answering.is_set():  # thawed: answers the client's probes (an ack, then an empty stream)
+                    _, body = decode_frame(payload)  # (the endpoint's name, the request)
+                    await thawed.on_request(Request(rid, body, writer))
 
     server = await asyncio.start_server(frozen, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
