@@ -26,7 +26,8 @@ Wire format, on transfer.py's framing (big-endian)::
               (status 1: nothing shared)
 
 The state covers the holder's whole cache of that sequence; the fetching engine keeps the shared tokens
-and drops the rest.  With a fleet secret both ends prove it first, as for every other plane.
+and drops the rest.  Both ends prove a key first, as for every other plane: the fleet secret's, or on one
+machine the key kept in the file store (:func:`choose_sharing` says when a worker lends at all).
 """
 
 from __future__ import annotations
