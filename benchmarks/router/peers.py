@@ -411,6 +411,29 @@ def goal_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict[str, Any]], fleets: list[str], path: Path) -> None:
+    """TTFT p50 and mean of every fleet in every (shape, run), as bars: one panel per statistic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f"{r['shape']} {r['run']}" for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(keys) * 2), 4.2), sharey=False)
+    width = 0.8 / max(1, len(fleets))
+    for ax, (stat, title) in zip(axes, (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_mean_ms", "TTFT mean (ms)"))):
+        for i, fleet in enumerate(fleets):
+            xs = [k + (i - (len(fleets) - 1) / 2) * width for k in range(len(results))]
+            ys = [r["rows"].get(fleet, {}).get(stat) or 0 for r in results]
+            ax.bar(xs, ys, width, label=fleet)
+        ax.set_xticks(range(len(results)), keys, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -442,9 +465,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-venv", default=str(DEFAULT_VENV))
     p.add_argument("--logs", default="")
     p.add_argument("--markdown", default="")
+    p.add_argument("--plot", default="", help="a PNG of every fleet's TTFT p50 and mean per (shape, run) (matplotlib)")
     p.add_argument("--json", default="")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install -e '.[plot]')") from None
     # Ctrl-C stops the whole benchmark (every fleet's processes are stopped on the way out); asyncio.run's
     # own handler would only cancel the fleet being driven, and the next one would start
     signal.signal(signal.SIGINT, _interrupt)
@@ -560,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {out}\nlogs: {args.logs}")
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
+    if args.plot:
+        plot(results, fleets, Path(args.plot))
     return 0
 
 
