@@ -20,6 +20,8 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``kv-fetch``: ours with ``DYN_KV_PREFIX_SHARING=1`` on the workers (the default on one machine now; the
   name of the variant when it was off by default);
 * ``kv-noshare``: ours with ``DYN_KV_PREFIX_SHARING=0``: no worker fetches another's cached prefix;
+* ``kv~NAME=VALUE~NAME=VALUE`` (not in the default set): ours with those variables on the frontend (an
+  experiment: ``kv~DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.95``);
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
 * ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
   engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
@@ -277,9 +279,11 @@ def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.N
     defaults that follow from them), the benchmark's NATS for the events it watches."""
     servers = {"NATS_SERVER": servers["NATS_SERVER"], "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp",
                "DYN_FILE_KV": tempfile.mkdtemp(prefix=f"peers-ours-{index:02d}-")}
-    mode = "kv" if fleet in VARIANTS else fleet.removesuffix("-2fe")
+    mode = "kv" if fleet in VARIANTS or fleet.startswith("kv~") else fleet.removesuffix("-2fe")
     args.frontends = 2 if fleet in TWO_FRONTENDS else 1
     args.frontend_env = dict(VARIANTS.get(fleet, {}))
+    if fleet.startswith("kv~"):
+        args.frontend_env.update(item.partition("=")[::2] for item in fleet.split("~")[1:])
     args.worker_env = dict(WORKER_VARIANTS.get(fleet, {}))
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
@@ -421,7 +425,7 @@ def plot(results: list[dict[str, Any]], fleets: list[str], path: Path) -> None:
     keys = [f"{r['shape']} {r['run']}" for r in results]
     fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(keys) * 2), 4.2), sharey=False)
     width = 0.8 / max(1, len(fleets))
-    for ax, (stat, title) in zip(axes, (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_mean_ms", "TTFT mean (ms)"))):
+    for ax, (stat, title) in zip(axes, (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_mean_ms", "TTFT mean (ms)")), strict=True):
         for i, fleet in enumerate(fleets):
             xs = [k + (i - (len(fleets) - 1) / 2) * width for k in range(len(results))]
             ys = [r["rows"].get(fleet, {}).get(stat) or 0 for r in results]
@@ -479,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
     for f in fleets:
+        if f.startswith("kv~") and all("=" in item for item in f.split("~")[1:]):
+            continue
         if f not in FLEETS + TWO_FRONTENDS + tuple(VARIANTS) and not f.startswith("kv+"):
             raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS + TWO_FRONTENDS)}, or kv+<options> "
                              "as in benchmarks/router/run.py: kv+w=1)")
