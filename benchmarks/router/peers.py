@@ -43,10 +43,10 @@ answers, two closed-loop clients whose conversations interleave), in three shape
 * ``long-first-turn``: 6 groups, a 192-token first message, 16-token follow-ups, 32-token answers;
 * ``many-prompts``: ``short-turns`` with 16 groups: more shared prompts than the two engines' 8 slots hold,
   so every router must choose what to keep where;
-* ``shuffled-prompts``: one-turn requests (a 256-token system prompt of one of 8 groups and a 64-token
-  question, 8-token answers), the groups in random order: the prompts fit in the two engines' 8 slots
-  together but not in one engine's 4, and the median request is itself a routing decision (where a
-  prompt's first request goes, and whether its next one follows it). ``--shape-args groups=12,isl=448``
+* ``shuffled-prompts``: one-turn requests (a 256-token system prompt of one of 32 groups and a 64-token
+  question, 8-token answers), the groups in random order, so that each prompt gets a few requests in a
+  run: the median request is itself a routing decision (where a prompt's first request goes, and
+  whether its next ones follow it; round-robin sends half of them where the prompt is not). ``--shape-args groups=12,isl=448``
   changes a shape's numbers (``isl``, ``prefix_ratio``, ``turn_tokens``, ``osl``, ``groups``, ``turns``).
 
 ``--mocker``: the same four fleets with ``--workers`` 8 mocker engines each (``out=mocker``, a tiny tokenizer
@@ -114,7 +114,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "short-turns": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 6},
     "long-first-turn": {"isl": 448, "prefix_ratio": 256 / 448, "turn_tokens": 16, "osl": 32, "groups": 6},
     "many-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 16},
-    "shuffled-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 8, "turns": 1},
+    "shuffled-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 32, "turns": 1},
 }
 SHAPE_KEYS = {"isl": int, "prefix_ratio": float, "turn_tokens": int, "osl": int, "groups": int, "turns": int}
 MOCKER_SHAPE = {"isl": 4096, "prefix_ratio": 0.9, "turn_tokens": 256, "osl": 64, "groups": 32}
