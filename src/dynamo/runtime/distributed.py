@@ -250,6 +250,19 @@ class DistributedRuntime:
     def namespace(self, name: str) -> Namespace:
         return Namespace(self, name)
 
+    async def machine_auth(self) -> FleetAuth | None:
+        """Keys this user's processes on this machine share and no one else holds: derived from the file
+        store's own secret when the store is this user's alone (None: etcd, a ``DYN_FILE_KV`` directory
+        another user owns or may read, or a store whose secret cannot be kept; that last one in a line)."""
+        store = self.file_store
+        if store is None or not store.private:
+            return None
+        try:
+            return FleetAuth(await store.local_secret())
+        except (OSError, FileStoreError) as exc:
+            log.warning("file store %s: no secret of its own (%s)", store.root, exc)
+            return None
+
     # ------------------------------------------------------------------ the seams
 
     def discovery(self) -> KeyValueStore:

@@ -8,6 +8,7 @@ Layout under the root (``DYN_FILE_KV``, default ``$TMPDIR/dynamo_store_kv``)::
     leases/<hex id>              {"id", "ttl", "expires": wall-clock seconds, "pid"}
     revision                     the store's revision counter
     lock                         flock'ed around every change, by every process
+    local_secret                 the store's own secret, made when first asked for (store_dir.local_secret)
     v1/<bucket>/<encoded key>    keys starting ``v1/``: Dynamo 1.x's records in 1.x's own format, no lock,
                                  alive while touched (:mod:`.file_v1`)
 

@@ -27,7 +27,7 @@ from .discovery import KeyValue
 from .file_kv import FileKv, FileStoreError, check_writable
 from .file_v1 import TOUCH_PERIOD, is_v1_key
 from .file_watch import DEFAULT_TICK, DirectoryWatcher, FileWatch
-from .store_dir import secure_store_dir
+from .store_dir import is_private_dir, local_secret, secure_store_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class FileStore:
         self._kv: FileKv | None = None
         self._watcher: DirectoryWatcher | None = None
         self._v1_keeper: asyncio.Task[None] | None = None
+        self.private = False  # (connect) the directory is this user's alone: owned, 0700
 
     @property
     def kv(self) -> FileKv:
@@ -72,16 +73,23 @@ class FileStore:
     async def connect(self) -> None:
         """Open (creating, 0700) the directory, refusing one another user could have planted, and delete
         what crashed processes left: expired leases and their keys."""
-        def open_store() -> tuple[FileKv, int]:
+        def open_store() -> tuple[FileKv, int, bool]:
             secure_store_dir(self.root, explicit=self.explicit)
             kv = FileKv(self.root)
             check_writable(self.root)
-            return kv, kv.clean_up()
+            return kv, kv.clean_up(), is_private_dir(self.root)
 
-        self._kv, stale = await asyncio.to_thread(open_store)
+        self._kv, stale, self.private = await asyncio.to_thread(open_store)
         if stale:
             log.info("file store %s: removed %d key(s) of processes that stopped without deregistering",
                      self.root, stale)
+
+    async def local_secret(self) -> bytes:
+        """The secret only this user's processes sharing this (private) store can read
+        (:func:`~dynamo.runtime.store_dir.local_secret`)."""
+        if not self.private:
+            raise FileStoreError(f"the file store {self.root} is not this user's alone: it keeps no secret")
+        return await asyncio.to_thread(local_secret, self.root)
 
     async def close(self) -> None:
         await cancel_and_wait(self._v1_keeper)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -113,3 +114,47 @@ def secure_store_dir(root: Path, *, explicit: bool) -> None:
             raise FileStoreError(f"cannot make the file discovery store {root} private (chmod 700): "
                                  f"{exc.strerror}") from None
         log.info("file store %s: mode %04o narrowed to 0700 (this user's only)", root, mode)
+
+
+LOCAL_SECRET = "local_secret"  # the store's own secret (:func:`local_secret`)
+_MIN_LOCAL_SECRET = 32
+
+
+def is_private_dir(root: Path) -> bool:
+    """Whether ``root`` is this user's alone: owned by them, and neither group nor others may read, write
+    or enter it (the default store always is, once opened; a ``DYN_FILE_KV`` directory may not be)."""
+    st = os.stat(root)
+    return st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & _GROUP_OTHER_ANY
+
+
+def local_secret(root: Path) -> bytes:
+    """A secret only this user's processes sharing the store ``root`` can read: 64 hex characters in
+    ``root/local_secret`` (0600), made by whichever process asks first.
+
+    Why: on one machine the store is the one thing the fleet's processes share that no other user can
+    read, so a key kept there authenticates them to each other with nothing to configure (another local
+    user reaches loopback ports, not this directory). Create-if-absent by hard link, so processes starting
+    together agree on one secret. Call it only for a store :func:`is_private_dir` accepts.
+    """
+    path = root / LOCAL_SECRET
+    if not path.exists():
+        tmp = root / f".tmp-secret-{os.getpid()}-{secrets.token_hex(6)}"
+        write_private(tmp, secrets.token_hex(32).encode())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process made it first: theirs it is
+            pass
+        finally:
+            tmp.unlink()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & _GROUP_OTHER_ANY:
+            raise FileStoreError(f"{path} is not this user's alone (owner uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}): remove it")
+        value = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(value) < _MIN_LOCAL_SECRET:
+        raise FileStoreError(f"{path} holds {len(value)} characters, not a secret: remove it")
+    return value

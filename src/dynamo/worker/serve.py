@@ -15,7 +15,7 @@ import logging
 import os
 from typing import cast
 
-from dynamo.disagg.prefix_share import PrefixSharingEngine, sharing_enabled
+from dynamo.disagg.prefix_share import SHARING_ENV, PrefixSharingEngine, SharingChoice, choose_sharing
 from dynamo.engines.served_model import build_served_model
 from dynamo.errors import UserError
 from dynamo.heap import settle_heap
@@ -35,7 +35,8 @@ from dynamo.llm.model_type import ModelType
 from dynamo.llm.register import publish_model
 from dynamo.run_config import RunConfig
 from dynamo.runtime import EndpointId
-from dynamo.runtime.distributed import connect_runtime
+from dynamo.runtime.distributed import DistributedRuntime, connect_runtime
+from dynamo.runtime.fleet_auth import FleetAuth
 from dynamo.runtime.tcp import advertise_host
 from dynamo.worker.handlers import backend_handler, chat_handler
 from dynamo.worker.kv_publishing import (
@@ -49,6 +50,22 @@ from dynamo.worker.lora_control import LoraControl
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_INFLIGHT = 512  # --max-inflight for engines that do not say how many requests they run at once
+
+
+async def prefix_sharing(runtime: DistributedRuntime) -> tuple[SharingChoice, FleetAuth | None]:
+    """Whether this worker lends its cached prefixes (``DYN_KV_PREFIX_SHARING``, on where it is safe), and
+    the keys its share server proves: the fleet secret's, else this machine's private store's."""
+    setting = os.environ.get(SHARING_ENV)
+    hosts = runtime.listen_hosts
+    loopback = hosts is not None and hosts.loopback
+    fleet = runtime.fleet_auth is not None
+    choice = choose_sharing(setting, fleet_secret=fleet, loopback=loopback, private_store=True)
+    if choice.auth != "machine":
+        return choice, runtime.fleet_auth if choice.auth == "fleet" else None
+    machine = await runtime.machine_auth()  # (the store's secret is made only when it is used)
+    if machine is None:
+        return choose_sharing(setting, fleet_secret=fleet, loopback=loopback, private_store=False), None
+    return choice, machine
 
 
 def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
@@ -93,13 +110,21 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
                                          advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
             await wrapped.start()
             engine = owned = wrapped  # closed below, with its transfer server
-        elif mode == "agg" and publishes_kv_events and isinstance(engine, LendsKvPrefixes) and sharing_enabled():
+        elif mode == "agg" and publishes_kv_events and isinstance(engine, LendsKvPrefixes):
             # a KV router may send a prompt here with another worker's cached prefix to fetch (prefix_share.py)
-            hosts = runtime.listen_hosts
-            lending = PrefixSharingEngine(engine, host=hosts.callhome if hosts else advertise_host(os.environ.get("DYN_TCP_RPC_HOST")),
-                                          advertise=hosts.advertise if hosts else None, auth=runtime.fleet_auth)
-            await lending.start()
-            engine = owned = lending  # closed below, with its share server
+            sharing, auth = await prefix_sharing(runtime)
+            if sharing.on:
+                hosts = runtime.listen_hosts
+                lending = PrefixSharingEngine(engine, host=hosts.callhome if hosts else advertise_host(os.environ.get("DYN_TCP_RPC_HOST")),
+                                              advertise=hosts.advertise if hosts else None, auth=auth,
+                                              why=sharing.line, warn=sharing.warn)
+                await lending.start()
+                engine = owned = lending  # closed below, with its share server
+            else:
+                log.info("%s", sharing.line)
+        elif choose_sharing(os.environ.get(SHARING_ENV), fleet_secret=False, loopback=False, private_store=False).on:
+            log.warning("%s=%s: this worker lends no KV prefixes (only an aggregated llamacpp worker publishing KV "
+                        "events can)", SHARING_ENV, os.environ.get(SHARING_ENV))
         if engine.kind == "embedding":
             handler, model_type = embedding_handler(engine), ModelType.Embedding  # type: ignore[arg-type]
         elif engine.kind == "core":

@@ -172,15 +172,3 @@ async def test_the_engine_gets_the_state_or_computes_the_prompt_itself():
     finally:
         await lender.close()
         await borrower.close()
-
-
-def test_workers_lend_only_when_told_to(monkeypatch):
-    from dynamo.disagg.prefix_share import sharing_enabled
-
-    monkeypatch.delenv("DYN_KV_PREFIX_SHARING", raising=False)
-    assert not sharing_enabled()
-    for on in ("1", "true", "on"):
-        monkeypatch.setenv("DYN_KV_PREFIX_SHARING", on)
-        assert sharing_enabled()
-    monkeypatch.setenv("DYN_KV_PREFIX_SHARING", "0")
-    assert not sharing_enabled()
