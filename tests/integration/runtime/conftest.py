@@ -55,6 +55,28 @@ async def make_runtime(runtime_servers: RuntimeServers) -> AsyncIterator[Callabl
         await rt.close()
 
 
+@pytest.fixture
+async def file_runtimes(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[DistributedRuntime]]]:
+    """``rt = await file_runtimes(**settings_overrides)``: runtimes of one fleet on a file store of their own
+    (TCP requests, ZMQ events; no etcd, no NATS), the rest of their settings read from the environment as a
+    process reads them at start-up; every one closed after the test."""
+    made: list[DistributedRuntime] = []
+
+    async def make(**overrides: Any) -> DistributedRuntime:
+        settings = RuntimeSettings.from_env()
+        settings.discovery_backend, settings.file_kv = "file", str(tmp_path / "kv")
+        settings.request_plane, settings.event_plane = "tcp", "zmq"
+        for key, value in overrides.items():
+            setattr(settings, key, value)
+        rt = await DistributedRuntime.connect(settings)
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in reversed(made):
+        await rt.close()
+
+
 async def start_serving(endpoint: Endpoint, handler, **kwargs) -> asyncio.Task:
     """Run serve_endpoint in a task and return once the instance is registered."""
     ready = asyncio.Event()

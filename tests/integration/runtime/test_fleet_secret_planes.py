@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from dynamo.runtime import DistributedRuntime, NoRespondersError
-from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.fleet_auth import HELLO_LEN, MAGIC, FleetAuth, FleetAuthError, dial
 from dynamo.runtime.tcp import split_address
 from harness.wait import until
@@ -23,21 +21,8 @@ OTHER = b"some other fleet's secret, 32 c"
 
 
 @pytest.fixture
-async def make(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[DistributedRuntime]]]:
-    made: list[DistributedRuntime] = []
-
-    async def runtime(secret: bytes | None, **overrides: Any) -> DistributedRuntime:
-        settings = RuntimeSettings(discovery_backend="file", file_kv=str(tmp_path / "kv"), request_plane="tcp",
-                                   event_plane="zmq", fleet_secret=secret)
-        for key, value in overrides.items():
-            setattr(settings, key, value)
-        rt = await DistributedRuntime.connect(settings)
-        made.append(rt)
-        return rt
-
-    yield runtime
-    for rt in reversed(made):
-        await rt.close()
+def make(file_runtimes: Callable[..., Awaitable[DistributedRuntime]]) -> Callable[..., Awaitable[DistributedRuntime]]:
+    return lambda secret, **overrides: file_runtimes(fleet_secret=secret, **overrides)
 
 
 async def count(request: Any) -> AsyncIterator[dict[str, int]]:

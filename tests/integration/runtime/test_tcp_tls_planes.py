@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from dynamo.cli.infra_secure import SecureFiles, prepare
 from dynamo.runtime import DistributedRuntime, tcp_tls
-from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.tcp import split_address
 from harness.wait import until
 
@@ -47,22 +45,10 @@ def tls_env(monkeypatch: pytest.MonkeyPatch, pki: SecureFiles) -> SecureFiles:
 
 
 @pytest.fixture
-async def make(tmp_path: Path, tls_env: SecureFiles) -> AsyncIterator[Callable[..., Awaitable[DistributedRuntime]]]:
-    made: list[DistributedRuntime] = []
-
-    async def runtime(secret: bytes | None = None, **overrides: Any) -> DistributedRuntime:
-        settings = RuntimeSettings.from_env()  # reads DYN_TCP_TLS_* as a process does at start-up
-        settings.discovery_backend, settings.file_kv = "file", str(tmp_path / "kv")
-        settings.request_plane, settings.event_plane, settings.fleet_secret = "tcp", "zmq", secret
-        for key, value in overrides.items():
-            setattr(settings, key, value)
-        rt = await DistributedRuntime.connect(settings)
-        made.append(rt)
-        return rt
-
-    yield runtime
-    for rt in reversed(made):
-        await rt.close()
+def make(tls_env: SecureFiles, file_runtimes: Callable[..., Awaitable[DistributedRuntime]]
+         ) -> Callable[..., Awaitable[DistributedRuntime]]:
+    """Runtimes reading DYN_TCP_TLS_* as a process does at start-up (after ``tls_env`` set them)."""
+    return lambda secret=None, **overrides: file_runtimes(fleet_secret=secret, **overrides)
 
 
 async def words(request: Any) -> AsyncIterator[dict[str, Any]]:
@@ -101,15 +87,18 @@ async def test_requests_and_streams_cross_in_mutual_tls(make, mux, secret) -> No
     task.cancel()
 
 
+async def a_worker_and_its_client(make: Any, caplog: Any) -> tuple[asyncio.Task, Any, tuple[str, int]]:
+    """A TLS worker serving, a TLS caller's client of it, the worker's listener address; TLS lines captured."""
+    caplog.set_level(logging.WARNING, logger="dynamo.runtime.tcp_tls")
+    task = await serving(await make())
+    client = await client_of(await make())
+    return task, client, address_of(client)
+
+
 async def test_a_plaintext_peer_is_refused_at_the_listener_in_one_line(make, caplog) -> None:
     """What a 1.x process, or one of ours, without the DYN_TCP_TLS_* settings would do: speak its protocol
     in the clear. The listener says so in one line and keeps serving TLS peers."""
-    caplog.set_level(logging.WARNING, logger="dynamo.runtime.tcp_tls")
-    worker = await make()
-    caller = await make()
-    task = await serving(worker)
-    client = await client_of(caller)
-    host, port = address_of(client)
+    task, client, (host, port) = await a_worker_and_its_client(make, caplog)
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"\x00\x00\x00\x10" + b"{}" * 8)  # a plaintext request frame
     assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing answered in the clear
@@ -122,12 +111,7 @@ async def test_a_plaintext_peer_is_refused_at_the_listener_in_one_line(make, cap
 
 
 async def test_a_tls_dialer_without_a_client_certificate_is_refused(make, pki, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="dynamo.runtime.tcp_tls")
-    worker = await make()
-    caller = await make()
-    task = await serving(worker)
-    client = await client_of(caller)
-    host, port = address_of(client)
+    task, client, (host, port) = await a_worker_and_its_client(make, caplog)
     anonymous = ssl.create_default_context(cafile=str(pki.ca))  # trusts the worker, presents nothing
     with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
         reader, writer = await asyncio.open_connection(host, port, ssl=anonymous, server_hostname="127.0.0.1")
