@@ -7,6 +7,7 @@ and the collector protocol's message types come with ``opentelemetry-proto`` (th
 
 from __future__ import annotations
 
+import secrets
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -162,3 +163,16 @@ def exporter_env(receiver: OtlpReceiver, protocol: str = "grpc", service: str | 
     if service is not None:
         env["OTEL_SERVICE_NAME"] = service
     return env
+
+
+def traceparent() -> tuple[str, str, str]:
+    """A client's fresh W3C ``traceparent``: (the header, its trace id, the client's span id)."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def one(spans: list[Span], **match: Any) -> Span:
+    """The one span whose fields match (the test fails naming what it found otherwise)."""
+    found = [s for s in spans if all(getattr(s, k) == v for k, v in match.items())]
+    assert len(found) == 1, (match, [(s.service, s.name, s.kind) for s in spans])
+    return found[0]

@@ -5,7 +5,6 @@ process exporting to one OTLP receiver (harness/otlp.py) with 1.x's own variable
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Iterator
 
@@ -14,7 +13,7 @@ import pytest
 
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker
 from harness.dynamo1x_kv import SRC
-from harness.otlp import OtlpReceiver, Span, exporter_env
+from harness.otlp import OtlpReceiver, Span, exporter_env, traceparent
 from harness.proc import DynamoRun, DynamoWorker
 
 from .test_d16_serving import wait_listed
@@ -28,10 +27,10 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 def traced_completion(url: str, model: str) -> tuple[str, str]:
     """(trace id, the client's span id) of one streamed completion sent with a fresh ``traceparent``."""
-    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    header, trace_id, parent = traceparent()
     body = {"model": model, "prompt": "hello there", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
-                      headers={"traceparent": f"00-{trace_id}-{parent}-01"}) as reply:
+                      headers={"traceparent": header}) as reply:
         assert reply.status_code == 200, reply.read()
         assert any(line == "data: [DONE]" for line in reply.iter_lines())
     return trace_id, parent

@@ -1,11 +1,13 @@
-"""Fixtures of the LoRA tests on llama.cpp (tests/e2e/test_lora_*.py): an adapter that changes the greedy
-output of the real SmolLM2 GGUF (tests/conftest.py's ``gguf``), and engine arguments that keep two slots on
-one thread each."""
+"""Fixtures of more than one e2e module: for the LoRA tests on llama.cpp (tests/e2e/test_lora_*.py), an
+adapter that changes the greedy output of the real SmolLM2 GGUF (tests/conftest.py's ``gguf``) and engine
+arguments that keep two slots on one thread each; for the tracing tests (test_tracing*.py), an OTLP
+receiver."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -25,3 +27,13 @@ def args_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = tmp_path_factory.mktemp("args") / "args.json"
     p.write_text(json.dumps({"n_parallel": 2, "n_threads": 1}))
     return p
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Any]:
+    """An OTLP trace receiver (gRPC and HTTP) the module's processes export to (harness/otlp.py; imported
+    here only when a test asks for it: grpc and the OTLP messages come with the tracing extra)."""
+    from harness.otlp import OtlpReceiver
+
+    with OtlpReceiver() as r:
+        yield r

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from harness.fleet import NO_INFRA_ENV, WORKER_LOG, served_by, sse_events, wait_for_model, write_engine_args
-from harness.otlp import OtlpReceiver, Span, exporter_env
+from harness.otlp import OtlpReceiver, Span, exporter_env, one, traceparent
 from harness.proc import DynamoRun, DynamoWorker, run_cli
 from harness.wait import wait_until
 
@@ -34,10 +34,6 @@ MOCKER_ARGS = {"num_gpu_blocks": 512, "block_size": 16, "speedup_ratio": 0.5}
 JSONL = {"DYN_LOGGING_JSONL": "1"}
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as r:
-        yield r
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +60,8 @@ def fleet(receiver: OtlpReceiver, tiny_model: Path, tmp_path_factory: pytest.Tem
             w.kill()
 
 
-def traceparent() -> tuple[str, str, str]:
-    """A client's W3C traceparent: (header, trace id, the client's span id)."""
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
-def one(spans: list[Span], **match: Any) -> Span:
-    found = [s for s in spans if all(getattr(s, k) == v for k, v in match.items())]
-    assert len(found) == 1, (match, [(s.service, s.name, s.kind) for s in spans])
-    return found[0]
 
 
 def children(spans: list[Span], parent: Span, name: str | None = None) -> list[Span]:

@@ -29,7 +29,7 @@ from harness.fleet import (
     workers_running,
     write_engine_args,
 )
-from harness.otlp import OtlpReceiver, Span, exporter_env
+from harness.otlp import OtlpReceiver, Span, exporter_env, one, traceparent
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
@@ -46,10 +46,6 @@ MOCKER = {"num_gpu_blocks": 512, "block_size": BLOCK, "speedup_ratio": 1.0, "max
 FRONTEND = "dynamo-frontend"
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as r:
-        yield r
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +71,8 @@ def fleet(receiver: OtlpReceiver, tiny_model: Path, tmp_path_factory: pytest.Tem
             yield {"frontend": fe, "workers": workers}
 
 
-def traceparent() -> tuple[str, str, str]:
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
-def one(spans: list[Span], **match: Any) -> Span:
-    found = [s for s in spans if all(getattr(s, k) == v for k, v in match.items())]
-    assert len(found) == 1, (match, [(s.service, s.name, s.kind) for s in spans])
-    return found[0]
 
 
 def child(spans: list[Span], parent: Span, name: str) -> Span:

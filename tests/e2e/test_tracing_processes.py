@@ -6,14 +6,12 @@ frontend process exports its own spans).
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
-from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from harness.otlp import OtlpReceiver, Span, exporter_env
+from harness.otlp import exporter_env, one, traceparent
 from harness.proc import DynamoRun
 from harness.serve_graph import GraphStarter
 from harness.wait import wait_until
@@ -25,21 +23,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_default_infra"), pyt
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello_world"
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as r:
-        yield r
 
 
-def traceparent() -> tuple[str, str, str]:
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
-def one(spans: list[Span], **match: Any) -> Span:
-    found = [s for s in spans if all(getattr(s, k) == v for k, v in match.items())]
-    assert len(found) == 1, (match, [(s.service, s.name, s.kind) for s in spans])
-    return found[0]
 
 
 def test_a_dynamo_serve_graph_gives_one_trace_nested_across_its_services(tmp_path, receiver):
