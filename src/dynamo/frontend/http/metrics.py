@@ -83,11 +83,15 @@ class FrontendMetrics:
         self.output_tokens = Counter(f"{p}_output_tokens", "Output tokens generated", ["model"], registry=r)
         self.cached = Histogram(f"{p}_cached_tokens", "Number of cached tokens (prefix cache hits) per request",
                                 ["model"], buckets=ISL_BUCKETS, registry=r)
+        # TTFT and ITL keep our buckets, not 1.6.1's: the planner reads its p90s from them (planner/observe.py),
+        # and 1.6.1's ITL bounds (.035, .064) straddle a 50 ms target so coarsely that its learned capacity
+        # over-provisioned (tests/integration/test_planner_capacity.py: 4 workers for 2); a bucket bound at the
+        # usual targets (.05 s ITL, .25/.5 s TTFT) keeps it right. Names, types and labels are 1.6.1's.
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
-                              buckets=TTFT_BUCKETS, registry=r)
+                              buckets=(0, .001, .005, .01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120, 240,
+                                       480), registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", ["model"],
-                             buckets=(0, .0018, .0033, .0059, .011, .02, .035, .064, .12, .21, .38, .69, 1.2, 2.3,
-                                      4.1, 7.4, 13, 24, 44, 80), registry=r)
+                             buckets=(0, .001, .005, .01, .015, .02, .025, .05, .1, .25, .5, 1, 2), registry=r)
         # Dynamo 1.x names (docs/metrics.md): requests not yet at their first token, overload, migrations
         self.queued = Gauge(f"{p}_queued_requests", "Requests that have not had their first token yet",
                             ["model"], registry=r)
