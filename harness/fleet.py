@@ -220,20 +220,24 @@ def disagg_prefills(frontend: DynamoRun, model: str) -> dict[str, float]:
 
 
 def stream_killing_its_worker(frontend: DynamoRun, model: str, prompt: str, workers: list[DynamoWorker], *,
-                              after_chunks: int, rid: str) -> tuple[list[dict[str, Any]], DynamoWorker, bool]:
+                              after_chunks: int, rid: str, max_tokens: int = 40,
+                              headers: dict[str, str] | None = None, timeout: float = 30,
+                              before_kill: Callable[[DynamoWorker], None] | None = None,
+                              ) -> tuple[list[dict[str, Any]], DynamoWorker, bool]:
     """Stream a chat completion of ``prompt`` (40 tokens, ``ignore_eos``) with request id ``rid``; once
     ``after_chunks`` content chunks have arrived, kill -9 the worker of ``workers`` that serves it.
 
     Returns (the parsed data events, the killed worker, whether the stream ended with ``[DONE]``): what a
     client sees of a worker crashing mid-stream, with migration on (the stream goes on elsewhere) or off
-    (an error event).  The serving worker is found from its debug log (:data:`WORKER_LOG`)."""
+    (an error event).  The serving worker is found from its debug log (:data:`WORKER_LOG`); ``before_kill``
+    is called with it first (a test waiting for what the worker has exported so far)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": 40, "ignore_eos": True}
+            "max_tokens": max_tokens, "ignore_eos": True}
     events: list[dict[str, Any]] = []
     victim = None
     done = False
-    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=30,
-                      headers={"x-request-id": rid}) as resp:
+    with httpx.stream("POST", frontend.api_url + "/chat/completions", json=body, timeout=timeout,
+                      headers={"x-request-id": rid, **(headers or {})}) as resp:
         assert resp.status_code == 200
         for data in sse_events(resp):
             if data == "[DONE]":
@@ -242,7 +246,9 @@ def stream_killing_its_worker(frontend: DynamoRun, model: str, prompt: str, work
             events.append(json.loads(data))
             content = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
             if victim is None and len(content) >= after_chunks:
-                victim = wait_until(lambda: served_by(workers, rid), 2, f"the worker serving {rid}")[0]
+                victim = wait_until(lambda: served_by(workers, rid), 5, f"the worker serving {rid}")[0]
+                if before_kill is not None:
+                    before_kill(victim)
                 victim.kill()
     assert victim is not None, "stream ended before the worker could be killed"
     return events, victim, done

@@ -18,10 +18,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.fleet import NO_INFRA_ENV, WORKER_LOG, served_by, sse_events, wait_for_model, write_engine_args
+from harness.fleet import NO_INFRA_ENV, WORKER_LOG, stream_killing_its_worker, wait_for_model, write_engine_args
 from harness.otlp import OtlpReceiver, Span, exporter_env, one, traceparent
 from harness.proc import DynamoRun, DynamoWorker, run_cli
-from harness.wait import wait_until
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (pip install -e '.[tracing]')")
 
@@ -84,26 +83,17 @@ def test_one_trace_spans_frontend_request_plane_and_both_workers_of_a_migration(
     workers: dict[str, DynamoWorker] = fleet["workers"]
     header, trace_id, client_span = traceparent()
     rid = "trace-" + secrets.token_hex(4)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story " * 8}],
-            "stream": True, "max_tokens": 60, "ignore_eos": True}
-    victim = None
-    done = False
-    events = []
-    with httpx.stream("POST", fe.api_url + "/chat/completions", json=body, timeout=60,
-                      headers={"traceparent": header, "x-request-id": rid}) as resp:
-        assert resp.status_code == 200
-        for data in sse_events(resp):
-            if data == "[DONE]":
-                done = True
-                continue
-            events.append(json.loads(data))
-            if victim is None and sum(1 for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")) >= 4:
-                victim = wait_until(lambda: served_by(list(workers.values()), rid), 5, "the worker serving it")[0]
-                name = next(n for n, w in workers.items() if w is victim)
-                # its prefill span ended at its first token: once exported, the kill -9 loses only the rest
-                receiver.wait_for(trace_id, lambda ss, n=name: any(s.service == n and s.name == "prefill" for s in ss),
-                                  5, f"{name}'s prefill span")
-                victim.kill()
+    names = {w: n for n, w in workers.items()}
+
+    def prefill_exported(victim: DynamoWorker) -> None:
+        # its prefill span ended at its first token: once exported, the kill -9 loses only the rest
+        name = names[victim]
+        receiver.wait_for(trace_id, lambda ss: any(s.service == name and s.name == "prefill" for s in ss),
+                          5, f"{name}'s prefill span")
+
+    events, victim, done = stream_killing_its_worker(
+        fe, MODEL, "tell me a long story " * 8, list(workers.values()), after_chunks=4, rid=rid, max_tokens=60,
+        headers={"traceparent": header}, timeout=60, before_kill=prefill_exported)
     assert victim is not None and done
     assert not [e for e in events if "error" in e], events
     victim_name = next(n for n, w in workers.items() if w is victim)

@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from dynamo.runtime import DistributedRuntime, NoRespondersError, StreamIncompleteError, WorkerBusyError
-from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 from dynamo.runtime.v1_wire import v1_path
@@ -19,20 +18,8 @@ from harness.wait import until
 
 
 @pytest.fixture
-async def runtimes(tmp_path):
-    made: list[DistributedRuntime] = []
-
-    async def make() -> DistributedRuntime:
-        settings = RuntimeSettings(discovery_backend="file", file_kv=str(tmp_path / "kv"), request_plane="tcp",
-                                   event_plane="zmq", stream_liveness=2.0,
-                                   graceful_shutdown_timeout=0.2)
-        rt = await DistributedRuntime.connect(settings)
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in reversed(made):
-        await rt.close()
+def runtimes(file_runtimes):
+    return lambda: file_runtimes(stream_liveness=2.0, graceful_shutdown_timeout=0.2)
 
 
 async def as_v1_worker(worker: DistributedRuntime, caller: DistributedRuntime, ident: EndpointId,
