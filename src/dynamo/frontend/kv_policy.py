@@ -51,7 +51,7 @@ from dynamo.llm.model_entry import (
     is_1x_worker,
 )
 from dynamo.llm.protocols.common import PreprocessedRequest
-from dynamo.llm.protocols.v1 import PeerRequest
+from dynamo.llm.protocols.wire import PeerRequest
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.names import component_event_subject, namespace_event_subject
 from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope

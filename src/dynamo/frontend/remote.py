@@ -33,7 +33,7 @@ from dynamo.errors import RequestError, ServiceUnavailableError
 from dynamo.lazyjson import USAGE_KEY, LazyJson
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
-from dynamo.llm.protocols.v1 import V1_OUTPUT_KEY, PeerRequest, engine_output_from_v1
+from dynamo.llm.protocols.wire import PeerRequest, read_output
 from dynamo.runtime import (
     STREAM_INCOMPLETE_MESSAGE,
     InstanceNotFoundError,
@@ -126,7 +126,7 @@ class SimpleRouter:
         self.mode = mode
 
     def open(self, client: Any, request: PreprocessedRequest, rt_ctx: RtContext) -> Any:
-        body = PeerRequest(request)  # our dict, or 1.x's for a 1.x worker
+        body = PeerRequest(request)  # what a 1.x worker would ignore is refused before it is sent to one
         if request.backend_instance_id is not None:
             return client.direct(body, request.backend_instance_id, context=rt_ctx)
         if self.mode == "random":
@@ -265,6 +265,7 @@ class RemoteCoreEngine:
         self.observer = observer
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EngineOutput]:
+        request.detokenize = True  # our workers send text (a 1.x worker ignores this and sends token ids)
         attempts_left = self.migration_limit
         drains_left = MAX_DRAIN_RESUMES
         rt_ctx = RtContext(context.id)
@@ -303,9 +304,7 @@ class RemoteCoreEngine:
                 generated: list[int] = []  # this attempt's tokens: a resumed request carries them
                 try:
                     async for item in stream:
-                        # a Dynamo 1.x worker's LLMEngineOutput (usage and cached tokens in completion_usage)
-                        out = (engine_output_from_v1(item) if V1_OUTPUT_KEY in item
-                               else EngineOutput.from_dict(item))
+                        out = read_output(item)  # an LLMEngineOutput, from our workers or 1.x's
                         generated += out.token_ids
                         if timing is not None and timing.first_at is None:
                             timing.first()

@@ -67,8 +67,8 @@ class PostProcessor:
             if reason is None and self._max is not None and self.generated >= self._max:
                 reason = "length"
             self.finished = reason
-            if out.stop_sequence is not None:
-                self._upstream_stop = out.stop_sequence
+            if isinstance(out.stop_reason, str):  # (1.x may name a stop token id there: not text)
+                self._upstream_stop = out.stop_reason
             if self._lp is not None and out.logprobs_content:
                 self._released += out.logprobs_content
             return out.text, reason

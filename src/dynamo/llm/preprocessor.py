@@ -26,6 +26,7 @@ from dynamo.llm.protocols.common import (
     OutputOptions,
     PreprocessedRequest,
     ResponseParsing,
+    Routing,
     SamplingOptions,
     StopConditions,
 )
@@ -336,7 +337,8 @@ class Preprocessor:
             output_options=OutputOptions(logprobs=logprobs),
             eos_token_ids=[] if no_eos else eos,
             annotations=list(nv.annotations or []) if nv else [],
-            backend_instance_id=nv.backend_instance_id if nv else None,
+            routing=Routing(backend_instance_id=nv.backend_instance_id)
+            if nv and nv.backend_instance_id is not None else None,
         )
 
 

@@ -13,12 +13,9 @@ from typing import Any, Callable
 
 
 class Context:
-    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks", "v1_peer", "trace")
+    __slots__ = ("_id", "_stopped", "_killed", "_event", "_callbacks", "trace")
 
     def __init__(self, request_id: str | None = None) -> None:
-        # True when the request came from a Dynamo 1.x process (runtime/v1_wire.py): a handler answers
-        # such a peer in 1.x's shapes (worker/v1_backend.py)
-        self.v1_peer = False
         # the span a request sent with this context is a child of (runtime/tracing.py; None: tracing off,
         # or this task's current span): the worker's ingress sets its own server span here
         self.trace: Any = None

@@ -206,7 +206,6 @@ class Ingress:
                          sent: list[int] | None, codec: str = JSON, v1: bool = False,
                          span: tracing.Span | None = None) -> None:
         context = Context(request_id)
-        context.v1_peer = v1
         context.trace = span
         opener = self._openers.get(transport)
         if opener is None:

@@ -1,8 +1,8 @@
 """Request handlers a worker serves on its endpoint, one per kind of engine.
 
-A core engine is served as a Backend: the worker detokenizes and applies stop conditions itself (its
-items carry ``text``), so a frontend only templates and tokenizes, and detokenization load spreads over
-the workers.  A full engine is served as Chat: OpenAI chat requests in, chunks out.
+A core engine is served as a Backend: asked by our frontend, the worker detokenizes and applies stop
+conditions itself (its items carry ``text``), so a frontend only templates and tokenizes, and
+detokenization load spreads over the workers.  A full engine is served as Chat: OpenAI chat requests in, chunks out.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from dynamo.llm.backend import PostProcessor
 from dynamo.llm.engine import Context, Engine, ServesLoraAdapters
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
-from dynamo.llm.protocols.common import PreprocessedRequest
+from dynamo.llm.protocols.common import FINISH_CANCELLED, FINISH_STOP, PreprocessedRequest
+from dynamo.llm.protocols.wire import output_item, read_request, usage
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.runtime import tracing
 from dynamo.worker.phases import Phases
-from dynamo.worker.v1_backend import v1_token_stream
+from dynamo.worker.token_stops import TokenStops
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +55,17 @@ def check_served_model(model: str | None, base: str, loras: ServesLoraAdapters) 
 
 
 def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters | None = None):
-    """``loras``: the engine's adapters (the engine itself, unwrapped), if it serves any."""
+    """``loras``: the engine's adapters (the engine itself, unwrapped), if it serves any.
+
+    Every item goes out in 1.x's ``LLMEngineOutput`` layout (llm/protocols/wire.py), ``completion_usage`` on
+    the first and the last.  A request that asks for text (``detokenize``: our frontend) gets it where the
+    worker has a tokenizer, with what goes with it (stop strings, parsing, logprob entries); without a
+    tokenizer it gets the engine's tokens as they are (the frontend post-processes them).  A request that
+    does not ask (a Dynamo 1.x frontend) gets token ids with the stop conditions applied on ids."""
     tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
 
-    def check_model(model: str | None) -> None:
-        if loras is not None:
-            check_served_model(model, card.display_name, loras)
-
     async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        if context is not None and getattr(context, "v1_peer", False):
-            # a Dynamo 1.x frontend: it detokenizes itself and wants 1.x's items (worker/v1_backend.py)
-            v1_ctx = Context(context.id())
-            link_contexts(context, v1_ctx)
-            stream = v1_token_stream(engine, request, v1_ctx, check_model)
-            try:
-                async for v1_item in stream:
-                    yield v1_item
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
-            return
-        req = PreprocessedRequest.from_dict(request)
+        req = read_request(request)
         if loras is not None:
             check_served_model(req.model, card.display_name, loras)
         ctx = Context(context.id() if context is not None else None)
@@ -82,65 +74,123 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         phases = Phases(context.trace, req) if tracing.ENABLED and context is not None and context.trace else None
         ctx.phases = phases  # the engine reports admission and a KV transfer to it (phases.py)
         gen = engine.generate(req, ctx)
-        if tokenizer is None:  # no tokenizer: tokens only, the frontend detokenizes
-            tokens, reason, error = 0, None, None
-            try:
-                async for out in gen:
-                    if phases is not None:
-                        if phases.prefilling:
-                            phases.first(out)
-                        tokens += len(out.token_ids)
-                        reason = out.finish_reason or reason
-                    yield out.to_dict()
-            except (Exception, asyncio.CancelledError) as exc:
-                error = exc
-                raise
-            finally:
-                if phases is not None:
-                    phases.end(tokens, reason, error)
-                await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
-            return
-        post = PostProcessor(tokenizer, req)
-        stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
-        failed: BaseException | None = None
+        if not req.detokenize:
+            items = _token_items(gen, req, ctx, phases)
+        elif tokenizer is None:
+            items = _engine_items(gen, req, phases)
+        else:
+            items = _text_items(gen, req, tokenizer, phases)
         try:
-            async for out in gen:
-                if phases is not None and phases.prefilling:
-                    phases.first(out)
-                text, reason = post.process(out)
-                item: dict[str, Any] = {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
-                if out.cached_tokens is not None:
-                    item["cached_tokens"] = out.cached_tokens
-                if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
-                    item["disaggregated_params"] = out.disaggregated_params
-                if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
-                    item["prompt_logprobs"] = out.prompt_logprobs
-                entries = post.take_logprobs()
-                if entries is not None:  # asked for: the entries of the tokens this text came from
-                    item["logprobs_content"] = entries
-                if reason is not None and post.stop_sequence is not None:
-                    item["stop_sequence"] = post.stop_sequence
-                yield item if stage is None else stage.annotate(item)
-                if reason is not None:
-                    return
-            tail = post.end()
-            item = {"token_ids": [], "text": tail, "finish_reason": post.finished}
-            entries = post.take_logprobs()
-            if entries is not None:
-                item["logprobs_content"] = entries
-            if post.stop_sequence is not None:
-                item["stop_sequence"] = post.stop_sequence
-            yield item if stage is None else stage.annotate(item)
-        except (Exception, asyncio.CancelledError) as exc:
-            failed = exc
-            raise
+            async for item in items:
+                yield item
         finally:
-            if phases is not None:
-                phases.end(post.generated, post.finished, failed)
             ctx.stop_generating()
+            await items.aclose()  # type: ignore[attr-defined]
             await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
 
     return generate
+
+
+async def _token_items(gen: Any, req: PreprocessedRequest, ctx: Context,
+                       phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
+    """Token ids only, cut by the stop conditions (worker/token_stops.py)."""
+    stops = TokenStops(req)
+    prompt = len(req.token_ids)
+    cached: int | None = None
+    first = True
+    reason: Any = None
+    failed: BaseException | None = None
+    try:
+        async for out in gen:
+            if phases is not None and phases.prefilling:
+                phases.first(out)
+            if out.cached_tokens is not None:
+                cached = out.cached_tokens
+            tokens, reason = stops.take(out.token_ids, out.finish_reason)
+            done = reason is not None
+            item_usage = usage(prompt, stops.generated, cached) if first or done else None
+            first = False
+            yield output_item(tokens, reason, item_usage, out=out)
+            if done:
+                return
+        # the engine ended without a finish reason: stopped by the client, or done
+        reason = FINISH_CANCELLED if ctx.is_stopped else FINISH_STOP
+        yield output_item([], reason, usage(prompt, stops.generated, cached))
+    except (Exception, asyncio.CancelledError) as exc:
+        failed = exc
+        raise
+    finally:
+        if phases is not None:
+            phases.end(stops.generated, reason, failed)
+
+
+async def _engine_items(gen: Any, req: PreprocessedRequest, phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
+    """The engine's items as they are (no tokenizer here: the frontend detokenizes and stops)."""
+    prompt = len(req.token_ids)
+    tokens, reason, failed = 0, None, None
+    first = True
+    try:
+        async for out in gen:
+            if phases is not None and phases.prefilling:
+                phases.first(out)
+            tokens += len(out.token_ids)
+            reason = out.finish_reason or reason
+            item_usage = usage(prompt, tokens, out.cached_tokens) if first or reason is not None else None
+            first = False
+            yield output_item(out.token_ids, out.finish_reason, item_usage, out=out)
+    except (Exception, asyncio.CancelledError) as exc:
+        failed = exc
+        raise
+    finally:
+        if phases is not None:
+            phases.end(tokens, reason, failed)
+
+
+async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
+                      phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
+    """Text: detokenized, stop conditions and strings applied, parsed when asked (llm/backend.py)."""
+    post = PostProcessor(tokenizer, req)
+    stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
+    prompt = len(req.token_ids)
+    cached: int | None = None
+    first = True
+    failed: BaseException | None = None
+    try:
+        async for out in gen:
+            if phases is not None and phases.prefilling:
+                phases.first(out)
+            if out.cached_tokens is not None:
+                cached = out.cached_tokens
+            text, reason = post.process(out)
+            item = output_item(out.token_ids, reason, usage(prompt, post.generated, cached)
+                               if first or reason is not None else None, text=text)
+            first = False
+            if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
+                item["disaggregated_params"] = out.disaggregated_params
+            if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
+                item["prompt_logprobs"] = out.prompt_logprobs
+            _text_extras(item, post, reason)
+            yield item if stage is None else stage.annotate(item)
+            if reason is not None:
+                return
+        tail = post.end()
+        item = output_item([], post.finished, usage(prompt, post.generated, cached), text=tail)
+        _text_extras(item, post, post.finished)
+        yield item if stage is None else stage.annotate(item)
+    except (Exception, asyncio.CancelledError) as exc:
+        failed = exc
+        raise
+    finally:
+        if phases is not None:
+            phases.end(post.generated, post.finished, failed)
+
+
+def _text_extras(item: dict[str, Any], post: PostProcessor, reason: Any) -> None:
+    entries = post.take_logprobs()
+    if entries is not None:  # asked for: the entries of the tokens this text came from
+        item["logprobs_content"] = entries
+    if reason is not None and post.stop_sequence is not None:
+        item["stop_reason"] = post.stop_sequence
 
 
 def chat_handler(served: Any):

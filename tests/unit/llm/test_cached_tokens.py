@@ -18,6 +18,7 @@ from dynamo.llm.model_card import load_hf_folder
 from dynamo.llm.pipeline import CorePipeline
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest, StopConditions
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
+from dynamo.llm.protocols.wire import read_output
 from dynamo.worker.handlers import backend_handler
 
 
@@ -74,18 +75,18 @@ async def test_completions_usage_and_a_count_larger_than_the_prompt_is_capped(ti
 
 
 async def test_worker_items_carry_the_count_and_the_frontend_reads_it(tiny_model: Path):
-    """out=dyn: a Backend worker's items are dicts on the wire; the count survives into EngineOutput."""
+    """out=dyn: a Backend worker's items are dicts on the wire, the count in 1.x's ``completion_usage`` (first
+    and last item); it survives into the frontend's EngineOutput."""
     card = load_hf_folder(tiny_model)
     handler = backend_handler(card, _Engine(cached=7))
-    req = PreprocessedRequest(token_ids=[5, 6, 7, 8], stop_conditions=StopConditions(max_tokens=3))
+    req = PreprocessedRequest(token_ids=[5, 6, 7, 8], stop_conditions=StopConditions(max_tokens=3), detokenize=True)
     items = [item async for item in handler(req.to_dict())]
-    assert items[0]["cached_tokens"] == 7
-    assert all("cached_tokens" not in item for item in items[1:])
-    assert EngineOutput.from_dict(items[0]).cached_tokens == 7
-    # and an engine that says nothing puts nothing on the wire
+    assert items[0]["completion_usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+    assert read_output(items[0]).cached_tokens == 7
+    assert all(read_output(item).cached_tokens is None for item in items[1:-1])
+    # and an engine that says nothing: the count is null, and the frontend reads none
     quiet = [item async for item in backend_handler(card, _Engine(cached=None))(req.to_dict())]
-    assert all("cached_tokens" not in item for item in quiet)
-    assert "cached_tokens" not in EngineOutput(token_ids=[1]).to_dict()
+    assert all(read_output(item).cached_tokens is None for item in quiet)
 
 
 async def test_mocker_reports_its_prefix_hits_on_the_first_item():

@@ -22,6 +22,7 @@ from dynamo.llm.model_card import load_hf_folder
 from dynamo.llm.pipeline import CorePipeline
 from dynamo.llm.protocols.common import EngineOutput, OutputOptions, PreprocessedRequest, StopConditions
 from dynamo.llm.protocols.openai import parse_chat_request, parse_completion_request
+from dynamo.llm.protocols.wire import read_output
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.worker.handlers import backend_handler
 from harness.tiny_model import IM_END_ID
@@ -252,14 +253,14 @@ async def test_a_worker_sends_entries_that_match_its_text_and_the_frontend_passe
     card = load_hf_folder(tiny_model)
     handler = backend_handler(card, _Engine(ids))
     req = PreprocessedRequest(token_ids=[5, 6], stop_conditions=StopConditions(max_tokens=len(ids), stop=[" STOP"]),
-                              output_options=OutputOptions(logprobs=1))
+                              output_options=OutputOptions(logprobs=1), detokenize=True)
     wire = [item async for item in handler(req.to_dict())]
     for item in wire:
         assert bytes_of(item["logprobs_content"]) == item["text"].encode()
     front = PostProcessor(tok, req)
     texts = []
     for item in wire:
-        text, _ = front.process(EngineOutput.from_dict(item))
+        text, _ = front.process(read_output(item))
         assert front.take_logprobs() == item["logprobs_content"]
         texts.append(text)
     assert "".join(texts) == "go STAY here"

@@ -19,6 +19,7 @@ from dynamo.llm.pipeline import CorePipeline
 from dynamo.llm.preprocessor import Preprocessor
 from dynamo.llm.protocols.common import EngineOutput, PreprocessedRequest
 from dynamo.llm.protocols.openai import parse_chat_request
+from dynamo.llm.protocols.wire import read_output
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.worker.handlers import backend_handler
 
@@ -41,7 +42,8 @@ class TokenEngine:
 
 
 class Relay:
-    """A remote worker as the frontend sees it: the handler's items, through JSON."""
+    """A remote worker as the frontend sees it (RemoteCoreEngine asks for text): the handler's items,
+    through JSON."""
 
     kind = "core"
 
@@ -50,9 +52,10 @@ class Relay:
         self.items: list[dict[str, Any]] = []
 
     async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[EngineOutput]:
+        request.detokenize = True
         async for item in self.handler(json.loads(msgspec.json.encode(request))):
             self.items.append(item)
-            yield EngineOutput.from_dict(json.loads(json.dumps(item)))
+            yield read_output(json.loads(json.dumps(item)))
 
 
 def chat(**kw: Any) -> tuple[Any, dict[str, Any]]:
@@ -178,6 +181,7 @@ async def test_a_migrated_request_resumes_the_parser_where_the_dead_worker_left_
     engine = TokenEngine(tok)
     req, raw = chat(tools=TOOLS)
     request = Preprocessor(card).chat(req, raw).request
+    request.detokenize = True  # as the frontend's remote engine asks
     handler = backend_handler(card, engine)
 
     async def items(r: PreprocessedRequest, engine_ids: list[int]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from dynamo.llm.protocols.common import EngineOutput
-from dynamo.llm.protocols.v1 import engine_output_from_v1, request_from_v1, usage, v1_output
+from dynamo.llm.protocols.wire import output_item, read_output, read_request, usage
 from dynamo.runtime.codec import FrameDecoder, decode_frame
 from dynamo.runtime.mux import envelope
 from dynamo.runtime.transport import FRAME_PROLOGUE_OK, FRAME_SENTINEL, encode_frame, encode_handshake
@@ -79,12 +79,11 @@ def test_the_request_decodes_into_path_headers_control_and_a_msgpack_preprocesse
     request = decode_body(body, MSGPACK)
     assert request["model"] == "tiny-chat" and len(request["token_ids"]) == 25
     assert request["routing"] == {"dp_rank": 0}
-    v1 = request_from_v1(request)
-    req = v1.request
+    req = read_request(request)
     assert req.token_ids == request["token_ids"] and req.model == "tiny-chat"
     assert req.stop_conditions.max_tokens == 3
     assert req.stop_conditions.stop_token_ids_hidden == [2, 0] and req.eos_token_ids == [2, 0]
-    assert v1.visible_stop_ids == frozenset()
+    assert not req.stop_conditions.stop_token_ids_visible
     assert parse_v1_path(path) == (0x59F5A0430FD477B0, "d16", "backend", "generate")
 
 
@@ -118,7 +117,7 @@ def test_the_call_home_stream_is_ours_with_msgpack_bodies():
     assert encode_frame(header=frames[1][0]) == FRAME_PROLOGUE_OK
     items = [msgpack_decode(b) for h, b in frames[2:6]]
     assert all(i["complete_final"] is False and set(i) == {"data", "complete_final"} for i in items)
-    outs = [engine_output_from_v1(i["data"]["data"]) for i in items]
+    outs = [read_output(i["data"]["data"]) for i in items]
     assert [o.token_ids for o in outs] == [[1676], [1182], [1755], []]
     assert [o.finish_reason for o in outs] == [None, None, None, "length"]
     assert outs[0].cached_tokens == 0 and outs[0].text is None
@@ -128,9 +127,9 @@ def test_the_call_home_stream_is_ours_with_msgpack_bodies():
 
 def test_our_items_are_byte_for_byte_what_1_6_1_sends():
     frames = callhome_frames()
-    first = v1_output(EngineOutput(), [1676], None, usage(25, 1, 0))
-    middle = v1_output(EngineOutput(), [1182], None, None)
-    last = v1_output(EngineOutput(), [], "length", usage(25, 3, 0))
+    first = output_item([1676], None, usage(25, 1, 0), out=EngineOutput())
+    middle = output_item([1182], None, None, out=EngineOutput())
+    last = output_item([], "length", usage(25, 3, 0))
     assert encode_msgpack_item(first) == encode_frame(body=frames[2][1])
     assert encode_msgpack_item(middle) == encode_frame(body=frames[3][1])
     assert encode_msgpack_item(last) == encode_frame(body=frames[5][1])

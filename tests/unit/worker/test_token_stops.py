@@ -1,6 +1,7 @@
-"""A core engine (the echo engine, which repeats the prompt's tokens) served to a Dynamo 1.x frontend
-(worker/v1_backend.py): 1.x's items, its visible stop ids honoured, what we cannot honour refused by name,
-and a 1.x worker's items read back as ours (llm/protocols/v1.py)."""
+"""A core engine (the echo engine, which repeats the prompt's tokens) served by the Backend handler to a
+frontend that does not ask for text (a Dynamo 1.x frontend; worker/token_stops.py) and to one that does (ours):
+1.x's items either way, visible stop ids honoured, what we cannot honour refused by name, and a worker's
+items read back by the frontend (llm/protocols/wire.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 
 from dynamo.engines.echo import EchoCoreEngine
 from dynamo.errors import RequestError
-from dynamo.llm.engine import Context
-from dynamo.llm.protocols.v1 import engine_output_from_v1, request_from_v1, v1_finish_reason
+from dynamo.llm.model_card import ModelCard
+from dynamo.llm.protocols.wire import finish_reason_on_wire, read_output, read_request
+from dynamo.runtime.context import Context as RtContext
 from dynamo.worker.handlers import backend_handler
-from dynamo.worker.v1_backend import v1_token_stream
 
 
 def v1_request(token_ids, **stop) -> dict:
@@ -28,8 +29,9 @@ def v1_request(token_ids, **stop) -> dict:
             "router_config_override": None}
 
 
-async def collect(request: dict) -> list[dict]:
-    return [x async for x in v1_token_stream(EchoCoreEngine(delay=0), request, Context())]
+async def collect(request: dict, card: ModelCard | None = None) -> list[dict]:
+    handler = backend_handler(card or ModelCard(display_name="m"), EchoCoreEngine(delay=0))
+    return [x async for x in handler(request, RtContext("r1"))]
 
 
 async def test_token_ids_only_with_usage_on_the_first_and_the_last_item():
@@ -83,54 +85,55 @@ async def test_what_we_cannot_honour_is_refused_by_name(change, named):
 def test_routing_and_stop_ids_map_to_ours():
     request = v1_request([1], stop_token_ids=[7, 8], stop_token_ids_visible=[8])
     request["routing"] = {"backend_instance_id": 42, "dp_rank": 0}
-    v1 = request_from_v1(request)
-    assert v1.request.backend_instance_id == 42
-    assert v1.request.stop_conditions.stop_token_ids_hidden == [2, 7] and v1.visible_stop_ids == {8}
+    req = read_request(request)
+    assert req.backend_instance_id == 42
+    assert req.stop_conditions.stop_token_ids_hidden == [2, 7] and req.stop_conditions.stop_token_ids_visible == [8]
 
 
 def test_finish_reasons_both_ways():
-    assert v1_finish_reason("error: boom") == {"error": "boom"}
-    assert v1_finish_reason({"error": "x"}) == {"error": "x"} and v1_finish_reason("length") == "length"
-    assert engine_output_from_v1({"token_ids": [], "finish_reason": "abort", "output_type": "text"}).finish_reason \
+    assert finish_reason_on_wire("error: boom") == {"error": "boom"}
+    assert finish_reason_on_wire({"error": "x"}) == {"error": "x"} and finish_reason_on_wire("length") == "length"
+    assert read_output({"token_ids": [], "finish_reason": "abort", "output_type": "text"}).finish_reason \
         == "cancelled"
-    out = engine_output_from_v1({"token_ids": [3], "output_type": "text", "top_logprobs": [[
+    out = read_output({"token_ids": [3], "output_type": "text", "top_logprobs": [[
         {"rank": 1, "token_id": 3, "token": None, "logprob": -0.5}]],
         "completion_usage": {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}})
-    assert out.cached_tokens == 2 and out.top_logprobs == [[{"token_id": 3, "logprob": -0.5}]]
+    assert out.cached_tokens == 2 and out.top_logprobs[0][0]["token_id"] == 3
+    assert out.top_logprobs[0][0]["logprob"] == -0.5
 
 
-class _RuntimeContext:
-    """What the runtime hands a handler for a request from a 1.x peer (runtime/context.py)."""
+async def test_a_request_that_asks_for_text_gets_it_in_the_same_items(tiny_model):
+    """Our frontend's request (``detokenize``) and a 1.x frontend's differ by that one field: the items are
+    1.x's layout either way, text only where asked."""
+    from dynamo.llm.model_card import load_hf_folder
+    from dynamo.llm.tokenizer import Tokenizer
 
-    def __init__(self) -> None:
-        from dynamo.runtime.context import Context as RtContext
-
-        self.ctx = RtContext("r1")
-        self.ctx.v1_peer = True
-
-
-async def test_the_backend_handler_answers_a_v1_peer_with_tokens_only(tmp_path):
-    from dynamo.llm.model_card import ModelCard
-
-    card = ModelCard(display_name="m")
-    handler = backend_handler(card, EchoCoreEngine(delay=0))
-    items = [x async for x in handler(v1_request([5, 6]), _RuntimeContext().ctx)]
-    assert [i["token_ids"] for i in items] == [[5], [6], []] and items[0]["text"] is None
+    card = load_hf_folder(tiny_model)
+    prompt = Tokenizer(card.tokenizer_json).encode("hello world")  # type: ignore[arg-type]
+    plain = await collect(v1_request(prompt), card)
+    asked = await collect({**v1_request(prompt), "detokenize": True}, card)
+    assert all(i["text"] is None for i in plain)
+    assert "".join(i["text"] for i in asked) == "hello world"
+    for items in (plain, asked):
+        assert all(i["output_type"] == "text" for i in items)
+        assert items[0]["completion_usage"]["prompt_tokens"] == len(prompt)
+        assert items[-1]["completion_usage"]["completion_tokens"] == len(prompt)
 
 
 def test_our_request_as_a_1x_worker_reads_it():
-    """The frontend's request in 1.x's shape: our own fields gone, the instance under ``routing``; what a 1.x
-    worker would ignore and so answer differently is refused by name."""
-    from dynamo.llm.protocols.common import ImageInput, PreprocessedRequest, SamplingOptions
-    from dynamo.llm.protocols.v1 import PeerRequest, request_to_v1
+    """The frontend's one request: 1.x's fields in 1.x's places (the instance under ``routing``), ours beside
+    them; what a 1.x worker would ignore and so answer differently is refused by name before it is sent."""
+    from dynamo.llm.protocols.common import ImageInput, PreprocessedRequest, Routing, SamplingOptions
+    from dynamo.llm.protocols.wire import PeerRequest
 
-    req = PreprocessedRequest(token_ids=[1, 2], model="m", backend_instance_id=7, prefix_source={"address": "x"})
-    body = request_to_v1(req)
+    req = PreprocessedRequest(token_ids=[1, 2], model="m", routing=Routing(backend_instance_id=7),
+                              prefix_source={"address": "x"})
+    body = PeerRequest(req).v1_body()
     assert body["routing"] == {"backend_instance_id": 7} and body["token_ids"] == [1, 2] and body["model"] == "m"
-    assert not {"prefix_source", "parsing", "backend_instance_id", "multi_modal_data"} & set(body)
-    assert "logit_bias" not in body["sampling_options"]
-    assert PeerRequest(req).body() == req.to_dict()
+    assert list(body)[:10] == list(v1_request([1]))
+    assert PeerRequest(req).body() == req.to_dict() == body
     with pytest.raises(RequestError, match="images"):
-        request_to_v1(PreprocessedRequest(token_ids=[1], multi_modal_data=[ImageInput(b"x", 1, 0, 1)]))
+        PeerRequest(PreprocessedRequest(token_ids=[1], multi_modal_data=[ImageInput(b"x", 1, 0, 1)])).v1_body()
     with pytest.raises(RequestError, match="logit_bias"):
-        request_to_v1(PreprocessedRequest(token_ids=[1], sampling_options=SamplingOptions(logit_bias={"3": 1.0})))
+        PeerRequest(PreprocessedRequest(token_ids=[1],
+                                        sampling_options=SamplingOptions(logit_bias={"3": 1.0}))).v1_body()
