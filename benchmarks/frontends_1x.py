@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Our frontend against Dynamo 1.6.1's, in front of the SAME workers: the frontends' cost, measured at last.
 
-    PYTHONPATH=src .venv/bin/python -m benchmarks.frontends_1x [--workers d16-mocker|llamacpp]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.frontends_1x [--workers d16-mocker|ours-mocker|llamacpp]
         [--streams 64,256] [--duration 20] [--repeats 1] [--only ours,d16] [--quiet 0.3]
 
 Topology, one machine, file discovery (one ``DYN_FILE_KV`` per run), TCP request plane, ZMQ events:
@@ -12,6 +12,8 @@ Topology, one machine, file discovery (one ``DYN_FILE_KV`` per run), TCP request
                                  v
                              2 workers, started once per run and shared by nothing else:
                              `d16-mocker`: 1.6.1's `python -m dynamo.mocker` (its timing model, speedup 1)
+                             `ours-mocker`: ours, `dynamo-run in=dyn://... out=mocker` (our frontend to our
+                                workers: the worker detokenizes; ``--only ours``)
                              `llamacpp`:   ours, `dynamo-run in=dyn://... out=llamacpp` on SmolLM2
 
 Per run: start the two workers, then the frontend; wait until it lists the model and answers; warm up; the
@@ -63,6 +65,12 @@ def start_workers(kind: str, env: dict[str, str], model_dir: Path, log: Path) ->
             procs.append(dist_compare.Proc(f"d16-mocker-{i}", [
                 str(python), "-m", "dynamo.mocker", "--model-path", str(model_dir), "--model-name", "bench",
                 "--endpoint", ENDPOINT], env, log))
+        return procs, "bench"
+    if kind == "ours-mocker":
+        for i in range(2):
+            procs.append(dist_compare.Proc(f"mocker-{i}", [
+                *cli_command(), f"in={ENDPOINT}", "out=mocker", str(model_dir), "--model-name", "bench"],
+                our_env(env), log))
         return procs, "bench"
     model = Path(os.popen(str(REPO / "scripts" / "smollm2-path.sh")).read().strip())
     for i in range(2):
@@ -128,7 +136,7 @@ def row(which: str, streams: int, r: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", choices=["d16-mocker", "llamacpp"], default="d16-mocker")
+    ap.add_argument("--workers", choices=["d16-mocker", "ours-mocker", "llamacpp"], default="d16-mocker")
     ap.add_argument("--streams", default="64,256")
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=1)

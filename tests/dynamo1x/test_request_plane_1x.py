@@ -5,7 +5,8 @@
   it; the worker's one port tells 1.6.1's framing from ours; a core engine answers in 1.x's token items.
 * Our client and our frontend's pipeline in front of 1.6.1's mocker: the instance built by hand from the
   mocker's own ``v1/instances`` file; its token ids are detokenized by our pipeline; a consumer that leaves
-  sends ``kill``; a mocker killed mid-stream is :class:`StreamIncompleteError` (what migration acts on).
+  sends ``kill``; a mocker killed mid-stream is :class:`StreamIncompleteError` (what migration acts on);
+  our fields in the one request are ignored by it, and what it would ignore wrongly is refused before sending.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ async def test_our_client_and_pipeline_in_front_of_d16_mocker(d16_mocker_instanc
     assert [len(i["token_ids"]) for i in items] == [1, 1, 1, 1, 0] and items[-1]["finish_reason"] == "length"
     assert all(1000 <= t < 5000 for i in items for t in i["token_ids"])
 
-    # our frontend's pipeline: the remote engine turns 1.x's items into ours, the post-processor detokenizes
+    # our frontend's pipeline: the remote engine asks for text, the mocker ignores that and sends token ids, and
+    # the post-processor detokenizes them
     card = load_hf_folder(tiny_chat_5k)
     engine = RemoteCoreEngine(client, SimpleRouter("round-robin"))
     pipeline = CorePipeline("tiny-chat", card, engine)
@@ -162,6 +164,36 @@ async def test_our_client_and_pipeline_in_front_of_d16_mocker(d16_mocker_instanc
     mocker.stop()
     log = re.sub(r"\x1b\[[0-9;]*m", "", mocker.stderr_text())  # its log's colours off
     assert 'cancellation.signal="kill"' in log
+
+
+async def test_d16_mocker_ignores_our_fields_and_what_it_would_ignore_wrongly_is_refused(d16_mocker_instance,
+                                                                                        our_runtime) -> None:
+    """Our one request, with every field of ours that 1.x has no place for set, reaches 1.6.1's mocker and is
+    answered as the same request without them (serde skips the unknown fields); images and ``logit_bias``,
+    which it would ignore and so answer differently, are refused by name before anything is sent."""
+    from dynamo.errors import RequestError
+    from dynamo.llm.protocols.common import ImageInput, OutputOptions, ResponseParsing, SamplingOptions
+    from dynamo.llm.protocols.wire import PeerRequest
+
+    mocker, instance = d16_mocker_instance
+    client = await our_client_of(our_runtime, instance)
+
+    def request(**ours) -> PreprocessedRequest:
+        return PreprocessedRequest(token_ids=[1, 2, 3, 4, 5], model="tiny-chat",
+                                   stop_conditions=StopConditions(max_tokens=3), **ours)
+
+    with_ours = request(detokenize=True, parsing=ResponseParsing(tool_call_parser="hermes", reasoning_started=True),
+                        prefix_source={"address": "127.0.0.1:1", "tokens": 4}, estimated_prefix_hit_num_blocks=2,
+                        disaggregated_params={"ticket": "x"}, output_options=OutputOptions(stop_token_logprobs=True))
+    for req in (request(), with_ours):
+        items = [x async for x in client.round_robin(PeerRequest(req))]
+        assert [len(i["token_ids"]) for i in items] == [1, 1, 1, 0] and items[-1]["finish_reason"] == "length"
+        assert items[-1]["completion_usage"]["completion_tokens"] == 3 and items[0]["text"] is None
+    for refused, named in ((request(multi_modal_data=[ImageInput(b"x", 1, 0, 1)]), "images"),
+                           (request(sampling_options=SamplingOptions(logit_bias={"3": 1.0})), "logit_bias")):
+        with pytest.raises(RequestError, match=named):
+            async for _ in client.round_robin(PeerRequest(refused)):
+                pass
 
 
 async def test_d16_mocker_killed_mid_stream_is_an_incomplete_stream(d16_mocker_instance, our_runtime) -> None:

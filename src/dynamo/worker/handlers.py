@@ -137,7 +137,10 @@ async def _engine_items(gen: Any, req: PreprocessedRequest, phases: Phases | Non
             reason = out.finish_reason or reason
             item_usage = usage(prompt, tokens, out.cached_tokens) if first or reason is not None else None
             first = False
-            yield output_item(out.token_ids, out.finish_reason, item_usage, out=out)
+            item = output_item(out.token_ids, out.finish_reason, item_usage, out=out)
+            if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
+                item["prompt_logprobs"] = out.prompt_logprobs
+            yield item
     except (Exception, asyncio.CancelledError) as exc:
         failed = exc
         raise

@@ -45,7 +45,7 @@ async def test_a_client_streams_from_our_worker_over_the_1x_wire(runtimes, serve
     seen: list[dict] = []
 
     async def gen(request, context):
-        seen.append({"request": request, "v1_peer": context.v1_peer})
+        seen.append(request)
         for i in range(request["n"]):
             yield {"i": i, "blob": b"\x01\x02".hex()}
 
@@ -55,16 +55,16 @@ async def test_a_client_streams_from_our_worker_over_the_1x_wire(runtimes, serve
     client = await v1_client(caller, ident)
     items = [x async for x in client.round_robin({"n": 3, "token_ids": [1, 2, 300000]})]
     assert [x["i"] for x in items] == [0, 1, 2]
-    assert seen == [{"request": {"n": 3, "token_ids": [1, 2, 300000]}, "v1_peer": True}]
+    assert seen == [{"n": 3, "token_ids": [1, 2, 300000]}]
     # many at once over the one connection: acks come back in order
     many = await asyncio.gather(*[_collect(client.round_robin({"n": 2})) for _ in range(20)])
     assert all([x["i"] for x in m] == [0, 1] for m in many)
-    # our own clients keep our wire with the same worker (its record back to ours): not a 1.x peer
+    # our own clients keep our wire with the same worker (its record back to ours)
     seen.clear()
     plain = await worker.namespace("v1t").component("other").endpoint("generate").client()
     await serve(worker.namespace("v1t").component("other").endpoint("generate"), gen)
     await plain.wait_for_instances(5)
-    assert [x["i"] async for x in plain.round_robin({"n": 1})] == [0] and seen[0]["v1_peer"] is False
+    assert [x["i"] async for x in plain.round_robin({"n": 1})] == [0] and seen == [{"n": 1}]
 
 
 async def _collect(stream) -> list:

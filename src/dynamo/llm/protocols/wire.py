@@ -88,8 +88,8 @@ def top_logprobs_on_wire(tops: list[Any] | None) -> list[Any] | None:
 def output_item(token_ids: list[int], finish_reason: Any, completion_usage: dict[str, Any] | None, *,
                 text: str | None = None, out: EngineOutput | None = None) -> dict[str, Any]:
     """One ``LLMEngineOutput`` as 1.6.1's workers write it (its fields, in its order; byte for byte when
-    nothing of ours is set).  ``out``: the engine's item whose logprobs, index, transfer ticket and prompt
-    logprobs go with it (None: a worker-made item, or logprobs already carried as text entries)."""
+    nothing of ours is set).  ``out``: the engine's item whose logprobs, index and KV transfer ticket go
+    with it (None: a worker-made item, or logprobs already carried as text entries)."""
     item: dict[str, Any] = {"token_ids": token_ids, "tokens": None, "text": text, "output_type": "text"}
     if out is None:
         item.update(cum_log_probs=None, log_probs=None, top_logprobs=None,
@@ -100,11 +100,8 @@ def output_item(token_ids: list[int], finish_reason: Any, completion_usage: dict
                     finish_reason=finish_reason_on_wire(finish_reason), index=out.index)
     if completion_usage is not None:
         item["completion_usage"] = completion_usage
-    if out is not None:
-        if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
-            item["disaggregated_params"] = out.disaggregated_params
-        if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
-            item["prompt_logprobs"] = out.prompt_logprobs
+    if out is not None and out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
+        item["disaggregated_params"] = out.disaggregated_params
     return item
 
 
