@@ -3,7 +3,7 @@
 Per token: incremental detokenisation, then the stop conditions in this order: ``min_tokens`` (nothing
 stops before it), hidden stop tokens (EOS and ``stop_token_ids``: never shown; the logprob entry of the one
 that ends the choice is kept only when the request asks, as completions do), stop strings (held back so
-no part of one is ever shown), ``max_tokens`` (enforced here for every engine).  Items that arrive
+no part of one is ever shown), visible stop tokens (shown, then the end), ``max_tokens`` (enforced here for every engine).  Items that arrive
 already detokenised (``text`` set by a remote Backend worker that did this work) pass through.
 """
 
@@ -35,7 +35,7 @@ class PostProcessor:
     """One request's decoder and stop checker.  ``process`` returns (text, finish_reason or None); with
     logprobs asked for, :meth:`take_logprobs` then gives the entries of the tokens that text came from."""
 
-    __slots__ = ("_detok", "_stops", "_hidden", "_min", "_max", "_lp", "_released", "_prompt", "_prompt_n", "_tokenizer",
+    __slots__ = ("_detok", "_stops", "_hidden", "_visible", "_min", "_max", "_lp", "_released", "_prompt", "_prompt_n", "_tokenizer",
                  "_stop_entry", "generated", "finished", "_upstream_stop")
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest):
@@ -43,6 +43,7 @@ class PostProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, request.token_ids)
         self._stops = StopStringMatcher(sc.stop) if sc.stop else None
         self._hidden = frozenset(sc.stop_token_ids_hidden or ())
+        self._visible = frozenset(sc.stop_token_ids_visible or ())  # stop after showing one of these
         self._min = sc.min_tokens or 0
         self._max = sc.max_tokens
         n = request.output_options.logprobs
@@ -95,6 +96,10 @@ class PostProcessor:
                         pieces.append(text)
                         self.finished = "stop"
                         return self._done("".join(pieces), "stop", cut=True)
+                if self._visible and token_id in self._visible:
+                    pieces.append(text)
+                    reason = "stop"
+                    break
             else:
                 if lp is not None:
                     self._carry(out, len(text))

@@ -55,6 +55,13 @@ def test_eos_in_the_middle_of_a_multi_token_item_cuts_the_item(tok):
     assert (text, reason) == ("Hello", "stop")
 
 
+def test_a_visible_stop_id_is_shown_and_ends_the_answer(tok):
+    """1.x's ``stop_token_ids_visible``, honoured by a worker that detokenizes as by one that does not."""
+    ids = tok.encode("Hello") + [IM_END_ID] + tok.encode(" after")
+    text, reason, _ = drive(make(tok, stop_token_ids_visible=[IM_END_ID]), [EngineOutput(token_ids=ids)])
+    assert (text, reason) == ("Hello<|im_end|>", "stop")
+
+
 def test_without_hidden_ids_eos_text_is_shown(tok):
     # what ignore_eos gives: the pre-processor leaves EOS out of the hidden ids
     ids = tok.encode("Hi") + [IM_END_ID] + tok.encode(" more")
