@@ -74,12 +74,10 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         phases = Phases(context.trace, req) if tracing.ENABLED and context is not None and context.trace else None
         ctx.phases = phases  # the engine reports admission and a KV transfer to it (phases.py)
         gen = engine.generate(req, ctx)
-        if not req.detokenize:
-            items = _token_items(gen, req, ctx, phases)
-        elif tokenizer is None:
-            items = _engine_items(gen, req, phases)
-        else:
+        if req.detokenize and tokenizer is not None:
             items = _text_items(gen, req, tokenizer, phases)
+        else:
+            items = _token_items(gen, req, ctx, phases)
         try:
             async for item in items:
                 yield item
@@ -93,10 +91,12 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
 
 async def _token_items(gen: Any, req: PreprocessedRequest, ctx: Context,
                        phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
-    """Token ids only, cut by the stop conditions (worker/token_stops.py)."""
-    stops = TokenStops(req)
+    """Token ids only: cut by the stop conditions (worker/token_stops.py) unless the frontend asked for text,
+    which it makes itself then (this worker has no tokenizer)."""
+    stops = TokenStops(req) if not req.detokenize else None
     prompt = len(req.token_ids)
     cached: int | None = None
+    generated = 0
     first = True
     reason: Any = None
     failed: BaseException | None = None
@@ -106,47 +106,28 @@ async def _token_items(gen: Any, req: PreprocessedRequest, ctx: Context,
                 phases.first(out)
             if out.cached_tokens is not None:
                 cached = out.cached_tokens
-            tokens, reason = stops.take(out.token_ids, out.finish_reason)
+            if stops is not None:
+                tokens, reason = stops.take(out.token_ids, out.finish_reason)
+            else:
+                tokens, reason = out.token_ids, out.finish_reason
+            generated += len(tokens)
             done = reason is not None
-            item_usage = usage(prompt, stops.generated, cached) if first or done else None
+            item = output_item(tokens, reason, usage(prompt, generated, cached) if first or done else None, out=out)
             first = False
-            yield output_item(tokens, reason, item_usage, out=out)
+            if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
+                item["prompt_logprobs"] = out.prompt_logprobs
+            yield item
             if done:
                 return
         # the engine ended without a finish reason: stopped by the client, or done
         reason = FINISH_CANCELLED if ctx.is_stopped else FINISH_STOP
-        yield output_item([], reason, usage(prompt, stops.generated, cached))
+        yield output_item([], reason, usage(prompt, generated, cached))
     except (Exception, asyncio.CancelledError) as exc:
         failed = exc
         raise
     finally:
         if phases is not None:
-            phases.end(stops.generated, reason, failed)
-
-
-async def _engine_items(gen: Any, req: PreprocessedRequest, phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
-    """The engine's items as they are (no tokenizer here: the frontend detokenizes and stops)."""
-    prompt = len(req.token_ids)
-    tokens, reason, failed = 0, None, None
-    first = True
-    try:
-        async for out in gen:
-            if phases is not None and phases.prefilling:
-                phases.first(out)
-            tokens += len(out.token_ids)
-            reason = out.finish_reason or reason
-            item_usage = usage(prompt, tokens, out.cached_tokens) if first or reason is not None else None
-            first = False
-            item = output_item(out.token_ids, out.finish_reason, item_usage, out=out)
-            if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
-                item["prompt_logprobs"] = out.prompt_logprobs
-            yield item
-    except (Exception, asyncio.CancelledError) as exc:
-        failed = exc
-        raise
-    finally:
-        if phases is not None:
-            phases.end(tokens, reason, failed)
+            phases.end(generated, reason, failed)
 
 
 async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
