@@ -64,7 +64,7 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
     does not ask (a Dynamo 1.x frontend) gets token ids with the stop conditions applied on ids."""
     tokenizer = Tokenizer(card.tokenizer_json) if card.has_tokenizer else None  # type: ignore[arg-type]
 
-    async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+    def start(request: Any, context: Any) -> tuple[PreprocessedRequest, Context, Phases | None, Any]:
         req = read_request(request)
         if loras is not None:
             check_served_model(req.model, card.display_name, loras)
@@ -73,26 +73,21 @@ def backend_handler(card: ModelCard, engine: Engine, loras: ServesLoraAdapters |
         log.debug("request %s: %d prompt tokens", ctx.id, len(req.token_ids))
         phases = Phases(context.trace, req) if tracing.ENABLED and context is not None and context.trace else None
         ctx.phases = phases  # the engine reports admission and a KV transfer to it (phases.py)
-        gen = engine.generate(req, ctx)
-        if req.detokenize and tokenizer is not None:
-            items = _text_items(gen, req, tokenizer, phases)
-        else:
-            items = _token_items(gen, req, ctx, phases)
-        try:
-            async for item in items:
-                yield item
-        finally:
-            ctx.stop_generating()
-            await items.aclose()  # type: ignore[attr-defined]
-            await gen.aclose()  # type: ignore[attr-defined]  # engines' generate() are async generators
+        return req, ctx, phases, engine.generate(req, ctx)
+
+    def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        # one of the two streams itself, not a generator around it: a hop per token costs (worker/phases.py)
+        if tokenizer is not None and isinstance(request, dict) and request.get("detokenize"):
+            return _text_items(start, request, context, tokenizer)
+        return _token_items(start, request, context)
 
     return generate
 
 
-async def _token_items(gen: Any, req: PreprocessedRequest, ctx: Context,
-                       phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
+async def _token_items(start: Any, request: Any, context: Any) -> AsyncIterator[dict[str, Any]]:
     """Token ids only: cut by the stop conditions (worker/token_stops.py) unless the frontend asked for text,
     which it makes itself then (this worker has no tokenizer)."""
+    req, ctx, phases, gen = start(request, context)
     stops = TokenStops(req) if not req.detokenize else None
     prompt = len(req.token_ids)
     cached: int | None = None
@@ -128,11 +123,13 @@ async def _token_items(gen: Any, req: PreprocessedRequest, ctx: Context,
     finally:
         if phases is not None:
             phases.end(generated, reason, failed)
+        ctx.stop_generating()
+        await gen.aclose()  # engines' generate() are async generators
 
 
-async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
-                      phases: Phases | None) -> AsyncIterator[dict[str, Any]]:
+async def _text_items(start: Any, request: Any, context: Any, tokenizer: Tokenizer) -> AsyncIterator[dict[str, Any]]:
     """Text: detokenized, stop conditions and strings applied, parsed when asked (llm/backend.py)."""
+    req, ctx, phases, gen = start(request, context)
     post = PostProcessor(tokenizer, req)
     stage = ParseStage.for_request(req, tokenizer)  # tool calls and reasoning: parsed here, beside detok
     prompt = len(req.token_ids)
@@ -146,8 +143,11 @@ async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
             if out.cached_tokens is not None:
                 cached = out.cached_tokens
             text, reason = post.process(out)
-            item = output_item(out.token_ids, reason, usage(prompt, post.generated, cached)
-                               if first or reason is not None else None, text=text)
+            # 1.x's fields that are null here are left out (our frontend reads them as absent): a text item is
+            # three keys, not nine, on the frontend's per-token path
+            item = {"token_ids": out.token_ids, "text": text, "finish_reason": reason}
+            if first or reason is not None:
+                item["completion_usage"] = usage(prompt, post.generated, cached)
             first = False
             if out.disaggregated_params is not None:  # a prefill worker's KV transfer ticket
                 item["disaggregated_params"] = out.disaggregated_params
@@ -158,7 +158,8 @@ async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
             if reason is not None:
                 return
         tail = post.end()
-        item = output_item([], post.finished, usage(prompt, post.generated, cached), text=tail)
+        item = {"token_ids": [], "text": tail, "finish_reason": post.finished,
+                "completion_usage": usage(prompt, post.generated, cached)}
         _text_extras(item, post, post.finished)
         yield item if stage is None else stage.annotate(item)
     except (Exception, asyncio.CancelledError) as exc:
@@ -167,6 +168,8 @@ async def _text_items(gen: Any, req: PreprocessedRequest, tokenizer: Tokenizer,
     finally:
         if phases is not None:
             phases.end(post.generated, post.finished, failed)
+        ctx.stop_generating()
+        await gen.aclose()  # engines' generate() are async generators
 
 
 def _text_extras(item: dict[str, Any], post: PostProcessor, reason: Any) -> None:

@@ -104,7 +104,7 @@ def test_finish_reasons_both_ways():
 
 async def test_a_request_that_asks_for_text_gets_it_in_the_same_items(tiny_model):
     """Our frontend's request (``detokenize``) and a 1.x frontend's differ by that one field: the items are
-    1.x's layout either way, text only where asked."""
+    1.x's either way (a text item leaves out 1.x's null fields), text only where asked."""
     from dynamo.llm.model_card import load_hf_folder
     from dynamo.llm.tokenizer import Tokenizer
 
@@ -114,8 +114,9 @@ async def test_a_request_that_asks_for_text_gets_it_in_the_same_items(tiny_model
     asked = await collect({**v1_request(prompt), "detokenize": True}, card)
     assert all(i["text"] is None for i in plain)
     assert "".join(i["text"] for i in asked) == "hello world"
+    assert all(i["output_type"] == "text" for i in plain)
+    assert all(set(i) <= {"token_ids", "text", "finish_reason", "completion_usage"} for i in asked)
     for items in (plain, asked):
-        assert all(i["output_type"] == "text" for i in items)
         assert items[0]["completion_usage"]["prompt_tokens"] == len(prompt)
         assert items[-1]["completion_usage"]["completion_tokens"] == len(prompt)
 
