@@ -3,8 +3,8 @@
 These are also the one wire format to Backend-type workers, ours and Dynamo 1.x's alike, and to ``pytok:``
 engines: Dynamo 1.x's ``PreprocessedRequest`` and ``LLMEngineOutput``, their field names, places and order
 (the request as 1.6.1's frontend sends it, nulls included; measured on the wire, tests/unit/runtime/data),
-plus our own fields, which a 1.x process ignores (serde skips unknown fields: checked against real 1.6.1
-workers and frontends in tests/dynamo1x).  Our fields either ask a worker for more than the engine does
+plus our own fields, which a 1.x worker ignores (serde skips unknown fields: checked against 1.6.1's
+mocker in tests/dynamo1x); a 1.x frontend asks for none of the item's.  Our fields either ask a worker for more than the engine does
 (``detokenize``, ``parsing``) or carry what 1.x has no place for; what would change the answer if a 1.x
 worker ignored it is refused before it is sent to one (:mod:`.wire`).
 """

@@ -86,11 +86,11 @@ def top_logprobs_on_wire(tops: list[Any] | None) -> list[Any] | None:
 
 
 def output_item(token_ids: list[int], finish_reason: Any, completion_usage: dict[str, Any] | None, *,
-                text: str | None = None, out: EngineOutput | None = None) -> dict[str, Any]:
-    """One ``LLMEngineOutput`` as 1.6.1's workers write it (its fields, in its order; byte for byte when
-    nothing of ours is set).  ``out``: the engine's item whose logprobs, index and KV transfer ticket go
-    with it (None: a worker-made item, or logprobs already carried as text entries)."""
-    item: dict[str, Any] = {"token_ids": token_ids, "tokens": None, "text": text, "output_type": "text"}
+                out: EngineOutput | None = None) -> dict[str, Any]:
+    """One token item, ``LLMEngineOutput`` as 1.6.1's workers write it (its fields, in its order: byte for
+    byte).  ``out``: the engine's item whose logprobs, index and KV transfer ticket go with it (None: an
+    item the worker made, the last one)."""
+    item: dict[str, Any] = {"token_ids": token_ids, "tokens": None, "text": None, "output_type": "text"}
     if out is None:
         item.update(cum_log_probs=None, log_probs=None, top_logprobs=None,
                     finish_reason=finish_reason_on_wire(finish_reason), index=None)
