@@ -90,6 +90,14 @@ def test_routing_and_stop_ids_map_to_ours():
     assert req.stop_conditions.stop_token_ids_hidden == [2, 7] and req.stop_conditions.stop_token_ids_visible == [8]
 
 
+def test_a_lora_named_in_routing_is_the_model_the_worker_checks():
+    """1.x names an adapter in ``routing.lora_name``: the worker runs that adapter, or refuses it, never the
+    base model in its place."""
+    request = v1_request([1])
+    request["routing"] = {"lora_name": "my-adapter"}
+    assert read_request(request).model == "my-adapter"
+
+
 def test_finish_reasons_both_ways():
     assert finish_reason_on_wire("error: boom") == {"error": "boom"}
     assert finish_reason_on_wire({"error": "x"}) == {"error": "x"} and finish_reason_on_wire("length") == "length"

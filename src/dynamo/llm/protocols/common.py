@@ -86,6 +86,7 @@ class Routing(msgspec.Struct, omit_defaults=True):
 
     backend_instance_id: int | None = None  # the client named the worker (``nvext.backend_instance_id``)
     dp_rank: int | None = None  # the engine's data-parallel rank; ours have one, 0
+    lora_name: str | None = None  # 1.x's way to name a LoRA adapter (ours name it in ``model``)
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=False):

@@ -43,8 +43,12 @@ def read_request(data: Any) -> PreprocessedRequest:
     stop = req.stop_conditions
     if stop.max_thinking_tokens is not None:
         raise _refuse("stop_conditions.max_thinking_tokens")
-    if req.routing is not None and req.routing.dp_rank not in (None, 0):
-        raise _refuse(f"routing.dp_rank {req.routing.dp_rank} (this worker has one data-parallel rank, 0)")
+    routing = req.routing
+    if routing is not None:
+        if routing.dp_rank not in (None, 0):
+            raise _refuse(f"routing.dp_rank {routing.dp_rank} (this worker has one data-parallel rank, 0)")
+        if routing.lora_name:  # the adapter to run: our workers select it by the model's name
+            req.model = routing.lora_name
     if stop.stop_token_ids or stop.stop_token_ids_visible:
         req.stop_conditions = _hidden_and_visible(stop)
     return req
