@@ -70,7 +70,7 @@ def test_d16_frontend_migrates_off_our_worker_killed_mid_stream(tiny_chat_5k: Pa
             body = {"model": "mig", "messages": [{"role": "user", "content": "one two three four five six seven"}],
                     "max_tokens": 24, "ignore_eos": True}
             expected, _ = stream_text(frontend.url, body)  # the answer when nothing fails
-            served = {id(w): w.stderr_text().count("(Dynamo 1.x)") for w in workers}
+            served = {id(w): w.stderr_text().count(" prompt tokens") for w in workers}
             text, victim, finish, pieces, used = "", None, None, 0, {}
             with httpx.stream("POST", f"{frontend.url}/v1/chat/completions", timeout=60, json={
                     **body, "stream": True, "stream_options": {"include_usage": True}}) as reply:
@@ -88,7 +88,7 @@ def test_d16_frontend_migrates_off_our_worker_killed_mid_stream(tiny_chat_5k: Pa
                         finish = choice.get("finish_reason") or finish
                     if victim is None and pieces >= 5:
                         before = text
-                        victim = next(w for w in workers if w.stderr_text().count("(Dynamo 1.x)") > served[id(w)])
+                        victim = next(w for w in workers if w.stderr_text().count(" prompt tokens") > served[id(w)])
                         victim.kill()
             assert victim is not None
             assert finish == "length" and used["completion_tokens"] == 24, (finish, used, text)
