@@ -1,5 +1,6 @@
 """1.6.1's frontend in front of our workers, when things go wrong and for the engines it does not have: a Python
-engine of ours (``out=pystr:``: OpenAI chunks, no tokenizer on the 1.x side), our worker killed -9 mid-stream
+engine of ours (``out=pystr:``: OpenAI chunks, no tokenizer on the 1.x side), our items with a field 1.x does not
+know (``out=pytok:``), our worker killed -9 mid-stream
 with 1.6.1's ``--migration-limit`` (the stream finishes on the other worker), and a client that goes away
 (our worker stops generating)."""
 
@@ -49,6 +50,40 @@ def test_d16_frontend_serves_our_python_engine(tiny_chat_5k: Path, store: Path) 
         reply = httpx.post(f"{frontend.url}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+EXTRA_FIELD_ENGINE = """
+import argparse, sys
+from tokenizers import Tokenizer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model-path", required=True)
+args, _ = parser.parse_known_args(sys.argv[1:])
+TOKENIZER = Tokenizer.from_file(args.model_path + "/tokenizer.json")
+ANSWER = TOKENIZER.encode("The capital of France is Paris.", add_special_tokens=False).ids
+
+
+async def generate(request):
+    for i, tid in enumerate(ANSWER):
+        item = {"token_ids": [tid]}
+        if i == 0:  # a field of ours that 1.x's LLMEngineOutput has not: the worker passes it on
+            item["prompt_logprobs"] = [None] + [[{"token_id": t, "logprob": -1.0}] for t in request["token_ids"][1:]]
+        yield item
+    yield {"token_ids": [], "finish_reason": "stop"}
+"""
+
+
+def test_d16_frontend_ignores_a_field_of_ours_in_our_items(tiny_chat_5k: Path, store: Path, tmp_path: Path) -> None:
+    """Our worker's items are 1.x's ``LLMEngineOutput`` with our fields beside; 1.6.1's frontend skips the ones
+    it does not know (here ``prompt_logprobs``, which our worker passes on from its engine:
+    tests/unit/worker/test_token_stops.py) and serves the answer whole."""
+    engine = tmp_path / "extra_field_engine.py"
+    engine.write_text(EXTRA_FIELD_ENGINE)
+    theirs, ours = ours_env(store)
+    with DynamoWorker("in=dyn://xf.backend.generate", f"out=pytok:{engine}", str(tiny_chat_5k), "--model-name", "xf",
+                      env=ours), d16_frontend(theirs, model="xf") as frontend:
+        body = {"model": "xf", "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 20}
+        assert stream_text(frontend.url, body) == ("The capital of France is Paris.", "stop")
 
 
 def test_d16_frontend_migrates_off_our_worker_killed_mid_stream(tiny_chat_5k: Path, store: Path) -> None:

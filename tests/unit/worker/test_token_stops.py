@@ -90,6 +90,21 @@ def test_routing_and_stop_ids_map_to_ours():
     assert req.stop_conditions.stop_token_ids_hidden == [2, 7] and req.stop_conditions.stop_token_ids_visible == [8]
 
 
+async def test_an_engines_prompt_logprobs_go_on_beside_1xs_fields():
+    """A field of ours in an item (1.6.1's frontend skips it: tests/dynamo1x/test_d16_frontend_faults.py)."""
+    from dynamo.llm.protocols.common import EngineOutput
+
+    class PromptLogprobs:
+        async def generate(self, request, context):
+            yield EngineOutput(token_ids=[5], prompt_logprobs=[None, [{"token_id": 6, "logprob": -1.0}]])
+            yield EngineOutput(token_ids=[], finish_reason="stop")
+
+    handler = backend_handler(ModelCard(display_name="m"), PromptLogprobs())  # type: ignore[arg-type]
+    items = [x async for x in handler(v1_request([1, 6]), RtContext("r1"))]
+    assert items[0]["prompt_logprobs"] == [None, [{"token_id": 6, "logprob": -1.0}]]
+    assert list(items[0])[:4] == ["token_ids", "tokens", "text", "output_type"]
+
+
 def test_a_lora_named_in_routing_is_the_model_the_worker_checks():
     """1.x names an adapter in ``routing.lora_name``: the worker runs that adapter, or refuses it, never the
     base model in its place."""
