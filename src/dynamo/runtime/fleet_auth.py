@@ -60,7 +60,7 @@ NONCE_LEN = 32
 PROOF_LEN = 32
 HELLO_LEN = len(MAGIC) + NONCE_LEN
 # a peer without the secret: one of ours started without it, or a Dynamo 1.x process (1.x has no fleet secret:
-# a fleet mixing 1.x processes runs without one; docs/runtime.md, "Dynamo 1.x on the request plane")
+# a fleet mixing 1.x processes runs without one; docs/runtime.md, "The TCP request plane: one wire, 1.x's")
 NO_HANDSHAKE = ("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there? a Dynamo 1.x process, "
                 "which has none?)")
 NO_HANDSHAKE_1X = ("it sent a request without the handshake (a Dynamo 1.x frontend, which has no fleet secret and "
