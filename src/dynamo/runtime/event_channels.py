@@ -102,13 +102,14 @@ class Publisher:
     """One event stream of this process: ``publish(payload)`` wraps it in 1.x's envelope and sends it."""
 
     def __init__(self, plane: "EventChannels", scope: EndpointScope, topic: str, publisher_id: int,
-                 sock: Any = None) -> None:
+                 sock: Any = None, address: str = "") -> None:
         self.plane = plane
         self.scope = scope
         self.topic = topic
         self.publisher_id = publisher_id
         self.sequence = 0
         self._sock = sock  # the PUB socket (ZMQ), None on NATS
+        self.address = address  # where it is bound (tcp://host:port), "" on NATS
         self._subject = scope.subject(topic)
 
     def publish(self, payload: bytes) -> Any:
@@ -316,7 +317,7 @@ class EventChannels:
             port = sock.bind_to_random_port("tcp://*" if not self.host else f"tcp://{self.host}")
             host = self.advertise
             address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-            pub = Publisher(self, scope, topic, publisher_id, sock)
+            pub = Publisher(self, scope, topic, publisher_id, sock, address)
             record = zmq_channel_record(scope, topic, publisher_id, address)
         else:
             pub = Publisher(self, scope, topic, publisher_id)

@@ -1,4 +1,4 @@
-"""The TCP request plane and the ZMQ event plane between runtimes in this process, with a real etcd and no
+"""The TCP request plane and the event plane over ZMQ between runtimes in this process, with a real etcd and no
 NATS server at all (``NATS_SERVER`` points at a closed port): requests, acks, no responders, busy, a
 frozen listener, and events to subscribers that join before or after the publisher. A NATS-plane client
 reaching a TCP worker is here too (that one with the session's nats-server)."""
@@ -17,6 +17,7 @@ from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.mux import EnvelopeDecoder, envelope
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_event_wire import EndpointScope
 from harness.servers import free_port
 from harness.wait import until
 
@@ -189,43 +190,38 @@ async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime,
     assert Instance.from_json(kv.value).subject.startswith(f"tcp://127.0.0.1:{port}/")
 
 
-# -- the ZMQ event plane -------------------------------------------------------------------------------
+# -- the event plane over ZMQ -------------------------------------------------------------------------
 
 
-async def published_until(publisher, subject: str, got: asyncio.Queue, payload: bytes) -> None:
+async def published_until(pub, got: asyncio.Queue, payload: bytes) -> None:
     """Publish until the subscriber has one (its connection's handshake may still be under way)."""
     async with asyncio.timeout(10):
         while got.empty():
-            await publisher.event_plane().publish(subject, payload)
+            await pub.publish(payload)
             await asyncio.sleep(0.02)
 
 
 async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publisher(no_nats_runtime, ns):
     early = await no_nats_runtime()
     publisher = await no_nats_runtime()
-    subject = f"namespace.{ns}.kv_metrics"
+    scope = EndpointScope(ns, "backend", "generate")
     got_early: asyncio.Queue = asyncio.Queue()
     got_other: asyncio.Queue = asyncio.Queue()
 
-    async def on_early(subj: str, payload: bytes) -> None:
-        got_early.put_nowait((subj, payload))
-
-    await early.event_plane().subscribe(subject, on_early)
-    other = await early.event_plane().subscribe(subject + "_other", lambda s, p: got_other.put(p))
-    await published_until(publisher, subject, got_early, b"one")
-    assert (await got_early.get())[0] == subject
-    assert got_other.empty()  # "kv_metrics_other" is another subject, not a prefix match
+    await early.event_plane().subscribe(scope, "kv_metrics", lambda env: got_early.put_nowait(env))
+    other = await early.event_plane().subscribe(scope, "kv_metrics_other", lambda env: got_other.put_nowait(env))
+    pub = await publisher.event_plane().publisher(scope, "kv_metrics")
+    await published_until(pub, got_early, b"one")
+    env = await got_early.get()
+    assert (env.topic, env.payload, env.publisher_id) == ("kv_metrics", b"one", pub.publisher_id)
+    assert got_other.empty()  # "kv_metrics_other" is another topic, not a prefix match
     await other.unsubscribe()
 
     late = await no_nats_runtime()  # starts after the publisher: finds it in discovery
     got_late: asyncio.Queue = asyncio.Queue()
-
-    async def on_late(subj: str, payload: bytes) -> None:
-        got_late.put_nowait(payload)
-
     before = late.event_plane().reconnects
-    await late.event_plane().subscribe(subject, on_late)
-    await published_until(publisher, subject, got_late, b"two")
+    await late.event_plane().subscribe(scope, "kv_metrics", lambda env: got_late.put_nowait(env.payload))
+    await published_until(pub, got_late, b"two")
     assert await got_late.get() == b"two"
     assert late.event_plane().reconnects > before  # the handshake: the cue to ask for snapshots
 
@@ -233,5 +229,5 @@ async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publi
     newcomer = await no_nats_runtime()
     while not got_late.empty():
         got_late.get_nowait()
-    await published_until(newcomer, subject, got_late, b"three")
+    await published_until(await newcomer.event_plane().publisher(scope, "kv_metrics"), got_late, b"three")
     assert await got_late.get() == b"three"
