@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EndpointScope, Envelope, decode_envelope
+from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EndpointScope, Envelope, decode_envelope, encode_envelope
 
-__all__ = ["channels", "follow", "kv_events", "nats_subject", "payload"]
+__all__ = ["channels", "follow", "kv_events", "nats_subject", "payload", "undecodable_kv_event"]
 
 
 def nats_subject(namespace: str, topic: str, component: str = "*", endpoint: str = "*") -> str:
@@ -53,3 +53,9 @@ async def follow(rt: Any, scope: EndpointScope, topic: str, handler: Callable[[A
 async def channels(rt: Any, scope: EndpointScope, *topics: str) -> int:
     """How many publishers of ``topics`` in ``scope`` discovery names now."""
     return sum([len(await rt.discovery().get_prefix(scope.key_prefix(EVENT_CHANNELS, t))) for t in topics])
+
+
+def undecodable_kv_event(marker: str) -> bytes:
+    """A NATS ``kv-events`` message a KV router logs and skips, naming ``marker`` (its worker id): once the
+    marker is in a frontend's log, the events it received before were applied."""
+    return encode_envelope(1, 0, "kv-events", msgspec.msgpack.encode([{"worker_id": marker}]))
