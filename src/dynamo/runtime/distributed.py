@@ -158,7 +158,9 @@ class DistributedRuntime:
                 from .event_channels import EventChannels  # pyzmq: imported only by processes that use it
 
                 self._events = EventChannels(self.etcd, planes.events, nats=self.nats, host=hosts.bind,
-                                          advertise=hosts.advertise, auth=auth)
+                                             advertise=hosts.advertise, auth=auth)
+                if planes.events == "zmq":  # one port per publisher, each said as it binds
+                    listeners.append(Listener("events", hosts.bind))
             if self.settings.system.enabled:
                 from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
 

@@ -318,6 +318,7 @@ class EventChannels:
             host = self.advertise
             address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
             pub = Publisher(self, scope, topic, publisher_id, sock, address)
+            log.info("events: publishing %s of %s on %s", topic, scope.subject_prefix, address)
             record = zmq_channel_record(scope, topic, publisher_id, address)
         else:
             pub = Publisher(self, scope, topic, publisher_id)
