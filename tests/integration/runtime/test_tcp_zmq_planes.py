@@ -158,8 +158,9 @@ async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_
 
 
 async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve, caplog):
-    """Each instance record names its plane: a process on NATS sends to a TCP worker directly; their
-    event planes never meet, and each says so in one line."""
+    """Each instance record names its plane: a process on NATS sends to a TCP worker directly, and follows
+    its ZMQ publishers (each channel record says where); the worker, without NATS, cannot hear the other's
+    NATS publishers, and each says so in one line."""
     caplog.set_level("WARNING", logger="dynamo.runtime.plane_choice")
     worker = await no_nats_runtime()
     caller = await make_runtime(request_plane="nats", event_plane="nats")
@@ -176,6 +177,11 @@ async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_ru
         line = f"event plane: this process uses {mine} and instance {other.instance_hex} uses {theirs}"
         await until(lambda: line in caplog.text, 5, line)  # noqa: B023 - awaited within the iteration
     assert f"request plane: instance {caller.instance_hex} and this process cannot reach each other" in caplog.text
+    got: asyncio.Queue = asyncio.Queue()
+    scope = EndpointScope(ns, "b", "g")
+    await caller.event_plane().subscribe(scope, "kv_metrics", lambda env: got.put_nowait(env.payload))
+    await published_until(await worker.event_plane().publisher(scope, "kv_metrics"), got, b"heard")
+    assert await got.get() == b"heard"
 
 
 async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime, ns, serve):
