@@ -282,7 +282,7 @@ class KvRouterPolicy:
         task.add_done_callback(self._tasks.discard)
 
     async def _resync(self, entry: Any) -> None:
-        """Ask a worker for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+        """Ask a worker for the blocks it holds (its recovery endpoint) and apply them."""
         worker_id = entry.instance_id
         self.router.begin_resync(worker_id)
         try:

@@ -41,8 +41,6 @@ import orjson
 from dynamo.kv.hashing import MASK64
 
 # -- building (worker side) --------------------------------------------------------------------------
-# the endpoint beside a worker's generate that answers with every block it holds (routers that join late)
-KV_STATE_ENDPOINT = "kv_state"
 
 def stored_data(parent_hash: int | None, blocks: Iterable[tuple[int, int]]) -> dict[str, Any]:
     """``blocks``: (block_hash, tokens_hash) pairs, in prefix order, the first one a child of parent."""

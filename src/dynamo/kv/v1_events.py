@@ -166,7 +166,7 @@ def _runs(chains: Iterable[Any]) -> list[tuple[int | None, list[tuple[int, int]]
 
 
 def dump_from_tree(worker_id: int, answer: Any) -> dict[str, Any]:
-    """A 1.x worker's recovery answer as our ``kv_state`` dump (what ``KvRouter.apply_dump`` takes).
+    """A 1.x worker's recovery answer as our dump (:meth:`~dynamo.kv.worker_state.WorkerKvState.dump`'s shape) (what ``KvRouter.apply_dump`` takes).
     Raises :class:`EventError` when it is not a ``TreeDump``."""
     body = answer.get("TreeDump") if isinstance(answer, dict) else None
     if not isinstance(body, dict) or not isinstance(body.get("events"), list):

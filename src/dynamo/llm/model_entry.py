@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MODELS_PREFIX = "models/"
 OBJECT_BUCKET = "dynamo_mdc"
-# runtime_config key: true when the worker publishes KV events (and answers the kv_state query); a KV
+# runtime_config key: true when the worker publishes KV events (and answers the recovery query); a KV
 # router uses the approximate indexer for a model whose workers do not say so
 PUBLISHES_KV_EVENTS = "publishes_kv_events"
 # runtime_config key: the address a worker lends its cached KV prefixes from (disagg/prefix_share.py); a KV
