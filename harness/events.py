@@ -30,7 +30,7 @@ def payload(data: bytes | Envelope) -> Any:
 
 def kv_events(data: bytes | Envelope) -> list[dict[str, Any]]:
     """The RouterEvents of one ``kv-events`` message, worker ids as we keep them (i64)."""
-    events = payload(data)
+    events = [e for e in payload(data) if isinstance(e.get("worker_id"), int)]  # (a test's marker is not)
     for e in events:
         if e["worker_id"] >= 1 << 63:
             e["worker_id"] -= 1 << 64

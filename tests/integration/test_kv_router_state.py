@@ -176,7 +176,7 @@ def test_after_a_nats_restart_the_frontend_asks_again(tiny_model: Path, tmp_path
             nats_srv.kill()  # events published now would be lost
             nats_srv.tmpdir.mkdir(parents=True, exist_ok=True)
             nats_srv.start()  # same port
-            wait_log(fe, r"NATS reconnected: asking 1 worker\(s\) for their KV state again", timeout=20)
+            wait_log(fe, r"event plane reconnected: asking 1 worker\(s\) for their KV state again", timeout=20)
             (before, after) = wait_log(fe, r"KV state of worker [0-9a-f]+: (\d+) cached blocks", count=2, timeout=20)
             assert int(after) >= cached["overlap_blocks"]
         finally:
