@@ -3,7 +3,7 @@
 In process: a follow-up request finds the previous request's slot free and reuses its prefix; a
 request whose prefix sits in a *busy* slot gets a copy of that slot's cache and the same greedy answer
 as without it; the engine's KV events, fed to a router, describe exactly what the slots hold, and so
-does its ``kv_state`` dump.  Distributed: two ``out=llamacpp`` workers behind a ``--router-mode kv``
+does its dump (what its recovery endpoint answers).  Distributed: two ``out=llamacpp`` workers behind a ``--router-mode kv``
 frontend (real etcd and NATS): the second request with the same long prefix goes to the worker that
 holds it, and that worker's llama.cpp reuses the prefix.
 """
