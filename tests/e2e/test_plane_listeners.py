@@ -150,3 +150,11 @@ def test_the_default_store_owned_by_another_user_is_refused_unless_named(tmp_pat
     # named deliberately, a trusted owner's directory is used (root may write it)
     with DynamoWorker(*worker_args(tiny_model), env={**UNSET, "TMPDIR": str(tmp_path), "DYN_FILE_KV": str(planted)}):
         assert (planted / "leases").is_dir()
+
+
+def test_turning_kv_events_off_apart_is_refused_in_one_line(tmp_path, tiny_model):
+    """``DYN_KV_EVENTS_1X=0`` chose whether Dynamo 1.x's form went out beside ours; there is one form now,
+    so a worker refuses it rather than publish what the setting asked it not to."""
+    env = {**UNSET, "DYN_FILE_KV": str(tmp_path / "store"), "DYN_KV_EVENTS_1X": "0"}
+    line = refused([f"in={ENDPOINT}", "out=mocker", str(tiny_model), "--model-name", MODEL], env)
+    assert "DYN_KV_EVENTS_1X=0" in line and "one form" in line, line

@@ -78,7 +78,6 @@ class KvPublishing:
     async def start(cls, endpoint: Endpoint) -> "KvPublishing | None":
         """The publishers of ``endpoint``'s worker (their channel records written); None in a static runtime
         (no discovery: no router can find them)."""
-        check_no_second_form()
         plane = endpoint.runtime.event_plane()
         if plane is None:
             return None

@@ -39,7 +39,7 @@ from dynamo.runtime.distributed import DistributedRuntime, connect_runtime
 from dynamo.runtime.fleet_auth import FleetAuth
 from dynamo.runtime.tcp import advertise_host
 from dynamo.worker.handlers import backend_handler, chat_handler
-from dynamo.worker.kv_publishing import KvPublishing, serve_load_metrics
+from dynamo.worker.kv_publishing import KvPublishing, check_no_second_form, serve_load_metrics
 from dynamo.worker.lora_control import LoraControl
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
 
 async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
     ident = EndpointId.parse(cfg.input)
+    check_no_second_form()  # a setting that cannot be honoured stops the worker before it joins the fleet
     runtime = await connect_runtime(discovery_backend=cfg.discovery_backend, request_plane=cfg.request_plane,
                                     event_plane=cfg.event_plane)
     owned: object | None = None  # the engine to close on the way out (the disagg wrapper closes its engine)
