@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -58,7 +59,7 @@ from dynamo.llm.model_entry import (
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.protocols.v1 import PeerRequest
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.event_plane import EventPlane, EventSubscription
+from dynamo.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
 from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope
 from dynamo.runtime.v1_records import signed_id
 
@@ -425,6 +426,21 @@ class KvRouterPolicy:
         self._kv_subs.clear()
 
 
+_publishers: "weakref.WeakKeyDictionary[Any, dict[tuple[EndpointScope, str], EventPublisher]]" = \
+    weakref.WeakKeyDictionary()
+
+
+async def shared_publisher(plane: EventPlane, scope: EndpointScope, topic: str) -> EventPublisher:
+    """One publisher of ``topic`` in ``scope`` per event plane, whichever router publishes: the KV routers of a
+    model's LoRA adapters (one each, on their base model's workers) share a stream instead of binding a
+    socket apiece."""
+    mine = _publishers.setdefault(plane, {})
+    pub = mine.get((scope, topic))
+    if pub is None:
+        pub = mine[(scope, topic)] = await plane.publisher(scope, topic)
+    return pub
+
+
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
                          cfg: RouterConfig, *, load_of: KvRouter | None = None,
                          metrics: BoundRouterMetrics | None = None) -> KvRouterPolicy:
@@ -437,7 +453,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     async def publisher(topic: str) -> Any:
         if plane is None:
             return None
-        pub = await plane.publisher(scope, topic)
+        pub = await shared_publisher(plane, scope, topic)
         return lambda event: pub.publish(encode_payload(event))
 
     events = cfg.use_kv_events and publishes_kv_events(entry)
