@@ -15,8 +15,9 @@ counts every finished ZMQ handshake and every NATS reconnect: the signal on whic
 every event (the KV router) ask each worker for its state again (its recovery endpoint), so a subscriber
 that joins after a publisher, or sees one come and go, catches up.
 
-Which transport a publisher uses follows this process's event plane (``--event-plane``): a fleet's
-processes must agree on it, as 1.x's ``DYN_EVENT_PLANE`` says.  With a fleet secret every ZMQ socket is
+Which transport a publisher uses follows this process's event plane (``--event-plane``, 1.x's
+``DYN_EVENT_PLANE``); a subscriber follows each publisher where its record says, so processes on different
+planes still hear each other, except a NATS publisher and a process without NATS (plane_choice.py warns).  With a fleet secret every ZMQ socket is
 CURVE (:mod:`.zmq_curve`): our processes hear each other, a 1.6.1 router (no authentication on its event
 plane) hears nothing.
 
@@ -121,7 +122,7 @@ class Publisher:
         if self._sock is not None:
             return self._sock.send_multipart(zmq_frames(self.publisher_id, seq, self.topic, payload), copy=False)
         nats = self.plane.nats
-        if nats is None or self.plane.closed:
+        if nats is None or self.plane.kind != "nats":  # (a ZMQ publisher closed)
             return None
         return nats.publish(self._subject, encode_envelope(self.publisher_id, seq, self.topic, payload))
 
