@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MODELS_PREFIX = "models/"
 OBJECT_BUCKET = "dynamo_mdc"
-# runtime_config key: true when the worker publishes KV events (and answers the kv_state query); a KV
+# runtime_config key: true when the worker publishes KV events (and answers the recovery query); a KV
 # router uses the approximate indexer for a model whose workers do not say so
 PUBLISHES_KV_EVENTS = "publishes_kv_events"
 # runtime_config key: the address a worker lends its cached KV prefixes from (disagg/prefix_share.py); a KV
@@ -112,8 +112,8 @@ V1_PUBLISHES_KV_EVENTS = "kv_event_publishing_enabled"
 
 
 def is_1x_worker(entry: Any) -> bool:
-    """A worker of Dynamo 1.x's own (its card came from a ``v1/mdc`` record): it publishes KV events and
-    load only in 1.x's form (dynamo/kv/v1_events.py) and recovers a router through its
-    ``worker_kv_query_source_*`` endpoint.  Ours say so with their own key, and publish both forms."""
+    """A worker of Dynamo 1.x's own (its card came from a ``v1/mdc`` record): it says it publishes KV events
+    with 1.x's key (``kv_event_publishing_enabled``), ours with their own; both publish and are recovered
+    alike (dynamo/kv/v1_events.py)."""
     rc = getattr(entry, "runtime_config", None) or {}
     return PUBLISHES_KV_EVENTS not in rc and V1_PUBLISHES_KV_EVENTS in rc

@@ -37,10 +37,10 @@ class IncomingRequest(Protocol):
 
 @runtime_checkable
 class CarriesHeaders(Protocol):
-    """A request that came with headers of its own (a Dynamo 1.x client's TCP request message): the W3C
-    trace context (``traceparent``, ``tracestate``) is among them."""
+    """A request that came with headers (a TCP request message's, a NATS message's; None: none): the W3C
+    trace context (``traceparent``, ``tracestate``) is among them when the client traces."""
 
-    headers: dict[str, str]
+    headers: dict[str, str] | None
 
 
 RequestHandler = Callable[[Any], Awaitable[None]]  # called with an IncomingRequest
@@ -80,9 +80,10 @@ class RequestPlane(Protocol):
     def set_stats_handler(self, name: str, stats_handler: Callable[[Any], Any]) -> None:
         """User data for the service's statistics (load metrics); the service must exist."""
 
-    async def serve(self, service: str, endpoint: str, handler: RequestHandler) -> ServedEndpoint:
+    async def serve(self, service: str, endpoint: str, handler: RequestHandler, path: str = "") -> ServedEndpoint:
         """Serve ``endpoint`` of ``service`` (announced first if need be) with ``handler``; requests can
-        arrive once this returns."""
+        arrive once this returns. ``path`` is the endpoint's name on a TCP port,
+        ``{instance_id:x}/{namespace}/{component}/{endpoint}`` (NATS names it by ``service`` and ``endpoint``)."""
 
     async def close(self) -> None:
         """Stop every endpoint and service and release the connection."""

@@ -55,6 +55,13 @@ ACK_REFUSED = b'{"error":"instance shutting down"}'  # draining: the client trea
 ACK_BUSY = b'{"error":"busy"}'  # at its limit of requests in flight: try another instance
 PING = b""  # an empty request: "are you there?", acked (empty) and not served; probes 1.x instances
 PROBE_KEY = "probe"  # a request's control key (ours): answer with an empty stream over the response path
+# Our worker's ack of a probe: "an empty stream follows". A worker that knows no probes (1.6.1's) acks it as
+# taken and sends nothing, so the prober knows not to wait for one.
+ACK_PROBE = b"Probe taken: answering over the response path"
+# A request's control key (ours) and its value: the client is one of ours and knows our ``drained`` item. A
+# request without it comes from a Dynamo 1.x client, whose stream a drain ends without one (ingress.py).
+CLIENT_KEY = "x_client"
+CLIENT_OURS = "dynamo-py"
 
 
 def encode_item(item: Any) -> bytes:
@@ -87,11 +94,10 @@ def encode_handshake(subject: str, heartbeat_ms: int | None = None) -> bytes:
     return encode_frame(header=_dumps(ctl))
 
 
-def encode_request(request_id: str, connection_info: dict, body: bytes,
-                   trace: dict[str, str] | None = None, probe: bool = False) -> bytes:
-    """``trace``: the W3C ``traceparent``/``tracestate`` the worker's spans are children of (ours: keys of
-    the control JSON; runtime/tracing.py). ``probe`` (ours, :data:`PROBE_KEY`): not a request but a
-    question, answered by an empty stream over the response path (runtime/probe.py)."""
+def encode_request(request_id: str, connection_info: dict, body: bytes, probe: bool = False) -> bytes:
+    """The request frame, marked as our client's (:data:`CLIENT_KEY`). ``probe`` (ours, :data:`PROBE_KEY`):
+    not a request but a question, answered by an empty stream over the response path (runtime/probe.py).
+    The W3C trace context travels in the message's headers (``StreamState.trace``), as 1.x carries it."""
     control: dict[str, Any] = {
         "id": request_id,
         "request_type": "single_in",
@@ -100,9 +106,8 @@ def encode_request(request_id: str, connection_info: dict, body: bytes,
             "transport": connection_info["transport"],
             "info": _dumps(connection_info["info"]).decode(),
         },
+        CLIENT_KEY: CLIENT_OURS,
     }
-    if trace:
-        control.update(trace)
     if probe:
         control[PROBE_KEY] = True
     return encode_frame(_dumps(control), body, with_checksum=True)
@@ -170,7 +175,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "mux_id", "_loop", "msgpack", "trace")
+                 "_resume", "quiet", "mux_id", "_loop", "trace")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -194,8 +199,7 @@ class StreamState:
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
         self.mux_id = 0  # its id on a multiplexed call-home connection (0: not offered; runtime/mux.py)
-        self.trace: dict[str, str] | None = None  # W3C headers for a 1.x worker's request message (tracing)
-        self.msgpack = False  # the worker (Dynamo 1.x) sends its data frames' bodies in msgpack (runtime/v1_wire.py)
+        self.trace: dict[str, str] | None = None  # W3C headers for the TCP request message (tracing)
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:

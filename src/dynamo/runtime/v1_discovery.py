@@ -3,7 +3,7 @@ records and 1.x's as one list.
 
 Writing: an endpoint of ours served on the TCP request plane also gets a ``v1/instances`` record under
 the process's lease (:func:`publish_endpoint`), so a 1.x frontend finds it (the event plane writes its own
-``v1/event_channels`` records: :mod:`.v1_event_plane`). It goes through the runtime's
+``v1/event_channels`` records: :mod:`.event_channels`). It goes through the runtime's
 :class:`~.kv_store.KeyValueStore` with ``lease=True``: on etcd a plain key under our lease, on the file
 store 1.x's file (:mod:`.file_v1`), and either way it is re-published if the store loses it and goes
 when the lease goes.

@@ -1,4 +1,4 @@
-"""The TCP request plane and the ZMQ event plane between runtimes in this process, with a real etcd and no
+"""The TCP request plane and the event plane over ZMQ between runtimes in this process, with a real etcd and no
 NATS server at all (``NATS_SERVER`` points at a closed port): requests, acks, no responders, busy, a
 frozen listener, and events to subscribers that join before or after the publisher. A NATS-plane client
 reaching a TCP worker is here too (that one with the session's nats-server)."""
@@ -11,12 +11,12 @@ import socket
 import pytest
 
 from dynamo.runtime import AckTimeoutError, NoRespondersError
-from dynamo.runtime.codec import decode_frame, encode_frame
 from dynamo.runtime.config import NatsSettings
 from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
-from dynamo.runtime.mux import EnvelopeDecoder, envelope
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_event_wire import EndpointScope
+from dynamo.runtime.v1_wire import RequestDecoder, encode_ack, v1_path
 from harness.servers import free_port
 from harness.wait import until
 
@@ -60,7 +60,8 @@ async def test_without_nats_the_runtime_chooses_tcp_and_zmq_and_serves(no_nats_r
         await serve(rt.namespace(ns).component("b").endpoint("g"), handler_of(rt))
     key = EndpointId(ns, "b", "g").instance_key(workers[0].instance_id)
     record = Instance.from_json((await caller.discovery().get(key)).value)
-    assert record.subject.startswith("tcp://") and record.subject.endswith(f"/{EndpointId(ns, 'b', 'g').subject(workers[0].instance_id)}")
+    # one address shape for every TCP endpoint, ours and 1.x's: host:port/{instance_id:x}/{ns}/{comp}/{ep}
+    assert record.subject.split("/", 1)[1] == v1_path(workers[0].instance_id, ns, "b", "g")
 
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     await client.wait_for_instances(5)
@@ -88,7 +89,7 @@ async def test_a_stopped_endpoint_and_a_gone_worker_are_no_responders(no_nats_ru
     inst = client.instances()[0]
     # the listener is up but nothing is served under that name any more: "no responders", at once
     plane = worker.request_plane()
-    name = inst.subject.rpartition("/")[2]
+    name = inst.subject.split("/", 1)[1]  # the endpoint's path on the worker's port
     handler = plane.handlers.pop(name)  # type: ignore[attr-defined]
     with pytest.raises(NoRespondersError) as info:
         await client.direct({}, worker.instance_id).start()
@@ -111,37 +112,38 @@ async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, n
     assert await busy.finish() == [{"done": True}]
 
 
-async def _never_called(request):  # a probe runs no handler
-    raise AssertionError(f"a probe reached the handler: {request!r}")
-    yield
-
-
 async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_runtime, ns):
     """A frozen worker's kernel still accepts the connection; only the missing ack tells."""
     caller = await no_nats_runtime(stream_liveness=LIVENESS)
     answering = asyncio.Event()
-    thawed = Ingress(_never_called, name="thawed")  # what a worker that came back answers probes with
+    served = []
+
+    async def handler(request):
+        served.append(request)
+        return
+        yield
+
+    thawed = Ingress(handler, name="thawed")  # what a worker that came back answers pings and probes with
 
     class Request:  # one request as the TCP plane hands it to a worker's Ingress
-        def __init__(self, rid: int, data: bytes, writer: asyncio.StreamWriter) -> None:
-            self.data, self.rid, self.writer = data, rid, writer
+        def __init__(self, data: bytes, writer: asyncio.StreamWriter) -> None:
+            self.data, self.writer = data, writer
 
         async def respond(self, data: bytes = b"") -> None:
-            self.writer.write(envelope(self.rid, encode_frame(body=data)))
+            self.writer.write(encode_ack(data.decode() if data else None))
 
     async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        decoder = EnvelopeDecoder()
+        decoder = RequestDecoder()
+        await answering.wait()  # frozen: its kernel holds what comes; thawed, it acks all of it in order
         while data := await reader.read(65536):
-            for rid, payload in decoder.feed(data):
-                if answering.is_set():  # thawed: answers the client's probes (an ack, then an empty stream)
-                    _, body = decode_frame(payload)  # (the endpoint's name, the request)
-                    await thawed.on_request(Request(rid, body, writer))
+            for _path, _headers, payload in decoder.feed(data):
+                await thawed.on_request(Request(payload, writer))
 
     server = await asyncio.start_server(frozen, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     fake = 0x5EED
     ep = EndpointId(ns, "b", "g")
-    inst = Instance.for_endpoint(ep, fake, f"tcp://127.0.0.1:{port}/{ep.subject(fake)}")
+    inst = Instance.for_endpoint(ep, fake, f"127.0.0.1:{port}/{v1_path(fake, ns, 'b', 'g')}")
     await caller.discovery().put(ep.instance_key(fake), inst.to_json())
     try:
         client = await caller.namespace(ns).component("b").endpoint("g").client()
@@ -150,15 +152,18 @@ async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_
             await client.round_robin({}).start()
         assert client.instance_ids() == []  # set aside
         answering.set()
-        assert await client.wait_for_instances(5) == [fake]  # a probe got its answer
+        assert await client.wait_for_instances(5) == [fake]  # a ping got its answer
+        await until(lambda: served, 5, "the request sent while it was frozen served")
+        assert served == [{}]  # that one; a ping runs no handler
     finally:
         await caller.discovery().delete(ep.instance_key(fake))
         server.close()
 
 
 async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve, caplog):
-    """Each instance record names its plane: a process on NATS sends to a TCP worker directly; their
-    event planes never meet, and each says so in one line."""
+    """Each instance record names its plane: a process on NATS sends to a TCP worker directly, and follows
+    its ZMQ publishers (each channel record says where); the worker, without NATS, cannot hear the other's
+    NATS publishers, and each says so in one line."""
     caplog.set_level("WARNING", logger="dynamo.runtime.plane_choice")
     worker = await no_nats_runtime()
     caller = await make_runtime(request_plane="nats", event_plane="nats")
@@ -175,6 +180,11 @@ async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_ru
         line = f"event plane: this process uses {mine} and instance {other.instance_hex} uses {theirs}"
         await until(lambda: line in caplog.text, 5, line)  # noqa: B023 - awaited within the iteration
     assert f"request plane: instance {caller.instance_hex} and this process cannot reach each other" in caplog.text
+    got: asyncio.Queue = asyncio.Queue()
+    scope = EndpointScope(ns, "b", "g")
+    await caller.event_plane().subscribe(scope, "kv_metrics", lambda env: got.put_nowait(env.payload))
+    await published_until(await worker.event_plane().publisher(scope, "kv_metrics"), got, b"heard")
+    assert await got.get() == b"heard"
 
 
 async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime, ns, serve):
@@ -186,46 +196,41 @@ async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime,
 
     await serve(worker.namespace(ns).component("b").endpoint("g"), gen)
     kv = await worker.discovery().get(EndpointId(ns, "b", "g").instance_key(worker.instance_id))
-    assert Instance.from_json(kv.value).subject.startswith(f"tcp://127.0.0.1:{port}/")
+    assert Instance.from_json(kv.value).subject.startswith(f"127.0.0.1:{port}/")
 
 
-# -- the ZMQ event plane -------------------------------------------------------------------------------
+# -- the event plane over ZMQ -------------------------------------------------------------------------
 
 
-async def published_until(publisher, subject: str, got: asyncio.Queue, payload: bytes) -> None:
+async def published_until(pub, got: asyncio.Queue, payload: bytes) -> None:
     """Publish until the subscriber has one (its connection's handshake may still be under way)."""
     async with asyncio.timeout(10):
         while got.empty():
-            await publisher.event_plane().publish(subject, payload)
+            await pub.publish(payload)
             await asyncio.sleep(0.02)
 
 
 async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publisher(no_nats_runtime, ns):
     early = await no_nats_runtime()
     publisher = await no_nats_runtime()
-    subject = f"namespace.{ns}.kv_metrics"
+    scope = EndpointScope(ns, "backend", "generate")
     got_early: asyncio.Queue = asyncio.Queue()
     got_other: asyncio.Queue = asyncio.Queue()
 
-    async def on_early(subj: str, payload: bytes) -> None:
-        got_early.put_nowait((subj, payload))
-
-    await early.event_plane().subscribe(subject, on_early)
-    other = await early.event_plane().subscribe(subject + "_other", lambda s, p: got_other.put(p))
-    await published_until(publisher, subject, got_early, b"one")
-    assert (await got_early.get())[0] == subject
-    assert got_other.empty()  # "kv_metrics_other" is another subject, not a prefix match
+    await early.event_plane().subscribe(scope, "kv_metrics", lambda env: got_early.put_nowait(env))
+    other = await early.event_plane().subscribe(scope, "kv_metrics_other", lambda env: got_other.put_nowait(env))
+    pub = await publisher.event_plane().publisher(scope, "kv_metrics")
+    await published_until(pub, got_early, b"one")
+    env = await got_early.get()
+    assert (env.topic, env.payload, env.publisher_id) == ("kv_metrics", b"one", pub.publisher_id)
+    assert got_other.empty()  # "kv_metrics_other" is another topic, not a prefix match
     await other.unsubscribe()
 
     late = await no_nats_runtime()  # starts after the publisher: finds it in discovery
     got_late: asyncio.Queue = asyncio.Queue()
-
-    async def on_late(subj: str, payload: bytes) -> None:
-        got_late.put_nowait(payload)
-
     before = late.event_plane().reconnects
-    await late.event_plane().subscribe(subject, on_late)
-    await published_until(publisher, subject, got_late, b"two")
+    await late.event_plane().subscribe(scope, "kv_metrics", lambda env: got_late.put_nowait(env.payload))
+    await published_until(pub, got_late, b"two")
     assert await got_late.get() == b"two"
     assert late.event_plane().reconnects > before  # the handshake: the cue to ask for snapshots
 
@@ -233,5 +238,5 @@ async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publi
     newcomer = await no_nats_runtime()
     while not got_late.empty():
         got_late.get_nowait()
-    await published_until(newcomer, subject, got_late, b"three")
+    await published_until(await newcomer.event_plane().publisher(scope, "kv_metrics"), got_late, b"three")
     assert await got_late.get() == b"three"

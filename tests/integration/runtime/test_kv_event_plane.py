@@ -1,6 +1,6 @@
-"""KV events in Dynamo 1.x's form between runtimes of ours, on a real etcd: a worker's publishers (channel
-records, 4-frame ZMQ messages or NATS envelopes, the EventSource record and the recovery endpoint) and a
-KV router that follows a worker publishing only in that form, as it follows a 1.6.1 worker
+"""KV events between runtimes of ours, on a real etcd, in the one form they have, Dynamo 1.x's: a worker's
+publishers (channel records, 4-frame ZMQ messages or NATS envelopes, the EventSource record and the
+recovery endpoint) and a KV router that follows a worker of ours as it follows a 1.6.1 worker
 (tests/dynamo1x runs the same against 1.6.1's own processes)."""
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from dynamo.kv.v1_events import (
 from dynamo.kv.worker_state import WorkerKvState
 from dynamo.llm.model_entry import ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.runtime.codec import encode_frame
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.transport import StreamState
 from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope
-from dynamo.runtime.v1_wire import v1_path
-from dynamo.worker.kv_publishing import V1KvPublishing
+from dynamo.worker.kv_publishing import KvPublishing
 from harness.wait import until
 
 BLOCK = 16
@@ -45,12 +46,11 @@ class DumpingEngine:
         return self.state.dump()
 
 
-async def start_worker(rt, ns: str) -> tuple[V1KvPublishing, WorkerKvState]:
+async def start_worker(rt, ns: str) -> tuple[KvPublishing, WorkerKvState]:
     endpoint = rt.namespace(ns).component("backend").endpoint("generate")
-    v1 = await V1KvPublishing.start(endpoint)
+    v1 = await KvPublishing.start(endpoint)
     assert v1 is not None
-    ours: list[dict] = []
-    publish_kv_event, publish_metrics = v1.wrap(ours.append, ours.append)
+    publish_kv_event, publish_metrics = v1.callbacks()
     state = WorkerKvState(rt.instance_id, publish_kv_event, first_event_id=5000)
     await v1.serve_recovery(DumpingEngine(state))
     state.metrics = publish_metrics  # type: ignore[attr-defined]
@@ -63,7 +63,7 @@ def store(state: WorkerKvState, tokens: list[int]) -> None:
 
 
 @pytest.mark.parametrize("planes", ["zmq", "nats"])
-async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns, planes):
+async def test_a_subscriber_reads_a_workers_events_and_load(make_runtime, ns, planes):
     worker = await make_runtime(**PLANES[planes])
     frontend = await make_runtime(**PLANES[planes])
     v1, state = await start_worker(worker, ns)
@@ -78,7 +78,7 @@ async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns
 
     router = KvRouter(block_size=BLOCK)
     loads: list[bytes] = []
-    plane = frontend.v1_event_plane()
+    plane = frontend.event_plane()
     await plane.subscribe(scope, TOPIC_KV_EVENTS,
                           lambda env: [router.apply_event(e) for e in decode_router_events(env.payload)])
     await plane.subscribe(scope, TOPIC_KV_METRICS, lambda env: loads.append(env.payload))
@@ -89,13 +89,18 @@ async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns
         emit(state.metrics, {"worker_id": worker.instance_id, "data": {"kv_stats": {"kv_active_blocks": 4}}})
         return router.find_matches(prompt) == {worker.instance_id: 4} and loads
 
-    await until(arrived, 10, "the worker's 1.x KV events and load")
+    await until(arrived, 10, "the worker's KV events and load")
 
 
+CARDS = {"ours": {"publishes_kv_events": True},
+         "1.x's": {"kv_event_publishing_enabled": True, "enable_local_indexer": True}}
+
+
+@pytest.mark.parametrize("card", list(CARDS))
 @pytest.mark.parametrize("planes", ["zmq", "nats"])
-async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make_runtime, ns, planes):
-    """A worker whose card says ``kv_event_publishing_enabled`` (a 1.x worker) is recovered through its
-    recovery endpoint, then followed on 1.x's plane."""
+async def test_our_kv_router_recovers_then_follows_a_worker(make_runtime, ns, planes, card):
+    """A worker whose entry says it publishes KV events (ours, or a 1.x worker's card) is recovered through
+    its recovery endpoint, then followed on the event plane: the same path for both."""
     worker = await make_runtime(**PLANES[planes])
     frontend = await make_runtime(**PLANES[planes])
     v1, state = await start_worker(worker, ns)
@@ -104,7 +109,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
     router = KvRouter(block_size=BLOCK)
     policy = KvRouterPolicy(router, frontend.event_plane(), runtime=frontend)
     entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {},
-                       runtime_config={"kv_event_publishing_enabled": True, "enable_local_indexer": True})
+                       runtime_config=CARDS[card])
     try:
         policy.add_worker(entry)
         await until(lambda: router.find_matches(early) == {worker.instance_id: 3}, 10, "the recovered blocks")
@@ -114,7 +119,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
             store(state, later)
             return router.find_matches(later) == {worker.instance_id: 2}
 
-        await until(live, 10, "live 1.x events")
+        await until(live, 10, "live events")
         policy.remove_worker(worker.instance_id)
         store(state, list(range(3000, 3000 + BLOCK)))
         assert router.find_matches(early) == {}
@@ -123,7 +128,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
 
 
 async def test_the_recovery_endpoint_answers_a_1x_client_with_a_bare_tree_dump(make_runtime, ns):
-    """Over 1.x's TCP wire (as a 1.6.1 router asks) the answer goes without an Annotated layer
+    """To a request without our client's mark (as a 1.6.1 router asks) the answer goes without an Annotated layer
     (runtime.annotated.BareItem: the bytes are pinned against 1.6.1's in test_v1_event_wire.py), and our
     client reads such an answer (a 1.x control endpoint's) as the item itself."""
     worker = await make_runtime(**PLANES["zmq"])
@@ -132,15 +137,19 @@ async def test_the_recovery_endpoint_answers_a_1x_client_with_a_bare_tree_dump(m
     store(state, list(range(2 * BLOCK)))
     name = query_source_endpoint(v1.kv_pub.publisher_id)
     ident = EndpointId(ns, "backend", name)
-    key = ident.instance_key(worker.instance_id)
-    ours = Instance.from_json((await caller.discovery().get(key)).value)
-    hostport = ours.subject.partition("://")[2].partition("/")[0]
-    as_1x = Instance(ns, "backend", name, worker.instance_id,
-                     f"{hostport}/{v1_path(worker.instance_id, ns, 'backend', name)}")
-    await worker.discovery().put(key, as_1x.to_json(), lease=True)  # the record a 1.x worker would have
-    client = await caller.namespace(ns).component("backend").endpoint(name).client()
-    await until(lambda: any("://" not in i.subject for i in client.instances()), 5, "the 1.x address")
-    answers = [a async for a in client.direct(recovery_query(worker.instance_id), worker.instance_id)]
+    subject = Instance.from_json((await caller.discovery().get(ident.instance_key(worker.instance_id))).value).subject
+    # the request as a 1.x client sends it: no mark of our client, none of our extras offered
+    receiver = await caller.response_streams().receiver()
+    stream = StreamState("as-1x", worker.instance_id)
+    info = {k: v for k, v in receiver.register(stream)["info"].items()
+            if k in ("address", "subject", "context", "stream_type")}
+    control = {"id": "as-1x", "request_type": "single_in", "response_type": "many_out",
+               "connection_info": {"transport": "tcp_server", "info": orjson.dumps(info).decode()}}
+    request = encode_frame(orjson.dumps(control), orjson.dumps(recovery_query(worker.instance_id)))
+    assert await caller.request_plane().send(subject, request, 5, stream) == b""
+    await until(lambda: stream.finished, 5, "the answer")
+    receiver.unregister(stream)
+    answers = [a["data"] for a in stream.items]  # our client's reading of a bare answer: the item itself
     assert len(answers) == 1 and set(answers[0]) == {"TreeDump"}
     assert answers[0]["TreeDump"]["last_event_id"] == 1
     assert dump_from_tree(worker.instance_id, answers[0])["blocks"][-1][0] == compute_hashes(
