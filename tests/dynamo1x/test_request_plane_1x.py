@@ -122,7 +122,8 @@ def d16_mocker_instance(tiny_chat_5k: Path, store: Path):
     with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", d16_env(store), store=store) as mocker:
         files = [p for p in (store / "v1" / "instances").iterdir() if "%2Fgenerate%2F" in p.name]
         record = json.loads(files[0].read_text())
-        yield mocker, Instance("m16", "backend", "generate", record["instance_id"], record["transport"]["tcp"])
+        yield mocker, Instance("m16", "backend", "generate", record["instance_id"], record["transport"]["tcp"],
+                              record.get("request_plane_codec"))
 
 
 async def our_client_of(rt: DistributedRuntime, instance: Instance):
