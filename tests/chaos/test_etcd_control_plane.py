@@ -29,6 +29,7 @@ from dynamo.frontend.model_manager import ModelManager  # noqa: E402
 from dynamo.frontend.remote import RouterConfig  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
+from dynamo.llm.v1_card import record_of  # noqa: E402
 from dynamo.llm.model_type import ModelType  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
@@ -471,7 +472,7 @@ async def test_model_whose_card_failed_to_load_is_retried(etcd, nats, tiny_model
         entry = ModelEntry(name=name, namespace=ns, component="backend", endpoint="generate",
                            model_type=ModelType.Backend, instance_id=worker.instance_id, card=data)
         await watcher.start()
-        await worker.etcd.put(entry.key(), entry.to_json(), lease=True)
+        await worker.etcd.put(entry.key(), record_of(entry), lease=True)
         await until(lambda: _after("model-retry:" + entry.key() in {t.get_name() for t in asyncio.all_tasks()}),
                     5, "the first attempt to fail and a retry to be planned")
         assert name not in manager.names()

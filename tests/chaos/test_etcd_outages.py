@@ -80,15 +80,14 @@ def model_listed(frontend: DynamoRun) -> bool:
 
 
 def registered(etcd: EtcdServer, workers: list[DynamoWorker]) -> bool:
-    """Every worker's instance key and model entry are in etcd under its own (unchanged) lease."""
+    """Every worker's instance key and model record are in etcd under its own (unchanged) lease."""
     instances = etcd_keys(etcd, "instances/chaos/backend/generate:")
-    models = etcd_keys(etcd, "models/chaos/backend/generate/")
+    models = etcd_keys(etcd, "v1/mdc/chaos/backend/generate/")
     for w in workers:
         lease = w.instance_id
         if instances.get(f"instances/chaos/backend/generate:{w.instance_hex}") != lease:
             return False
-        if not any(k.startswith(f"models/chaos/backend/generate/{w.instance_hex}/") and v == lease
-                   for k, v in models.items()):
+        if models.get(f"v1/mdc/chaos/backend/generate/{w.instance_hex}") != lease:
             return False
     return True
 
@@ -284,7 +283,7 @@ def test_sigterm_after_outage_still_deregisters(etcd, fleet):
     worker.terminate()
     assert worker.wait(15) == 0, worker.stderr_text()[-3000:]
     assert key not in etcd_keys(etcd, "instances/")
-    assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "models/"))
+    assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "v1/mdc/"))
     wait_until(lambda: worker.instance_id not in health_instances(fleet["frontend"]), 5,
                "the stopped worker gone from the frontend")
     assert registered(etcd, fleet["workers"])  # the others are untouched

@@ -1,7 +1,8 @@
 """Discovery across the two implementations, with real processes, on the file store and on etcd: Dynamo
 1.6.1's frontend lists the model of a worker of ours (our ``v1/instances`` and ``v1/mdc`` records, its
-card's files), and our frontend lists the model of 1.6.1's mocker (its records, read and translated); each
-model goes when its worker stops. Requests across are the request plane's tests."""
+card's files, our card in the extra field it ignores) and rejects, naming them, the models it must not
+serve; our frontend lists the model of 1.6.1's mocker (its records, read as ours); each model goes when its
+worker stops. Requests across are the request plane's tests."""
 
 from __future__ import annotations
 
@@ -80,3 +81,33 @@ def test_d16_frontend_lists_our_gguf_workers_model(tiny_chat_5k: Path, store: Pa
                       env=ours, startup_timeout=60), d16_frontend(theirs, model="gguf-model"):
         cached = list((tmp_path / "cache" / "dynamo" / "v1_cards").glob("*/tokenizer.json"))
         assert len(cached) == 1
+
+
+def test_d16_frontend_rejects_our_models_it_cannot_serve_and_serves_the_rest(tiny_chat_5k: Path, envs) -> None:
+    """A prefill worker of ours and a worker whose card has no tokenizer announce their models with a
+    ``model_type`` 1.6.1 does not know: it rejects each in one line naming the flag, lists neither, and
+    serves the model of our ordinary worker beside them."""
+    import httpx
+
+    theirs, ours, _ = envs
+    workers = [DynamoWorker(*args, env=ours, startup_timeout=60) for args in (
+        ("in=dyn://hid.prefill.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "hidden-prefill",
+         "--disaggregation-mode", "prefill"),
+        ("in=dyn://hid.noname.generate", "out=echo_full", "--model-name", "hidden-nofiles"),
+        ("in=dyn://hid.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "shown"),
+    )]
+    try:
+        for worker in workers:
+            worker.start()
+        with d16_frontend(theirs, model="shown") as frontend:
+            for flag in ("PrefillOverOurTransfer", "NoTokenizerFiles"):
+                wait_until(lambda: f"unrecognized named flag `{flag}`" in frontend.stderr_text(), 30,  # noqa: B023
+                           f"1.6.1's frontend rejects the {flag} record")
+            assert models_listed(frontend.url) == {"shown"}
+            resp = httpx.post(f"{frontend.url}/v1/chat/completions", timeout=30, json={
+                "model": "shown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        for worker in workers:
+            worker.stop()

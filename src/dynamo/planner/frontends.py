@@ -26,11 +26,12 @@ import logging
 
 from dynamo.aio import cancel_and_wait
 from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
-from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.llm.v1_card import entry_from_record
 from dynamo.planner.observe import ObservationUnavailable
 from dynamo.runtime.discovery import DiscoveryWatch
 from dynamo.runtime.errors import DynamoRuntimeError
 from dynamo.runtime.kv_store import KeyValueStore
+from dynamo.runtime.v1_records import models_prefix
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ class FrontendDirectory:
 async def namespace_models(store: KeyValueStore, namespace: str) -> set[str]:
     """The names (lowercased, as the frontend labels its series) of the models registered in ``namespace``."""
     names: set[str] = set()
-    for kv in await store.get_prefix(f"{MODELS_PREFIX}{namespace}/"):
+    for kv in await store.get_prefix(models_prefix(namespace)):
         try:
-            names.add(ModelEntry.from_json(kv.value).name.lower())
+            names.add(entry_from_record(kv.value).name.lower())
         except Exception:  # noqa: BLE001 - a malformed entry is the frontend's to report
             continue
     return names

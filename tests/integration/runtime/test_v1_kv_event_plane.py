@@ -22,7 +22,7 @@ from dynamo.kv.v1_events import (
     recovery_query,
 )
 from dynamo.kv.worker_state import WorkerKvState
-from dynamo.llm.model_entry import ModelEntry
+from dynamo.llm.model_entry import V1_CARD, ModelEntry
 from dynamo.llm.model_type import ModelType
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
@@ -103,7 +103,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
     store(state, early)  # before the router: only the recovery can tell it
     router = KvRouter(block_size=BLOCK)
     policy = KvRouterPolicy(router, frontend.event_plane(), runtime=frontend)
-    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {},
+    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {V1_CARD: {}},
                        runtime_config={"kv_event_publishing_enabled": True, "enable_local_indexer": True})
     try:
         policy.add_worker(entry)
