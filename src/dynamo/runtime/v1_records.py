@@ -1,11 +1,11 @@
 """Dynamo 1.x's discovery records: the key layout and the JSON values of ``v1/instances``, ``v1/mdc``,
 ``v1/event_channels`` and ``v1/event_sources``, so that our processes and Dynamo 1.6.1's form one fleet.
 
-Why a second set of records: a 1.x frontend finds workers only under these keys and in this shape, and
-a 1.x worker announces itself only there. Our own records (``instances/``, ``models/``) stay: they carry
-what 1.x has no field for (the fleet secret's addresses, LoRA, disaggregation, ...). A worker of ours
-writes both; a frontend of ours reads both and prefers ours for an instance that has both
-(:mod:`.v1_watch`). The facts (key shapes, field names and order, ``{id:x}`` lowercase hex without
+A 1.x frontend finds workers only under these keys and in this shape, and a 1.x worker announces itself
+only there. A model's only record is the ``v1/mdc`` Model (what 1.x's card has no field for rides in it:
+llm/v1_card.py). Instances still have our own record too (``instances/``, which carries the addresses of
+our wire): a worker of ours writes both, and a client reads both and prefers ours for an instance that has
+both (:mod:`.v1_discovery`). The facts (key shapes, field names and order, ``{id:x}`` lowercase hex without
 padding) are what 1.6.1 writes, observed on disk and in etcd; the values here are built from them, not
 from 1.x's code.
 
