@@ -61,7 +61,6 @@ from .response_streams import ResponseStreams
 from .tcp_listener import TcpResponseServer
 from .transport import ACK_BUSY, StreamState, encode_request
 from .v1_discovery import watch_instances
-from .v1_wire import encode_msgpack, encode_v1_request, is_v1_address
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +82,6 @@ def _encode_request(request: Any) -> bytes:
         return msgspec.json.encode(request)
 
 
-def _encode_request_msgpack(request: Any) -> bytes:
-    """The request as a Dynamo 1.x worker reads it: msgpack, the codec 1.6 workers advertise."""
-    if isinstance(request, (bytes, bytearray, memoryview)):
-        request = orjson.loads(request)  # JSON bytes: re-encoded (a rare caller's; ours pass dicts)
-    return encode_msgpack(request)
-
-
 @runtime_checkable
 class PeerBody(Protocol):
     """A request body that differs by the worker it goes to: ours take :meth:`body` as it is; a Dynamo 1.x
@@ -103,10 +95,11 @@ class PeerBody(Protocol):
 
 
 def _request_bytes(request: Any, v1: bool) -> bytes:
-    """The request's payload for the chosen instance: 1.x's codec and shape, or ours."""
+    """The request's payload (JSON, the one codec between our processes and the one a 1.x worker is sent)
+    for the chosen instance: 1.x's shape, or ours."""
     if isinstance(request, PeerBody):
         request = request.v1_body() if v1 else request.body()
-    return _encode_request_msgpack(request) if v1 else _encode_request(request)
+    return _encode_request(request)
 
 
 class Client:
@@ -386,6 +379,13 @@ class Client:
 
     # ------------------------------------------------------------------ routing
 
+    def known_only_to_1x(self, instance_id: int) -> bool:
+        """Whether the instance is known by a Dynamo 1.x record alone (it names its request-plane codec, ours
+        do not): a 1.x worker, sent the 1.x shape of a :class:`PeerBody`. (The one thing the client still
+        tells apart, until the request objects are one; the wire is the same for every worker.)"""
+        inst = self._instances.get(instance_id)
+        return inst is not None and inst.request_plane_codec is not None
+
     def _select(self, mode: str, instance_id: int | None) -> tuple[int, str]:
         ep = self.endpoint_id
         if self.is_static:
@@ -522,16 +522,19 @@ class ResponseStream:
         receiver = await client.streams.receiver()
         ctx = self._context
         state = StreamState(ctx.id(), instance_id)
-        v1 = is_v1_address(subject)  # a Dynamo 1.x worker: its framing and codec (runtime/v1_wire.py)
-        payload = _request_bytes(self._request, v1)  # before any bookkeeping: a body 1.x cannot take raises
-        if not v1:
-            conn = receiver.register(state)
-        elif isinstance(receiver, TcpResponseServer):
-            conn = receiver.register(state, v1=True)
-        else:
-            raise DynamoRuntimeError(f"instance {instance_id & 0xFFFFFFFFFFFFFFFF:x} is a Dynamo 1.x worker, which "
-                                         "streams responses over TCP call-home only, and this process receives "
-                                         "them over NATS (unset DYN_RESPONSE_TRANSPORT)")
+        peer_1x = client.known_only_to_1x(instance_id)
+        payload = _request_bytes(self._request, peer_1x)  # before any bookkeeping: a body 1.x cannot take raises
+        if peer_1x:
+            if not isinstance(receiver, TcpResponseServer):
+                raise DynamoRuntimeError(f"instance {instance_id & 0xFFFFFFFFFFFFFFFF:x} is a Dynamo 1.x worker, "
+                                         "which streams responses over TCP call-home only, and this process "
+                                         "receives them over NATS (unset DYN_RESPONSE_TRANSPORT)")
+            if receiver.auth is not None:  # said now, not at the deadline of a handshake it cannot answer
+                client.report_instance_down(instance_id)
+                raise NoRespondersError(f"{subject} (a Dynamo 1.x worker, which has no fleet secret: it cannot "
+                                        "take part in this process's fleet, which requires DYN_FLEET_SECRET)",
+                                        instance_id)
+        conn = receiver.register(state)  # our extras offered; the worker's call-home says which it honours
 
         span = _request_span(ctx, self._client.endpoint_id, instance_id) if tracing.ENABLED else None
 
@@ -552,11 +555,8 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         trace = tracing.headers_of(span) if span is not None else None
-        if v1:
-            state.trace = trace  # (1.x: in the request message's headers, runtime/tcp_request_plane.py)
-            frame = encode_v1_request(ctx.id(), conn, payload)
-        else:
-            frame = encode_request(ctx.id(), conn, payload, trace)
+        state.trace = trace  # (TCP: in the request message's headers, runtime/tcp_request_plane.py)
+        frame = encode_request(ctx.id(), conn, payload, trace)
         bound = client.settings.stream_liveness
         try:
             ack = await requests.send(subject, frame, bound, state)  # or the first frame

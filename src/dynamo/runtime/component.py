@@ -28,6 +28,7 @@ from .names import EndpointId, component_event_subject, component_service_name, 
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
 from .v1_discovery import publish_endpoint
+from .v1_wire import v1_path
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
@@ -152,8 +153,9 @@ class Endpoint:
             system.set_endpoint(self.name, False)
         ingress = Ingress(handler, name=str(self.id), sink_openers=runtime.response_streams().sink_openers(),
                           max_inflight=max_inflight, metrics=metrics)
+        path = v1_path(lease, self.id.namespace, self.id.component, self.id.name)
         served = await runtime.request_plane().serve(self.component.service_name, self.id.endpoint_name(lease),
-                                                     ingress.on_request)  # live before anyone is told
+                                                     ingress.on_request, path)  # live before anyone is told
         store = None if runtime.is_static else runtime.discovery()
         key = v1_key = None
         try:

@@ -43,13 +43,16 @@ from .tcp import is_loopback, split_address
 from .tcp_callhome import open_tcp_sink
 from .transport import (
     ACK_BUSY,
+    ACK_PROBE,
     ACK_REFUSED,
+    CLIENT_KEY,
+    CLIENT_OURS,
     FRAME_DRAINED,
     PROBE_KEY,
     encode_item,
     parse_request_control_full,
 )
-from .v1_wire import CODEC_KEY, JSON, MSGPACK, V1WireError, decode_body, request_codec
+from .v1_wire import JSON, MSGPACK, V1WireError, decode_body, request_codec
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +128,14 @@ class Ingress:
             if metrics is not None:
                 metrics.received(len(request.data))
                 metrics.error(ERROR_DESERIALIZATION)
-            # a 1.x client is told why (its ack is text); nothing will stream back either way
-            await request.respond(f"Decode error: {exc}".encode() if getattr(request, "v1", False) else b"")
+            # the client is told why (a text ack: not taken); nothing will stream back either way
+            await request.respond(f"Decode error: {exc}".encode())
             return
         if not self.accepting:
             await request.respond(REFUSED)  # the client treats it like "no responders"
             return
         if control.get(PROBE_KEY) is True:  # a client checking both paths to us before it sends us requests
-            await request.respond(b"")
+            await request.respond(ACK_PROBE)  # "an empty stream follows"
             self._answer_probe(request_id, transport, info)
             return
         if metrics is not None:
@@ -141,9 +144,9 @@ class Ingress:
             await request.respond(ACK_BUSY)  # the client tries another instance or queues the request
             return
         await request.respond(b"")  # ack at once; the response comes over the stream
-        # a Dynamo 1.x client names its body's codec (or came over 1.x's framing): it gets 1.x's answers
-        v1 = CODEC_KEY in control or getattr(request, "v1", False)
-        codec = request_codec(control) if v1 else JSON
+        # a request without our client's mark comes from a Dynamo 1.x client: it gets 1.x's answers
+        v1 = control.get(CLIENT_KEY) != CLIENT_OURS
+        codec = request_codec(control)
         trace = None
         if tracing.ENABLED:  # the W3C context: 1.x's in its message headers, ours in the control JSON
             trace = request.headers if isinstance(request, CarriesHeaders) and "traceparent" in request.headers \

@@ -16,7 +16,7 @@ DYN_SCHEME = "dyn://"
 INSTANCE_ROOT = "instances"
 
 _SLUG_BAD = re.compile(r"[^a-z0-9_-]")
-# a Dynamo 1.x worker's TCP address: ``host:port/{instance_id:x}/{ns}/{comp}/{ep}`` (no scheme)
+# an endpoint's TCP address, ours and Dynamo 1.x's: ``host:port/{instance_id:x}/{ns}/{comp}/{ep}``
 _V1_TCP_ADDRESS = re.compile(r"^[^/\s]+:\d+/[0-9a-f]+/[^/]+/[^/]+/[^/]+$")
 _SPLIT = re.compile(r"[./]")
 
@@ -35,9 +35,9 @@ def lease_hex(lease_id: int) -> str:
 
 
 def is_v1_tcp_address(address: str) -> bool:
-    """Whether an instance's address is a Dynamo 1.x TCP transport, ``host:port/{id:x}/{ns}/{comp}/{ep}``
-    (the ``tcp`` value of a ``v1/instances`` record, kept as it is): a client speaks 1.x's TCP wire to it.
-    Our own TCP addresses start with ``tcp://``; NATS subjects have no ``:port/``."""
+    """Whether an instance's address is a TCP endpoint, ``host:port/{id:x}/{ns}/{comp}/{ep}`` (the ``tcp``
+    value of a ``v1/instances`` record, ours and 1.x's alike): it is sent to over the TCP request plane.
+    NATS subjects have no ``:port/``."""
     return bool(_V1_TCP_ADDRESS.match(address))
 
 

@@ -102,7 +102,8 @@ class NatsRequestPlane:
             raise DynamoRuntimeError("create_service() first")
         service._stats_handler = stats_handler
 
-    async def serve(self, service: str, endpoint: str, handler: RequestHandler) -> NatsEndpoint:
+    async def serve(self, service: str, endpoint: str, handler: RequestHandler, path: str = "") -> NatsEndpoint:
+        """(``path``, an endpoint's name on a TCP port, has no use on NATS: its subject names it.)"""
         svc = self._services.get(service)
         if svc is None:
             await self.add_service(service)

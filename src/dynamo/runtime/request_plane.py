@@ -80,9 +80,10 @@ class RequestPlane(Protocol):
     def set_stats_handler(self, name: str, stats_handler: Callable[[Any], Any]) -> None:
         """User data for the service's statistics (load metrics); the service must exist."""
 
-    async def serve(self, service: str, endpoint: str, handler: RequestHandler) -> ServedEndpoint:
+    async def serve(self, service: str, endpoint: str, handler: RequestHandler, path: str = "") -> ServedEndpoint:
         """Serve ``endpoint`` of ``service`` (announced first if need be) with ``handler``; requests can
-        arrive once this returns."""
+        arrive once this returns. ``path`` is the endpoint's name on a TCP port,
+        ``{instance_id:x}/{namespace}/{component}/{endpoint}`` (NATS names it by ``service`` and ``endpoint``)."""
 
     async def close(self) -> None:
         """Stop every endpoint and service and release the connection."""

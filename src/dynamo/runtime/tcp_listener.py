@@ -38,7 +38,6 @@ from .tcp import (
     tune_socket,
 )
 from .transport import CONTROL_FRAMES, StreamState
-from .v1_wire import msgpack_decode
 
 log = logging.getLogger(__name__)
 _ANNOTATED_KEYS = frozenset(("data", "id", "event", "comment"))
@@ -99,18 +98,16 @@ class TcpResponseServer:
                                       **tcp_tls.acceptor_options("response streams"))
             self._ticker = asyncio.get_running_loop().create_task(self._check_liveness(), name="tcp-stream-liveness")
 
-    def register(self, state: StreamState, v1: bool = False) -> dict:
+    def register(self, state: StreamState) -> dict:
         """Reserve a stream key for ``state``; returns the connection_info to put in the request.
 
-        ``v1``: the worker is a Dynamo 1.x process: the info has only its fields (no heartbeats, no
-        multiplexing: it knows neither) and the stream's data frames come in msgpack."""
+        It offers every worker our extras: ``heartbeat_ms`` (send heartbeats while idle) and, with
+        multiplexing on, ``mux_stream`` (one shared connection for all streams). A worker's call-home says
+        which it honours (:class:`_CallHomeProtocol`); a Dynamo 1.x worker ignores both and calls home per
+        stream with none, and its streams are then held to 1.x's bounds."""
         key = uuid.uuid4().hex
         state.key = key
         self.pending[key] = state
-        if v1:
-            state.msgpack = True
-            return {"transport": TRANSPORT_NAME, "info": {"address": self.address, "subject": key,
-                                                          "context": state.request_id, "stream_type": "response"}}
         info = {"address": self.address, "subject": key, "context": state.request_id, "stream_type": "response",
                 "heartbeat_ms": self._heartbeat_ms}
         if self.mux:
@@ -238,7 +235,7 @@ class _CallHomeProtocol(asyncio.Protocol):
     """A worker's call-home connection: one response stream, or, when its first frame is the mux
     handshake, handed over to a :class:`MuxClientProtocol` carrying many (runtime/mux.py)."""
 
-    __slots__ = ("server", "transport", "decoder", "state", "_head", "spoke")
+    __slots__ = ("server", "transport", "decoder", "state", "_head", "spoke", "beats")
 
     def __init__(self, server: TcpResponseServer) -> None:
         self.server = server
@@ -247,6 +244,7 @@ class _CallHomeProtocol(asyncio.Protocol):
         self.state: StreamState | None = None
         self._head = bytearray()  # bytes before the first frame (the handshake) is complete
         self.spoke = False  # an item came (a 1.x stream's silence bound starts there)
+        self.beats = True  # its handshake offered heartbeats (False: a 1.x worker, which has none of our extras)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -296,6 +294,7 @@ class _CallHomeProtocol(asyncio.Protocol):
         if ctl.get("heartbeat_ms"):  # the worker sends heartbeats: hold it to the bound
             self.server.live.add(self)
         else:  # a Dynamo 1.x worker: held to the longer silence bound once it has spoken
+            self.beats = False
             self.server.unbeating.add(self)
         state.quiet = 0
         return rest
@@ -318,17 +317,16 @@ class _CallHomeProtocol(asyncio.Protocol):
             log.warning("bad frame from worker: %s", exc)
             transport.close()
             return
-        loads = msgpack_decode if state.msgpack else _loads
         for header, body in frames:
             if body:
                 try:
-                    msg = loads(body)
-                except ValueError as exc:  # orjson's and msgspec's decode errors are ValueErrors
+                    msg = _loads(body)
+                except ValueError as exc:  # orjson's decode errors are ValueErrors
                     state.fail(EngineError(f"undecodable response from the worker: {exc}"))
                     transport.close()
                     return
                 ann = msg.get("data") if isinstance(msg, dict) else None
-                if state.msgpack and isinstance(ann, dict) and not ann.keys() & _ANNOTATED_KEYS:
+                if not self.beats and isinstance(ann, dict) and not ann.keys() & _ANNOTATED_KEYS:
                     ann = {"data": ann}  # a 1.x control endpoint's answer (not Annotated): the item itself
                 if ann is not None:
                     if state.finished:

@@ -55,6 +55,13 @@ ACK_REFUSED = b'{"error":"instance shutting down"}'  # draining: the client trea
 ACK_BUSY = b'{"error":"busy"}'  # at its limit of requests in flight: try another instance
 PING = b""  # an empty request: "are you there?", acked (empty) and not served; probes 1.x instances
 PROBE_KEY = "probe"  # a request's control key (ours): answer with an empty stream over the response path
+# Our worker's ack of a probe: "an empty stream follows". A worker that knows no probes (1.6.1's) acks it as
+# taken and sends nothing, so the prober knows not to wait for one.
+ACK_PROBE = b"Probe taken: answering over the response path"
+# A request's control key (ours) and its value: the client is one of ours and reads our item shapes. A
+# request without it comes from a Dynamo 1.x client, which gets 1.x's (the ingress's ``context.v1_peer``).
+CLIENT_KEY = "x_client"
+CLIENT_OURS = "dynamo-py"
 
 
 def encode_item(item: Any) -> bytes:
@@ -100,6 +107,7 @@ def encode_request(request_id: str, connection_info: dict, body: bytes,
             "transport": connection_info["transport"],
             "info": _dumps(connection_info["info"]).decode(),
         },
+        CLIENT_KEY: CLIENT_OURS,
     }
     if trace:
         control.update(trace)
@@ -170,7 +178,7 @@ class StreamState:
 
     __slots__ = ("request_id", "instance_id", "items", "finished", "error", "connected", "key",
                  "_waiter", "_sender", "_control_backlog", "last_seen", "on_finish", "timer", "paused",
-                 "_resume", "quiet", "mux_id", "_loop", "msgpack", "trace")
+                 "_resume", "quiet", "mux_id", "_loop", "trace")
 
     HIGH_WATER = 4096  # buffered items before the transport stops reading (backpressure to the worker)
     LOW_WATER = 512
@@ -194,8 +202,7 @@ class StreamState:
         self._resume: Callable[[], None] | None = None
         self.quiet = 0  # liveness ticks since the worker last sent anything (reset by the transport)
         self.mux_id = 0  # its id on a multiplexed call-home connection (0: not offered; runtime/mux.py)
-        self.trace: dict[str, str] | None = None  # W3C headers for a 1.x worker's request message (tracing)
-        self.msgpack = False  # the worker (Dynamo 1.x) sends its data frames' bodies in msgpack (runtime/v1_wire.py)
+        self.trace: dict[str, str] | None = None  # W3C headers for the TCP request message (tracing)
 
     # fed by the transport
     def attach(self, sender: Callable[[str], None]) -> None:

@@ -1,9 +1,6 @@
-"""Dynamo 1.x's TCP request plane, the bytes: what a 1.x frontend sends a worker and what a 1.x worker
-sends back, so that our processes and Dynamo 1.6.1's serve each other (docs/runtime.md, "Dynamo 1.x").
-
-Why a second wire beside our envelopes (:mod:`.tcp_request_plane`): a 1.x process speaks only this one.
-Our own processes keep the multiplexed envelopes between themselves; this wire is spoken when the peer is
-1.x: a worker tells by a connection's first bytes, a client by the instance's address.
+"""The TCP request plane's bytes: Dynamo 1.x's, the one request wire of the fleet, spoken by our clients and
+workers to each other and to Dynamo 1.6.1's (docs/runtime.md, "The TCP request plane: one wire, 1.x's").
+Its connections are :mod:`.tcp_connections`.
 
 Facts (observed from the 1.6.1 wheels on the wire, and in its public source):
 
@@ -20,10 +17,9 @@ Facts (observed from the 1.6.1 wheels on the wire, and in its public source):
   ``{"complete_final": true}``; handshake, prologue, ``"sentinel"``, ``"stop"`` and ``"kill"`` stay JSON
   headers.
 
-How a worker tells the two wires apart on one port: ours starts with an envelope whose first 8 bytes are
-the request number (u64 BE, counted from 1 per connection, so its first two bytes are zero for the first
-2**48 requests), 1.x's with the path's length, a u16 that is never zero. A fleet secret's hello starts
-with 0xff (:mod:`.fleet_auth`) and is told apart before either.
+Our extras ride on it as fields a 1.x peer ignores (observed with 1.6.1's mocker): the control JSON's
+``x_client`` (:data:`~.transport.CLIENT_KEY`) and ``probe``, the connection_info's ``heartbeat_ms`` and
+``mux_stream``; a fleet secret's hello (:mod:`.fleet_auth`) comes before the first request.
 """
 
 from __future__ import annotations
@@ -39,11 +35,10 @@ from dynamo.lazyjson import LazyJson
 
 from .annotated import Annotated, BareItem
 from .codec import encode_frame
-from .names import is_v1_tcp_address
 
 MSGPACK = "msgpack"
 JSON = "json"
-CODEC_KEY = "payload_codec"  # in the control JSON; its presence is how a worker knows a 1.x client
+CODEC_KEY = "payload_codec"  # in the control JSON: the body's codec (absent: JSON)
 MAX_REQUEST = 32 * 1024 * 1024  # 1.x's DYN_TCP_MAX_MESSAGE_SIZE default, and ours
 # 1.6.1's own refusals (the text of a non-empty ack), so a 1.x client reads ours as it reads its own
 ACK_OVERLOADED = "Server overloaded: worker at capacity"
@@ -53,7 +48,7 @@ _U32 = struct.Struct(">I")
 _pack_u16 = _U16.pack
 _pack_u32 = _U32.pack
 _EMPTY_ACK = _pack_u32(0)
-# host:port/{id:x}/{ns}/{comp}/{ep}: a 1.x instance record's "tcp" transport (no scheme; ours have tcp://)
+# host:port/{id:x}/{ns}/{comp}/{ep}: an endpoint's TCP address (a v1/instances record's "tcp" transport)
 _ADDRESS = re.compile(r"^(?P<hostport>[^/]+:\d+)/(?P<path>[0-9a-f]{1,16}/[^/]+/[^/]+/[^/]+)$")
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -62,50 +57,27 @@ msgpack_decode = _msgpack_decoder.decode
 
 
 class V1WireError(ValueError):
-    """Bytes that are not Dynamo 1.x's request plane (or exceed its limits)."""
-
-
-def looks_like_v1(first: bytes) -> bool:
-    """True when a connection's first two bytes start a 1.x request (a path length) rather than our
-    envelope (a request number's zero high bytes). Call with at least two bytes."""
-    return first[0] != 0 or first[1] != 0
-
-
-def is_v1_address(address: str) -> bool:
-    """An instance address of a 1.x worker: ``host:port/{id:x}/{ns}/{comp}/{ep}`` (the one rule, names.py's)."""
-    return is_v1_tcp_address(address)
+    """Bytes that are not the TCP request plane's (or exceed its limits)."""
 
 
 def split_v1_address(address: str) -> tuple[str, str]:
     """``host:port/{id:x}/{ns}/{comp}/{ep}`` -> (``host:port``, the path)."""
     m = _ADDRESS.match(address)
     if m is None:
-        raise V1WireError(f"not a Dynamo 1.x request-plane address: {address!r}")
+        raise V1WireError(f"not a TCP request-plane address: {address!r}")
     return m.group("hostport"), m.group("path")
 
 
 def v1_path(instance_id: int, namespace: str, component: str, endpoint: str) -> str:
-    """The path a 1.x client names an endpoint of an instance by."""
+    """The path a client names an endpoint of an instance by on its process's port."""
     return f"{instance_id & 0xFFFFFFFFFFFFFFFF:x}/{namespace}/{component}/{endpoint}"
-
-
-def parse_v1_path(path: str) -> tuple[int, str, str, str]:
-    """(instance id, namespace, component, endpoint) of a 1.x path."""
-    parts = path.split("/")
-    if len(parts) != 4 or not all(parts):
-        raise V1WireError(f"invalid endpoint path {path!r} (expected <instance hex>/<ns>/<comp>/<endpoint>)")
-    try:
-        instance_id = int(parts[0], 16)
-    except ValueError:
-        raise V1WireError(f"invalid endpoint path {path!r}: {parts[0]!r} is not an instance id in hex") from None
-    return instance_id, parts[1], parts[2], parts[3]
 
 
 # ---------------------------------------------------------------------------------- requests and acks
 
 
 def encode_request_message(path: str, headers: dict[str, str], payload: bytes) -> bytes:
-    """One request as a 1.x worker reads it."""
+    """One request message."""
     p = path.encode()
     h = orjson.dumps(headers)
     if len(p) > 0xFFFF or len(h) > 0xFFFF:
@@ -123,15 +95,15 @@ def encode_ack(error: str | None = None) -> bytes:
     return _pack_u32(len(data)) + data
 
 
-MAX_PATH = 1024  # a 1.x path is "{instance hex}/{ns}/{comp}/{ep}": far below this
+MAX_PATH = 1024  # a path is "{instance hex}/{ns}/{comp}/{ep}": far below this
 _PATH_OK = re.compile(rb"[0-9a-f]{1,16}/[\x21-\x7e]+\Z")
 
 
 class RequestDecoder:
-    """Incremental decoder of 1.x requests: ``feed(bytes)`` -> [(path, headers, payload)] now complete.
+    """Incremental decoder of request messages: ``feed(bytes)`` -> [(path, headers, payload)] now complete.
     A payload announced over ``max_len`` raises at its length, before any of it is buffered; a path that is
     not one (empty, over :data:`MAX_PATH`, not ``{hex}/...`` in printable ASCII) raises as soon as its bytes
-    are in, so a stranger's bytes (what the port's first two bytes took for a 1.x path length) drop the
+    are in, so a stranger's bytes (read as a path length) drop the
     connection at once instead of holding it open waiting for a path that never ends."""
 
     __slots__ = ("_buf", "max_len")
@@ -184,7 +156,7 @@ class RequestDecoder:
 
 
 class AckDecoder:
-    """Incremental decoder of a 1.x worker's acks: ``feed(bytes)`` -> [ack bytes] now complete."""
+    """Incremental decoder of a worker's acks: ``feed(bytes)`` -> [ack bytes] now complete."""
 
     __slots__ = ("_buf",)
 
@@ -252,17 +224,3 @@ def encode_msgpack_item(item: Any) -> bytes:
 FRAME_COMPLETE_MSGPACK = encode_frame(body=_msgpack_encoder.encode({"complete_final": True}))
 
 
-def encode_v1_request(request_id: str, connection_info: dict, body: bytes, codec: str = MSGPACK) -> bytes:
-    """The two-part payload of a request to a 1.x worker: the control JSON with ``payload_codec``, and
-    the body already in that codec."""
-    control = {
-        "id": request_id,
-        "request_type": "single_in",
-        "response_type": "many_out",
-        CODEC_KEY: codec,
-        "connection_info": {
-            "transport": connection_info["transport"],
-            "info": orjson.dumps(connection_info["info"]).decode(),
-        },
-    }
-    return encode_frame(orjson.dumps(control), body)

@@ -1,5 +1,5 @@
 """What the open TCP planes buffer for a peer without a fleet secret. On a worker's request plane, a request
-announcing more than ``MAX_REQUEST`` drops its connection from the 16-byte prefix alone, and requests left
+announcing more than ``MAX_REQUEST`` drops its connection from its length alone, and requests left
 unfinished on many connections cannot together hold more than ``MAX_PENDING``; on a frontend's call-home
 listener, envelopes left unfinished on many multiplexed connections are held to its own budget. The
 connection that would pass a budget is dropped, in one log line naming the peer; the plane keeps
@@ -13,9 +13,9 @@ import socket
 import pytest
 
 from dynamo.runtime import tcp_request_plane
-from dynamo.runtime.codec import encode_frame
-from dynamo.runtime.mux import envelope, pack_envelope
+from dynamo.runtime.mux import pack_envelope
 from dynamo.runtime.tcp_request_plane import MAX_REQUEST, TcpRequestPlane
+from dynamo.runtime.v1_wire import encode_request_message
 from harness.wait import until
 
 
@@ -24,17 +24,20 @@ async def plane():
     worker = TcpRequestPlane(host="127.0.0.1")
 
     async def handler(request):
-        await request.respond(b"taken")
+        await request.respond(b"")  # taken
 
-    await worker.serve("svc", "gen", handler)
+    await worker.serve("svc", "gen", handler, PATH)
     client = TcpRequestPlane(host="127.0.0.1")
     yield worker, client
     await client.close()
     await worker.close()
 
 
+PATH = "1/ns/svc/gen"
+
+
 async def ask(client: TcpRequestPlane, worker: TcpRequestPlane) -> bytes:
-    return await client.send(f"tcp://{worker.address}/svc.gen", b"{}", timeout=5)
+    return await client.send(f"{worker.address}/{PATH}", b"{}", timeout=5)
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -50,14 +53,14 @@ async def test_a_request_announcing_256_mib_is_dropped_at_its_prefix(plane, capl
     worker, client = plane
     host, port = worker.address.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(pack_envelope(1, 256 * 1024 * 1024) + b"x" * 1000)
+        s.sendall(encode_request_message(PATH, {}, b"")[:-4] + (256 * 1024 * 1024).to_bytes(4, "big") + b"x" * 1000)
         s.setblocking(False)
         await until(lambda: closed_by_peer(s), 5, "the worker to close the connection")
     assert worker.pending == 0
     lines = [r.getMessage() for r in caplog.records if "request plane: dropping" in r.getMessage()]
-    assert len(lines) == 1 and f"announced a request of {256 * 1024 * 1024} bytes" in lines[0], lines
+    assert len(lines) == 1 and f"a request of {256 * 1024 * 1024} bytes announced" in lines[0], lines
     assert f"at most {MAX_REQUEST}" in lines[0]
-    assert await ask(client, worker) == b"taken"
+    assert await ask(client, worker) == b""
 
 
 async def test_unfinished_requests_on_many_connections_stay_under_the_budget(plane, caplog, monkeypatch):
@@ -69,7 +72,7 @@ async def test_unfinished_requests_on_many_connections_stay_under_the_budget(pla
     try:
         for _ in range(5):  # 5 x 300 KiB started, none finished: the fourth passes 1 MiB
             s = socket.create_connection((host, int(port)))
-            s.sendall(envelope(1, encode_frame(header=b"svc.gen", body=b"y" * (2 * part)))[:part])
+            s.sendall(encode_request_message(PATH, {}, b"y" * (2 * part))[:part])
             s.setblocking(False)
             conns.append(s)
             await asyncio.sleep(0.05)
@@ -78,7 +81,7 @@ async def test_unfinished_requests_on_many_connections_stay_under_the_budget(pla
         lines = [r.getMessage() for r in caplog.records if "request plane: dropping" in r.getMessage()]
         assert lines and "not yet complete on all connections would exceed 1048576 bytes" in lines[0], lines
         assert len(lines) == 1  # the same peer host: once a minute
-        assert await ask(client, worker) == b"taken"
+        assert await ask(client, worker) == b""
     finally:
         for s in conns:
             s.close()

@@ -12,6 +12,7 @@ from dynamo.runtime import AckTimeoutError, NoRespondersError
 from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.transport import ACK_PROBE
 from harness.wait import until
 
 LIVENESS = 0.4
@@ -91,7 +92,7 @@ async def test_an_instance_whose_answers_never_reach_us_stays_aside_though_it_ac
             await back.on_request(msg)
         else:
             probes.append(msg.data)
-            await msg.respond(b"")  # acked; the call-home it would start never arrives
+            await msg.respond(ACK_PROBE)  # acked as our worker acks a probe; the call-home never arrives
 
     sub = await caller.nats.subscribe(inst.subject, cb=acks_only)
     await caller.nats.flush()

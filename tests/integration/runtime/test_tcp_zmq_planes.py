@@ -11,12 +11,11 @@ import socket
 import pytest
 
 from dynamo.runtime import AckTimeoutError, NoRespondersError
-from dynamo.runtime.codec import decode_frame, encode_frame
 from dynamo.runtime.config import NatsSettings
 from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
-from dynamo.runtime.mux import EnvelopeDecoder, envelope
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_wire import RequestDecoder, encode_ack, v1_path
 from harness.servers import free_port
 from harness.wait import until
 
@@ -60,7 +59,8 @@ async def test_without_nats_the_runtime_chooses_tcp_and_zmq_and_serves(no_nats_r
         await serve(rt.namespace(ns).component("b").endpoint("g"), handler_of(rt))
     key = EndpointId(ns, "b", "g").instance_key(workers[0].instance_id)
     record = Instance.from_json((await caller.discovery().get(key)).value)
-    assert record.subject.startswith("tcp://") and record.subject.endswith(f"/{EndpointId(ns, 'b', 'g').subject(workers[0].instance_id)}")
+    # one address shape for every TCP endpoint, ours and 1.x's: host:port/{instance_id:x}/{ns}/{comp}/{ep}
+    assert record.subject.split("/", 1)[1] == v1_path(workers[0].instance_id, ns, "b", "g")
 
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     await client.wait_for_instances(5)
@@ -88,7 +88,7 @@ async def test_a_stopped_endpoint_and_a_gone_worker_are_no_responders(no_nats_ru
     inst = client.instances()[0]
     # the listener is up but nothing is served under that name any more: "no responders", at once
     plane = worker.request_plane()
-    name = inst.subject.rpartition("/")[2]
+    name = inst.subject.split("/", 1)[1]  # the endpoint's path on the worker's port
     handler = plane.handlers.pop(name)  # type: ignore[attr-defined]
     with pytest.raises(NoRespondersError) as info:
         await client.direct({}, worker.instance_id).start()
@@ -111,37 +111,38 @@ async def test_a_worker_at_its_limit_refuses_as_busy_over_tcp(no_nats_runtime, n
     assert await busy.finish() == [{"done": True}]
 
 
-async def _never_called(request):  # a probe runs no handler
-    raise AssertionError(f"a probe reached the handler: {request!r}")
-    yield
-
-
 async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_runtime, ns):
     """A frozen worker's kernel still accepts the connection; only the missing ack tells."""
     caller = await no_nats_runtime(stream_liveness=LIVENESS)
     answering = asyncio.Event()
-    thawed = Ingress(_never_called, name="thawed")  # what a worker that came back answers probes with
+    served = []
+
+    async def handler(request):
+        served.append(request)
+        return
+        yield
+
+    thawed = Ingress(handler, name="thawed")  # what a worker that came back answers pings and probes with
 
     class Request:  # one request as the TCP plane hands it to a worker's Ingress
-        def __init__(self, rid: int, data: bytes, writer: asyncio.StreamWriter) -> None:
-            self.data, self.rid, self.writer = data, rid, writer
+        def __init__(self, data: bytes, writer: asyncio.StreamWriter) -> None:
+            self.data, self.writer = data, writer
 
         async def respond(self, data: bytes = b"") -> None:
-            self.writer.write(envelope(self.rid, encode_frame(body=data)))
+            self.writer.write(encode_ack(data.decode() if data else None))
 
     async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        decoder = EnvelopeDecoder()
+        decoder = RequestDecoder()
+        await answering.wait()  # frozen: its kernel holds what comes; thawed, it acks all of it in order
         while data := await reader.read(65536):
-            for rid, payload in decoder.feed(data):
-                if answering.is_set():  # thawed: answers the client's probes (an ack, then an empty stream)
-                    _, body = decode_frame(payload)  # (the endpoint's name, the request)
-                    await thawed.on_request(Request(rid, body, writer))
+            for _path, _headers, payload in decoder.feed(data):
+                await thawed.on_request(Request(payload, writer))
 
     server = await asyncio.start_server(frozen, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     fake = 0x5EED
     ep = EndpointId(ns, "b", "g")
-    inst = Instance.for_endpoint(ep, fake, f"tcp://127.0.0.1:{port}/{ep.subject(fake)}")
+    inst = Instance.for_endpoint(ep, fake, f"127.0.0.1:{port}/{v1_path(fake, ns, 'b', 'g')}")
     await caller.discovery().put(ep.instance_key(fake), inst.to_json())
     try:
         client = await caller.namespace(ns).component("b").endpoint("g").client()
@@ -150,7 +151,9 @@ async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_
             await client.round_robin({}).start()
         assert client.instance_ids() == []  # set aside
         answering.set()
-        assert await client.wait_for_instances(5) == [fake]  # a probe got its answer
+        assert await client.wait_for_instances(5) == [fake]  # a ping got its answer
+        await until(lambda: served, 5, "the request sent while it was frozen served")
+        assert served == [{}]  # that one; a ping runs no handler
     finally:
         await caller.discovery().delete(ep.instance_key(fake))
         server.close()
@@ -186,7 +189,7 @@ async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime,
 
     await serve(worker.namespace(ns).component("b").endpoint("g"), gen)
     kv = await worker.discovery().get(EndpointId(ns, "b", "g").instance_key(worker.instance_id))
-    assert Instance.from_json(kv.value).subject.startswith(f"tcp://127.0.0.1:{port}/")
+    assert Instance.from_json(kv.value).subject.startswith(f"127.0.0.1:{port}/")
 
 
 # -- the ZMQ event plane -------------------------------------------------------------------------------

@@ -24,10 +24,11 @@ from dynamo.kv.v1_events import (
 from dynamo.kv.worker_state import WorkerKvState
 from dynamo.llm.model_entry import V1_CARD, ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.runtime.codec import encode_frame
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.transport import StreamState
 from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope
-from dynamo.runtime.v1_wire import v1_path
 from dynamo.worker.kv_publishing import V1KvPublishing
 from harness.wait import until
 
@@ -123,7 +124,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
 
 
 async def test_the_recovery_endpoint_answers_a_1x_client_with_a_bare_tree_dump(make_runtime, ns):
-    """Over 1.x's TCP wire (as a 1.6.1 router asks) the answer goes without an Annotated layer
+    """To a request without our client's mark (as a 1.6.1 router asks) the answer goes without an Annotated layer
     (runtime.annotated.BareItem: the bytes are pinned against 1.6.1's in test_v1_event_wire.py), and our
     client reads such an answer (a 1.x control endpoint's) as the item itself."""
     worker = await make_runtime(**PLANES["zmq"])
@@ -132,15 +133,19 @@ async def test_the_recovery_endpoint_answers_a_1x_client_with_a_bare_tree_dump(m
     store(state, list(range(2 * BLOCK)))
     name = query_source_endpoint(v1.kv_pub.publisher_id)
     ident = EndpointId(ns, "backend", name)
-    key = ident.instance_key(worker.instance_id)
-    ours = Instance.from_json((await caller.discovery().get(key)).value)
-    hostport = ours.subject.partition("://")[2].partition("/")[0]
-    as_1x = Instance(ns, "backend", name, worker.instance_id,
-                     f"{hostport}/{v1_path(worker.instance_id, ns, 'backend', name)}")
-    await worker.discovery().put(key, as_1x.to_json(), lease=True)  # the record a 1.x worker would have
-    client = await caller.namespace(ns).component("backend").endpoint(name).client()
-    await until(lambda: any("://" not in i.subject for i in client.instances()), 5, "the 1.x address")
-    answers = [a async for a in client.direct(recovery_query(worker.instance_id), worker.instance_id)]
+    subject = Instance.from_json((await caller.discovery().get(ident.instance_key(worker.instance_id))).value).subject
+    # the request as a 1.x client sends it: no mark of our client, none of our extras offered
+    receiver = await caller.response_streams().receiver()
+    stream = StreamState("as-1x", worker.instance_id)
+    info = {k: v for k, v in receiver.register(stream)["info"].items()
+            if k in ("address", "subject", "context", "stream_type")}
+    control = {"id": "as-1x", "request_type": "single_in", "response_type": "many_out",
+               "connection_info": {"transport": "tcp_server", "info": orjson.dumps(info).decode()}}
+    request = encode_frame(orjson.dumps(control), orjson.dumps(recovery_query(worker.instance_id)))
+    assert await caller.request_plane().send(subject, request, 5, stream) == b""
+    await until(lambda: stream.finished, 5, "the answer")
+    receiver.unregister(stream)
+    answers = [a["data"] for a in stream.items]  # our client's reading of a bare answer: the item itself
     assert len(answers) == 1 and set(answers[0]) == {"TreeDump"}
     assert answers[0]["TreeDump"]["last_event_id"] == 1
     assert dump_from_tree(worker.instance_id, answers[0])["blocks"][-1][0] == compute_hashes(

@@ -1,8 +1,8 @@
-"""Our client and our worker on Dynamo 1.x's TCP request plane (runtime/v1_wire.py), in this process,
-on the file store: the worker's one port takes 1.x's framing beside ours, and a client whose instance
-record has a 1.x address (``host:port/{id:x}/{ns}/{comp}/{ep}``, as 1.x workers register) sends in
-1.x's framing with msgpack bodies and reads the msgpack call-home stream. Stop, kill, a dead worker, an
-unknown endpoint and a busy worker come out as over our own wire."""
+"""Our client and our worker on the one TCP request wire, Dynamo 1.x's (runtime/v1_wire.py), in this process,
+on the file store: every endpoint's address is 1.x's (``host:port/{id:x}/{ns}/{comp}/{ep}``), our client
+offers its extras (heartbeats, multiplexed call-home) and our worker honours them, while the request stays
+one a 1.x worker would take. Stop, kill, a dead worker, an unknown endpoint and a busy worker come out as
+1.6.1's words for them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 from dynamo.runtime import DistributedRuntime, NoRespondersError, StreamIncompleteError, WorkerBusyError
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.probe import reachable
+from dynamo.runtime.tcp_listener import TcpResponseServer
 from dynamo.runtime.v1_wire import v1_path
 from harness.wait import until
 
@@ -22,25 +24,25 @@ def runtimes(file_runtimes):
     return lambda: file_runtimes(stream_liveness=2.0, graceful_shutdown_timeout=0.2)
 
 
-async def as_v1_worker(worker: DistributedRuntime, caller: DistributedRuntime, ident: EndpointId,
-                       name: str | None = None) -> None:
-    """Rewrite the worker's instance record with a 1.x address for the same port, as a 1.x worker's."""
+async def with_path(worker: DistributedRuntime, caller: DistributedRuntime, ident: EndpointId, name: str) -> None:
+    """Rewrite the worker's instance record to name another endpoint path on the same port."""
     key = ident.instance_key(worker.instance_id)
     ours = Instance.from_json((await caller.discovery().get(key)).value)
-    hostport = ours.subject.partition("://")[2 if "://" in ours.subject else 0].partition("/")[0]
-    path = v1_path(worker.instance_id, ident.namespace, ident.component, name or ident.name)
+    hostport = ours.subject.partition("/")[0]
+    path = v1_path(worker.instance_id, ident.namespace, ident.component, name)
     record = Instance(ident.namespace, ident.component, ident.name, worker.instance_id, f"{hostport}/{path}")
     await worker.discovery().put(key, record.to_json(), lease=True)
 
 
-async def v1_client(caller, ident: EndpointId):
+async def client_of(caller, ident: EndpointId, path_end: str | None = None):
     client = await caller.namespace(ident.namespace).component(ident.component).endpoint(ident.name).client()
     await client.wait_for_instances(5)
-    await until(lambda: all("://" not in i.subject for i in client.instances()), 5, "the 1.x record")
+    if path_end:
+        await until(lambda: all(i.subject.endswith(path_end) for i in client.instances()), 5, "the new record")
     return client
 
 
-async def test_a_client_streams_from_our_worker_over_the_1x_wire(runtimes, serve):
+async def test_a_client_streams_from_our_worker_on_the_one_wire_with_our_extras(runtimes, serve):
     worker, caller = await runtimes(), await runtimes()
     seen: list[dict] = []
 
@@ -51,20 +53,21 @@ async def test_a_client_streams_from_our_worker_over_the_1x_wire(runtimes, serve
 
     ident = EndpointId("v1t", "backend", "generate")
     await serve(worker.namespace("v1t").component("backend").endpoint("generate"), gen)
-    await as_v1_worker(worker, caller, ident)
-    client = await v1_client(caller, ident)
+    client = await client_of(caller, ident)
+    assert client.instances()[0].subject.split("/", 1)[1] == v1_path(worker.instance_id, "v1t", "backend",
+                                                                     "generate")
     items = [x async for x in client.round_robin({"n": 3, "token_ids": [1, 2, 300000]})]
     assert [x["i"] for x in items] == [0, 1, 2]
-    assert seen == [{"request": {"n": 3, "token_ids": [1, 2, 300000]}, "v1_peer": True}]
+    # our client's mark: our item shapes, not a 1.x client's
+    assert seen == [{"request": {"n": 3, "token_ids": [1, 2, 300000]}, "v1_peer": False}]
+    # the extras offered were honoured: the worker called home multiplexed, with heartbeats
+    receiver = caller.response_streams().started_receiver
+    assert isinstance(receiver, TcpResponseServer) and receiver.mux_connections
+    # a probe: our worker says it answers over the response path, and does
+    assert await reachable(caller.request_plane(), receiver, client.instances()[0].subject, worker.instance_id, 2)
     # many at once over the one connection: acks come back in order
     many = await asyncio.gather(*[_collect(client.round_robin({"n": 2})) for _ in range(20)])
     assert all([x["i"] for x in m] == [0, 1] for m in many)
-    # our own clients keep our wire with the same worker (its record back to ours): not a 1.x peer
-    seen.clear()
-    plain = await worker.namespace("v1t").component("other").endpoint("generate").client()
-    await serve(worker.namespace("v1t").component("other").endpoint("generate"), gen)
-    await plain.wait_for_instances(5)
-    assert [x["i"] async for x in plain.round_robin({"n": 1})] == [0] and seen[0]["v1_peer"] is False
 
 
 async def _collect(stream) -> list:
@@ -88,8 +91,7 @@ async def test_kill_from_a_leaving_consumer_and_a_dead_worker(runtimes, serve):
 
     ident = EndpointId("v1k", "backend", "generate")
     await serve(worker.namespace("v1k").component("backend").endpoint("generate"), endless)
-    await as_v1_worker(worker, caller, ident)
-    client = await v1_client(caller, ident)
+    client = await client_of(caller, ident)
     stream = client.round_robin({})
     assert (await stream.__anext__())["i"] == 0
     await stream.aclose()  # sends "kill" on the call-home connection
@@ -115,13 +117,13 @@ async def test_an_unknown_endpoint_is_no_responders_and_a_full_worker_is_busy(ru
 
     ident = EndpointId("v1b", "backend", "generate")
     await serve(worker.namespace("v1b").component("backend").endpoint("generate"), held, max_inflight=1)
-    await as_v1_worker(worker, caller, ident, name="nothing-here")
-    client = await v1_client(caller, ident)
-    with pytest.raises(NoRespondersError, match="nothing-here"):
+    await with_path(worker, caller, ident, "nothing-here")
+    client = await client_of(caller, ident, "/nothing-here")
+    with pytest.raises(NoRespondersError, match="nothing-here"):  # 1.6.1's "unknown endpoint" refusal
         await client.round_robin({}).start()
 
-    await as_v1_worker(worker, caller, ident)
-    client = await v1_client(caller, ident)
+    await with_path(worker, caller, ident, "generate")
+    client = await client_of(caller, ident, "/generate")
     await until(lambda: bool(client.instance_ids()), 5, "an instance")
     first = client.round_robin({})
     assert await first.__anext__() == {"started": True}
@@ -130,9 +132,9 @@ async def test_an_unknown_endpoint_is_no_responders_and_a_full_worker_is_busy(ru
     release.set()
 
 
-async def test_the_port_tells_1x_from_ours_even_a_byte_at_a_time(runtimes, serve):
-    """A 1.x request trickling in one byte per write: the worker waits for the second byte to tell the wires
-    apart, then acks it; a path that names no endpoint here gets 1.6.1's refusal text."""
+async def test_a_request_a_byte_at_a_time_and_an_unknown_path(runtimes, serve):
+    """A request trickling in one byte per write is acked once whole; a path that names no endpoint here
+    gets 1.6.1's refusal text."""
     from dynamo.runtime.transport import encode_request
     from dynamo.runtime.v1_wire import AckDecoder, encode_request_message
 
@@ -144,7 +146,7 @@ async def test_the_port_tells_1x_from_ours_even_a_byte_at_a_time(runtimes, serve
     ident = EndpointId("v1s", "backend", "generate")
     await serve(worker.namespace("v1s").component("backend").endpoint("generate"), gen)
     ours = Instance.from_json((await worker.discovery().get(ident.instance_key(worker.instance_id))).value)
-    host, _, port = ours.subject.partition("://")[2].partition("/")[0].rpartition(":")
+    host, _, port = ours.subject.partition("/")[0].rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     conn = {"transport": "tcp_server", "info": {"address": "127.0.0.1:9", "subject": "s", "context": "r",
                                                 "stream_type": "response"}}
@@ -157,5 +159,6 @@ async def test_the_port_tells_1x_from_ours_even_a_byte_at_a_time(runtimes, serve
     got: list[bytes] = []
     while not got:
         got = acks.feed(await asyncio.wait_for(reader.read(100), 5))
-    assert got == [f"Unknown endpoint: {v1_path(worker.instance_id, 'v1s', 'backend', 'nope')}".encode()]
+    path = v1_path(worker.instance_id, "v1s", "backend", "nope")
+    assert got == [f"Server unavailable: unknown endpoint {path}".encode()]
     writer.close()

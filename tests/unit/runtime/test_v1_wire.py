@@ -1,4 +1,4 @@
-"""Dynamo 1.x's TCP request plane (runtime/v1_wire.py) against the bytes Dynamo 1.6.1 itself sent: a chat
+"""The TCP request plane (runtime/v1_wire.py), Dynamo 1.x's wire, against the bytes Dynamo 1.6.1 itself sent: a chat
 request from its frontend to its mocker, the ack, and the call-home stream (data/dynamo161_request_plane.txt,
 captured with tcpdump). We decode what 1.6.1 sends, and what we send is byte for byte what it sends."""
 
@@ -13,9 +13,17 @@ import pytest
 from dynamo.llm.protocols.common import EngineOutput
 from dynamo.llm.protocols.v1 import engine_output_from_v1, request_from_v1, usage, v1_output
 from dynamo.runtime.codec import FrameDecoder, decode_frame
-from dynamo.runtime.mux import envelope
-from dynamo.runtime.transport import FRAME_PROLOGUE_OK, FRAME_SENTINEL, encode_frame, encode_handshake
-from dynamo.runtime.v1_request_plane import ack_result, our_endpoint_name
+from dynamo.runtime.names import is_v1_tcp_address
+from dynamo.runtime.tcp_connections import ack_result
+from dynamo.runtime.transport import (
+    CLIENT_KEY,
+    CLIENT_OURS,
+    FRAME_PROLOGUE_OK,
+    FRAME_SENTINEL,
+    encode_frame,
+    encode_handshake,
+    encode_request,
+)
 from dynamo.runtime.v1_wire import (
     FRAME_COMPLETE_MSGPACK,
     MSGPACK,
@@ -26,11 +34,7 @@ from dynamo.runtime.v1_wire import (
     encode_ack,
     encode_msgpack_item,
     encode_request_message,
-    encode_v1_request,
-    is_v1_address,
-    looks_like_v1,
     msgpack_decode,
-    parse_v1_path,
     request_codec,
     split_v1_address,
     v1_path,
@@ -65,7 +69,6 @@ def callhome_frames() -> list[tuple[bytes, bytes]]:
 
 def test_the_request_decodes_into_path_headers_control_and_a_msgpack_preprocessed_request():
     raw = request_bytes()
-    assert looks_like_v1(raw[:2])
     [(path, headers, payload)] = RequestDecoder().feed(raw)
     assert path == PATH and headers["x-endpoint-path"] == PATH
     assert headers["request-id"] == "6522ce00-297b-48b8-92e9-d498fb352fe9"
@@ -85,7 +88,7 @@ def test_the_request_decodes_into_path_headers_control_and_a_msgpack_preprocesse
     assert req.stop_conditions.max_tokens == 3
     assert req.stop_conditions.stop_token_ids_hidden == [2, 0] and req.eos_token_ids == [2, 0]
     assert v1.visible_stop_ids == frozenset()
-    assert parse_v1_path(path) == (0x59F5A0430FD477B0, "d16", "backend", "generate")
+    assert path == v1_path(0x59F5A0430FD477B0, "d16", "backend", "generate")
 
 
 def test_the_request_decodes_whatever_the_reads_cut_it_into_and_re_encodes_byte_for_byte():
@@ -106,8 +109,8 @@ def test_acks_and_what_a_client_makes_of_them():
     assert decoder.feed(both[:3]) == [] and decoder.feed(both[3:]) == [b"", b"Server overloaded: worker at capacity"]
     assert ack_result(b"", "a") == b""
     assert ack_result(b"Server overloaded: worker at capacity", "a") == b'{"error":"busy"}'
-    with pytest.raises(Exception, match="Unknown endpoint"):
-        ack_result(b"Unknown endpoint: x", "a")
+    with pytest.raises(Exception, match="unknown endpoint"):  # 1.6.1's words for "nothing served here"
+        ack_result(b"Server unavailable: unknown endpoint 1/a/b/c", "a")
 
 
 def test_the_call_home_stream_is_ours_with_msgpack_bodies():
@@ -136,26 +139,24 @@ def test_our_items_are_byte_for_byte_what_1_6_1_sends():
     assert encode_msgpack_item(last) == encode_frame(body=frames[5][1])
 
 
-def test_a_request_we_send_carries_what_1_6_1_sends():
+def test_a_request_we_send_carries_what_1_6_1_sends_and_our_mark():
     conn = {"transport": "tcp_server", "info": {"address": "127.0.0.1:46263", "subject": "s", "context": "r",
-                                                "stream_type": "response"}}
-    header, body = decode_frame(encode_v1_request("r", conn, b"\x80"))
+                                                "stream_type": "response", "heartbeat_ms": 500}}
+    header, body = decode_frame(encode_request("r", conn, b"{}"))
     control = orjson.loads(header)
-    assert list(control) == ["id", "request_type", "response_type", "payload_codec", "connection_info"]
-    assert orjson.loads(control["connection_info"]["info"]) == conn["info"] and body == b"\x80"
+    # 1.6.1's keys, no payload_codec (the body is JSON, 1.x's default), and our client's mark
+    assert list(control) == ["id", "request_type", "response_type", "connection_info", CLIENT_KEY]
+    assert control[CLIENT_KEY] == CLIENT_OURS and request_codec(control) == "json"
+    assert orjson.loads(control["connection_info"]["info"]) == conn["info"] and body == b"{}"
 
 
-def test_telling_the_two_wires_and_the_addresses_apart():
-    ours = envelope(1, encode_frame(header=b"backend.generate"))
-    assert not looks_like_v1(ours[:2]) and looks_like_v1(b"\x00%")
+def test_addresses():
     address = f"127.0.0.1:43837/{PATH}"
-    assert is_v1_address(address) and split_v1_address(address) == ("127.0.0.1:43837", PATH)
-    assert not is_v1_address("tcp://127.0.0.1:1/d16_backend.generate-59f5a0430fd477b0")
-    assert not is_v1_address("d16_backend.generate-59f5a0430fd477b0")  # a NATS subject
+    assert is_v1_tcp_address(address) and split_v1_address(address) == ("127.0.0.1:43837", PATH)
+    assert not is_v1_tcp_address("d16_backend.generate-59f5a0430fd477b0")  # a NATS subject
     assert v1_path(-1, "a", "b", "c") == "ffffffffffffffff/a/b/c"
-    assert our_endpoint_name(PATH) == "d16_backend.generate-59f5a0430fd477b0"
-    with pytest.raises(V1WireError, match="invalid endpoint path"):
-        parse_v1_path("59f5/d16/backend")
+    with pytest.raises(V1WireError, match="not a TCP request-plane address"):
+        split_v1_address("127.0.0.1:43837/d16/backend")
 
 
 def test_an_announced_request_over_the_limit_is_refused_at_its_length():
