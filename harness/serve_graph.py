@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import httpx
 import pytest
@@ -38,9 +39,13 @@ class Graph(DynamoWorker):
 
     stdout_to_log = True
 
-    def __init__(self, *args: str, cwd: Path, env: dict[str, str], port: int) -> None:
+    def __init__(self, *args: str, cwd: Path, env: dict[str, str], port: int, host: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
+        """``host``: where the entry service's routes are reached; ``prefix``: before the command (a network
+        namespace's ``ip netns exec``)."""
         self.http_port = port
-        super().__init__(*args, command=SERVE, ready=None, cwd=cwd, env=env)
+        self.http_host = host
+        super().__init__(*args, command=[*prefix, *SERVE], ready=None, cwd=cwd, env=env)
 
     def ready_count(self, service: str, replica: int) -> int:
         return len(re.findall(rf"service {service} replica {replica} ready", self.stderr_text()))
@@ -68,7 +73,7 @@ class Graph(DynamoWorker):
         return out
 
     def post(self, route: str, body: dict, timeout: float = 30) -> httpx.Response:
-        return httpx.post(f"http://127.0.0.1:{self.http_port}/{route}", json=body, timeout=timeout)
+        return httpx.post(f"http://{self.http_host}:{self.http_port}/{route}", json=body, timeout=timeout)
 
 
 class GraphStarter:

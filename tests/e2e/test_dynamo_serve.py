@@ -149,3 +149,18 @@ def test_dry_run_prints_graph_processes_and_config(tmp_path):
     assert "Backend x3:" in p.stdout and "Middle x1:" in p.stdout
     assert "depends on: Backend" in p.stdout
     assert "message: mid" in p.stdout
+
+
+def test_service_name_starts_one_service_and_an_unknown_name_is_one_line(tmp_path):
+    """``--service-name`` (one service of the graph, as on one machine of several): the dry run lists that
+    service's processes only; a name the graph does not have is refused before anything starts."""
+    p = subprocess.run(SERVE + ["hello_world:Frontend", "-f", "config.yaml", "--service-name", "Middle", "--dry-run"],
+                       cwd=HELLO, capture_output=True, text=True, env=cli_env(env_for(tmp_path)), timeout=60)
+    assert p.returncode == 0, p.stderr
+    processes = p.stdout.split("processes:\n")[1].split("config:")[0]
+    assert re.findall(r"^  (\w+) x\d+:", processes, re.M) == ["Middle"]
+    assert "(after" not in processes  # what Middle calls runs elsewhere: nothing to wait for here
+    p = subprocess.run(SERVE + ["hello_world:Frontend", "--service-name", "Nope"], cwd=HELLO, capture_output=True,
+                       text=True, env=cli_env(env_for(tmp_path)), timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: --service-name Nope: no such service in this graph (Backend, Middle, Frontend)"
