@@ -29,8 +29,8 @@ from dynamo.frontend.model_manager import ModelManager  # noqa: E402
 from dynamo.frontend.remote import RouterConfig  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
-from dynamo.llm.v1_card import record_of  # noqa: E402
 from dynamo.llm.model_type import ModelType  # noqa: E402
+from dynamo.llm.v1_card import record_of  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from dynamo.runtime.errors import RuntimeConfigError  # noqa: E402
@@ -574,7 +574,7 @@ def test_slow_engine_load_does_not_starve_the_lease(etcd, nats, tiny_model):
 
         async def check() -> None:
             c = await client_for(etcd)
-            kv = await c.get(f"instances/{ns}/backend/generate:{worker.instance_hex}")
+            kv = await c.get(f"v1/instances/{ns}/backend/generate/{worker.instance_hex}")
             await c.close()
             assert kv is not None and kv.lease == worker.instance_id
 

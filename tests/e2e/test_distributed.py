@@ -236,7 +236,7 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dis
     lease = worker.instance_id
     keys = dist_config.keys("v1/mdc/term/")  # the worker's one model record, 1.x's, keyed by its instance
     assert keys and all(record["instance_id"] == lease for record, _ in keys.values())
-    assert dist_config.keys("instances/term/")
+    assert dist_config.keys("v1/instances/term/")
 
     client = client_for(frontend)
     stream = client.chat.completions.create(
@@ -251,7 +251,7 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dis
     worker.terminate()
     signalled = time.monotonic()
     # deregistered at once: the model entry and the instance key are gone, the frontend drops the model
-    wait_until(lambda: not dist_config.keys("v1/mdc/term/") and not dist_config.keys("instances/term/"),
+    wait_until(lambda: not dist_config.keys("v1/mdc/term/") and not dist_config.keys("v1/instances/term/"),
                1.5, "the worker's keys to be deleted")
     wait_until(lambda: "term" not in model_ids(frontend), 1.5, "the model to leave /v1/models")
     # ... but the stream in flight finishes normally
@@ -467,7 +467,7 @@ def test_kill9_keys_and_instance_vanish_after_lease(frontend, crashed, dist_conf
     remaining = expiry + 3 - (time.monotonic() - crashed["killed_at"])
 
     def gone() -> bool:
-        keys = list(dist_config.keys("instances/crash/")) + list(dist_config.keys("v1/mdc/crash/"))
+        keys = list(dist_config.keys("v1/instances/crash/")) + list(dist_config.keys("v1/mdc/crash/"))
         return not any(dead in k for k in keys)
 
     wait_until(gone, max(remaining, 0.5), "the crashed worker's keys to expire with its lease", interval=0.2)

@@ -12,7 +12,6 @@ from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, publish_card
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.v1_card import record_of
-from dynamo.runtime.v1_records import endpoint_key
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +63,9 @@ async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
         model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.object_store(OBJECT_BUCKET), card),
         runtime_config=runtime_config,
     )
-    store = runtime.discovery()
-    # an endpoint served over NATS has no v1/instances record (component.py said so): 1.x cannot reach it
-    reachable = endpoint_key(ident.namespace, ident.component, ident.name, entry.instance_id) in store.lease_keys
-    await store.put(entry.key(), await asyncio.to_thread(record_of, entry, card, reachable=reachable), lease=True)
+    # 1.x frontends send to workers over TCP: a model served over NATS is not theirs to serve
+    reachable = runtime.request_plane_kind == "tcp"
+    await runtime.discovery().put(entry.key(), await asyncio.to_thread(record_of, entry, card, reachable=reachable),
+                                  lease=True)
     log.info("registered model %s (%s) at %s", card.display_name, model_type.value, ident)
     return entry

@@ -100,6 +100,7 @@ class DistributedRuntime:
         self._events: EventPlane | None = None
         self._zmq_events: "ZmqEventPlane | None" = None  # the event plane again, when it is ZMQ's (to close)
         self._event_kind = ""  # "zmq" or "nats", once connected
+        self.request_plane_kind = ""  # where this process serves its endpoints: "tcp" or "nats", once connected
         self._v1_events: "V1EventPlane | None" = None  # Dynamo 1.x's event plane, opened on first use
         self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
@@ -146,6 +147,7 @@ class DistributedRuntime:
             auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
             self._event_kind = planes.events
+            self.request_plane_kind = planes.requests
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
             self._requests = TcpRequestPlane(hosts.bind, settings.tcp_rpc_port,

@@ -173,11 +173,12 @@ class V1KvPublishing:
 async def recovery_target(endpoint: Endpoint, name: str) -> dict[str, Any] | None:
     """The ``v1/instances`` record of this process's endpoint ``name`` (what an ``EventSource`` record's
     ``recovery_target`` holds: 1.6.1 calls the address in it); None when there is none: an endpoint served
-    over NATS, which 1.x cannot reach (runtime/v1_discovery.py)."""
+    over NATS (its record's transport is ``nats_tcp``), which 1.x does not call."""
     ident = endpoint.id
     kv = await endpoint.runtime.discovery().get(endpoint_key(ident.namespace, ident.component, name,
                                                              endpoint.lease_id()))
-    return orjson.loads(kv.value) if kv is not None else None
+    record = orjson.loads(kv.value) if kv is not None else None
+    return record if isinstance(record, dict) and "tcp" in (record.get("transport") or {}) else None
 
 
 def _both(first: Any, second: Any) -> Any:

@@ -12,8 +12,7 @@ import pytest
 
 from dynamo.errors import ModelError
 from dynamo.llm.gguf_card import load_gguf
-from dynamo.llm.model_card import load_hf_folder
-from dynamo.llm.model_card import ModelCard
+from dynamo.llm.model_card import ModelCard, load_hf_folder
 from dynamo.llm.model_entry import V1_CARD, ModelEntry, is_1x_worker
 from dynamo.llm.model_source import apply_chat_template_file
 from dynamo.llm.model_type import ModelType
