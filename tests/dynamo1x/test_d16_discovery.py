@@ -6,7 +6,6 @@ worker stops. Requests across are the request plane's tests."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
@@ -45,7 +44,7 @@ def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
 
 def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path, envs) -> None:
     """Our worker and 1.6.1's mocker serve one model on one endpoint: our frontend serves it once, over both
-    instances, and our worker (which writes both kinds of record) is one instance, not two."""
+    instances (one record each, in one bucket)."""
     import httpx
 
     theirs, ours, store = envs
@@ -63,8 +62,6 @@ def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path,
                        "our frontend serves 'shared' over both workers")
             assert worker.instance_id in instances()
             assert models_listed(frontend.base_url) == {"shared"}
-            time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third
-            assert len(instances()) == 2
     finally:
         worker.stop()
 
