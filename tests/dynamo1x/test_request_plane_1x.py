@@ -1,10 +1,11 @@
-"""Dynamo 1.6.1's TCP request plane against ours, both ways, with its real processes (runtime/v1_wire.py).
+"""The one TCP request wire (1.x's, runtime/v1_wire.py) between 1.6.1's real processes and ours, both ways.
 
 * Our worker served to 1.6.1's own Python client (``dynamo.runtime``'s ``client.generate`` and ``direct``):
   its instance record is written by hand into 1.6.1's file store (``v1/instances``), as discovery will write
-  it; the worker's one port tells 1.6.1's framing from ours; a core engine answers in 1.x's token items.
+  it, with our worker's own address; a request without our client's mark gets 1.x's token items.
 * Our client and our frontend's pipeline in front of 1.6.1's mocker: the instance built by hand from the
-  mocker's own ``v1/instances`` file; its token ids are detokenized by our pipeline; a consumer that leaves
+  mocker's own ``v1/instances`` file; our extras offered and ignored; a ping and a probe acked as taken;
+  its token ids are detokenized by our pipeline; a consumer that leaves
   sends ``kill``; a mocker killed mid-stream is :class:`StreamIncompleteError` (what migration acts on).
 """
 
@@ -31,6 +32,9 @@ from dynamo.runtime import DistributedRuntime, StreamIncompleteError
 from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.probe import reachable
+from dynamo.runtime.transport import PING
+from dynamo.runtime.v1_wire import v1_path
 from dynamo.worker.handlers import backend_handler
 from harness.dynamo1x import d16_env, d16_mocker, d16_python
 
@@ -75,9 +79,10 @@ async def test_d16_client_streams_from_our_core_worker(store: Path, our_runtime)
     serving = asyncio.create_task(endpoint.serve_endpoint(backend_handler(card, EchoCoreEngine(delay=0)), ready=ready))
     await asyncio.wait_for(ready.wait(), 10)
     kv = await our_runtime.discovery().get(endpoint.instance_key)
-    assert Instance.from_json(kv.value).ours
-    # our worker's one record, extra field and all, copied into the 1.6.1 client's store as it is
+    ours = Instance.from_json(kv.value)
     iid = our_runtime.instance_id & 0xFFFFFFFFFFFFFFFF
+    assert ours.ours and ours.subject.partition("/")[2] == v1_path(iid, ident.namespace, ident.component, ident.name)
+    # our worker's one record, extra field and all, copied into the 1.6.1 client's store as it is
     folder = store / "v1" / "instances"
     folder.mkdir(parents=True)
     path = folder / file_key(f"{ident.namespace}/{ident.component}/{ident.name}/{iid:x}")
@@ -135,9 +140,16 @@ async def test_our_client_and_pipeline_in_front_of_d16_mocker(d16_mocker_instanc
     client = await our_client_of(our_runtime, instance)
     request = PreprocessedRequest(token_ids=[1, 2, 3, 4, 5], model="tiny-chat",
                                   stop_conditions=StopConditions(max_tokens=4))
+    # our client offers its extras (heartbeats, a multiplexed call-home) and marks its request: 1.6.1 ignores
+    # them and streams per connection, which our client reads as it reads ours
     items = [x async for x in client.round_robin(request.to_dict())]
     assert [len(i["token_ids"]) for i in items] == [1, 1, 1, 1, 0] and items[-1]["finish_reason"] == "length"
     assert all(1000 <= t < 5000 for i in items for t in i["token_ids"])
+
+    # a ping (an empty request) and a probe: 1.6.1 acks both as taken and answers neither, which counts
+    assert await our_runtime.request_plane().send(instance.subject, PING, 5) == b""
+    receiver = await our_runtime.response_streams().receiver()
+    assert await reachable(our_runtime.request_plane(), receiver, instance.subject, instance.instance_id, 5)
 
     # our frontend's pipeline: the remote engine turns 1.x's items into ours, the post-processor detokenizes
     card = load_hf_folder(tiny_chat_5k)

@@ -1,6 +1,6 @@
 """What a stranger gets from a real worker's TCP request-plane port, with and without a fleet secret:
-garbage, an HTTP request, a truncated frame, an undecodable frame, a request for an endpoint it does not
-serve, and a flood of connections held open (some having sent half an envelope). Afterwards, and while
+garbage, an HTTP request, a truncated request, requests for endpoints it does not serve (one with a payload
+that is no request), and a flood of connections held open (some having sent half a request). Afterwards, and while
 the flood is still held, the worker answers a fresh client (``fleet_peer.py ask``, a new process and a
 new connection) and a chat request through the frontend; it logs the strangers in a few lines, not one
 per connection.
@@ -23,8 +23,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from dynamo.runtime.codec import encode_frame
-from dynamo.runtime.mux import envelope
+from dynamo.runtime.v1_wire import encode_request_message
 from harness.fleet import NO_INFRA_ENV, wait_for_model
 from harness.proc import DynamoRun, DynamoWorker, cli_env
 from harness.wait import wait_until
@@ -60,7 +59,7 @@ def fleet(request, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -
         worker.stop()
 
 
-NO_RESPONDERS = b'"no_responders"'
+UNKNOWN = b"Server unavailable: unknown endpoint "  # 1.6.1's words: nothing is served under that path here
 
 
 def exchange(port: int, data: bytes, *, read: bool = True, until: bytes | None = None) -> bytes:
@@ -97,16 +96,16 @@ def test_garbage_http_and_bad_frames_leave_the_worker_serving(fleet):
     port, secret = fleet["port"], fleet["secret"]
     garbage = exchange(port, os.urandom(4096))
     http = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    exchange(port, envelope(1, encode_frame(header=b"x", body=b"y" * 100))[:40], read=False)  # truncated
-    ask_nobody = envelope(2, encode_frame(header=b"nobody.here", body=b""))
-    # an envelope whose frame is not one, then a request for an endpoint not served here, on one connection
-    undecodable = exchange(port, envelope(1, b"\x00" * 10) + ask_nobody, until=NO_RESPONDERS)
+    exchange(port, encode_request_message("0/a/b/c", {}, b"y" * 100)[:40], read=False)  # truncated
+    # a request whose payload is no request, then one more, on one connection, for paths not served here
+    unknown = exchange(port, encode_request_message("0/no/body/here", {}, b"\x00" * 10)
+                       + encode_request_message("1/no/body/there", {}, b""), until=b"there")
     if secret:  # the worker spoke its hello, then closed: nothing of the plane was read
-        for got in (garbage, http, undecodable):
+        for got in (garbage, http, unknown):
             assert got.startswith(b"\xffdynamo-") and len(got) == 48, got
     else:
         assert garbage == http == b""  # closed at once
-        assert NO_RESPONDERS in undecodable  # the bad frame was skipped, the connection still answers
+        assert UNKNOWN + b"0/no/body/here" in unknown and UNKNOWN + b"1/no/body/there" in unknown
     served(fleet)
     assert fleet["worker"].running
 
@@ -118,7 +117,7 @@ def test_a_flood_of_connections_leaves_the_worker_serving(fleet):
         for i in range(FLOOD):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
             if i % 2:
-                s.sendall(envelope(1, b"x" * 64)[:20])  # half an envelope, then nothing
+                s.sendall(encode_request_message("0/a/b/c", {}, b"x" * 64)[:20])  # half a request, then nothing
             flood.append(s)
         served(fleet)  # while every one of them is held open
     finally:

@@ -198,7 +198,7 @@ def test_a_worker_restarted_on_a_new_port_is_reached_there(servers, workers, tin
             kv = await rt.discovery().get(EndpointId(NS, "mocker", "generate").instance_key(fresh.instance_id))
             return Instance.from_json(kv.value).subject
 
-        assert asyncio.run(watched(servers, address, all_publishers=False)).startswith(f"tcp://127.0.0.1:{port}/")
+        assert asyncio.run(watched(servers, address, all_publishers=False)).startswith(f"127.0.0.1:{port}/")
 
         def fresh_serves() -> bool:
             rid = f"fresh-{uuid.uuid4().hex[:12]}"

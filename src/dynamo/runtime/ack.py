@@ -60,7 +60,7 @@ class RequestSender:
         self._waiting[token] = fut
         state.set_waiter(fut)  # StreamState.wake() ends the wait when the stream's first data arrives
         try:
-            await self.nc.publish(subject, payload, reply=self._prefix + token)
+            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=state.trace)
             async with asyncio.timeout(timeout):
                 msg = await fut
         finally:

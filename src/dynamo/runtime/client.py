@@ -558,8 +558,8 @@ class ResponseStream:
             state.send_control("kill" if ctx.is_killed() else "stop")  # queued until the worker attaches
         ctx.add_callback(state.send_control)
         trace = tracing.headers_of(span) if span is not None else None
-        state.trace = trace  # (TCP: in the request message's headers, runtime/tcp_request_plane.py)
-        frame = encode_request(ctx.id(), conn, payload, trace)
+        state.trace = trace  # in the request message's headers, on either plane
+        frame = encode_request(ctx.id(), conn, payload)
         bound = client.settings.stream_liveness
         try:
             ack = await requests.send(subject, frame, bound, state)  # or the first frame

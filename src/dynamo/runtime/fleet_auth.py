@@ -60,11 +60,11 @@ NONCE_LEN = 32
 PROOF_LEN = 32
 HELLO_LEN = len(MAGIC) + NONCE_LEN
 # a peer without the secret: one of ours started without it, or a Dynamo 1.x process (1.x has no fleet secret:
-# a fleet mixing 1.x processes runs without one; docs/runtime.md, "Dynamo 1.x on the request plane")
+# a fleet mixing 1.x processes runs without one; docs/runtime.md, "The TCP request plane: one wire, 1.x's")
 NO_HANDSHAKE = ("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there? a Dynamo 1.x process, "
                 "which has none?)")
-NO_HANDSHAKE_1X = ("it sent a Dynamo 1.x request (1.x has no fleet secret: its frontends cannot use a worker that "
-                   "requires DYN_FLEET_SECRET)")
+NO_HANDSHAKE_1X = ("it sent a request without the handshake (a Dynamo 1.x frontend, which has no fleet secret and "
+                   "cannot use a worker that requires DYN_FLEET_SECRET, or one of ours without it)")
 HANDSHAKE_TIMEOUT = 10.0  # a peer that has not proved itself by then is dropped
 MIN_SECRET_LEN = 16
 REFUSAL_LOG_EVERY_S = 60.0  # the same peer refused for the same reason: one warning per minute
@@ -75,7 +75,7 @@ LISTENER = "listener"
 
 
 def starts_like_v1(first: bytes | bytearray) -> bool:
-    """A connection's first bytes start a Dynamo 1.x request: a u16 path length (1..4096), then the path,
+    """A connection's first bytes start a request-plane request (1.x's wire, ours too): a u16 path length (1..4096), then the path,
     which begins with the instance id in hex.  Only to name a refused peer: HTTP or garbage is not one."""
     if len(first) < 3:
         return False
@@ -84,7 +84,7 @@ def starts_like_v1(first: bytes | bytearray) -> bool:
 
 
 def _no_handshake(first: bytes | bytearray) -> str:
-    """Why a peer's first bytes are no handshake: one of 1.x's requests is named as such (one line)."""
+    """Why a peer's first bytes are no handshake: a request is named as such (one line)."""
     return NO_HANDSHAKE_1X if starts_like_v1(first) else NO_HANDSHAKE
 
 

@@ -148,9 +148,9 @@ class Ingress:
         v1 = control.get(CLIENT_KEY) != CLIENT_OURS
         codec = request_codec(control)
         trace = None
-        if tracing.ENABLED:  # the W3C context: 1.x's in its message headers, ours in the control JSON
-            trace = request.headers if isinstance(request, CarriesHeaders) and "traceparent" in request.headers \
-                else control
+        if tracing.ENABLED:  # the W3C context, in the message's headers (1.x's place) on either plane
+            headers = request.headers if isinstance(request, CarriesHeaders) else None
+            trace = headers if headers and "traceparent" in headers else None
         task = asyncio.get_running_loop().create_task(
             self._serve(request_id, transport, info, body, codec, v1, trace))
         self.inflight.add(task)

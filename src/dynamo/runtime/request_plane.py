@@ -37,10 +37,10 @@ class IncomingRequest(Protocol):
 
 @runtime_checkable
 class CarriesHeaders(Protocol):
-    """A request that came with headers of its own (a Dynamo 1.x client's TCP request message): the W3C
-    trace context (``traceparent``, ``tracestate``) is among them."""
+    """A request that came with headers (a TCP request message's, a NATS message's; None: none): the W3C
+    trace context (``traceparent``, ``tracestate``) is among them when the client traces."""
 
-    headers: dict[str, str]
+    headers: dict[str, str] | None
 
 
 RequestHandler = Callable[[Any], Awaitable[None]]  # called with an IncomingRequest

@@ -141,7 +141,7 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
                          "it authenticates with a fleet secret and this process has none (set DYN_FLEET_SECRET)")
                 self.transport.close()
             else:
-                self._drop("garbage", str(exc))
+                self._drop("garbage", f"it sent garbage: {exc}")
             return
         held = self.decoder.buffered
         if held != self.held:

@@ -13,8 +13,8 @@ With tracing on, the SDK's own environment handling applies: ``OTEL_EXPORTER_OTL
 from the SDK's own thread, never from the event loop; :func:`shutdown` flushes them when a process ends.
 
 How a trace crosses processes: a client's ``traceparent`` is the parent of the frontend's server span; the
-runtime client puts the context of its request-plane span in what it sends (our envelope's control JSON,
-or a 1.x worker's TCP message headers), and the worker's ingress makes its server span a child of it.
+runtime client puts the context of its request-plane span in the request message's headers (1.x's place:
+the TCP message's headers, or the NATS message's), and the worker's ingress makes its server span a child of it.
 """
 
 from __future__ import annotations

@@ -94,11 +94,10 @@ def encode_handshake(subject: str, heartbeat_ms: int | None = None) -> bytes:
     return encode_frame(header=_dumps(ctl))
 
 
-def encode_request(request_id: str, connection_info: dict, body: bytes,
-                   trace: dict[str, str] | None = None, probe: bool = False) -> bytes:
-    """``trace``: the W3C ``traceparent``/``tracestate`` the worker's spans are children of (ours: keys of
-    the control JSON; runtime/tracing.py). ``probe`` (ours, :data:`PROBE_KEY`): not a request but a
-    question, answered by an empty stream over the response path (runtime/probe.py)."""
+def encode_request(request_id: str, connection_info: dict, body: bytes, probe: bool = False) -> bytes:
+    """The request frame, marked as our client's (:data:`CLIENT_KEY`). ``probe`` (ours, :data:`PROBE_KEY`):
+    not a request but a question, answered by an empty stream over the response path (runtime/probe.py).
+    The W3C trace context travels in the message's headers (``StreamState.trace``), as 1.x carries it."""
     control: dict[str, Any] = {
         "id": request_id,
         "request_type": "single_in",
@@ -109,8 +108,6 @@ def encode_request(request_id: str, connection_info: dict, body: bytes,
         },
         CLIENT_KEY: CLIENT_OURS,
     }
-    if trace:
-        control.update(trace)
     if probe:
         control[PROBE_KEY] = True
     return encode_frame(_dumps(control), body, with_checksum=True)

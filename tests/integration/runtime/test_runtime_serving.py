@@ -454,3 +454,26 @@ async def test_finished_streams_leave_no_bookkeeping(make_runtime, ns, serve):
     await stream.__anext__()
     await stream.aclose()
     await until(lambda: client._active == {} and caller.response_streams().started_receiver.pending == {}, 5, "the bookkeeping emptied")
+
+
+@pytest.mark.parametrize("plane", ["nats", "tcp"])
+async def test_the_trace_context_travels_in_the_request_messages_headers(make_runtime, plane):
+    """The W3C context of the client's request-plane span reaches the worker in the message's headers, where
+    1.x carries it, on either plane (a worker's span is then a child of the client's)."""
+    from dynamo.runtime.transport import StreamState
+    from dynamo.runtime.v1_wire import v1_path
+
+    worker, caller = await make_runtime(request_plane=plane), await make_runtime(request_plane=plane)
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def handler(request) -> None:
+        got.set_result(dict(request.headers or {}))
+        await request.respond(b"")
+
+    served = await worker.request_plane().serve("trace_svc", "ep", handler,
+                                                v1_path(worker.instance_id, "trace", "svc", "ep"))
+    state = StreamState("r-1", worker.instance_id)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    state.trace = {"traceparent": parent}
+    assert await caller.request_plane().send(served.address, b"{}", 5, state) == b""
+    assert (await asyncio.wait_for(got, 5))["traceparent"] == parent

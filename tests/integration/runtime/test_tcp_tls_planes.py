@@ -70,9 +70,9 @@ async def client_of(rt: DistributedRuntime) -> Any:
 
 
 def address_of(client: Any) -> tuple[str, int]:
-    """The worker's request-plane listener, from its instance record (``tcp://host:port/...``)."""
+    """The worker's request-plane listener, from its instance record (``host:port/{id:x}/...``)."""
     [instance] = client.instances()
-    return split_address(instance.subject.removeprefix("tcp://").split("/")[0])
+    return split_address(instance.subject.split("/")[0])
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["tls", "tls+fleet-secret"])

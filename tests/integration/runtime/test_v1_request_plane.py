@@ -162,3 +162,20 @@ async def test_a_request_a_byte_at_a_time_and_an_unknown_path(runtimes, serve):
     path = v1_path(worker.instance_id, "v1s", "backend", "nope")
     assert got == [f"Server unavailable: unknown endpoint {path}".encode()]
     writer.close()
+
+
+async def test_a_client_with_a_fleet_secret_refuses_a_1x_worker_in_one_line(file_runtimes):
+    """A 1.x worker has no fleet secret (its call-home would be refused here): the request fails at once,
+    naming why, not at the deadline of a handshake it cannot answer."""
+    caller = await file_runtimes(stream_liveness=2.0, fleet_secret=b"the one-wire test's fleet secret")
+    ident = EndpointId("v1f", "backend", "generate")
+    iid = 0x59F5A0430FD477B0
+    # an instance known only by a 1.x record (as translated from v1/instances: it names its codec)
+    record = Instance(ident.namespace, ident.component, ident.name, iid,
+                      f"127.0.0.1:9/{v1_path(iid, ident.namespace, ident.component, ident.name)}", "msgpack")
+    await caller.discovery().put(ident.instance_key(iid), record.to_json(), lease=True)
+    client = await client_of(caller, ident)
+    with pytest.raises(NoRespondersError) as info:
+        await client.round_robin({}).start()
+    assert "Dynamo 1.x worker" in str(info.value) and "DYN_FLEET_SECRET" in str(info.value)
+    assert "\n" not in str(info.value)
