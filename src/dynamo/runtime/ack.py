@@ -60,7 +60,9 @@ class RequestSender:
         self._waiting[token] = fut
         state.set_waiter(fut)  # StreamState.wake() ends the wait when the stream's first data arrives
         try:
-            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=state.trace)
+            # 1.6.1's headers on this plane: the request's id, and the W3C trace context when tracing
+            headers = {"request-id": state.request_id, **state.trace} if state.trace else {"request-id": state.request_id}
+            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
             async with asyncio.timeout(timeout):
                 msg = await fut
         finally:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 
 from dynamo.aio import Acceptor
 
@@ -39,11 +39,12 @@ from .v1_wire import MAX_REQUEST, split_v1_address
 
 log = logging.getLogger(__name__)
 
-# The most one request may be (MAX_REQUEST, 1.x's DYN_TCP_MAX_MESSAGE_SIZE default): a request is a
-# preprocessed prompt (token ids, sampling options), a few hundred kilobytes even for a 128k-token context,
-# and NATS, the other request plane, refuses messages over 1 MiB by default; 32 MiB leaves room for large
-# multimodal requests. Announcing more drops the connection before a byte of it is buffered.
 __all__ = ["MAX_REQUEST", "MAX_PENDING", "TcpRequestPlane"]
+# MAX_REQUEST (v1_wire.py), 32 MiB, 1.x's DYN_TCP_MAX_MESSAGE_SIZE default, is the most one request may be: a
+# request is a preprocessed prompt (token ids, sampling options), a few hundred kilobytes even for a
+# 128k-token context, and NATS, the other request plane, refuses messages over 1 MiB by default; 32 MiB
+# leaves room for large multimodal requests. Announcing more drops the connection before a byte of it is
+# buffered.
 # The most a worker holds, over all its connections, in requests whose end has not arrived yet. Clients send
 # each request whole, so this is transient and small; without a fleet secret anyone who reaches the port
 # could otherwise open a thousand connections and start a 32 MiB request on each. The connection that
@@ -162,7 +163,7 @@ class TcpRequestPlane:
             # refused: nobody listens there any more (the worker is gone), or it is not of this fleet
             # (another secret, or none: a Dynamo 1.x worker); as NATS's "no responders"
             raise NoResponders(f"{hostport}: {exc}") from None
-        return conn  # type: ignore[return-value]
+        return cast(ClientConnection, conn)
 
     async def send(self, address: str, payload: bytes, timeout: float, state: StreamState | None = None) -> bytes:
         """``payload`` to the endpoint at ``address``; an empty payload is a ping (module docstring)."""

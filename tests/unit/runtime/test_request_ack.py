@@ -17,6 +17,7 @@ class FakeNats:
 
     def __init__(self) -> None:
         self.published: list[tuple[str, bytes, str]] = []
+        self.headers: list[dict | None] = []
         self.cb = None
 
     def new_inbox(self) -> str:
@@ -26,8 +27,9 @@ class FakeNats:
         assert subject == "_INBOX.test.*"
         self.cb = cb
 
-    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers: dict | None = None) -> None:
         self.published.append((subject, payload, reply))
+        self.headers.append(headers)
 
     async def reply(self, data: bytes = b"", headers: dict | None = None) -> None:
         _, _, reply = self.published[-1]
@@ -41,6 +43,7 @@ async def test_the_ack_ends_the_wait():
     task = asyncio.create_task(sender.send("subj", b"req", 5, state))
     await asyncio.sleep(0)
     assert nc.published[0][:2] == ("subj", b"req")
+    assert nc.headers[0] == {"request-id": "r"}  # in the message's headers, as 1.6.1 sends it
     await nc.reply(b'{"error":"busy"}')
     assert await asyncio.wait_for(task, 1) == b'{"error":"busy"}'
     assert sender._waiting == {}
