@@ -31,7 +31,7 @@ from dynamo.llm.protocols.openai import parse_chat_request
 from dynamo.runtime import DistributedRuntime, StreamIncompleteError
 from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.instance import Instance
-from dynamo.runtime.names import EndpointId
+from dynamo.runtime.names import EndpointId, signed_id
 from dynamo.runtime.probe import reachable
 from dynamo.runtime.transport import PING
 from dynamo.runtime.v1_wire import v1_path
@@ -208,7 +208,8 @@ async def two_mockers(tiny_chat_5k: Path, store: Path, rt: DistributedRuntime, *
                     break
                 await asyncio.sleep(0.1)
             records = generate_records(store)
-            by_id = {first_id: first, next(i for i in records if i != first_id): second}
+            # our client keeps ids above i64's maximum negative, as it reads them from a record's key
+            by_id = {signed_id(first_id): first, signed_id(next(i for i in records if i != first_id)): second}
             for record in records.values():
                 client = await our_client_of(rt, Instance("m16", "backend", "generate", record["instance_id"],
                                                           record["transport"]["tcp"], ours=False))
