@@ -10,7 +10,7 @@ under another address, ``localhost`` for ``10.0.0.5``, would otherwise count twi
 
 **Models.**  Our frontends serve every namespace's models, so a frontend's metrics may carry other
 fleets' load.  :func:`namespace_models` lists the model names registered in the planner's namespace
-(``models/<namespace>/...``), and only their series count (``--model`` narrows it to one).
+(``v1/mdc/<namespace>/...``), and only their series count (``--model`` narrows it to one).
 :class:`NamespaceModels` keeps every name once seen (requests still come for a model whose workers are
 all gone), and, while discovery does not answer (etcd down or restarting), goes on with those: the
 frontends and their ``/metrics`` do not need etcd, so the planner keeps observing and deciding through an

@@ -86,7 +86,7 @@ class PeerBody(Protocol):
     """A request body that differs by the worker it goes to: ours take :meth:`body` as it is; a Dynamo 1.x
     worker takes :meth:`v1_body`, which may raise (a :class:`~dynamo.errors.RequestError` naming what a 1.x
     worker cannot be given: it would ignore it and answer something else).  The runtime knows only whether
-    an instance is known by a 1.x record alone (:meth:`Client.known_only_to_1x`); what the body means is the
+    an instance's record says it is ours (:meth:`Client.known_only_to_1x`); what the body means is the
     caller's (the frontend's LLM requests)."""
 
     def body(self) -> Any: ...
