@@ -20,7 +20,7 @@ import dynamo
 from harness.dynamo1x import d16_env
 from harness.servers import EtcdServer, NatsServer
 
-__all__ = ["BLOCK", "KV_PLANES", "SRC", "complete", "decisions", "fleet_envs", "prompts", "routed"]
+__all__ = ["BLOCK", "KV_PLANES", "SRC", "complete", "decisions", "fleet_envs", "plain_log", "prompts", "routed"]
 
 SRC = str(Path(dynamo.__file__).resolve().parents[1])  # this checkout's code, in our child processes
 BLOCK = 64  # the block size of 1.6.1's mocker and of ours, by default
@@ -44,6 +44,11 @@ def fleet_envs(name: str, store: Path) -> Iterator[tuple[dict[str, str], dict[st
             extra["NATS_SERVER"] = stack.enter_context(NatsServer()).url
         theirs = d16_env(None, extra)
         yield theirs, dict(theirs, PYTHONPATH=SRC), None
+
+
+def plain_log(proc) -> str:
+    """A 1.6.1 process's log without its colours."""
+    return _ANSI.sub("", proc.stderr_text())
 
 
 def routed(frontend) -> list[tuple[str, str]]:

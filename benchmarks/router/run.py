@@ -23,10 +23,10 @@ Measured per run (by the client, after a ``--warmup`` of seconds whose requests 
 * ITL: gaps between consecutive content chunks of a request (0 for chunks that arrived together), p50/p99;
 * throughput: output tokens (``usage.completion_tokens``) and requests per second of wall time, from the
   first request sent to the last stream ended;
-* prefix-cache hit rate: each worker's last ``gpu_prefix_cache_hit_rate`` from its load metrics on NATS
-  ``namespace.<ns>.kv_metrics`` (the mean, over its block allocations, of cached / prompt blocks),
-  averaged over workers weighted by their request counts; for kv modes also the router's own estimate,
-  sum(overlap_blocks) / sum(isl_blocks) of the ``namespace.<ns>.kv-hit-rate`` events;
+* prefix-cache hit rate: each worker's last ``gpu_prefix_cache_hit_rate`` from its load metrics (topic
+  ``kv_metrics`` on the event plane's NATS subjects; the mean, over its block allocations, of cached /
+  prompt blocks), averaged over workers weighted by their request counts; for kv modes also the router's
+  own estimate, sum(overlap_blocks) / sum(isl_blocks) of its ``kv-hit-rate`` events;
 * spread: requests per worker, counted from each worker's log (run with
   ``DYN_LOG=info,dynamo.worker.handlers=debug``, a worker logs one ``request <id>: <n> prompt
   tokens`` line per request it serves), shown as counts and as max/mean.
@@ -60,11 +60,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from benchmarks.router.client import Record, drive
 from benchmarks.router.report import add_ratios, markdown_table, plot, plot_title, summarize, text_table
 from benchmarks.router.workload import Conversation, WorkloadConfig, build
+from dynamo.kv.v1_events import metrics_from_load
+from dynamo.runtime.v1_event_wire import decode_envelope
+from harness.events import nats_subject, payload
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer
 from harness.tiny_model import build_tiny_hf_model
@@ -139,19 +140,19 @@ class NatsWatch:
         self.nc = await nats.connect(self.url)
 
         async def on_metrics(msg: Any) -> None:
-            m = orjson.loads(msg.data)
+            m = metrics_from_load(decode_envelope(msg.data).payload)
             self.metrics[int(m["worker_id"])] = m["data"]
 
         async def on_hit(msg: Any) -> None:
-            m = orjson.loads(msg.data)
+            m = payload(msg.data)
             self.decisions += 1
             self.isl_blocks += int(m["isl_blocks"])
             self.overlap_blocks += int(m["overlap_blocks"])
             w = int(m["worker_id"])
             self.decisions_per_worker[w] = self.decisions_per_worker.get(w, 0) + 1
 
-        await self.nc.subscribe(f"namespace.{self.ns}.kv_metrics", cb=on_metrics)
-        await self.nc.subscribe(f"namespace.{self.ns}.kv-hit-rate", cb=on_hit)
+        await self.nc.subscribe(nats_subject(self.ns, "kv_metrics"), cb=on_metrics)
+        await self.nc.subscribe(nats_subject(self.ns, "kv-hit-rate"), cb=on_hit)
         await self.nc.flush()
 
     async def close(self) -> None:

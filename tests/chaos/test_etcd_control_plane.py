@@ -536,10 +536,15 @@ async def test_model_on_two_endpoints_is_served_from_both(etcd, nats, tiny_model
         assert sorted(seen) == ["a", "a", "b", "b"], seen
         health = {i["endpoint"] for i in watcher.instances() if name in i["models"]}
         assert health == {f"dyn://{ns}.a.generate", f"dyn://{ns}.b.generate"}
-        if mode == "kv":  # kv_events and active_sequences_events of both components
-            subjects = {sub.subject for sub in watcher.served[name].router._subs}
-            assert {f"namespace.{ns}.component.{c}.{e}" for c in "ab"
-                    for e in ("kv_events", "active_sequences_events")} <= subjects, subjects
+        if mode == "kv":  # kv-events and active_sequences_events of both components' endpoints
+            router = watcher.served[name].router
+
+            def followed() -> set[tuple[str, str]]:
+                return ({(sub.scope.component, sub.topic) for sub in router._subs}
+                        | {(scope.component, "kv-events") for scope in router._kv_subs})
+
+            want = {(c, t) for c in "ab" for t in ("kv-events", "active_sequences_events")}
+            await until(lambda: _after(want <= followed()), 10, "both components' topics followed")
 
         workers[0].shutdown()  # a goes away; b still serves the model
         await asyncio.wait_for(tasks[0], 10)

@@ -42,7 +42,7 @@ async def test_our_router_finds_the_1x_mocker_s_blocks(tiny_chat_5k: Path, etcd_
             router.apply_event(event)
 
     try:
-        plane_1x = rt.v1_event_plane()
+        plane_1x = rt.event_plane()
         scope = EndpointScope(ns, "backend", "generate")
         subs = [await plane_1x.subscribe(scope, TOPIC_KV_EVENTS, on_events),
                 await plane_1x.subscribe(scope, TOPIC_KV_METRICS,

@@ -11,6 +11,7 @@ routed with the prompt's blocks found (``overlap_blocks`` in 1.6.1's log; ``cach
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from dynamo.kv.hashing import compute_hashes
 from harness.dynamo1x import d16_frontend, d16_mocker, models_listed
-from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, prompts, routed
+from harness.dynamo1x_kv import BLOCK, KV_PLANES, complete, decisions, fleet_envs, plain_log, prompts, routed
 from harness.proc import DynamoRun, DynamoWorker
 from harness.wait import wait_until
 
@@ -45,6 +46,10 @@ def test_d16_frontend_routes_repeats_to_our_worker_that_holds_them(tiny_chat_5k:
                 wait_until(lambda p=prompt, n=seen: _repeat_finds(frontend, p, n), 20,
                            "its router hears our worker's blocks")
             assert {int(w) for _, w in routed(frontend)} <= ids
+            # what our workers' events carry beyond 1.x's fields (our load report) is ignored, never an error
+            said = plain_log(frontend)
+            assert not [x for x in said.splitlines() if re.search(r"(?i)(warn|error).*(kv_metrics|kv-events|"
+                                                                   r"deserializ|decod)", x)], said[-3000:]
     finally:
         for w in workers:
             w.stop()

@@ -26,6 +26,7 @@ import httpx
 
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.config import RuntimeSettings
+from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope, parse_channel
 
 REQUEST = {"token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "stop_conditions": {"max_tokens": 3}}
 
@@ -71,7 +72,7 @@ async def listen(component: str, worker_hex: str, url: str, model: str, secrets:
     logging.getLogger("dynamo.runtime.fleet_auth").addHandler(recorder)
     logging.getLogger("dynamo.runtime.fleet_auth").setLevel(logging.DEBUG)
     ns, comp = component.split(".")
-    subject = f"namespace.{ns}.component.{comp}.kv_events"
+    scope = EndpointScope(ns, comp, "generate")
     runtimes: list[DistributedRuntime] = []
     read: list[int] = []
     try:
@@ -82,12 +83,17 @@ async def listen(component: str, worker_hex: str, url: str, model: str, secrets:
             runtimes.append(rt)
             read.append(0)
 
-            async def count(_subject: str, _payload: bytes, i: int = i) -> None:
+            def count(_env: Any, i: int = i) -> None:
                 read[i] += 1
 
-            await rt.event_plane().subscribe(subject, count)
-        records = await runtimes[0].discovery().get_prefix("event_plane/zmq/")
-        publisher = next(json.loads(kv.value)["address"] for kv in records if kv.key.endswith(worker_hex))
+            await rt.event_plane().subscribe(scope, "kv-events", count)
+        # the worker's kv-events publisher: its EventSource record names it
+        store = runtimes[0].discovery()
+        sources = [json.loads(kv.value)["metadata"] for kv in
+                   await store.get_prefix(scope.key_prefix(EVENT_SOURCES, "kv-events"))]
+        publisher_id = next(m["publisher_id"] for m in sources if m["worker"]["worker_id"] == int(worker_hex, 16))
+        channel = await store.get(scope.key(EVENT_CHANNELS, "kv-events", publisher_id))
+        publisher = parse_channel(channel.value).address
         # the member has met the worker's publisher, every stranger has been turned away by it
         await wait_for(lambda: runtimes[0].event_plane().reconnects > 0, 20, "the member's handshake")
         await wait_for(lambda: sum(f"cannot subscribe to {publisher}" in m for m in recorder.messages)

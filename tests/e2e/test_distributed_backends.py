@@ -1,7 +1,7 @@
 """What the configurations (harness/dist_configs.py: etcd+nats, file+tcp+zmq) add to the distributed suite
 (test_distributed.py runs the rest under both): KV routing on the mocker's KV events, heard by two
 frontends (the second one started after the events were published, so it catches up from the workers'
-``kv_state``), a killed worker's registration gone within the lease and its files cleaned up, and what
+recovery endpoint), a killed worker's registration gone within the lease and its files cleaned up, and what
 the processes say about their choices."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_kv_routing_on_the_workers_events_from_two_frontends(dist_config, fleet,
         first, again = wait_until(lambda: routes(logs[0], 2), 5, "two decisions on frontend 1")
         assert again["worker"] == f"{holder.instance_id:x}"
         assert first["candidates"][again["worker"]]["overlap"] == 0 < again["candidates"][again["worker"]]["overlap"]
-        fe2 = kv_frontend(logs[1])  # joins after the events: catches up from the workers' kv_state
+        fe2 = kv_frontend(logs[1])  # joins after the events: catches up from the workers' recovery endpoints
         try:
             rid = request_id("kv-late")
             chat(client_for(fe2), "kv", prefix + " late", stream=False, rid=rid, max_tokens=4)

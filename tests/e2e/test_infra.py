@@ -16,6 +16,7 @@ import pytest
 
 from dynamo.runtime import DistributedRuntime, RuntimeSettings
 from dynamo.runtime.config import EtcdSettings, NatsSettings
+from dynamo.runtime.v1_event_wire import EndpointScope
 from harness.servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -125,10 +126,9 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
         await rt.etcd.put("infra-test/mine", {"ok": True}, lease=True)
         got: asyncio.Queue[bytes] = asyncio.Queue()
 
-        async def on_event(_subject: str, payload: bytes) -> None:
-            got.put_nowait(payload)
-
-        await rt.event_plane().subscribe("infra-test.events", on_event)
+        scope = EndpointScope("infra-test", "c", "e")
+        pub = await rt.event_plane().publisher(scope, "events")
+        await rt.event_plane().subscribe(scope, "events", lambda env: got.put_nowait(env.payload))
 
         etcd_pid = _child_pid(proc.pid, "etcd")
         os.kill(_child_pid(proc.pid, "nats-server"), signal.SIGKILL)
@@ -138,7 +138,7 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
         assert _child_pid(proc.pid, "etcd") == etcd_pid  # the other server was left alone
         # the runtime's NATS connection comes back by itself: an event goes through again
         for _ in range(100):
-            await rt.event_plane().publish("infra-test.events", b"after")
+            await pub.publish(b"after")
             try:
                 assert await asyncio.wait_for(got.get(), 0.2) == b"after"
                 break

@@ -68,7 +68,7 @@ def fleet(request, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -
         served_remotely(fe)  # the call-home listener and the transfer server are open from here on
         http_port = int(fe.base_url.rsplit(":", 1)[1])
         ports = {
-            "prefill events": logged_port(prefill, r"listening: .*events 127\.0\.0\.1:(\d+)"),
+            "prefill events": logged_port(prefill, r"events: publishing kv-events of .* on tcp://127\.0\.0\.1:(\d+)"),
             "prefill status": logged_port(prefill, r"system status server listening on http://127\.0\.0\.1:(\d+)"),
         }
         for sock in listening_sockets(fe.pid):

@@ -11,7 +11,6 @@ computing it: B's usage reports the prefix cached and its log the fetch.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import kv_events, nats_subject, payload
 from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import NatsServer
@@ -42,20 +42,23 @@ async def _scenario(env: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: Dyna
     a_stored = asyncio.Event()
 
     async def on_event(msg: Any) -> None:
-        e = json.loads(msg.data)
+        for e in kv_events(msg.data):
+            on_kv(e)
+
+    def on_kv(e: dict[str, Any]) -> None:
         data = e.get("event", {}).get("data")
         if (e.get("worker_id") == a.instance_id and isinstance(data, dict) and "stored" in data
                 and e.get("storage_tier") == "host_pinned"):
             a_stored.set()
 
     async def on_decision(msg: Any) -> None:
-        decisions.append(json.loads(msg.data))
+        decisions.append(payload(msg.data))
 
     busy: list[asyncio.Task[Any]] = []
     async with httpx.AsyncClient(timeout=120) as client:
         try:
             await nc.subscribe(SUBJECT, cb=on_event)
-            await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
+            await nc.subscribe(nats_subject(MODEL, "kv-hit-rate"), cb=on_decision)
             await nc.flush()
             shop = system("bookshop")
             await complete(client, fe, shop + "When do you open?", worker=a.instance_id)

@@ -12,7 +12,6 @@ gets its answer either way.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import kv_events, nats_subject, payload
 from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
@@ -30,7 +30,7 @@ from tests.integration.test_kv_routing import frontend_caught_up, gauge
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "sharellama"
-SUBJECT = f"namespace.{MODEL}.component.llamacpp.kv_events"
+SUBJECT = nats_subject(MODEL, "kv-events", "llamacpp", "generate")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,10 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
     a_stored = asyncio.Event()
 
     async def on_event(msg: Any) -> None:
-        e = json.loads(msg.data)
+        for e in kv_events(msg.data):
+            on_kv(e)
+
+    def on_kv(e: dict[str, Any]) -> None:
         data = e.get("event", {}).get("data")
         # the finished turn, kept in A's host tier (a lender's): what B fetches without waiting for A
         if (e.get("worker_id") == a.instance_id and isinstance(data, dict) and "stored" in data
@@ -104,14 +107,14 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
             a_stored.set()
 
     async def on_decision(msg: Any) -> None:
-        decisions.append(json.loads(msg.data))
+        decisions.append(payload(msg.data))
 
     async with httpx.AsyncClient(timeout=120) as client:
         busy: list[asyncio.Task[Any]] = []
 
         try:
             await nc.subscribe(SUBJECT, cb=on_event)
-            await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
+            await nc.subscribe(nats_subject(MODEL, "kv-hit-rate"), cb=on_decision)
             await nc.flush()
             # A computes the bookshop's system prompt
             shop = system("bookshop")

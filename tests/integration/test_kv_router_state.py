@@ -1,6 +1,6 @@
 """What a KV router knows when it did not see the events happen, with real etcd, NATS and processes:
 
-* a frontend started after the workers cached a prefix asks them (``kv_state``) and routes the first
+* a frontend started after the workers cached a prefix asks them (their recovery endpoints) and routes the first
   request for that prefix to the worker holding it;
 * a frontend killed -9 with requests in flight leaves bookings on its peers only until its heartbeats
   are missed (``DYN_ROUTER_PEER_TTL``);
@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import nats_subject, payload
 from harness.fleet import kv_frontend, sees_model, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, NatsServer, etcd_and_nats_env
@@ -88,7 +88,7 @@ async def _count_adds(url: str, subject: str, n: int, started: threading.Event, 
 
     async def cb(msg: Any) -> None:
         nonlocal seen
-        data = json.loads(msg.data).get("data")
+        data = payload(msg.data).get("data")
         if isinstance(data, dict) and "AddRequest" in data:
             seen += 1
             if seen >= n:
@@ -112,7 +112,7 @@ def test_a_killed_frontends_bookings_expire_on_its_peer(servers, mockers):
         # A books 4 long requests on one worker; B hears about them (replica sync)
         started, done = threading.Event(), threading.Event()
         watcher = threading.Thread(target=asyncio.run, args=(_count_adds(
-            servers["NATS_SERVER"], "namespace.kvst.component.mocker.active_sequences_events", 4, started,
+            servers["NATS_SERVER"], nats_subject("kvst", "active_sequences_events", "mocker"), 4, started,
             done),), daemon=True)
         watcher.start()
         assert started.wait(10)
@@ -176,7 +176,7 @@ def test_after_a_nats_restart_the_frontend_asks_again(tiny_model: Path, tmp_path
             nats_srv.kill()  # events published now would be lost
             nats_srv.tmpdir.mkdir(parents=True, exist_ok=True)
             nats_srv.start()  # same port
-            wait_log(fe, r"NATS reconnected: asking 1 worker\(s\) for their KV state again", timeout=20)
+            wait_log(fe, r"event plane reconnected: asking 1 worker\(s\) for their KV state again", timeout=20)
             (before, after) = wait_log(fe, r"KV state of worker [0-9a-f]+: (\d+) cached blocks", count=2, timeout=20)
             assert int(after) >= cached["overlap_blocks"]
         finally:

@@ -2,8 +2,9 @@
 nats-server, a frontend (``in=http out=dyn --router-mode kv``) routes by them, found through a real etcd.
 
 Which worker a request went to, and how many of its prompt blocks the router thought were cached there,
-is read from the router's decisions on NATS ``namespace.<ns>.kv-hit-rate``
-(``{"worker_id", "isl_blocks", "overlap_blocks"}``), which the test subscribes to with nats-py.
+is read from the router's decisions, topic ``kv-hit-rate`` of the event plane on NATS
+(``{"worker_id", "isl_blocks", "overlap_blocks"}``), which the test subscribes to with nats-py
+(harness/events.py reads the envelopes).
 
 Two workers per model: ``kvev`` (shared by the KV-events frontend and the ``--use-kv-events false``
 frontend, each test with its own prompts) and ``kvkill`` (one of them is killed -9).
@@ -23,6 +24,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import kv_events, nats_subject, payload, undecodable_kv_event
 from harness.fleet import kv_frontend, metric, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
@@ -96,7 +98,7 @@ async def frontend_caught_up(nc: Any, fe: DynamoRun, subject: str) -> None:
     already received. The marker is an undecodable KV event, which the frontend's KV router logs and
     skips: once its unique name is in the frontend's log, the events before it were applied."""
     marker = f"barrier-{uuid.uuid4().hex}"
-    await nc.publish(subject, json.dumps({"worker_id": marker}).encode())
+    await nc.publish(subject, undecodable_kv_event(marker))
     await nc.flush()
     await until(lambda: marker in fe.stderr_text(), 10, "the frontend to handle the marker event")
 
@@ -110,19 +112,19 @@ async def _observed(servers: dict[str, str], fe: DynamoRun, ns: str, sends: list
     nc = await nats.connect(servers["NATS_SERVER"])
     events: list[dict[str, Any]] = []
     stored: dict[int, int] = {}
-    kv_subject = f"namespace.{ns}.component.mocker.kv_events"
+    kv_subject = nats_subject(ns, "kv-events", "mocker", "generate")
 
     async def on_event(msg: Any) -> None:
-        events.append(json.loads(msg.data))
+        events.append(payload(msg.data))
 
     async def on_kv(msg: Any) -> None:
-        e = json.loads(msg.data)
-        data = e["event"]["data"]
-        if isinstance(data, dict) and "stored" in data:
-            stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
+        for e in kv_events(msg.data):
+            data = e["event"]["data"]
+            if isinstance(data, dict) and "stored" in data:
+                stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
 
     try:
-        await nc.subscribe(f"namespace.{ns}.kv-hit-rate", cb=on_event)
+        await nc.subscribe(nats_subject(ns, "kv-hit-rate"), cb=on_event)
         await nc.subscribe(kv_subject, cb=on_kv)
         await nc.flush()
         async with httpx.AsyncClient(timeout=30) as client:

@@ -2,14 +2,14 @@
 with ``--request-plane tcp --event-plane zmq``, found through a real etcd, and no NATS server at all
 (``NATS_SERVER`` names a closed port): the model cards' tokenizers go in etcd's object store.
 
-The test watches the router's decisions (``namespace.<ns>.kv-hit-rate``) and the workers' KV events the
-way the frontend does: a runtime of its own on the ZMQ event plane, subscribed through discovery.
+The test watches the router's decisions (topic ``kv-hit-rate``) and the workers' KV events (``kv-events``)
+the way the frontend does: a runtime of its own on the ZMQ event plane, following the publishers that
+``v1/event_channels`` names.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import uuid
@@ -23,6 +23,8 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_event_wire import EndpointScope
+from harness.events import channels, follow
 from harness.fleet import kv_frontend, sees_instances, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import EtcdServer, free_port
@@ -93,23 +95,19 @@ async def watched(servers: dict[str, str], body: Callable[[DistributedRuntime, l
     decisions: list[dict[str, Any]] = []
     stored: dict[int, int] = {}
 
-    async def on_decision(_s: str, payload: bytes) -> None:
-        decisions.append(json.loads(payload))
-
-    async def on_kv(_s: str, payload: bytes) -> None:
-        e = json.loads(payload)
+    def on_kv(e: dict[str, Any]) -> None:
         data = e["event"]["data"]
         if isinstance(data, dict) and "stored" in data:
             stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
 
     try:
-        plane = rt.event_plane()
-        await plane.subscribe(f"namespace.{NS}.kv-hit-rate", on_decision)
-        await plane.subscribe(f"namespace.{NS}.component.mocker.kv_events", on_kv)
+        scope = EndpointScope(NS, "mocker", "generate")
+        await follow(rt, scope, "kv-hit-rate", decisions.append)
+        await follow(rt, scope, "kv-events", on_kv)
         # connected to every publisher (the workers' and the frontends'), handshakes done
         if all_publishers:
-            publishers = len(await rt.discovery().get_prefix("event_plane/zmq/"))
-            await until(lambda: plane.reconnects >= publishers, 10, "connections to the publishers")
+            publishers = await channels(rt, scope, "kv-hit-rate", "kv-events")
+            await until(lambda: rt.event_plane().reconnects >= publishers, 10, "connections to the publishers")
         return await body(rt, decisions, stored)
     finally:
         await rt.close()
@@ -147,8 +145,8 @@ def test_kv_events_over_zmq_send_a_shared_prefix_to_the_worker_that_caches_it(se
 
 
 def test_a_frontend_started_later_catches_up_from_kv_state_over_tcp(servers, workers):
-    """A frontend that starts after the workers cached a prompt asks each worker for its ``kv_state`` (over
-    the TCP request plane) and routes the prompt to the worker that holds it at once."""
+    """A frontend that starts after the workers cached a prompt asks each worker's recovery endpoint for
+    what it holds (over the TCP request plane) and routes the prompt to the worker that holds it at once."""
     prefix = text(120)
     early = start_frontend(servers, workers)
     try:

@@ -10,7 +10,6 @@ none).
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +18,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import kv_events, nats_subject, payload
 from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
@@ -59,20 +59,23 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
     b_stored = asyncio.Event()
 
     async def on_event(msg: Any) -> None:
-        e = json.loads(msg.data)
+        for e in kv_events(msg.data):
+            on_kv(e)
+
+    def on_kv(e: dict[str, Any]) -> None:
         data = e["event"]["data"]
         if isinstance(data, dict) and "stored" in data:
             if e["worker_id"] == a.instance_id and e.get("storage_tier") == "host_pinned":
                 offloaded.set()
-            if e["worker_id"] == b.instance_id and "storage_tier" not in e:
+            if e["worker_id"] == b.instance_id and e.get("storage_tier") == "device":
                 b_stored.set()
 
     async def on_decision(msg: Any) -> None:
-        decisions.append(json.loads(msg.data))
+        decisions.append(payload(msg.data))
 
     try:
-        await nc.subscribe(f"namespace.{MODEL}.component.llamacpp.kv_events", cb=on_event)
-        await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
+        await nc.subscribe(nats_subject(MODEL, "kv-events", "llamacpp", "generate"), cb=on_event)
+        await nc.subscribe(nats_subject(MODEL, "kv-hit-rate"), cb=on_decision)
         await nc.flush()
         long_prompt = text(90)
         await _complete(fe, long_prompt, worker=a.instance_id)
@@ -81,7 +84,7 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
         await _complete(fe, " ".join(long_prompt.split()[:12]), worker=b.instance_id)  # B: its first block
         await asyncio.wait_for(b_stored.wait(), 10)
         # the frontend's router has the same events (those this subscription got before the marker)
-        await frontend_caught_up(nc, fe, f"namespace.{MODEL}.component.llamacpp.kv_events")
+        await frontend_caught_up(nc, fe, nats_subject(MODEL, "kv-events", "llamacpp", "generate"))
         decisions.clear()
         out = await _complete(fe, long_prompt)
         await until(lambda: decisions, 10, "the router's decision")

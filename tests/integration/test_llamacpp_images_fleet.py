@@ -11,7 +11,6 @@ green one to B (three rounds), and each is a prefix-cache hit past the image the
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +19,7 @@ import openai
 import pytest
 
 from harness.colour_projector import QUESTION
+from harness.events import kv_events, nats_subject, payload
 from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
@@ -29,7 +29,7 @@ from tests.integration.test_llamacpp_images import colours_named, image_part, im
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "colourllama"
-EVENTS = f"namespace.{MODEL}.component.llamacpp.kv_events"
+EVENTS = nats_subject(MODEL, "kv-events", "llamacpp", "generate")
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +62,19 @@ async def _scenario(servers: dict[str, str], fe: DynamoRun, a: DynamoWorker, b: 
     stored: dict[int, int] = {}
 
     async def on_event(msg: Any) -> None:
-        e = json.loads(msg.data)
+        for e in kv_events(msg.data):
+            on_kv(e)
+
+    def on_kv(e: dict[str, Any]) -> None:
         if isinstance(e.get("event", {}).get("data"), dict) and "stored" in e["event"]["data"]:
             stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + 1
 
     async def on_decision(msg: Any) -> None:
-        decisions.append(json.loads(msg.data))
+        decisions.append(payload(msg.data))
 
     try:
         await nc.subscribe(EVENTS, cb=on_event)
-        await nc.subscribe(f"namespace.{MODEL}.kv-hit-rate", cb=on_decision)
+        await nc.subscribe(nats_subject(MODEL, "kv-hit-rate"), cb=on_decision)
         await nc.flush()
         red = await asyncio.to_thread(_ask, client, "red", a.instance_id)
         green = await asyncio.to_thread(_ask, client, "green", b.instance_id)

@@ -3,7 +3,7 @@
 In process: a follow-up request finds the previous request's slot free and reuses its prefix; a
 request whose prefix sits in a *busy* slot gets a copy of that slot's cache and the same greedy answer
 as without it; the engine's KV events, fed to a router, describe exactly what the slots hold, and so
-does its ``kv_state`` dump.  Distributed: two ``out=llamacpp`` workers behind a ``--router-mode kv``
+does its dump (what its recovery endpoint answers).  Distributed: two ``out=llamacpp`` workers behind a ``--router-mode kv``
 frontend (real etcd and NATS): the second request with the same long prefix goes to the worker that
 holds it, and that worker's llama.cpp reuses the prefix.
 """
@@ -11,7 +11,6 @@ holds it, and that worker's llama.cpp reuses the prefix.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,6 +24,7 @@ from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
 from dynamo.llm.engine import Context
 from dynamo.llm.protocols.common import PreprocessedRequest, SamplingOptions, StopConditions
+from harness.events import kv_events, nats_subject, payload
 from harness.fleet import kv_frontend, read_kv_states, workers_running, write_engine_args
 from harness.proc import DynamoRun, DynamoWorker
 from harness.servers import etcd_and_nats_env
@@ -234,10 +234,13 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
     enough = asyncio.Event()
 
     async def on_decision(msg: Any) -> None:
-        decisions.append(json.loads(msg.data))
+        decisions.append(payload(msg.data))
 
     async def on_event(msg: Any) -> None:
-        e = json.loads(msg.data)
+        for e in kv_events(msg.data):
+            on_kv(e)
+
+    def on_kv(e: dict[str, Any]) -> None:
         data = e["event"]["data"]
         if isinstance(data, dict) and "stored" in data:
             stored[e["worker_id"]] = stored.get(e["worker_id"], 0) + len(data["stored"]["blocks"])
@@ -245,8 +248,8 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
                 enough.set()
 
     try:
-        await nc.subscribe("namespace.kvllama.kv-hit-rate", cb=on_decision)
-        await nc.subscribe("namespace.kvllama.component.llamacpp.kv_events", cb=on_event)
+        await nc.subscribe(nats_subject("kvllama", "kv-hit-rate"), cb=on_decision)
+        await nc.subscribe(nats_subject("kvllama", "kv-events", "llamacpp", "generate"), cb=on_event)
         await nc.flush()
         async with httpx.AsyncClient(timeout=60) as client:
             resp = await client.post(fe.api_url + "/completions", json={
@@ -255,7 +258,7 @@ async def _request(servers: dict[str, str], fe: DynamoRun, prompt: str, want_blo
         if want_blocks:
             await asyncio.wait_for(enough.wait(), 10)  # the prefix's blocks are announced
             # ... and the frontend's router has them (it got them before the marker)
-            await frontend_caught_up(nc, fe, "namespace.kvllama.component.llamacpp.kv_events")
+            await frontend_caught_up(nc, fe, nats_subject("kvllama", "kv-events", "llamacpp", "generate"))
         await until(lambda: decisions, 10, "the router's decision")
     finally:
         await nc.close()

@@ -15,6 +15,7 @@ import httpx
 import nats
 import pytest
 
+from harness.events import kv_events, nats_subject, undecodable_kv_event
 from harness.fleet import served_by, sse_events
 from harness.netns_fleet import chat, instances, metric, prompt, sees
 from harness.proc import DynamoRun, DynamoWorker
@@ -37,12 +38,13 @@ def _stored_and_applied(nats_url: str, fe: DynamoRun, ns: str, send: Callable[[]
     async def run() -> httpx.Response:
         nc = await nats.connect(nats_url)
         stored: list[int] = []
-        subject = f"namespace.{ns}.component.mocker.kv_events"
+        subject = nats_subject(ns, "kv-events", "mocker", "generate")
 
         async def on_kv(msg: Any) -> None:
-            data = json.loads(msg.data).get("event", {}).get("data")
-            if isinstance(data, dict) and "stored" in data:
-                stored.append(1)
+            for e in kv_events(msg.data):
+                data = e.get("event", {}).get("data")
+                if isinstance(data, dict) and "stored" in data:
+                    stored.append(1)
 
         try:
             await nc.subscribe(subject, cb=on_kv)
@@ -50,7 +52,7 @@ def _stored_and_applied(nats_url: str, fe: DynamoRun, ns: str, send: Callable[[]
             resp = await asyncio.to_thread(send)
             await until(lambda: stored, 10, "the worker's stored-blocks event")
             marker = f"barrier-{uuid.uuid4().hex}"
-            await nc.publish(subject, json.dumps({"worker_id": marker}).encode())
+            await nc.publish(subject, undecodable_kv_event(marker))
             await nc.flush()
             await until(lambda: marker in fe.stderr_text(), 10, "the frontend to handle the marker event")
         finally:

@@ -2,7 +2,7 @@
 ``in=http out=dyn --router-mode kv``, with real etcd and nats-server.
 
 The worker turns on vLLM's own ZMQ KV-event publisher, rehashes the blocks vLLM stores into the router's
-format and publishes them on NATS.  The router's decision events (``namespace.<ns>.kv-hit-rate``) show
+format and publishes them on the event plane (NATS here).  The router's decision events (topic ``kv-hit-rate``) show
 whether it found the prompt cached on the worker: with one worker the choice is forced, so a non-zero
 ``overlap_blocks`` can only come from the worker's events.  The response's
 ``usage.prompt_tokens_details.cached_tokens`` is vLLM's own count of the prefix it reused, carried back
@@ -25,9 +25,12 @@ import pytest
 from dynamo.engines.vllm import engine as vl
 from dynamo.kv.hashing import compute_block_hashes
 from dynamo.kv.indexer import KvIndexer
+from dynamo.kv.v1_events import metrics_from_load
 from dynamo.kv.zmq_events import KvEventSink, KvEventTranslator, ZmqKvEventSubscriber
 from dynamo.llm.model_card import ModelCard
 from dynamo.run_config import RunConfig
+from dynamo.runtime.v1_event_wire import decode_envelope
+from harness.events import kv_events, nats_subject, payload
 from harness.proc import DynamoRun, DynamoWorker
 from harness.tiny_model import build_tiny_hf_model
 from harness.vllm_tier import STARTUP_TIMEOUT, kv_frontend, running, vllm_cache_env, vllm_tier, words
@@ -68,25 +71,25 @@ async def _run(servers: dict[str, str], fe: DynamoRun, worker: DynamoWorker) -> 
     metrics: list[dict[str, Any]] = []
 
     async def on_decision(msg: Any) -> None:
-        decisions.put_nowait(json.loads(msg.data))
+        decisions.put_nowait(payload(msg.data))
 
     async def on_kv(msg: Any) -> None:
-        event = json.loads(msg.data)
-        if isinstance(event["event"]["data"], dict) and "stored" in event["event"]["data"]:
-            stored.append(event)
-            got_stored.set()
+        for event in kv_events(msg.data):
+            if isinstance(event["event"]["data"], dict) and "stored" in event["event"]["data"]:
+                stored.append(event)
+                got_stored.set()
 
     hit_rate_seen = asyncio.Event()
 
     async def on_metrics(msg: Any) -> None:
-        m = json.loads(msg.data)
+        m = metrics_from_load(decode_envelope(msg.data).payload)
         metrics.append(m)
         if m["data"]["kv_stats"]["gpu_prefix_cache_hit_rate"] > 0:
             hit_rate_seen.set()
 
-    await nc.subscribe(f"namespace.{NS}.kv-hit-rate", cb=on_decision)
-    await nc.subscribe(f"namespace.{NS}.component.vllm.kv_events", cb=on_kv)
-    await nc.subscribe(f"namespace.{NS}.kv_metrics", cb=on_metrics)
+    await nc.subscribe(nats_subject(NS, "kv-hit-rate"), cb=on_decision)
+    await nc.subscribe(nats_subject(NS, "kv-events", "vllm"), cb=on_kv)
+    await nc.subscribe(nats_subject(NS, "kv_metrics", "vllm"), cb=on_metrics)
     await nc.flush()
     prompt = words(150, 1)  # a few hundred tokens: many blocks
     results: dict[str, Any] = {}

@@ -10,13 +10,13 @@ tokens; vLLM's own ``cached_tokens`` agrees (it keys its prefix cache by the ada
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Iterator
 
 import httpx
 import nats
 import pytest
 
+from harness.events import nats_subject, payload
 from harness.lora_peft import write_peft_lora
 from harness.proc import DynamoRun, DynamoWorker
 from harness.tiny_model import build_tiny_hf_model
@@ -54,9 +54,9 @@ async def _run(servers: dict[str, str], fe: DynamoRun) -> dict[str, Any]:
     decisions: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def on_decision(msg: Any) -> None:
-        decisions.put_nowait(json.loads(msg.data))
+        decisions.put_nowait(payload(msg.data))
 
-    await nc.subscribe(f"namespace.{NS}.kv-hit-rate", cb=on_decision)
+    await nc.subscribe(nats_subject(NS, "kv-hit-rate"), cb=on_decision)
     await nc.flush()
     prompt = words(150, 7)
     out: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
 from dynamo.frontend.remote import QueuePolicy, RouterConfig
-from dynamo.llm.model_entry import ModelEntry, is_1x_worker
+from dynamo.llm.model_entry import ModelEntry
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.v1_card import entry_from_record
 from dynamo.run_config import RunConfig
@@ -165,7 +165,7 @@ class ModelWatcher:
     async def _add(self, key: str, entry: ModelEntry) -> None:
         if self.worker_metrics is not None:
             await self.worker_metrics.add_worker(entry.namespace, entry.component, entry.instance_id, entry.name,
-                                                 entry.endpoint if is_1x_worker(entry) else None)
+                                                 entry.endpoint)
         ep_key: EndpointKey = (entry.namespace, entry.component, entry.endpoint)
         # the worker's --max-inflight: round-robin/random/kv skip it when full, requests queue when all are
         (await self.builder.client_for(ep_key)).set_instance_limit(

@@ -1,26 +1,22 @@
-"""``--router-mode kv`` on the frontend: a :class:`KvRouter` (:mod:`dynamo.kv`) per model, fed over NATS.
+"""``--router-mode kv`` on the frontend: a :class:`KvRouter` (:mod:`dynamo.kv`) per model, fed by the
+event plane (:mod:`dynamo.runtime.event_plane`), in Dynamo 1.x's shapes and envelopes.
 
-Workers publish KV events (blocks stored/removed) on ``namespace.<ns>.component.<comp>.kv_events``; the
-router keeps its radix tree from them (or, with ``--use-kv-events false``, predicts the cache from its
-own decisions).  Every decision is published on ``namespace.<ns>.kv-hit-rate``.  Frontends share their
-in-flight bookkeeping on ``...component.<comp>.active_sequences_events`` so several frontends in front
-of the same workers see each other's load and do not pile onto one worker.
+Workers, ours and 1.x's alike, publish KV events (blocks stored/removed) as topic ``kv-events`` of their
+serving endpoint (:mod:`dynamo.kv.v1_events`); the router follows that topic for each endpoint of its
+workers and keeps its radix tree from it (or, with ``--use-kv-events false``, predicts the cache from its
+own decisions).  Every decision is published as topic ``kv-hit-rate``, and frontends share their
+in-flight bookkeeping as topic ``active_sequences_events`` (both in the endpoint's scope: topics 1.x
+has no reader for) so several frontends in front of the same workers see each other's load and do not
+pile onto one worker.
 
-The indexer follows KV events only if the model's workers say they publish them
-(``runtime_config.publishes_kv_events`` in their model entries); otherwise, or with
+The indexer follows KV events only if the model's workers say they publish them (our workers'
+``runtime_config.publishes_kv_events``, 1.x's ``kv_event_publishing_enabled``); otherwise, or with
 ``--use-kv-events false``, the router predicts the cache from its own decisions (approximate indexer),
 and says once per model which it does.  With KV events, every worker that appears (and every worker
-after a NATS reconnect, when events may have been lost) is asked for the blocks it holds, on its
-``kv_state`` endpoint, so a frontend that starts next to busy workers is not blind.  Each router sends a
-heartbeat with its in-flight requests every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings
-expire when its heartbeats stop (router.py).
-
-**Dynamo 1.x workers** (a 1.6.1 mocker or vLLM worker in the same fleet: ``is_1x_worker``, their card says
-``kv_event_publishing_enabled``) publish only in 1.x's form: for each of their endpoints the router follows
-``kv-events`` on 1.x's event plane (dynamo/kv/v1_events.py) and recovers each such worker through the
-endpoint its ``EventSource`` record names (``worker_kv_query_source_*``) instead of ``kv_state``.  1.x
-events are applied for 1.x workers only: our workers publish both forms, and their own is the one this
-router numbers and recovers.
+after the event plane reconnected, when events may have been lost) is asked for the blocks it holds on
+the recovery endpoint its ``EventSource`` record names (``worker_kv_query_source_*``), so a frontend
+that starts next to busy workers is not blind.  Each router sends a heartbeat with its in-flight requests
+every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings expire when its heartbeats stop (router.py).
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import asyncio
 import logging
 import math
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -37,10 +34,19 @@ from dynamo.bounds import track
 from dynamo.frontend.remote import RouterConfig
 from dynamo.kv import ApproxKvIndexer, KvRouter
 from dynamo.kv.decision_log import DecisionLog
-from dynamo.kv.events import KV_STATE_ENDPOINT, EventError
+from dynamo.kv.events import EventError
 from dynamo.kv.hashing import MASK64, compute_hashes_async
 from dynamo.kv.router import DEFAULT_PEER_TTL_S, DEFAULT_PREFIX_FETCH_WEIGHT
-from dynamo.kv.v1_events import TOPIC_KV_EVENTS, decode_router_events, dump_from_tree, recovery_query
+from dynamo.kv.v1_events import (
+    TOPIC_ACTIVE_SEQUENCES,
+    TOPIC_HIT_RATE,
+    TOPIC_KV_EVENTS,
+    decode_payload,
+    decode_router_events,
+    dump_from_tree,
+    encode_payload,
+    recovery_query,
+)
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import (
     KV_PREFIX_SHARE,
@@ -53,8 +59,9 @@ from dynamo.llm.model_entry import (
 from dynamo.llm.protocols.common import PreprocessedRequest
 from dynamo.llm.protocols.v1 import PeerRequest
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.names import component_event_subject, namespace_event_subject
+from dynamo.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
 from dynamo.runtime.v1_event_wire import EVENT_SOURCES, EndpointScope, Envelope
+from dynamo.runtime.v1_records import signed_id
 
 if TYPE_CHECKING:
     from dynamo.frontend.router_metrics import BoundRouterMetrics
@@ -150,7 +157,7 @@ def publishes_kv_events(entry: Any) -> bool:
 
 
 class KvRouterPolicy:
-    def __init__(self, router: KvRouter, events: Any, *, runtime: Any = None, events_requested: bool = True,
+    def __init__(self, router: KvRouter, events: EventPlane | None, *, runtime: Any = None, events_requested: bool = True,
                  weight_from_workers: bool = False, metrics: BoundRouterMetrics | None = None):
         self.router = router
         self.metrics = metrics  # the router's series on /metrics (router_metrics.py), or None
@@ -160,16 +167,15 @@ class KvRouterPolicy:
         # the overlap weight is what the first worker's engine suggested (no --kv-overlap-score-weight)
         self.weight_from_workers = weight_from_workers
         self._weight_mismatch_logged = False
-        self._events = events  # the runtime's event plane (runtime/event_plane.py)
+        self._events = events  # the runtime's event plane (None: a router fed by hand, in tests)
         self._runtime = runtime
-        self._subs: list[Any] = []
+        self._subs: list[EventSubscription] = []
         self._tracked: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers: dict[int, Any] = {}  # instance id -> its model entry
-        self._kv_state_clients: dict[tuple[str, ...], Any] = {}  # (namespace, component[, endpoint]) -> client
-        # Dynamo 1.x workers, whose 1.x events are applied: their id as 1.x sends it (u64) -> as we keep it
-        self._v1_workers: dict[int, int] = {}
-        self._v1_subs: dict[EndpointScope, Any] = {}  # their endpoints' kv-events, followed
+        self._kv_state_clients: dict[tuple[str, ...], Any] = {}  # (namespace, component, endpoint) -> client
+        # the endpoints whose kv-events this router follows (None while its subscription is being made)
+        self._kv_subs: dict[EndpointScope, EventSubscription | None] = {}
         self._timer: asyncio.Task[None] | None = None
         self._mismatch_logged = False
         # id(request) -> (its token ids, their block hashes), from prepare() for open()
@@ -227,21 +233,18 @@ class KvRouterPolicy:
 
     def remove_worker(self, worker_id: int) -> None:
         self._workers.pop(worker_id, None)
-        self._v1_workers.pop(worker_id & MASK64, None)
         self.router.remove_worker(worker_id)
 
     @property
     def kv_router(self) -> KvRouter:
         return self.router
 
-    async def follow_component(self, namespace: str, component: str) -> None:
-        """Another component serves the model too: its workers' KV events (unless the router predicts the
-        cache itself) and its routers' in-flight bookkeeping."""
-        if self.router.use_kv_events:
-            await self.subscribe(component_event_subject(namespace, component, "kv_events"), self.router.apply_event)
+    async def follow_component(self, namespace: str, component: str, endpoint: str) -> None:
+        """Another component serves the model too: its routers' in-flight bookkeeping (its workers' KV
+        events are followed as each worker appears)."""
         if not self.router.owns_load or self.router.publish_active_sequence is None:
             return  # the router whose bookings it shares follows the peers; or no replica sync
-        await self.subscribe(component_event_subject(namespace, component, "active_sequences_events"),
+        await self.subscribe(EndpointScope(namespace, component, endpoint), TOPIC_ACTIVE_SEQUENCES,
                              self.router.apply_active_sequence_event)
 
     def add_worker(self, entry: Any) -> None:
@@ -268,12 +271,8 @@ class KvRouterPolicy:
         lends = (entry.runtime_config or {}).get(KV_PREFIX_SHARE)
         if events and isinstance(lends, str) and lends:
             self.router.lenders[entry.instance_id] = lends
-        if events and self._runtime is not None and publishes_kv_events(entry):
-            if is_1x_worker(entry):
-                self._v1_workers[entry.instance_id & MASK64] = entry.instance_id
-                self._spawn(self._follow_1x(entry))
-            else:
-                self._spawn(self._resync(entry))
+        if events and self._events is not None and publishes_kv_events(entry):
+            self._spawn(self._follow(entry))
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._tick(), name="kv-router-timer")
@@ -284,7 +283,7 @@ class KvRouterPolicy:
         task.add_done_callback(self._tasks.discard)
 
     async def _resync(self, entry: Any) -> None:
-        """Ask a worker for the blocks it holds (its ``kv_state`` endpoint) and apply them."""
+        """Ask a worker for the blocks it holds (its recovery endpoint) and apply them."""
         worker_id = entry.instance_id
         self.router.begin_resync(worker_id)
         try:
@@ -295,46 +294,39 @@ class KvRouterPolicy:
                     log.info("KV state of worker %x: %d cached blocks", worker_id, n)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # gone, or an engine without the query: its events will do
+        except Exception as e:  # gone, or an engine without recovery: its events will do
             log.info("KV state of worker %x not read: %s", worker_id, str(e) or type(e).__name__)
         finally:
             self.router.end_resync(worker_id)
 
-    async def _follow_1x(self, entry: Any) -> None:
-        """A Dynamo 1.x worker: follow its endpoint's 1.x ``kv-events`` (once per endpoint), then ask it for
-        what it holds, in that order so that nothing falls between the answer and the stream."""
+    async def _follow(self, entry: Any) -> None:
+        """Follow a worker's endpoint's ``kv-events`` (once per endpoint), then ask the worker for what it
+        holds, in that order so that nothing falls between the answer and the stream."""
         scope = EndpointScope(entry.namespace, entry.component, entry.endpoint)
-        if scope not in self._v1_subs:
-            plane = self._runtime.v1_event_plane()
-            if plane is None:
-                log.warning("model %s: worker %x publishes its KV events in Dynamo 1.x's form only and this "
-                            "process has no 1.x event plane (a fleet secret, or a static runtime): it is routed "
-                            "on load alone", entry.name, entry.instance_id)
-                return
-            self._v1_subs[scope] = None  # taken: a second worker of this endpoint does not subscribe again
+        if scope not in self._kv_subs:
+            assert self._events is not None
+            self._kv_subs[scope] = None  # taken: a second worker of this endpoint does not subscribe again
             try:
-                self._v1_subs[scope] = await plane.subscribe(scope, TOPIC_KV_EVENTS, self._apply_1x)
+                self._kv_subs[scope] = await self._events.subscribe(scope, TOPIC_KV_EVENTS, self._apply_events)
             except Exception:
-                self._v1_subs.pop(scope, None)
+                self._kv_subs.pop(scope, None)
                 raise
         await self._resync(entry)
 
-    def _apply_1x(self, env: Envelope) -> None:
+    def _apply_events(self, env: Envelope) -> None:
         try:
             events = decode_router_events(env.payload)
         except EventError as e:
-            log.warning("undecodable 1.x KV events skipped: %s", e)
+            log.warning("undecodable KV events skipped: %s", e)
             return
-        workers = self._v1_workers
         for event in events:
             worker = event.get("worker_id")
-            ours = workers.get(worker) if isinstance(worker, int) else None
-            if ours is not None:  # ids above i64's maximum are negative here, unsigned on 1.x's wire
-                event["worker_id"] = ours
-                self.router.apply_event(event)
+            if isinstance(worker, int):  # unsigned on the wire; ids above i64's maximum are negative here
+                event["worker_id"] = signed_id(worker)
+            self.router.apply_event(event)
 
     async def _recovery_endpoint(self, entry: Any) -> str:
-        """The recovery endpoint a 1.x worker's ``EventSource`` record names (waits for the record)."""
+        """The recovery endpoint a worker's ``EventSource`` record names (waits for the record)."""
         prefix = EndpointScope(entry.namespace, entry.component, entry.endpoint).key_prefix(EVENT_SOURCES,
                                                                                            TOPIC_KV_EVENTS)
         while True:
@@ -348,11 +340,10 @@ class KvRouterPolicy:
             await asyncio.sleep(0.1)
 
     async def _kv_state_of(self, entry: Any) -> dict[str, Any] | None:
-        """What a worker holds, in our dump's shape: ours answer ``kv_state``; 1.x workers a recovery query
-        on the endpoint their ``EventSource`` record names, with a ``TreeDump``."""
+        """What a worker holds, in our dump's shape: its answer to a recovery query (a ``TreeDump``) on the
+        endpoint its ``EventSource`` record names."""
         worker_id = entry.instance_id
-        v1 = is_1x_worker(entry)
-        name = await self._recovery_endpoint(entry) if v1 else KV_STATE_ENDPOINT
+        name = await self._recovery_endpoint(entry)
         key = (entry.namespace, entry.component, name)
         client = self._kv_state_clients.get(key)
         if client is None:
@@ -360,16 +351,17 @@ class KvRouterPolicy:
             client = self._kv_state_clients[key] = await endpoint.client()
         while worker_id not in client.instance_ids():  # noqa: ASYNC110 - the client has no per-id event
             await asyncio.sleep(0.05)
-        async for answer in client.direct(recovery_query(worker_id & MASK64) if v1 else {}, worker_id):
-            return dump_from_tree(worker_id, answer) if v1 else answer
+        async for answer in client.direct(recovery_query(worker_id & MASK64), worker_id):
+            return dump_from_tree(worker_id, answer)
         return None
 
     async def _tick(self) -> None:
-        """Heartbeats to peer routers, their expiry, and a resync of every worker after a NATS reconnect."""
+        """Heartbeats to peer routers, their expiry, and a resync of every worker after the event plane
+        reconnected (or connected to a new publisher)."""
         interval = self.router.peer_ttl / 3
         loop = asyncio.get_running_loop()
         next_beat = 0.0
-        reconnects = _reconnects(self._events) + _reconnects(self._v1_plane())
+        reconnects = self._reconnects()
         while True:
             now = loop.time()
             if now >= next_beat:
@@ -378,21 +370,31 @@ class KvRouterPolicy:
                 self.router.expire_peers()
             if self.router.decision_log is not None:
                 self.router.decision_log.flush()
-            seen = _reconnects(self._events) + _reconnects(self._v1_plane())
+            seen = self._reconnects()
             if seen != reconnects:
                 reconnects = seen
                 if not isinstance(self.router.indexer, ApproxKvIndexer):
-                    log.info("NATS reconnected: asking %d worker(s) for their KV state again", len(self._workers))
+                    log.info("event plane reconnected: asking %d worker(s) for their KV state again", len(self._workers))
                     for entry in list(self._workers.values()):
                         if publishes_kv_events(entry):
                             self._spawn(self._resync(entry))
             await asyncio.sleep(min(RECONNECT_CHECK_S, max(0.0, next_beat - loop.time())))
 
-    async def subscribe(self, subject: str, handler: Any) -> None:
-        async def cb(_subject: str, payload: bytes) -> None:
-            handler(payload)
+    def _reconnects(self) -> int:
+        return self._events.reconnects if self._events is not None else 0
 
-        self._subs.append(await self._events.subscribe(subject, cb))
+    async def subscribe(self, scope: EndpointScope, topic: str, handler: Any) -> None:
+        """Hand each event of ``topic`` in ``scope`` (a MessagePack map) to ``handler``."""
+        if self._events is None:
+            return
+
+        def on_event(env: Envelope) -> None:
+            try:
+                handler(decode_payload(env.payload))
+            except EventError as e:
+                log.debug("undecodable %s event skipped: %s", topic, e)
+
+        self._subs.append(await self._events.subscribe(scope, topic, on_event))
 
     async def close(self) -> None:
         tasks = [t for t in (self._timer, *self._tasks) if t is not None]
@@ -415,19 +417,28 @@ class KvRouterPolicy:
             except Exception:  # connection already closed
                 pass
         self._subs.clear()
-        for v1 in self._v1_subs.values():
-            if v1 is not None:
+        for kv_sub in self._kv_subs.values():
+            if kv_sub is not None:
                 try:
-                    await v1.unsubscribe()
+                    await kv_sub.unsubscribe()
                 except Exception:
                     pass
-        self._v1_subs.clear()
+        self._kv_subs.clear()
 
-    def _v1_plane(self) -> Any:
-        """The 1.x event plane if this router follows a 1.x worker (else None: nothing opened for it)."""
-        if not self._v1_subs:
-            return None
-        return self._runtime.v1_event_plane()
+
+_publishers: "weakref.WeakKeyDictionary[Any, dict[tuple[EndpointScope, str], EventPublisher]]" = \
+    weakref.WeakKeyDictionary()
+
+
+async def shared_publisher(plane: EventPlane, scope: EndpointScope, topic: str) -> EventPublisher:
+    """One publisher of ``topic`` in ``scope`` per event plane, whichever router publishes: the KV routers of a
+    model's LoRA adapters (one each, on their base model's workers) share a stream instead of binding a
+    socket apiece."""
+    mine = _publishers.setdefault(plane, {})
+    pub = mine.get((scope, topic))
+    if pub is None:
+        pub = mine[(scope, topic)] = await plane.publisher(scope, topic)
+    return pub
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
@@ -437,11 +448,13 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     so that a worker's load is one figure whatever model its requests name; the peers' bookings reach
     both through that router's subscription."""
     plane = runtime.event_plane()
+    scope = EndpointScope(entry.namespace, entry.component, entry.endpoint)
 
-    def publisher(subject: str):
-        def publish(event: dict[str, Any]) -> Any:
-            return plane.publish(subject, orjson.dumps(event))
-        return publish
+    async def publisher(topic: str) -> Any:
+        if plane is None:
+            return None
+        pub = await shared_publisher(plane, scope, topic)
+        return lambda event: pub.publish(encode_payload(event))
 
     events = cfg.use_kv_events and publishes_kv_events(entry)
     # an adapter's router shares its base model's bookings, so it must weigh them alike
@@ -452,10 +465,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         overlap_score_weight=weight,
         temperature=cfg.router_temperature,
         use_kv_events=events,
-        publish_hit_rate=publisher(namespace_event_subject(entry.namespace, "kv-hit-rate")),
-        publish_active_sequence=publisher(
-            component_event_subject(entry.namespace, entry.component, "active_sequences_events"))
-        if cfg.router_replica_sync else None,
+        publish_hit_rate=await publisher(TOPIC_HIT_RATE),
+        publish_active_sequence=await publisher(TOPIC_ACTIVE_SEQUENCES) if cfg.router_replica_sync else None,
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
@@ -468,12 +479,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     policy = KvRouterPolicy(router, plane, runtime=runtime, events_requested=cfg.use_kv_events,
                             weight_from_workers=load_of is None and cfg.kv_overlap_score_weight is None,
                             metrics=metrics)
-    if events:
-        await policy.subscribe(component_event_subject(entry.namespace, entry.component, "kv_events"),
-                               router.apply_event)
     if load_of is None and cfg.router_replica_sync:
-        await policy.subscribe(component_event_subject(entry.namespace, entry.component, "active_sequences_events"),
-                               router.apply_active_sequence_event)
+        await policy.subscribe(scope, TOPIC_ACTIVE_SEQUENCES, router.apply_active_sequence_event)
     if events:
         how = "KV events"
     elif not cfg.use_kv_events:
@@ -488,6 +495,3 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
     policy.start()
     return policy
 
-
-def _reconnects(events: Any) -> int:
-    return int(getattr(events, "reconnects", 0) or 0)

@@ -156,12 +156,12 @@ class ModelBuilder:
         return policy
 
     async def _extend_router(self, served: RemoteModel, entry: ModelEntry) -> None:
-        """A KV router also follows the KV events of another component serving the model."""
+        """A KV router also follows the bookings of the routers of another component serving the model."""
         if served.router is None:
             return
         if any(ns == entry.namespace and comp == entry.component for ns, comp, _ in served.endpoints):
             return
-        await served.router.follow_component(entry.namespace, entry.component)
+        await served.router.follow_component(entry.namespace, entry.component, entry.endpoint)
 
 
 def worker_added(router: RouterPolicy | None, entry: ModelEntry) -> None:

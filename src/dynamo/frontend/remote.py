@@ -109,8 +109,8 @@ class RouterPolicy(Protocol):
     def remove_worker(self, worker_id: int) -> None:
         """A worker's model entry went away."""
 
-    async def follow_component(self, namespace: str, component: str) -> None:
-        """Another component serves the model too: follow its workers' events."""
+    async def follow_component(self, namespace: str, component: str, endpoint: str) -> None:
+        """Another component serves the model too: follow its routers' events."""
 
     @property
     def kv_router(self) -> Any:
@@ -145,7 +145,7 @@ class SimpleRouter:
     def remove_worker(self, worker_id: int) -> None:
         pass
 
-    async def follow_component(self, namespace: str, component: str) -> None:
+    async def follow_component(self, namespace: str, component: str, endpoint: str) -> None:
         pass
 
     @property

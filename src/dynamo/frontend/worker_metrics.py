@@ -1,10 +1,11 @@
 """Per-worker load on the frontend's ``/metrics``: the workers' ForwardPassMetrics as Prometheus gauges.
 
-Workers that report their load (the mocker) publish ``{"worker_id", "data": <metrics>}`` on
-NATS ``namespace.<ns>.kv_metrics`` whenever their KV usage or queue changes, and answer the same
-metrics on their ``load_metrics`` endpoint.  For every namespace of a discovered model the frontend
-subscribes to the subject; when a worker is discovered it also asks its ``load_metrics`` endpoint once,
-so an idle worker shows up before it publishes anything.  Gauges (labels ``model``, lowercased as on
+Workers that report their load (the mocker) publish it whenever their KV usage or queue changes, as
+topic ``kv_metrics`` of their endpoint on the event plane (1.x's ActiveLoad, with our whole report in
+``forward_pass_metrics``: :func:`dynamo.kv.v1_events.active_load`), and answer the same metrics on their
+``load_metrics`` endpoint.  For every endpoint of a discovered worker the frontend follows that topic; when
+a worker is discovered it also asks its ``load_metrics`` endpoint once, so an idle worker shows up before
+it publishes anything.  Gauges (labels ``model``, lowercased as on
 every frontend metric, ``worker_id`` in decimal, ``dp_rank``, ``worker_type`` = ``decode``), with the frontend's
 metric prefix (every one in docs/metrics.md; the planner reads them per model)::
 
@@ -26,9 +27,8 @@ each worker served, set once per request by :class:`ModelObserver` (which also c
 ``<prefix>_router_queue_pending_requests`` (:class:`QueueCollector`) counts the requests waiting because
 every worker of their model is at its limit (``--queue-size``), read at scrape time.
 
-Dynamo 1.x workers (:func:`dynamo.llm.model_entry.is_1x_worker`) publish their load as 1.x's ``kv_metrics`` (ActiveLoad) on 1.x's
-event plane, scoped to their endpoint: the frontend follows that stream for each of their endpoints and
-reads ``kv_used_blocks`` as ``kv_stats.kv_active_blocks`` (:func:`dynamo.kv.v1_events.metrics_from_load`).
+Dynamo 1.x workers publish the same topic without our report: their ``kv_used_blocks`` is read as
+``kv_stats.kv_active_blocks`` (:func:`dynamo.kv.v1_events.metrics_from_load`).
 
 The flat [0.3] shape (all fields at the top level) is read too.  A worker's series disappear when its
 model entry does (it stopped or died).  Messages from workers this frontend does not serve are ignored.
@@ -41,13 +41,11 @@ import logging
 import time
 from typing import Any, Callable, Iterator, Protocol
 
-import orjson
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dynamo.kv.events import EventError
 from dynamo.kv.v1_events import TOPIC_KV_METRICS, metrics_from_load
-from dynamo.runtime.names import namespace_event_subject
 from dynamo.runtime.v1_event_wire import EndpointScope, Envelope
 
 log = logging.getLogger(__name__)
@@ -95,51 +93,39 @@ class WorkerMetrics:
         registry.register(_ActiveLoadCollector(self))
         self._models: dict[int, set[str]] = {}  # worker id -> models it serves (lowercased)
         self._ranks: dict[int, set[str]] = {}  # worker id -> dp ranks seen
-        self._subs: dict[str, Any] = {}  # namespace -> subscription
         self._tasks: set[asyncio.Task[None]] = set()
         self._clients: dict[tuple[str, str], Any] = {}  # (namespace, component) -> load_metrics client
-        self._v1_subs: dict[EndpointScope, Any] = {}  # 1.x workers' endpoints -> their kv_metrics followed
+        self._subs: dict[EndpointScope, Any] = {}  # the workers' endpoints -> their kv_metrics, followed
         self._closed = False
 
     # -- discovery -----------------------------------------------------------------------------
-    async def add_worker(self, namespace: str, component: str, worker_id: int, model: str,
-                         v1_endpoint: str | None = None) -> None:
-        """A worker serving ``model`` was discovered (``v1_endpoint``: a Dynamo 1.x worker's endpoint, whose
-        load comes on 1.x's event plane)."""
+    async def add_worker(self, namespace: str, component: str, worker_id: int, model: str, endpoint: str) -> None:
+        """A worker serving ``model`` on ``endpoint`` was discovered: follow that endpoint's load."""
         if self._closed:
             return
         self._models.setdefault(worker_id, set()).add(model.lower())
-        if v1_endpoint is not None:
-            await self._follow_1x(EndpointScope(namespace, component, v1_endpoint))
-        if namespace not in self._subs:
-            subject = namespace_event_subject(namespace, "kv_metrics")
-
-            async def on_message(_subject: str, payload: bytes) -> None:
-                self.apply(payload)
-
-            try:
-                self._subs[namespace] = await self.runtime.event_plane().subscribe(subject, on_message)
-            except Exception as e:  # metrics must never break discovery
-                log.warning("cannot subscribe to %s: %s", subject, e)
+        await self._follow(EndpointScope(namespace, component, endpoint))
         task = asyncio.create_task(self._poll(namespace, component, worker_id), name="load-metrics-poll")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _follow_1x(self, scope: EndpointScope) -> None:
-        plane = self.runtime.v1_event_plane()
-        if plane is None or scope in self._v1_subs:
+    async def _follow(self, scope: EndpointScope) -> None:
+        plane = self.runtime.event_plane()
+        if plane is None or scope in self._subs:
             return
 
         def on_load(env: Envelope) -> None:
             try:
                 self.apply(metrics_from_load(env.payload))
             except EventError as e:
-                log.debug("bad 1.x kv_metrics message skipped: %s", e)
+                log.debug("bad kv_metrics message skipped: %s", e)
 
+        self._subs[scope] = None  # taken: a second worker of this endpoint does not subscribe again
         try:
-            self._v1_subs[scope] = await plane.subscribe(scope, TOPIC_KV_METRICS, on_load)
+            self._subs[scope] = await plane.subscribe(scope, TOPIC_KV_METRICS, on_load)
         except Exception as e:  # metrics must never break discovery
-            log.warning("cannot follow the 1.x load of %s: %s", scope.subject_prefix, e)
+            self._subs.pop(scope, None)
+            log.warning("cannot follow the load of %s: %s", scope.subject_prefix, e)
 
     def remove_worker(self, worker_id: int, model: str | None = None) -> None:
         """The worker's entry for ``model`` (or for every model, with None) went away."""
@@ -175,16 +161,11 @@ class WorkerMetrics:
             task.cancel()
         for sub in self._subs.values():
             try:
-                await sub.unsubscribe()
+                if sub is not None:
+                    await sub.unsubscribe()
             except Exception:  # the connection may be closed already
                 pass
         self._subs.clear()
-        for v1 in self._v1_subs.values():
-            try:
-                await v1.unsubscribe()
-            except Exception:
-                pass
-        self._v1_subs.clear()
         for client in self._clients.values():
             try:
                 await client.close()
@@ -193,13 +174,13 @@ class WorkerMetrics:
         self._clients.clear()
 
     # -- data ----------------------------------------------------------------------------------
-    def apply(self, raw: bytes | str | dict[str, Any]) -> bool:
-        """One ``kv_metrics`` message; False if it was not usable or not about one of our workers."""
+    def apply(self, msg: dict[str, Any]) -> bool:
+        """One load report (``{"worker_id", "data"}``); False if it was not usable or not about one of our
+        workers."""
         try:
-            msg = raw if isinstance(raw, dict) else orjson.loads(raw)
             worker_id = int(msg["worker_id"])
             data = msg["data"]
-        except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             log.debug("bad kv_metrics message skipped: %s", e)
             return False
         return self.set(worker_id, data)

@@ -73,7 +73,7 @@ def trtllm_kv_events_wanted(cfg: RunConfig, args: Mapping[str, Any]) -> str | No
 
 class EngineKvEvents:
     """What an engine module needs to publish KV events: the sink (translation, numbering, the
-    ``kv_state`` dump) and the ``attach`` / ``publishes_kv_events`` / ``kv_state_dump`` surface."""
+    dump for the recovery query) and the ``attach`` / ``publishes_kv_events`` / ``kv_state_dump`` surface."""
 
     def __init__(self, engine: str, block_size: int):
         self.sink = KvEventSink(KvEventTranslator(block_size, engine=engine))

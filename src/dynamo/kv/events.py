@@ -1,6 +1,7 @@
-"""The JSON shapes that travel between workers and routers, in the original's format.
+"""The shapes of the events between workers and routers, as our code keeps them (on the event plane they
+travel in Dynamo 1.x's form, MessagePack in its envelope: :mod:`dynamo.kv.v1_events`).
 
-KV event (published by a worker on ``namespace.<ns>.component.<comp>.kv_events``)::
+KV event (what an engine hands its worker; topic ``kv-events`` of its endpoint as a 1.x RouterEvent)::
 
     {"worker_id": <i64>, "event": {"event_id": <u64>, "data": <data>}, "storage_tier": <tier>}
 
@@ -19,11 +20,11 @@ for the same field; an unknown tier makes the event invalid (never silently coun
 the local hash of the block's tokens (hashing.py), from which the router computes the
 sequence hash its index is keyed by.
 
-Hit-rate event (published by a KV router on ``namespace.<ns>.kv-hit-rate`` after each decision)::
+Hit-rate event (published by a KV router as topic ``kv-hit-rate`` of its workers' endpoint after each decision)::
 
     {"worker_id": <i64>, "isl_blocks": <int>, "overlap_blocks": <int>}
 
-Active-sequence event (router replica sync, ``namespace.<ns>.component.<comp>.active_sequences_events``)::
+Active-sequence event (router replica sync, topic ``active_sequences_events`` of the workers' endpoint)::
 
     {"request_id": str, "worker_id": <i64>, "router_id": str,
      "data": {"AddRequest": {"token_sequence": [<u64>...], "isl": int, "overlap": int}}
@@ -40,8 +41,6 @@ import orjson
 from dynamo.kv.hashing import MASK64
 
 # -- building (worker side) --------------------------------------------------------------------------
-# the endpoint beside a worker's generate that answers with every block it holds (routers that join late)
-KV_STATE_ENDPOINT = "kv_state"
 
 def stored_data(parent_hash: int | None, blocks: Iterable[tuple[int, int]]) -> dict[str, Any]:
     """``blocks``: (block_hash, tokens_hash) pairs, in prefix order, the first one a child of parent."""

@@ -7,7 +7,7 @@ out through optional publisher callbacks (publisher.py): the hit-rate event afte
 for router replica sync, the active-sequence events, which peers feed to
 :meth:`KvRouter.apply_active_sequence_event`.  Everything runs on one event loop, without locks.
 
-A router that starts (or reconnects) late asks each worker for the blocks it holds (the ``kv_state``
+A router that starts (or reconnects) late asks each worker for the blocks it holds (the recovery
 query, worker_state.py) and applies the answer with :meth:`KvRouter.apply_dump`; events that arrive
 meanwhile are kept (:meth:`KvRouter.begin_resync`) and those newer than the dump are replayed after it.
 
@@ -330,11 +330,11 @@ class KvRouter:
         self._resync.setdefault(worker_id, [])
 
     def end_resync(self, worker_id: WorkerId) -> None:
-        """The dump will not come (worker gone, no ``kv_state`` endpoint): stop keeping events."""
+        """The dump will not come (worker gone, no recovery endpoint): stop keeping events."""
         self._resync.pop(worker_id, None)
 
     def apply_dump(self, worker_id: WorkerId, dump: dict[str, Any]) -> int:
-        """Replace what we know of ``worker_id``'s cache with its ``kv_state`` answer (worker_state.py),
+        """Replace what we know of ``worker_id``'s cache with its recovery answer (worker_state.py),
         then replay the events newer than the dump.  Returns the number of blocks applied."""
         pending = self._resync.pop(worker_id, [])
         if isinstance(self.indexer, ApproxKvIndexer):

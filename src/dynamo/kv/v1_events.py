@@ -1,4 +1,5 @@
-"""KV events and load in Dynamo 1.x's shapes, so 1.x routers follow our workers and ours follow 1.x workers.
+"""KV events and load in Dynamo 1.x's shapes: the only shapes they travel in, so our routers follow our
+workers and 1.x's alike, and 1.x routers follow ours.
 
 What travels (MessagePack, inside the event plane's envelope, :mod:`dynamo.runtime.v1_event_wire`;
 observed from Dynamo 1.6.1's mocker and frontend):
@@ -10,7 +11,8 @@ observed from Dynamo 1.6.1's mocker and frontend):
   The hashes are ours (:mod:`dynamo.kv.hashing`): ``block_hash`` the sequence hash, ``tokens_hash`` the
   block's own, so the same prompt names the same blocks on both sides.
 * topic ``kv_metrics``: **ActiveLoad** ``{"worker_id", "dp_rank", "active_decode_blocks",
-  "active_prefill_tokens", "kv_used_blocks"}``.
+  "active_prefill_tokens", "kv_used_blocks"}``; ours add ``forward_pass_metrics`` (the whole report:
+  total blocks, usage, queue, slots), which 1.6.1 ignores (tested with its router and frontend).
 * The **recovery query** a 1.x router sends a worker's ``worker_kv_query_source_<publisher id hex>``
   endpoint when it starts following it: ``{"worker_id", "dp_rank", "start_event_id", "end_event_id",
   "supports_tree_dump_failed", "kind": "recovery"}``, answered by one item
@@ -19,10 +21,11 @@ observed from Dynamo 1.6.1's mocker and frontend):
   prompt scores no overlap), nor of a publisher without its ``EventSource`` record
   (:func:`source_metadata`).
 
-Event ids: a 1.x router checks them for gaps from its recovery's ``last_event_id``, so the 1.x stream is
-numbered by itself, from 1 and without holes (:class:`V1KvNumbering`), whatever our own events carry.
-Only what 1.x has a field for crosses over: tiers (host_pinned, disk); a LoRA adapter is already in
-the block hashes; our prefix-sharing addresses stay on our own events.
+Event ids: a 1.x router checks them for gaps from its recovery's ``last_event_id``, so the stream is
+numbered by itself, from 1 and without holes (:class:`V1KvNumbering`), whatever the engine's events
+carry; our routers read the same numbers.  Nothing of ours is missing from 1.x's shapes: tiers are its
+``storage_tier`` (host_pinned, disk), a LoRA adapter is already in the block hashes, and a worker that
+lends prefixes says so in its model entry, not in its events.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from dynamo.kv.hashing import MASK64
 
 TOPIC_KV_EVENTS = "kv-events"
 TOPIC_KV_METRICS = "kv_metrics"
+# ours, which 1.x has no reader for: in 1.x's envelope, under the names they had (kv/events.py has the shapes)
+TOPIC_HIT_RATE = "kv-hit-rate"
+TOPIC_ACTIVE_SEQUENCES = "active_sequences_events"
 QUERY_SOURCE_PREFIX = "worker_kv_query_source_"
+FORWARD_PASS_METRICS = "forward_pass_metrics"  # our whole load report, inside an ActiveLoad (1.6.1 ignores it)
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -44,6 +51,22 @@ _encoder = msgspec.msgpack.Encoder()
 def query_source_endpoint(publisher_id: int) -> str:
     """The name of the recovery endpoint that goes with a ``kv-events`` publisher (1.6.1's naming)."""
     return f"{QUERY_SOURCE_PREFIX}{publisher_id:x}"
+
+
+def encode_payload(event: dict[str, Any]) -> bytes:
+    """One event of our own topics (a map), MessagePack as 1.x's payloads are."""
+    return _encoder.encode(event)
+
+
+def decode_payload(payload: bytes | memoryview) -> dict[str, Any]:
+    """The map of one event of our own topics; raises :class:`EventError` when it is not one."""
+    try:
+        event = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        raise EventError(f"not MessagePack: {e}") from None
+    if not isinstance(event, dict):
+        raise EventError(f"an event is a map, not {type(event).__name__}")
+    return event
 
 
 # -- KV events --------------------------------------------------------------------------------------------
@@ -99,13 +122,18 @@ class V1KvNumbering:
         self.dp_rank = dp_rank
         self.last_event_id = 0
 
-    def translate(self, event: dict[str, Any]) -> dict[str, Any]:
+    def translate(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """Our wrapped KV event (``{"worker_id", "event": {"event_id", "data"}, "storage_tier"?}``) as the
-        next 1.x RouterEvent.  A ``cleared`` of every tier (no ``storage_tier``) goes as a device clear:
-        1.x has no "every tier", and a restarted device cache is what it means."""
-        self.last_event_id += 1
-        tier = parse_tier(event.get("storage_tier"))
-        return router_event(self.worker_id, self.last_event_id, event["event"]["data"], tier, self.dp_rank)
+        next 1.x RouterEvents: one, except a ``cleared`` of every tier (no ``storage_tier``: the worker's
+        caches restarted), which 1.x has no single event for: a ``cleared`` of each tier, device first."""
+        tier = event.get("storage_tier")
+        data = event["event"]["data"]
+        tiers = [DEVICE, *LOWER_TIERS] if data == "cleared" and tier is None else [parse_tier(tier)]
+        out = []
+        for t in tiers:
+            self.last_event_id += 1
+            out.append(router_event(self.worker_id, self.last_event_id, data, t, self.dp_rank))
+        return out
 
     def tree_dump(self, dump: dict[str, Any]) -> dict[str, Any]:
         """The answer to a recovery query: every block of ``dump`` (``WorkerKvState.dump()``) as stored
@@ -138,7 +166,7 @@ def _runs(chains: Iterable[Any]) -> list[tuple[int | None, list[tuple[int, int]]
 
 
 def dump_from_tree(worker_id: int, answer: Any) -> dict[str, Any]:
-    """A 1.x worker's recovery answer as our ``kv_state`` dump (what ``KvRouter.apply_dump`` takes).
+    """A 1.x worker's recovery answer as our dump (:meth:`~dynamo.kv.worker_state.WorkerKvState.dump`'s shape) (what ``KvRouter.apply_dump`` takes).
     Raises :class:`EventError` when it is not a ``TreeDump``."""
     body = answer.get("TreeDump") if isinstance(answer, dict) else None
     if not isinstance(body, dict) or not isinstance(body.get("events"), list):
@@ -181,9 +209,11 @@ def source_metadata(namespace: str, component: str, endpoint: str, worker_id: in
 # -- load ---------------------------------------------------------------------------------------------------
 
 def active_load(metrics: dict[str, Any]) -> bytes | None:
-    """Our load report (``{"worker_id", "data": ForwardPassMetrics}``) as a 1.x ``kv_metrics`` payload, or
-    None when it says nothing 1.x has a field for.  1.x's ``kv_used_blocks`` is our ``kv_active_blocks``;
-    the active decode blocks and prefill tokens are what a 1.x router counts itself (1.6.1 sends nil)."""
+    """Our load report (``{"worker_id", "data": ForwardPassMetrics}``) as a ``kv_metrics`` payload: 1.x's
+    ActiveLoad, whose ``kv_used_blocks`` is our ``kv_active_blocks`` (the active decode blocks and prefill
+    tokens are what a 1.x router counts itself: 1.6.1 sends nil), and the whole report under
+    ``forward_pass_metrics``, a field 1.6.1 ignores, which our frontends' gauges and planner read.  None
+    when the report has no data."""
     data = metrics.get("data")
     if not isinstance(data, dict):
         return None
@@ -191,24 +221,29 @@ def active_load(metrics: dict[str, Any]) -> bytes | None:
     ws = data["worker_stats"] if isinstance(data.get("worker_stats"), dict) else data
     used = kv.get("kv_active_blocks")
     if isinstance(used, bool) or not isinstance(used, int):
-        return None
+        used = None
     return _encoder.encode({"worker_id": metrics["worker_id"] & MASK64, "dp_rank": int(ws.get("data_parallel_rank") or 0),
-                            "active_decode_blocks": None, "active_prefill_tokens": None, "kv_used_blocks": used})
+                            "active_decode_blocks": None, "active_prefill_tokens": None, "kv_used_blocks": used,
+                            FORWARD_PASS_METRICS: data})
 
 
 def metrics_from_load(payload: bytes | memoryview) -> dict[str, Any]:
-    """A 1.x ``kv_metrics`` payload in our load report's shape (what the frontend's worker metrics read), the
-    worker id as we keep instance ids (i64: one above its maximum comes negative, as its key's hex reads).
-    Raises :class:`EventError` when it is not an ActiveLoad."""
+    """A ``kv_metrics`` payload in our load report's shape (what the frontend's worker metrics read): ours
+    carry the whole report (``forward_pass_metrics``), 1.x's only ``kv_used_blocks``, read as
+    ``kv_stats.kv_active_blocks``.  The worker id as we keep instance ids (i64: one above its maximum comes
+    negative, as its key's hex reads).  Raises :class:`EventError` when it is not an ActiveLoad."""
     try:
         load = msgspec.msgpack.decode(payload)
         worker_id = load["worker_id"]
         dp_rank = load.get("dp_rank") or 0
     except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as e:
         raise EventError(f"not a 1.x ActiveLoad: {e}") from None
+    if isinstance(worker_id, int) and worker_id > MASK64 >> 1:  # unsigned on 1.x's wire, i64 where we keep ids
+        worker_id -= 1 << 64
+    ours = load.get(FORWARD_PASS_METRICS)
+    if isinstance(ours, dict):
+        return {"worker_id": worker_id, "data": ours}
     kv: dict[str, Any] = {}
     if isinstance(load.get("kv_used_blocks"), int):
         kv["kv_active_blocks"] = load["kv_used_blocks"]
-    if isinstance(worker_id, int) and worker_id > MASK64 >> 1:  # unsigned on 1.x's wire, i64 where we keep ids
-        worker_id -= 1 << 64
     return {"worker_id": worker_id, "data": {"worker_stats": {"data_parallel_rank": dp_rank}, "kv_stats": kv}}

@@ -3,7 +3,7 @@
 An engine describes its cache changes as event *data* (``stored`` / ``removed`` / ``cleared``,
 protocols.py); :class:`WorkerKvState` wraps each one with the worker id and an increasing ``event_id``,
 hands it to the publisher, and keeps the blocks the events describe.  That record is what a router that
-has just started (or lost its NATS connection) asks for with the ``kv_state`` query, instead of staying
+has just started (or lost its NATS connection) asks for with the recovery query, instead of staying
 blind until new events happen to cover the cache (:meth:`dump`, applied by ``KvRouter.apply_dump``).
 
 Blocks offloaded to a lower tier (host memory, disk: ``tier``) are numbered in the same sequence and kept

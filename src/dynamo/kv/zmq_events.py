@@ -233,7 +233,7 @@ def _key(h: Any) -> Hashable:
 
 class KvEventSink:
     """Wraps translated event data for one worker (``worker_id``, increasing ``event_id``) and emits it,
-    keeping the blocks they describe for the ``kv_state`` query (``state``, worker_state.py)."""
+    keeping the blocks they describe for the recovery query (``state``, worker_state.py)."""
 
     def __init__(self, translator: KvEventTranslator, worker_id: int = 0, publish: Publisher | None = None):
         self.translator = translator

@@ -148,7 +148,7 @@ class PublishesKvEvents(Protocol):
 
 @runtime_checkable
 class DumpsKvState(Protocol):
-    """Answers a router that joins late with every block it holds (the ``kv_state`` endpoint)."""
+    """Answers a router that joins late with every block it holds (the recovery endpoint: worker/kv_publishing.py)."""
 
     def kv_state_dump(self) -> dict[str, Any]: ...
 

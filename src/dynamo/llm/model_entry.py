@@ -24,7 +24,7 @@ from dynamo.runtime.v1_records import model_key
 log = logging.getLogger(__name__)
 
 OBJECT_BUCKET = "dynamo_mdc"
-# runtime_config key: true when the worker publishes KV events (and answers the kv_state query); a KV
+# runtime_config key: true when the worker publishes KV events (and answers the recovery query); a KV
 # router uses the approximate indexer for a model whose workers do not say so
 PUBLISHES_KV_EVENTS = "publishes_kv_events"
 # runtime_config key: the address a worker lends its cached KV prefixes from (disagg/prefix_share.py); a KV
@@ -99,7 +99,7 @@ V1_CARD = "v1_card_json"
 
 
 def is_1x_worker(entry: ModelEntry) -> bool:
-    """A worker of Dynamo 1.x's own (its record carries no card of ours): it publishes KV events and
-    load only in 1.x's form (dynamo/kv/v1_events.py) and recovers a router through its
-    ``worker_kv_query_source_*`` endpoint.  Ours say so with their own key, and publish both forms."""
+    """A worker of Dynamo 1.x's own (its ``v1/mdc`` record carries no card of ours): it says it publishes KV
+    events with 1.x's key (``kv_event_publishing_enabled``), ours with their own; both publish and are
+    recovered alike (dynamo/kv/v1_events.py)."""
     return V1_CARD in entry.card

@@ -30,7 +30,6 @@ from .v1_wire import v1_path
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
-    from .v1_event_plane import V1EventPlane
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +47,8 @@ class RuntimeHandle(Protocol):
 
     def request_plane(self) -> RequestPlane: ...
 
-    def event_plane(self) -> EventPlane: ...
-
-    def v1_event_plane(self) -> "V1EventPlane | None":
-        """Dynamo 1.x's event plane beside ours (None where it is off: a fleet secret, a static runtime)."""
+    def event_plane(self) -> EventPlane | None:
+        """None in a static runtime."""
 
     def response_streams(self) -> ResponseStreams: ...
 

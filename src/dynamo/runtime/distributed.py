@@ -50,7 +50,6 @@ from .kv_store import KeyValueStore
 from .lease import LeaseKeeper
 from .listeners import Listener, exposure_warning, listeners_line
 from .names import lease_hex
-from .nats_event_plane import NatsEventPlane
 from .nats_object_store import NatsObjectStore
 from .nats_request_plane import NatsRequestPlane
 from .object_store import ObjectStore
@@ -63,8 +62,6 @@ from .tcp_request_plane import TcpRequestPlane
 
 if TYPE_CHECKING:
     from .system_server import SystemStatusServer
-    from .v1_event_plane import V1EventPlane
-    from .zmq_event_plane import ZmqEventPlane
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +94,8 @@ class DistributedRuntime:
         self._shutdown = asyncio.Event()
         self._closed = False
         self._requests: RequestPlane | None = None
-        self._events: EventPlane | None = None
-        self._zmq_events: "ZmqEventPlane | None" = None  # the event plane again, when it is ZMQ's (to close)
-        self._event_kind = ""  # "zmq" or "nats", once connected
+        self._events: EventPlane | None = None  # None when static: events are found through discovery
         self.request_plane_kind = ""  # where this process serves its endpoints: "tcp" or "nats", once connected
-        self._v1_events: "V1EventPlane | None" = None  # Dynamo 1.x's event plane, opened on first use
         self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
         self._shutdown_task: asyncio.Task | None = None
@@ -146,7 +140,6 @@ class DistributedRuntime:
             hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
             auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
-            self._event_kind = planes.events
             self.request_plane_kind = planes.requests
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
@@ -163,18 +156,13 @@ class DistributedRuntime:
             if self.etcd is not None:
                 self._lease = LeaseKeeper(self.etcd.client, settings.lease_ttl, on_restored=self.etcd.republish)
                 self.primary_lease_id = await self._lease.start()
-            if planes.events == "zmq":
-                from .zmq_event_plane import ZmqEventPlane  # pyzmq: imported only by processes that use it
+            if self.etcd is not None:  # binds nothing until something publishes
+                from .event_channels import EventChannels  # pyzmq: imported only by processes that use it
 
-                assert self.etcd is not None
-                zmq_plane = ZmqEventPlane(self.etcd, hosts.bind, hosts.advertise, auth)
-                self._zmq_events = zmq_plane
-                self._events = zmq_plane
-                await zmq_plane.start_publisher(self.primary_lease_id)
-                listeners.append(Listener("events", hosts.bind, zmq_plane.port))
-            else:
-                assert self.nats is not None
-                self._events = NatsEventPlane(self.nats)
+                self._events = EventChannels(self.etcd, planes.events, nats=self.nats, host=hosts.bind,
+                                             advertise=hosts.advertise, auth=auth)
+                if planes.events == "zmq":  # one port per publisher, each said as it binds
+                    listeners.append(Listener("events", hosts.bind))
             if self.settings.system.enabled:
                 from .system_server import SystemStatusServer  # aiohttp.web, prometheus_client: only when on
 
@@ -279,28 +267,12 @@ class DistributedRuntime:
             raise _not_connected()
         return self._requests
 
-    def event_plane(self) -> EventPlane:
-        """Publishing and subscribing to events (KV events, metrics)."""
-        if self._events is None:
+    def event_plane(self) -> EventPlane | None:
+        """Publishing and following events (KV events, load, routers' bookings) in Dynamo 1.x's form
+        (:mod:`.event_plane`); None in a static runtime (no discovery to find publishers in)."""
+        if self._requests is None:
             raise _not_connected()
         return self._events
-
-    def v1_event_plane(self) -> "V1EventPlane | None":
-        """Dynamo 1.x's event plane beside ours (:mod:`.v1_event_plane`), on the same transport, opened on
-        first use so that a process that never speaks to 1.x binds nothing more.  None in a static runtime
-        (no discovery to advertise in) and with a fleet secret: 1.x's event plane has no authentication,
-        and publishing block hashes in the clear would break the secret's promise."""
-        if self._v1_events is not None:
-            return self._v1_events
-        if self.etcd is None or self.fleet_auth is not None or not self._event_kind or self._closed:
-            return None
-        from .v1_event_plane import V1EventPlane  # pyzmq: imported only by processes that use it
-
-        hosts = self.listen_hosts
-        self._v1_events = V1EventPlane(self.etcd, self._event_kind, nats=self.nats,
-                                       host=hosts.bind if hosts else None,
-                                       advertise=hosts.advertise if hosts else "127.0.0.1")
-        return self._v1_events
 
     def object_store(self, bucket: str) -> ObjectStore:
         """Named blobs shared by the namespace's processes (a model's tokenizer), in ``bucket``: beside
@@ -384,10 +356,8 @@ class DistributedRuntime:
             await self._streams.close()
         if self._requests is not None:
             await self._requests.close()
-        if self._zmq_events is not None:
-            await self._zmq_events.close()
-        if self._v1_events is not None:
-            await self._v1_events.close()
+        if self._events is not None:
+            await self._events.close()
         if self.nats is not None and not self.nats.is_closed:
             try:
                 await self.nats.close()

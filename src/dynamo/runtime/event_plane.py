@@ -1,32 +1,48 @@
-"""The event plane: fire-and-forget events between processes (KV cache events, load metrics, a
-router's hit rates), whatever carries them.
+"""The event plane: fire-and-forget events between processes (KV events, load, a router's bookings),
+whatever carries them (:mod:`.event_channels`: ZMQ or NATS, Dynamo 1.x's envelopes and records).
 
-Publishing never waits for subscribers and an event may be lost (a subscriber not yet subscribed, a
-connection down): consumers that need every event keep a way to ask for a snapshot, and
-:attr:`EventPlane.reconnects` tells them when to. NATS (:mod:`.nats_event_plane`) is the first
-implementation; a ZMQ pub/sub plane is meant to fit the same interface, which is why subjects are plain
-strings (no wildcards) and payloads bytes.
+A stream belongs to a scope (an endpoint) and a topic; each publisher of it is announced by its
+``v1/event_channels`` record and a subscriber follows every publisher of its scope and topic.  Publishing
+never waits for subscribers and an event may be lost (a subscriber not yet connected, a connection down):
+consumers that need every event keep a way to ask for a snapshot, and :attr:`EventPlane.reconnects` tells
+them when to.  This module is the seam the rest of the code holds (no pyzmq behind it).
 """
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol
 
-EventHandler = Callable[[str, bytes], Awaitable[None]]  # (subject, payload)
+from .v1_event_wire import EndpointScope, Envelope
+
+EnvelopeHandler = Callable[[Envelope], None]
 
 
-class Subscription(Protocol):
+class EventPublisher(Protocol):
+    scope: EndpointScope
+    topic: str
+    publisher_id: int
+
+    def publish(self, payload: bytes) -> Any:
+        """Send one event; returns what to await for it to leave, or None."""
+
+
+class EventSubscription(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
-@runtime_checkable
 class EventPlane(Protocol):
-    async def publish(self, subject: str, payload: bytes) -> None:
-        """Send one event to whoever subscribes to ``subject`` now."""
+    async def publisher(self, scope: EndpointScope, topic: str) -> EventPublisher:
+        """A new publisher of ``topic`` in ``scope``, announced under this process's lease."""
 
-    async def subscribe(self, subject: str, handler: EventHandler) -> Subscription:
-        """Call ``handler(subject, payload)`` for each event on ``subject`` from now on, one at a time."""
+    async def register_source(self, pub: Any, metadata: dict[str, Any]) -> None:
+        """Announce how a consumer recovers ``pub``'s stream (its ``v1/event_sources`` record)."""
+
+    async def subscribe(self, scope: EndpointScope, topic: str, handler: EnvelopeHandler) -> EventSubscription:
+        """Call ``handler(envelope)`` on the event loop for each event of every publisher of ``topic`` in
+        ``scope``, now and as they come and go."""
 
     @property
     def reconnects(self) -> int:
-        """How many times the connection was lost and came back: events published meanwhile may be lost."""
+        """Connections (re)made to publishers: events published before may have been missed."""
+
+    async def close(self) -> None: ...

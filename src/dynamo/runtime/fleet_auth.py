@@ -28,7 +28,7 @@ What this is not: encryption. Requests and tokens still cross the network in the
 handshake, and an attacker on the path between two fleet machines could read them, or take over a
 connection after it was authenticated; use a private network (or a VPN/IPsec between the machines) for
 confidentiality (docs/security.md). The ZMQ event plane is encrypted too: it uses CURVE with keys
-derived from the same secret (:mod:`.zmq_event_plane`, :meth:`FleetAuth.derive`). The disaggregated KV
+derived from the same secret (:mod:`.zmq_curve`, :meth:`FleetAuth.derive`). The disaggregated KV
 transfer server runs the same handshake on its asyncio streams (:func:`handshake_streams`).
 
 The MAGIC's first byte and its ninth are 0xff, so a process without the secret reading it as its own

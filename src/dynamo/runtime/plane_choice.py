@@ -112,10 +112,15 @@ class PlaneCheck:
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return
         mine = self.mine
-        if their_events != mine["event_plane"] and "events" not in self.warned:
+        # a subscriber follows each publisher where its record says (a ZMQ socket anyone can reach, or a NATS
+        # subject): only a NATS publisher and a process without NATS never meet
+        deaf = (their_events == "nats" and not mine["nats"]) or (
+            mine["event_plane"] == "nats" and not theirs.get("nats", True))
+        if their_events != mine["event_plane"] and deaf and "events" not in self.warned:
             self.warned.add("events")
-            log.warning("event plane: this process uses %s and instance %s uses %s: KV events and load metrics "
-                        "never pass between them; give every process the same --event-plane (or DYN_EVENT_PLANE)",
+            log.warning("event plane: this process uses %s and instance %s uses %s, and one of them has no NATS: "
+                        "the events published on NATS (KV events, load metrics) never reach the other; give "
+                        "every process the same --event-plane (or DYN_EVENT_PLANE), or NATS_SERVER",
                         mine["event_plane"], other, their_events)
         unreachable = (their_requests == "nats" and not mine["nats"]) or (
             mine["request_plane"] == "nats" and not theirs.get("nats", True))

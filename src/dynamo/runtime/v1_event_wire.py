@@ -1,4 +1,4 @@
-"""Dynamo 1.x's event plane on the wire: the envelope, its frames, subjects and discovery records.
+"""The event plane (Dynamo 1.x's, the only one) on the wire: the envelope, its frames, subjects and discovery records.
 
 Facts observed from Dynamo 1.6.1's own processes (tcpdump, and their discovery files), so that its
 frontends read our workers' events and ours read its workers':
@@ -17,7 +17,7 @@ frontends read our workers' events and ours read its workers':
   interprets (the KV router's: :mod:`dynamo.kv.v1_events`).  Publisher ids are random and kept below
   2**53 so that JSON readers that hold numbers as doubles read them exactly, as 1.6.1 does.
 
-Nothing here does I/O (:mod:`.v1_event_plane` moves the bytes); all of it is pinned by tests against
+Nothing here does I/O (:mod:`.event_channels` moves the bytes); all of it is pinned by tests against
 the bytes 1.6.1 sent (tests/unit/runtime/test_v1_event_wire.py).
 """
 

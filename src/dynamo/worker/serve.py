@@ -39,12 +39,7 @@ from dynamo.runtime.distributed import DistributedRuntime, connect_runtime
 from dynamo.runtime.fleet_auth import FleetAuth
 from dynamo.runtime.tcp import advertise_host
 from dynamo.worker.handlers import backend_handler, chat_handler
-from dynamo.worker.kv_publishing import (
-    V1KvPublishing,
-    serve_kv_state,
-    serve_load_metrics,
-    worker_event_publishers,
-)
+from dynamo.worker.kv_publishing import KvPublishing, check_no_second_form, serve_load_metrics
 from dynamo.worker.lora_control import LoraControl
 
 log = logging.getLogger(__name__)
@@ -75,6 +70,7 @@ def max_inflight(cfg: RunConfig, caps: EngineCapabilities) -> int:
 
 async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: asyncio.Event) -> int:
     ident = EndpointId.parse(cfg.input)
+    check_no_second_form()  # a setting that cannot be honoured stops the worker before it joins the fleet
     runtime = await connect_runtime(discovery_backend=cfg.discovery_backend, request_plane=cfg.request_plane,
                                     event_plane=cfg.event_plane)
     owned: object | None = None  # the engine to close on the way out (the disagg wrapper closes its engine)
@@ -87,19 +83,14 @@ async def run_worker(cfg: RunConfig, card: ModelCard, engine_name: str, stop: as
         caps = capabilities_of(engine)
         publishes_kv_events = False
         if caps.publishes_kv:  # engines that publish KV events and load metrics (mocker, llamacpp, vllm, ...)
-            publish_kv_event, publish_metrics = worker_event_publishers(endpoint)
-            # the same, also in Dynamo 1.x's form (None: off; prefill workers are not announced to 1.x)
-            v1 = await V1KvPublishing.start(endpoint) if cfg.disaggregation_mode != "prefill" else None
-            if v1 is not None:
-                publish_kv_event, publish_metrics = v1.wrap(publish_kv_event, publish_metrics)
+            kv = await KvPublishing.start(endpoint)  # None: a static runtime, where no router can follow them
+            publish_kv_event, publish_metrics = kv.callbacks() if kv is not None else (None, None)
             engine.attach(endpoint.lease_id(), publish_kv_event=publish_kv_event,  # type: ignore[attr-defined]
                           publish_metrics=publish_metrics)
             await serve_load_metrics(endpoint, engine)  # type: ignore[arg-type]
             publishes_kv_events = bool(engine.publishes_kv_events)  # type: ignore[attr-defined]
-            if publishes_kv_events and caps.dumps_kv_state:
-                await serve_kv_state(endpoint, engine)  # type: ignore[arg-type]
-            if publishes_kv_events and v1 is not None:
-                await v1.serve_recovery(engine if caps.dumps_kv_state else None)
+            if publishes_kv_events and kv is not None:
+                await kv.serve_recovery(engine if caps.dumps_kv_state else None)
         mode = cfg.disaggregation_mode
         if mode != "agg" and caps.state_io:
             # engines that export/import sequence state get the real KV hand-over (the mocker simulates it)

@@ -14,10 +14,12 @@ import pytest
 from dynamo.runtime import DistributedRuntime, NoRespondersError
 from dynamo.runtime.fleet_auth import HELLO_LEN, MAGIC, FleetAuth, FleetAuthError, dial
 from dynamo.runtime.tcp import split_address
+from dynamo.runtime.v1_event_wire import EndpointScope, Envelope
 from harness.wait import until
 
 SECRET = b"integration fleet secret, 32 ch"
 OTHER = b"some other fleet's secret, 32 c"
+SCOPE = EndpointScope("fs", "c", "g")
 
 
 @pytest.fixture
@@ -98,16 +100,15 @@ async def test_a_subscriber_with_another_secret_reads_no_event(make) -> None:
     strangers = [await make(OTHER), await make(None)]
     got: dict[str, list[bytes]] = {"member": [], "other": [], "none": []}
 
-    def into(name: str) -> Callable[[str, bytes], Awaitable[None]]:
-        async def handler(_subject: str, payload: bytes) -> None:
-            got[name].append(payload)
-        return handler
+    def into(name: str) -> Callable[[Envelope], None]:
+        return lambda env: got[name].append(env.payload)
 
-    await member.event_plane().subscribe("fs.events", into("member"))
-    await strangers[0].event_plane().subscribe("fs.events", into("other"))
-    await strangers[1].event_plane().subscribe("fs.events", into("none"))
+    await member.event_plane().subscribe(SCOPE, "kv-events", into("member"))
+    await strangers[0].event_plane().subscribe(SCOPE, "kv-events", into("other"))
+    await strangers[1].event_plane().subscribe(SCOPE, "kv-events", into("none"))
+    pub = await publisher.event_plane().publisher(SCOPE, "kv-events")
     for i in range(200):  # until the member's connection is up: events before its handshake are lost
-        await publisher.event_plane().publish("fs.events", b"%d" % i)
+        await pub.publish(b"%d" % i)
         if got["member"]:
             break
         await asyncio.sleep(0.05)
@@ -120,17 +121,15 @@ async def test_a_subscriber_that_knows_the_publishers_key_but_not_the_fleets_is_
     import zmq
     import zmq.asyncio
 
-    from dynamo.runtime.zmq_event_plane import CurveKeys
+    from dynamo.runtime.zmq_curve import CurveKeys
 
     caplog.set_level(logging.DEBUG, logger="dynamo.runtime.fleet_auth")
     publisher = await make(SECRET)
     member = await make(SECRET)
     got: list[bytes] = []
 
-    async def handler(_subject: str, payload: bytes) -> None:
-        got.append(payload)
-
-    await member.event_plane().subscribe("fs.events", handler)
+    await member.event_plane().subscribe(SCOPE, "kv-events", lambda env: got.append(env.payload))
+    pub = await publisher.event_plane().publisher(SCOPE, "kv-events")
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     try:
@@ -138,10 +137,10 @@ async def test_a_subscriber_that_knows_the_publishers_key_but_not_the_fleets_is_
         sub.curve_serverkey = CurveKeys(FleetAuth(SECRET)).server_public
         sub.curve_publickey, sub.curve_secretkey = public, secret
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(publisher.event_plane().address)  # type: ignore[attr-defined]
+        sub.connect(pub.address)  # type: ignore[attr-defined]
         await until(lambda: "its key is not the fleet's" in caplog.text, 10, "the publisher's ZAP refusal")
         for i in range(200):  # until the member's connection is up
-            await publisher.event_plane().publish("fs.events", b"%d" % i)
+            await pub.publish(b"%d" % i)
             if got:
                 break
             await asyncio.sleep(0.05)

@@ -1,4 +1,4 @@
-"""The TCP request plane and the ZMQ event plane between runtimes in this process, with a real etcd and no
+"""The TCP request plane and the event plane over ZMQ between runtimes in this process, with a real etcd and no
 NATS server at all (``NATS_SERVER`` points at a closed port): requests, acks, no responders, busy, a
 frozen listener, and events to subscribers that join before or after the publisher. A NATS-plane client
 reaching a TCP worker is here too (that one with the session's nats-server)."""
@@ -15,6 +15,7 @@ from dynamo.runtime.config import NatsSettings
 from dynamo.runtime.ingress import Ingress
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
+from dynamo.runtime.v1_event_wire import EndpointScope
 from dynamo.runtime.v1_wire import RequestDecoder, encode_ack, v1_path
 from harness.servers import free_port
 from harness.wait import until
@@ -160,8 +161,9 @@ async def test_a_listener_that_never_acks_is_set_aside_until_it_answers(no_nats_
 
 
 async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_runtime, ns, serve, caplog):
-    """Each instance record names its plane: a process on NATS sends to a TCP worker directly; their
-    event planes never meet, and each says so in one line."""
+    """Each instance record names its plane: a process on NATS sends to a TCP worker directly, and follows
+    its ZMQ publishers (each channel record says where); the worker, without NATS, cannot hear the other's
+    NATS publishers, and each says so in one line."""
     caplog.set_level("WARNING", logger="dynamo.runtime.plane_choice")
     worker = await no_nats_runtime()
     caller = await make_runtime(request_plane="nats", event_plane="nats")
@@ -178,6 +180,11 @@ async def test_a_nats_plane_client_reaches_a_tcp_worker(make_runtime, no_nats_ru
         line = f"event plane: this process uses {mine} and instance {other.instance_hex} uses {theirs}"
         await until(lambda: line in caplog.text, 5, line)  # noqa: B023 - awaited within the iteration
     assert f"request plane: instance {caller.instance_hex} and this process cannot reach each other" in caplog.text
+    got: asyncio.Queue = asyncio.Queue()
+    scope = EndpointScope(ns, "b", "g")
+    await caller.event_plane().subscribe(scope, "kv_metrics", lambda env: got.put_nowait(env.payload))
+    await published_until(await worker.event_plane().publisher(scope, "kv_metrics"), got, b"heard")
+    assert await got.get() == b"heard"
 
 
 async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime, ns, serve):
@@ -192,43 +199,38 @@ async def test_a_fixed_tcp_rpc_port_is_the_address_in_discovery(no_nats_runtime,
     assert Instance.from_json(kv.value).subject.startswith(f"127.0.0.1:{port}/")
 
 
-# -- the ZMQ event plane -------------------------------------------------------------------------------
+# -- the event plane over ZMQ -------------------------------------------------------------------------
 
 
-async def published_until(publisher, subject: str, got: asyncio.Queue, payload: bytes) -> None:
+async def published_until(pub, got: asyncio.Queue, payload: bytes) -> None:
     """Publish until the subscriber has one (its connection's handshake may still be under way)."""
     async with asyncio.timeout(10):
         while got.empty():
-            await publisher.event_plane().publish(subject, payload)
+            await pub.publish(payload)
             await asyncio.sleep(0.02)
 
 
 async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publisher(no_nats_runtime, ns):
     early = await no_nats_runtime()
     publisher = await no_nats_runtime()
-    subject = f"namespace.{ns}.kv_metrics"
+    scope = EndpointScope(ns, "backend", "generate")
     got_early: asyncio.Queue = asyncio.Queue()
     got_other: asyncio.Queue = asyncio.Queue()
 
-    async def on_early(subj: str, payload: bytes) -> None:
-        got_early.put_nowait((subj, payload))
-
-    await early.event_plane().subscribe(subject, on_early)
-    other = await early.event_plane().subscribe(subject + "_other", lambda s, p: got_other.put(p))
-    await published_until(publisher, subject, got_early, b"one")
-    assert (await got_early.get())[0] == subject
-    assert got_other.empty()  # "kv_metrics_other" is another subject, not a prefix match
+    await early.event_plane().subscribe(scope, "kv_metrics", lambda env: got_early.put_nowait(env))
+    other = await early.event_plane().subscribe(scope, "kv_metrics_other", lambda env: got_other.put_nowait(env))
+    pub = await publisher.event_plane().publisher(scope, "kv_metrics")
+    await published_until(pub, got_early, b"one")
+    env = await got_early.get()
+    assert (env.topic, env.payload, env.publisher_id) == ("kv_metrics", b"one", pub.publisher_id)
+    assert got_other.empty()  # "kv_metrics_other" is another topic, not a prefix match
     await other.unsubscribe()
 
     late = await no_nats_runtime()  # starts after the publisher: finds it in discovery
     got_late: asyncio.Queue = asyncio.Queue()
-
-    async def on_late(subj: str, payload: bytes) -> None:
-        got_late.put_nowait(payload)
-
     before = late.event_plane().reconnects
-    await late.event_plane().subscribe(subject, on_late)
-    await published_until(publisher, subject, got_late, b"two")
+    await late.event_plane().subscribe(scope, "kv_metrics", lambda env: got_late.put_nowait(env.payload))
+    await published_until(pub, got_late, b"two")
     assert await got_late.get() == b"two"
     assert late.event_plane().reconnects > before  # the handshake: the cue to ask for snapshots
 
@@ -236,5 +238,5 @@ async def test_zmq_events_reach_subscribers_that_join_before_and_after_the_publi
     newcomer = await no_nats_runtime()
     while not got_late.empty():
         got_late.get_nowait()
-    await published_until(newcomer, subject, got_late, b"three")
+    await published_until(await newcomer.event_plane().publisher(scope, "kv_metrics"), got_late, b"three")
     assert await got_late.get() == b"three"

@@ -14,6 +14,7 @@ from dynamo.kv import KvRouter
 from dynamo.kv.events import DISK, HOST, EventError, kv_event, removed_data, stored_data
 from dynamo.kv.hashing import compute_hashes
 from dynamo.kv.v1_events import (
+    FORWARD_PASS_METRICS,
     V1KvNumbering,
     active_load,
     decode_router_events,
@@ -66,7 +67,7 @@ def test_our_events_in_1x_form_round_trip_into_a_router() -> None:
     state.send(stored_data(seq[1], zip(seq[2:], local[2:], strict=True)))
     state.send(stored_data(None, zip(seq[:1], local[:1], strict=True)), tier=HOST)
     state.send(removed_data(seq[3:]))
-    wire = [numbering.translate(e) for e in sent]
+    wire = [w for e in sent for w in numbering.translate(e)]
     assert [w["event"]["event_id"] for w in wire] == [1, 2, 3, 4]  # 1.x's own numbering, from 1
     assert [w["storage_tier"] for w in wire] == ["device", "device", "host_pinned", "device"]
     assert wire[0]["event"]["data"]["stored"]["blocks"][0] == {"block_hash": seq[0], "tokens_hash": local[0],
@@ -75,8 +76,12 @@ def test_our_events_in_1x_form_round_trip_into_a_router() -> None:
     router = KvRouter(block_size=BLOCK)
     assert all(router.apply_event(e) for e in decoded)
     assert router.find_matches(tokens) == {41: 3}
-    cleared = numbering.translate(kv_event(41, 5, "cleared"))  # every tier: a device clear in 1.x
-    assert cleared["storage_tier"] == "device" and cleared["event"]["data"] == "cleared"
+    cleared = numbering.translate(kv_event(41, 5, "cleared"))  # every tier: one clear per tier in 1.x
+    assert [c["storage_tier"] for c in cleared] == ["device", "host_pinned", "disk"]
+    assert [c["event"]["event_id"] for c in cleared] == [5, 6, 7] and {c["event"]["data"] for c in cleared} == {"cleared"}
+    for c in decode_router_events(encode_router_events(cleared)):
+        router.apply_event(c)
+    assert router.find_matches(tokens) == {}  # the worker's restart reaches every tier of the router
 
 
 def test_recovery_answer_of_ours_rebuilds_the_cache_in_a_router() -> None:
@@ -126,11 +131,16 @@ def test_load_both_ways() -> None:
     ours = metrics_from_load(env.payload)
     assert ours == {"worker_id": WORKER, "data": {"worker_stats": {"data_parallel_rank": 0},
                                                   "kv_stats": {"kv_active_blocks": used}}}
-    payload = active_load({"worker_id": WORKER, "data": {"worker_stats": {"data_parallel_rank": 0},
-                                                         "kv_stats": {"kv_active_blocks": used, "kv_total_blocks": 99}}})
-    assert payload == env.payload  # byte for byte what 1.6.1's mocker sends for the same load
-    assert msgspec.msgpack.decode(payload) == theirs
-    assert active_load({"worker_id": 1, "data": {"kv_stats": {}}}) is None
+    report = {"worker_id": WORKER, "data": {"worker_stats": {"data_parallel_rank": 0},
+                                            "kv_stats": {"kv_active_blocks": used, "kv_total_blocks": 99}}}
+    payload = active_load(report)
+    assert payload is not None
+    sent = msgspec.msgpack.decode(payload)
+    # 1.6.1's mocker's fields, in its order, with its values for the same load; then our whole report
+    assert list(sent)[:len(theirs)] == list(theirs) and {k: sent[k] for k in theirs} == theirs
+    assert sent[FORWARD_PASS_METRICS] == report["data"]
+    assert metrics_from_load(payload) == report  # our frontends read all of it back
+    assert msgspec.msgpack.decode(active_load({"worker_id": 1, "data": {"kv_stats": {}}}))["kv_used_blocks"] is None
     # an id above i64's maximum: unsigned on 1.x's wire, negative where we keep it (its key's hex), both ways
     big = msgspec.msgpack.encode({"worker_id": 0xEE1B89A277927A0B, "dp_rank": 0, "kv_used_blocks": 3})
     assert metrics_from_load(big)["worker_id"] == 0xEE1B89A277927A0B - (1 << 64)

@@ -130,7 +130,7 @@ class StubRuntime:
     def event_plane(self) -> "StubRuntime":
         return self
 
-    async def subscribe(self, subject: str, handler: Any) -> None:
+    async def subscribe(self, scope: Any, topic: str, handler: Any) -> None:
         return None
 
     def namespace(self, name: str) -> Any:
@@ -154,7 +154,7 @@ async def our_frontend() -> dict[str, Shape]:
     m.migration_done("tiny", "ongoing_request", True, 0.01)
     m.client_gone()
     wm = WorkerMetrics(StubRuntime(), m.registry, m.prefix, lambda model: StubRouter())
-    await wm.add_worker("ns", "backend", 7, "tiny")
+    await wm.add_worker("ns", "backend", 7, "tiny", "generate")
     wm.set(7, {"kv_stats": {"kv_active_blocks": 1, "kv_total_blocks": 100, "gpu_cache_usage_perc": 0.1,
                             "gpu_prefix_cache_hit_rate": 0.5},
                "worker_stats": {"num_requests_waiting": 0, "request_active_slots": 1, "request_total_slots": 8}})

@@ -346,7 +346,7 @@ def worker_runtime_opts() -> list[Opt]:
 
 def worker_runtime_refusals() -> list[Refused]:
     return [
-        refused("--kv-state-endpoint", "a separate KV state endpoint (ours is the worker's kv_state)",
+        refused("--kv-state-endpoint", "a separate KV state endpoint (ours is the worker's recovery endpoint)",
                 "DYN_KV_STATE_ENDPOINT"),
         refused("--connector", "deprecated in 1.x; KV transfer is configured by --disaggregation-mode here",
                 "DYN_CONNECTOR"),

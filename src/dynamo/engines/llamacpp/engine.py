@@ -276,7 +276,7 @@ class LlamaCppEngine:
         return True
 
     def kv_state_dump(self) -> dict[str, Any]:
-        """Every cached block, as the events so far describe it (the ``kv_state`` query)."""
+        """Every cached block, as the events so far describe it (the recovery query)."""
         return self.kv_state.dump()
 
     @property

@@ -103,7 +103,7 @@ class MockerEngine:
         return self.args.enable_prefix_caching
 
     def kv_state_dump(self) -> dict[str, Any]:
-        """Every cached block, for a router that starts late (the ``kv_state`` query)."""
+        """Every cached block, for a router that starts late (the recovery query)."""
         return self.kv_state.dump()
 
     @property

@@ -427,7 +427,7 @@ class VllmEngine:
         return self._kv_sub is not None and self._kv_sub.started
 
     def kv_state_dump(self) -> dict[str, Any]:
-        """Every block vLLM's events described so far (the ``kv_state`` query)."""
+        """Every block vLLM's events described so far (the recovery query)."""
         if self._kv_sub is None:
             return {"worker_id": 0, "last_event_id": None, "blocks": []}
         return self._kv_sub.sink.state.dump()

@@ -1,6 +1,6 @@
-"""KV events in Dynamo 1.x's form between runtimes of ours, on a real etcd: a worker's publishers (channel
-records, 4-frame ZMQ messages or NATS envelopes, the EventSource record and the recovery endpoint) and a
-KV router that follows a worker publishing only in that form, as it follows a 1.6.1 worker
+"""KV events between runtimes of ours, on a real etcd, in the one form they have, Dynamo 1.x's: a worker's
+publishers (channel records, 4-frame ZMQ messages or NATS envelopes, the EventSource record and the
+recovery endpoint) and a KV router that follows a worker of ours as it follows a 1.6.1 worker
 (tests/dynamo1x runs the same against 1.6.1's own processes)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
 from dynamo.runtime.transport import StreamState
 from dynamo.runtime.v1_event_wire import EVENT_CHANNELS, EVENT_SOURCES, EndpointScope
-from dynamo.worker.kv_publishing import V1KvPublishing
+from dynamo.worker.kv_publishing import KvPublishing
 from harness.wait import until
 
 BLOCK = 16
@@ -46,12 +46,11 @@ class DumpingEngine:
         return self.state.dump()
 
 
-async def start_worker(rt, ns: str) -> tuple[V1KvPublishing, WorkerKvState]:
+async def start_worker(rt, ns: str) -> tuple[KvPublishing, WorkerKvState]:
     endpoint = rt.namespace(ns).component("backend").endpoint("generate")
-    v1 = await V1KvPublishing.start(endpoint)
+    v1 = await KvPublishing.start(endpoint)
     assert v1 is not None
-    ours: list[dict] = []
-    publish_kv_event, publish_metrics = v1.wrap(ours.append, ours.append)
+    publish_kv_event, publish_metrics = v1.callbacks()
     state = WorkerKvState(rt.instance_id, publish_kv_event, first_event_id=5000)
     await v1.serve_recovery(DumpingEngine(state))
     state.metrics = publish_metrics  # type: ignore[attr-defined]
@@ -64,7 +63,7 @@ def store(state: WorkerKvState, tokens: list[int]) -> None:
 
 
 @pytest.mark.parametrize("planes", ["zmq", "nats"])
-async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns, planes):
+async def test_a_subscriber_reads_a_workers_events_and_load(make_runtime, ns, planes):
     worker = await make_runtime(**PLANES[planes])
     frontend = await make_runtime(**PLANES[planes])
     v1, state = await start_worker(worker, ns)
@@ -79,7 +78,7 @@ async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns
 
     router = KvRouter(block_size=BLOCK)
     loads: list[bytes] = []
-    plane = frontend.v1_event_plane()
+    plane = frontend.event_plane()
     await plane.subscribe(scope, TOPIC_KV_EVENTS,
                           lambda env: [router.apply_event(e) for e in decode_router_events(env.payload)])
     await plane.subscribe(scope, TOPIC_KV_METRICS, lambda env: loads.append(env.payload))
@@ -90,13 +89,18 @@ async def test_a_subscriber_of_ours_reads_our_workers_1x_events(make_runtime, ns
         emit(state.metrics, {"worker_id": worker.instance_id, "data": {"kv_stats": {"kv_active_blocks": 4}}})
         return router.find_matches(prompt) == {worker.instance_id: 4} and loads
 
-    await until(arrived, 10, "the worker's 1.x KV events and load")
+    await until(arrived, 10, "the worker's KV events and load")
 
 
+CARDS = {"ours": {"publishes_kv_events": True},
+         "1.x's": {"kv_event_publishing_enabled": True, "enable_local_indexer": True}}
+
+
+@pytest.mark.parametrize("card", list(CARDS))
 @pytest.mark.parametrize("planes", ["zmq", "nats"])
-async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make_runtime, ns, planes):
-    """A worker whose card says ``kv_event_publishing_enabled`` (a 1.x worker) is recovered through its
-    recovery endpoint, then followed on 1.x's plane."""
+async def test_our_kv_router_recovers_then_follows_a_worker(make_runtime, ns, planes, card):
+    """A worker whose entry says it publishes KV events (ours, or a 1.x worker's card) is recovered through
+    its recovery endpoint, then followed on the event plane: the same path for both."""
     worker = await make_runtime(**PLANES[planes])
     frontend = await make_runtime(**PLANES[planes])
     v1, state = await start_worker(worker, ns)
@@ -104,8 +108,8 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
     store(state, early)  # before the router: only the recovery can tell it
     router = KvRouter(block_size=BLOCK)
     policy = KvRouterPolicy(router, frontend.event_plane(), runtime=frontend)
-    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {V1_CARD: {}},
-                       runtime_config={"kv_event_publishing_enabled": True, "enable_local_indexer": True})
+    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id,
+                       {V1_CARD: {}} if card == "1.x's" else {}, runtime_config=CARDS[card])
     try:
         policy.add_worker(entry)
         await until(lambda: router.find_matches(early) == {worker.instance_id: 3}, 10, "the recovered blocks")
@@ -115,7 +119,7 @@ async def test_our_kv_router_follows_a_worker_that_publishes_only_1x_events(make
             store(state, later)
             return router.find_matches(later) == {worker.instance_id: 2}
 
-        await until(live, 10, "live 1.x events")
+        await until(live, 10, "live events")
         policy.remove_worker(worker.instance_id)
         store(state, list(range(3000, 3000 + BLOCK)))
         assert router.find_matches(early) == {}
