@@ -34,7 +34,7 @@ def test_our_worker_with_a_fleet_secret_refuses_a_d16_frontend_in_one_line(tiny_
                                json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 2})
             assert reply.status_code >= 500, reply.text
             assert time.monotonic() - started < 30
-            named = "a request without the handshake (a Dynamo 1.x frontend"
+            named = "a request without the fleet-secret handshake"
             wait_until(lambda: named in worker.stderr_text(), 10, "the worker's refusal line")
             lines = [line for line in worker.stderr_text().splitlines() if named in line]
             assert "refused a connection from 127.0.0.1:" in lines[0] and "DYN_FLEET_SECRET" in lines[0], lines

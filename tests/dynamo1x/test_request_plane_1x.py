@@ -33,6 +33,7 @@ from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId, signed_id
 from dynamo.runtime.probe import reachable
+from dynamo.runtime.request_plane import NoResponders
 from dynamo.runtime.transport import PING
 from dynamo.runtime.v1_wire import v1_path
 from dynamo.worker.handlers import backend_handler
@@ -150,6 +151,9 @@ async def test_our_client_and_pipeline_in_front_of_d16_mocker(d16_mocker_instanc
     assert await our_runtime.request_plane().send(instance.subject, PING, 5) == b""
     receiver = await our_runtime.response_streams().receiver()
     assert await reachable(our_runtime.request_plane(), receiver, instance.subject, instance.instance_id, 5)
+    # a path it serves nothing under: 1.6.1's words, which our workers use too, read as "no responders"
+    with pytest.raises(NoResponders, match="Server unavailable: unknown endpoint .*/m16/backend/nosuch"):
+        await our_runtime.request_plane().send(instance.subject.rpartition("/")[0] + "/nosuch", PING, 5)
 
     # our frontend's pipeline: the remote engine turns 1.x's items into ours, the post-processor detokenizes
     card = load_hf_folder(tiny_chat_5k)

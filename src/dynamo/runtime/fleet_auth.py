@@ -63,8 +63,8 @@ HELLO_LEN = len(MAGIC) + NONCE_LEN
 # a fleet mixing 1.x processes runs without one; docs/runtime.md, "The TCP request plane: one wire, 1.x's")
 NO_HANDSHAKE = ("it did not start the fleet-secret handshake (no DYN_FLEET_SECRET there? a Dynamo 1.x process, "
                 "which has none?)")
-NO_HANDSHAKE_1X = ("it sent a request without the handshake (a Dynamo 1.x frontend, which has no fleet secret and "
-                   "cannot use a worker that requires DYN_FLEET_SECRET, or one of ours without it)")
+NO_HANDSHAKE_1X = ("it sent a request without the fleet-secret handshake (no DYN_FLEET_SECRET there: one of ours "
+                   "started without it, or a Dynamo 1.x frontend, which has none)")
 HANDSHAKE_TIMEOUT = 10.0  # a peer that has not proved itself by then is dropped
 MIN_SECRET_LEN = 16
 REFUSAL_LOG_EVERY_S = 60.0  # the same peer refused for the same reason: one warning per minute

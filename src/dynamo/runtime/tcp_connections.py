@@ -135,7 +135,7 @@ class ServerConnection(CoalescingWriter, asyncio.Protocol):
         try:
             requests = self.decoder.feed(data)
         except V1WireError as exc:
-            if not self.acks and is_fleet_hello(data) and self.transport is not None:
+            if is_fleet_hello(data) and self.transport is not None:
                 peer = peer_name(self.transport)  # a fleet secret's hello, and this process has none
                 refusals((peer.rpartition(":")[0], "no secret"), f"request plane: refused a connection from {peer}: "
                          "it authenticates with a fleet secret and this process has none (set DYN_FLEET_SECRET)")

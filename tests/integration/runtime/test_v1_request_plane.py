@@ -42,8 +42,9 @@ async def client_of(caller, ident: EndpointId, path_end: str | None = None):
     return client
 
 
-async def test_a_client_streams_from_our_worker_on_the_one_wire_with_our_extras(runtimes, serve):
-    worker, caller = await runtimes(), await runtimes()
+@pytest.mark.parametrize("secret", [None, b"the one-wire test's fleet secret"], ids=["open", "fleet-secret"])
+async def test_a_client_streams_from_our_worker_on_the_one_wire_with_our_extras(file_runtimes, serve, secret):
+    worker, caller = [await file_runtimes(stream_liveness=2.0, fleet_secret=secret) for _ in range(2)]
     seen: list[dict] = []
 
     async def gen(request, context):
