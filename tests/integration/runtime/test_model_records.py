@@ -36,7 +36,9 @@ async def test_a_model_is_served_from_its_v1_mdc_record_alone(file_runtimes, hf:
     assert entry.key() == key
     assert [kv.key for kv in await frontend.discovery().get_prefix("")
             if "mr" in kv.key and not kv.key.startswith("v1/")] == []  # no record of ours beside 1.x's
-    record = orjson.loads((await frontend.discovery().get(key)).value)  # type: ignore[union-attr]
+    kv = await frontend.discovery().get(key)
+    assert kv is not None
+    record = orjson.loads(kv.value)
     assert record["card_json"]["dynamo_py"]["runtime_config"] == {"max_inflight_requests": 3}
 
     manager = ModelManager()
