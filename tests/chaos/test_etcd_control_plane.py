@@ -30,6 +30,7 @@ from dynamo.frontend.remote import RouterConfig  # noqa: E402
 from dynamo.llm.model_card import ModelCard  # noqa: E402
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry  # noqa: E402
 from dynamo.llm.model_type import ModelType  # noqa: E402
+from dynamo.llm.v1_card import record_of  # noqa: E402
 from dynamo.runtime import DistributedRuntime, EtcdClient, RuntimeConnectionError, WatchEvent  # noqa: E402
 from dynamo.runtime.config import EtcdSettings, NatsSettings, RuntimeSettings  # noqa: E402
 from dynamo.runtime.errors import RuntimeConfigError  # noqa: E402
@@ -471,7 +472,7 @@ async def test_model_whose_card_failed_to_load_is_retried(etcd, nats, tiny_model
         entry = ModelEntry(name=name, namespace=ns, component="backend", endpoint="generate",
                            model_type=ModelType.Backend, instance_id=worker.instance_id, card=data)
         await watcher.start()
-        await worker.etcd.put(entry.key(), entry.to_json(), lease=True)
+        await worker.etcd.put(entry.key(), record_of(entry), lease=True)
         await until(lambda: _after("model-retry:" + entry.key() in {t.get_name() for t in asyncio.all_tasks()}),
                     5, "the first attempt to fail and a retry to be planned")
         assert name not in manager.names()
@@ -578,7 +579,7 @@ def test_slow_engine_load_does_not_starve_the_lease(etcd, nats, tiny_model):
 
         async def check() -> None:
             c = await client_for(etcd)
-            kv = await c.get(f"instances/{ns}/backend/generate:{worker.instance_hex}")
+            kv = await c.get(f"v1/instances/{ns}/backend/generate/{worker.instance_hex}")
             await c.close()
             assert kv is not None and kv.lease == worker.instance_id
 

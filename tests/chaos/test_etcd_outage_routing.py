@@ -89,7 +89,7 @@ def route_of(log: Path, rid: str) -> dict[str, Any]:
 
 def instance_keys(config: DistConfig) -> dict[str, int]:
     """``{instance key: lease}`` of the endpoint, read through the runtime's own etcd client."""
-    return {k: lease for k, (_, lease) in config.keys("instances/kvchaos/mocker/generate:").items()}
+    return {k: lease for k, (_, lease) in config.keys("v1/instances/kvchaos/mocker/generate/").items()}
 
 
 def test_kv_events_and_prefix_routing_go_on_with_etcd_down(config, fleet):
@@ -146,8 +146,8 @@ def test_after_etcd_returns_the_dead_worker_goes_and_a_new_one_comes(config, fle
     assert config.etcd is not None
     config.etcd.restart(wipe=False)
     back = time.monotonic()
-    survivor_key = f"instances/kvchaos/mocker/generate:{workers[0].instance_hex}"
-    victim_key = f"instances/kvchaos/mocker/generate:{victim.instance_hex}"
+    survivor_key = f"v1/instances/kvchaos/mocker/generate/{workers[0].instance_hex}"
+    victim_key = f"v1/instances/kvchaos/mocker/generate/{victim.instance_hex}"
     # the survivor's lease was kept alive again; the victim's, with nobody to keep it, expires
     wait_until(lambda: victim_key not in (keys := instance_keys(config)) and keys.get(survivor_key)
                == workers[0].instance_id, LEASE_TTL + 15, "the dead worker's key gone, the live one's kept")

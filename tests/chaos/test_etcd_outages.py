@@ -80,15 +80,14 @@ def model_listed(frontend: DynamoRun) -> bool:
 
 
 def registered(etcd: EtcdServer, workers: list[DynamoWorker]) -> bool:
-    """Every worker's instance key and model entry are in etcd under its own (unchanged) lease."""
-    instances = etcd_keys(etcd, "instances/chaos/backend/generate:")
-    models = etcd_keys(etcd, "models/chaos/backend/generate/")
+    """Every worker's instance key and model record are in etcd under its own (unchanged) lease."""
+    instances = etcd_keys(etcd, "v1/instances/chaos/backend/generate/")
+    models = etcd_keys(etcd, "v1/mdc/chaos/backend/generate/")
     for w in workers:
         lease = w.instance_id
-        if instances.get(f"instances/chaos/backend/generate:{w.instance_hex}") != lease:
+        if instances.get(f"v1/instances/chaos/backend/generate/{w.instance_hex}") != lease:
             return False
-        if not any(k.startswith(f"models/chaos/backend/generate/{w.instance_hex}/") and v == lease
-                   for k, v in models.items()):
+        if models.get(f"v1/mdc/chaos/backend/generate/{w.instance_hex}") != lease:
             return False
     return True
 
@@ -279,12 +278,12 @@ def test_sigterm_after_outage_still_deregisters(etcd, fleet):
     the wipe) still deregisters on SIGTERM: it revokes the re-granted lease, so its keys go at once."""
     worker = fleet["workers"].pop(0)
     assert "granted again with the same id" in worker.stderr_text()  # the lease it holds was re-granted
-    key = f"instances/chaos/backend/generate:{worker.instance_hex}"
-    assert etcd_keys(etcd, "instances/").get(key) == worker.instance_id
+    key = f"v1/instances/chaos/backend/generate/{worker.instance_hex}"
+    assert etcd_keys(etcd, "v1/instances/").get(key) == worker.instance_id
     worker.terminate()
     assert worker.wait(15) == 0, worker.stderr_text()[-3000:]
-    assert key not in etcd_keys(etcd, "instances/")
-    assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "models/"))
+    assert key not in etcd_keys(etcd, "v1/instances/")
+    assert not any(worker.instance_hex in k for k in etcd_keys(etcd, "v1/mdc/"))
     wait_until(lambda: worker.instance_id not in health_instances(fleet["frontend"]), 5,
                "the stopped worker gone from the frontend")
     assert registered(etcd, fleet["workers"])  # the others are untouched

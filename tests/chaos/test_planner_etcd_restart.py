@@ -132,6 +132,7 @@ async def test_namespace_models_carry_through_an_outage_and_none_known_skips_the
     both list again once etcd is back."""
     from dynamo.llm.model_entry import ModelEntry
     from dynamo.llm.model_type import ModelType
+    from dynamo.llm.v1_card import record_of
     from dynamo.planner.frontends import NamespaceModels
     from dynamo.planner.observe import ObservationUnavailable
     from dynamo.runtime.config import EtcdSettings
@@ -144,7 +145,7 @@ async def test_namespace_models_carry_through_an_outage_and_none_known_skips_the
     try:
         entry = ModelEntry(name="Listed-Model", namespace="nsm", component="backend", endpoint="generate",
                            model_type=ModelType.Backend, instance_id=0x1234, card={})
-        await store.put(entry.key(), entry.to_json())
+        await store.put(entry.key(), record_of(entry))
         seen, never = NamespaceModels(store, "nsm"), NamespaceModels(store, "nsm")
         assert await seen() == {"listed-model"}
         caplog.set_level("INFO", logger="dynamo.planner.frontends")

@@ -1,11 +1,11 @@
 """Discovery across the two implementations, with real processes, on the file store and on etcd: Dynamo
 1.6.1's frontend lists the model of a worker of ours (our ``v1/instances`` and ``v1/mdc`` records, its
-card's files), and our frontend lists the model of 1.6.1's mocker (its records, read and translated); each
-model goes when its worker stops. Requests across are the request plane's tests."""
+card's files, our card in the extra field it ignores) and rejects, naming them, the models it must not
+serve; our frontend lists the model of 1.6.1's mocker (its records, read as ours); each model goes when its
+worker stops. Requests across are the request plane's tests."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from harness.dynamo1x import d16_env, d16_frontend, d16_mocker, models_listed
@@ -44,7 +44,7 @@ def test_our_frontend_lists_d16_mockers_model(tiny_chat_5k: Path, envs) -> None:
 
 def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path, envs) -> None:
     """Our worker and 1.6.1's mocker serve one model on one endpoint: our frontend serves it once, over both
-    instances, and our worker (which writes both kinds of record) is one instance, not two."""
+    instances (one record each, in one bucket)."""
     import httpx
 
     theirs, ours, store = envs
@@ -62,8 +62,6 @@ def test_one_model_over_both_kinds_of_worker_on_one_endpoint(tiny_chat_5k: Path,
                        "our frontend serves 'shared' over both workers")
             assert worker.instance_id in instances()
             assert models_listed(frontend.base_url) == {"shared"}
-            time.sleep(1.5)  # past the merged watch's hold: still two, our worker's 1.x record never added a third
-            assert len(instances()) == 2
     finally:
         worker.stop()
 
@@ -80,3 +78,33 @@ def test_d16_frontend_lists_our_gguf_workers_model(tiny_chat_5k: Path, store: Pa
                       env=ours, startup_timeout=60), d16_frontend(theirs, model="gguf-model"):
         cached = list((tmp_path / "cache" / "dynamo" / "v1_cards").glob("*/tokenizer.json"))
         assert len(cached) == 1
+
+
+def test_d16_frontend_rejects_our_models_it_cannot_serve_and_serves_the_rest(tiny_chat_5k: Path, envs) -> None:
+    """A prefill worker of ours and a worker whose card has no tokenizer announce their models with a
+    ``model_type`` 1.6.1 does not know: it rejects each in one line naming the flag, lists neither, and
+    serves the model of our ordinary worker beside them."""
+    import httpx
+
+    theirs, ours, _ = envs
+    workers = [DynamoWorker(*args, env=ours, startup_timeout=60) for args in (
+        ("in=dyn://hid.prefill.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "hidden-prefill",
+         "--disaggregation-mode", "prefill"),
+        ("in=dyn://hid.noname.generate", "out=echo_full", "--model-name", "hidden-nofiles"),
+        ("in=dyn://hid.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "shown"),
+    )]
+    try:
+        for worker in workers:
+            worker.start()
+        with d16_frontend(theirs, model="shown") as frontend:
+            for flag in ("PrefillOverOurTransfer", "NoTokenizerFiles"):
+                wait_until(lambda: f"unrecognized named flag `{flag}`" in frontend.stderr_text(), 30,  # noqa: B023
+                           f"1.6.1's frontend rejects the {flag} record")
+            assert models_listed(frontend.url) == {"shown"}
+            resp = httpx.post(f"{frontend.url}/v1/chat/completions", timeout=30, json={
+                "model": "shown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        for worker in workers:
+            worker.stop()

@@ -32,7 +32,7 @@ from dynamo.llm.protocols.openai import parse_chat_request
 from dynamo.runtime import DistributedRuntime, StreamIncompleteError
 from dynamo.runtime.config import RuntimeSettings
 from dynamo.runtime.instance import Instance
-from dynamo.runtime.names import EndpointId
+from dynamo.runtime.names import EndpointId, signed_id
 from dynamo.runtime.probe import reachable
 from dynamo.runtime.request_plane import NoResponders
 from dynamo.runtime.transport import PING
@@ -80,15 +80,15 @@ async def test_d16_client_streams_from_our_core_worker(store: Path, our_runtime)
     ready = asyncio.Event()
     serving = asyncio.create_task(endpoint.serve_endpoint(backend_handler(card, EchoCoreEngine(delay=0)), ready=ready))
     await asyncio.wait_for(ready.wait(), 10)
-    ours = Instance.from_json((await our_runtime.discovery().get(endpoint.instance_key)).value)
+    kv = await our_runtime.discovery().get(endpoint.instance_key)
+    ours = Instance.from_json(kv.value)
     iid = our_runtime.instance_id & 0xFFFFFFFFFFFFFFFF
-    assert ours.subject.partition("/")[2] == v1_path(iid, ident.namespace, ident.component, ident.name)
-    record = {"type": "Endpoint", "component": ident.component, "endpoint": ident.name, "namespace": ident.namespace,
-              "instance_id": iid, "request_plane_codec": "msgpack", "transport": {"tcp": ours.subject}}
+    assert ours.ours and ours.subject.partition("/")[2] == v1_path(iid, ident.namespace, ident.component, ident.name)
+    # our worker's one record, extra field and all, copied into the 1.6.1 client's store as it is
     folder = store / "v1" / "instances"
     folder.mkdir(parents=True)
     path = folder / file_key(f"{ident.namespace}/{ident.component}/{ident.name}/{iid:x}")
-    path.write_text(json.dumps(record))
+    path.write_bytes(kv.value)
 
     async def keep_alive() -> None:  # 1.6.1 treats a record untouched for 10 s as gone
         while True:
@@ -122,11 +122,11 @@ def d16_mocker_instance(tiny_chat_5k: Path, store: Path):
     with d16_mocker(tiny_chat_5k, "dyn://m16.backend.generate", d16_env(store), store=store) as mocker:
         files = [p for p in (store / "v1" / "instances").iterdir() if "%2Fgenerate%2F" in p.name]
         record = json.loads(files[0].read_text())
-        yield mocker, Instance("m16", "backend", "generate", record["instance_id"], record["transport"]["tcp"],
-                              record.get("request_plane_codec"))
+        yield mocker, Instance("m16", "backend", "generate", record["instance_id"], record["transport"]["tcp"], ours=False)
 
 
 async def our_client_of(rt: DistributedRuntime, instance: Instance):
+    """Our client of the endpoint of a 1.6.1 worker whose record (as 1.6.1 wrote it) is copied into our store."""
     ident = EndpointId(instance.namespace, instance.component, instance.endpoint)
     await rt.discovery().put(ident.instance_key(instance.instance_id), instance.to_json(), lease=True)
     client = await rt.namespace(ident.namespace).component(ident.component).endpoint(ident.name).client()
@@ -244,10 +244,11 @@ async def two_mockers(tiny_chat_5k: Path, store: Path, rt: DistributedRuntime, *
                     break
                 await asyncio.sleep(0.1)
             records = generate_records(store)
-            by_id = {first_id: first, next(i for i in records if i != first_id): second}
+            # our client keeps ids above i64's maximum negative, as it reads them from a record's key
+            by_id = {signed_id(first_id): first, signed_id(next(i for i in records if i != first_id)): second}
             for record in records.values():
                 client = await our_client_of(rt, Instance("m16", "backend", "generate", record["instance_id"],
-                                                          record["transport"]["tcp"]))
+                                                          record["transport"]["tcp"], ours=False))
             while len(client.instance_ids()) < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
             # round-robin's first pick is the lowest id

@@ -27,6 +27,7 @@ import httpx
 import openai
 import pytest
 
+from dynamo.runtime.file_v1 import STALE_AFTER
 from harness.dist_configs import DistConfig
 from harness.fleet import (
     WORKER_LOG,
@@ -233,9 +234,9 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dis
     worker = fleet["term"]
     wait_for_model(frontend, "term", "dyn://term.backend.generate", 1)
     lease = worker.instance_id
-    keys = dist_config.keys("models/term/")
-    assert keys and all(lease_id == lease for _, lease_id in keys.values())
-    assert dist_config.keys("instances/term/")
+    keys = dist_config.keys("v1/mdc/term/")  # the worker's one model record, 1.x's, keyed by its instance
+    assert keys and all(record["instance_id"] == lease for record, _ in keys.values())
+    assert dist_config.keys("v1/instances/term/")
 
     client = client_for(frontend)
     stream = client.chat.completions.create(
@@ -250,7 +251,7 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dis
     worker.terminate()
     signalled = time.monotonic()
     # deregistered at once: the model entry and the instance key are gone, the frontend drops the model
-    wait_until(lambda: not dist_config.keys("models/term/") and not dist_config.keys("instances/term/"),
+    wait_until(lambda: not dist_config.keys("v1/mdc/term/") and not dist_config.keys("v1/instances/term/"),
                1.5, "the worker's keys to be deleted")
     wait_until(lambda: "term" not in model_ids(frontend), 1.5, "the model to leave /v1/models")
     # ... but the stream in flight finishes normally
@@ -274,9 +275,9 @@ def test_sigterm_deregisters_finishes_stream_and_exits_zero(frontend, fleet, dis
 def test_model_entry_without_instances_gives_503(frontend, fleet, dist_config):
     """A model whose entry exists but with no live instance behind it: 503 quickly, not a hang."""
     wait_for_model(frontend, "a", "dyn://alpha.backend.generate", 1)
-    (key, (entry, _)), = dist_config.keys("models/alpha/").items()
-    ghost = dict(entry, name="ghost", endpoint={"namespace": "ghost", "component": "backend", "name": "generate"})
-    ghost_key = "models/ghost/backend/generate/1/ghost"
+    (key, (record, _)), = dist_config.keys("v1/mdc/alpha/").items()
+    ghost = dict(record, namespace="ghost", card_json=dict(record["card_json"], display_name="ghost"))
+    ghost_key = "v1/mdc/ghost/backend/generate/1"
     dist_config.put(ghost_key, json.dumps(ghost))
     try:
         wait_until(lambda: "ghost" in model_ids(frontend), 5, "the ghost model to be listed")
@@ -313,8 +314,10 @@ def test_two_models_on_one_frontend(frontend, fleet):
 @pytest.mark.slow
 def test_full_engine_worker_registers_as_chat(frontend, fleet, dist_config):
     wait_for_model(frontend, "e", "dyn://full.frontend.generate", 1)
-    (entry, lease), = dist_config.keys("models/full/").values()
-    assert entry["model_type"] == "Chat" and entry["name"] == "e" and lease == fleet["e"].instance_id
+    (record, _), = dist_config.keys("v1/mdc/full/").values()
+    card = record["card_json"]
+    assert card["dynamo_py"]["model_type"] == "Chat" and card["display_name"] == "e"
+    assert record["instance_id"] == fleet["e"].instance_id
     client = client_for(frontend)
     text, reason = chat(client, "e", "echo me fully", stream=True)
     assert (text, reason) == ("echo me fully", "stop")
@@ -334,8 +337,8 @@ def test_seed_python_worker_served_by_frontend(frontend, rt_env, tiny_model, dis
                           env=rt_env, ready=None).start()
     try:
         wait_for_model(frontend, "tiny-chat", "dyn://namespace.component.endpoint", 1)
-        (entry, _), = dist_config.keys("models/namespace/component/endpoint/").values()
-        assert entry["model_type"] == "Backend"
+        (record, _), = dist_config.keys("v1/mdc/namespace/component/endpoint/").values()
+        assert record["card_json"]["dynamo_py"]["model_type"] == "Backend"
         client = client_for(frontend)
         text, reason = chat(client, "tiny-chat", "seeds say hello", stream=True, extra_body={"ignore_eos": True})
         assert "seeds say hello" in text and reason == "stop"
@@ -459,14 +462,16 @@ def test_nats_without_jetstream_is_one_clear_line(etcd_nats, tiny_model):
 def test_kill9_keys_and_instance_vanish_after_lease(frontend, crashed, dist_config):
     victim, survivor = crashed["victim"], crashed["survivor"]
     dead = victim.instance_hex
-    remaining = float(dist_config.env["DYN_LEASE_TTL"]) + 3 - (time.monotonic() - crashed["killed_at"])
+    # on etcd the records go with the lease; on the file store 1.x's files go once untouched for 10 s
+    expiry = STALE_AFTER if dist_config.discovery == "file" else float(dist_config.env["DYN_LEASE_TTL"])
+    remaining = expiry + 3 - (time.monotonic() - crashed["killed_at"])
 
     def gone() -> bool:
-        keys = list(dist_config.keys("instances/crash/")) + list(dist_config.keys("models/crash/"))
+        keys = list(dist_config.keys("v1/instances/crash/")) + list(dist_config.keys("v1/mdc/crash/"))
         return not any(dead in k for k in keys)
 
     wait_until(gone, max(remaining, 0.5), "the crashed worker's keys to expire with its lease", interval=0.2)
     assert health_instances(frontend, "dyn://crash.backend.generate") == {survivor.instance_id}
-    keys = dist_config.keys("models/crash/")
-    assert keys and all(lease == survivor.instance_id for _, lease in keys.values())
+    keys = dist_config.keys("v1/mdc/crash/")
+    assert keys and all(record["instance_id"] == survivor.instance_id for record, _ in keys.values())
     assert "crash" in model_ids(frontend)

@@ -1,8 +1,7 @@
-"""Frontend discovery (``out=dyn``): follow ``models/`` in etcd and keep the ModelManager in step.
+"""Frontend discovery (``out=dyn``): follow the ``v1/mdc`` records and keep the ModelManager in step.
 
-Dynamo 1.x workers' models (``v1/mdc``) are followed too, translated into entries of ours
-(llm/v1_card.py), in one watch with ours (runtime/v1_discovery.py): a worker of ours writes both, and its
-own entry wins; a model served by workers of both kinds is one model over all their instances.
+Every worker announces its model there, ours and Dynamo 1.x's alike (llm/v1_card.py reads either into a
+ModelEntry); a model served by workers of both kinds is one model over all their instances.
 
 A model appears when its first worker registers and disappears when its last one goes (each worker's
 entry is bound to its lease, so a dead worker's entry vanishes when the lease expires; the transport
@@ -27,12 +26,11 @@ from dynamo.frontend.model_builder import EndpointKey, ModelBuilder, RemoteModel
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.frontend.prefill_pool import PrefillPool
 from dynamo.frontend.remote import QueuePolicy, RouterConfig
-from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.llm.model_entry import ModelEntry
 from dynamo.llm.model_type import ModelType
-from dynamo.llm.v1_card import translate_model
+from dynamo.llm.v1_card import entry_from_record
 from dynamo.run_config import RunConfig
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.v1_discovery import MergedWatch
 from dynamo.runtime.v1_records import models_prefix
 
 if TYPE_CHECKING:  # the HTTP service's metrics: the frontend package imports it only to annotate
@@ -42,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelWatcher:
-    """Keeps the ModelManager in step with ``models/`` in etcd.
+    """Keeps the ModelManager in step with the ``v1/mdc`` records.
 
     Rules: a model name is served from the union of the live instances of every endpoint that registered
     it (:class:`ModelClient`); the first entry seen decides the model's type and card, and an entry of
@@ -58,14 +56,9 @@ class ModelWatcher:
     def __init__(self, runtime: Any, manager: ModelManager, router: RouterConfig, metrics: Any = None,
                  namespace: str | None = None, namespace_prefix: str | None = None):
         self.runtime = runtime
-        # entries are keyed models/<namespace>/...: one namespace, or the namespaces starting with a prefix
+        # records are keyed v1/mdc/<namespace>/...: one namespace, or the namespaces starting with a prefix
         # (1.x's --namespace-prefix, which wins over --namespace), is a narrower watch, nothing to filter
-        if namespace_prefix:
-            self.prefix = f"{MODELS_PREFIX}{namespace_prefix}"
-            self.v1_prefix = models_prefix() + namespace_prefix  # Dynamo 1.x workers' models
-        else:
-            self.prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
-            self.v1_prefix = models_prefix(namespace)
+        self.prefix = models_prefix() + namespace_prefix if namespace_prefix else models_prefix(namespace)
         self.manager = manager
         self.router_config = router
         self._entries: dict[str, ModelEntry] = {}  # etcd key -> entry
@@ -75,6 +68,7 @@ class ModelWatcher:
         self._lock = asyncio.Lock()  # watch events and retries change the state one at a time
         self._retries: dict[str, asyncio.Task[None]] = {}
         self._type_warned: set[str] = set()
+        self._skipped: set[str] = set()  # keys of records we do not serve, already said
         manager.instances = self.instances
         # per-worker load gauges on the HTTP service's /metrics (its FrontendMetrics), if it has one
         self.worker_metrics: Any = None
@@ -108,9 +102,7 @@ class ModelWatcher:
         return self.worker_metrics.observer(name, self.metrics)
 
     async def start(self) -> None:
-        store = self.runtime.discovery()
-        self._watch = await MergedWatch(self.prefix, store.watch_prefix(self.prefix), store.watch_prefix(self.v1_prefix),
-                                        translate_model).start()
+        self._watch = await self.runtime.discovery().watch_prefix(self.prefix).start()
         self._task = asyncio.create_task(self._run(), name="model-watcher")
 
     async def close(self) -> None:
@@ -153,9 +145,13 @@ class ModelWatcher:
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:
-            entry = ModelEntry.from_json(value)
-        except Exception as e:
-            log.warning("skipping malformed model entry %s: %s", key, e)
+            entry = entry_from_record(value)
+        except (ValueError, KeyError, TypeError) as e:  # malformed JSON is a ValueError too
+            said = key in self._skipped
+            await self._on_delete(key)  # a record replaced by one we do not serve
+            self._skipped.add(key)
+            if not said:
+                log.warning("skipping model record %s: %s", key, e)
             return
         self._entries[key] = entry
         self._cancel_retry(key)
@@ -262,6 +258,7 @@ class ModelWatcher:
 
     async def _on_delete(self, key: str) -> None:
         self._cancel_retry(key)
+        self._skipped.discard(key)
         self._type_warned.discard(key)
         entry = self._entries.pop(key, None)
         if entry is None:

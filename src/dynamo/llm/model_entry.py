@@ -1,10 +1,10 @@
-"""Publishing a served model for discovery, and reading it back on a frontend.
+"""A served model as discovery knows it: one worker's (instance's) model, announced by Dynamo 1.x's
+``v1/mdc`` record under the worker's lease, so the model lives exactly as long as the worker
+(decisions.md: no card outliving every worker).  The record's JSON is built and read in v1_card.py.
 
-A worker writes one entry per (instance, model) under ``models/`` bound to its lease, so the entry
-lives exactly as long as the worker (decisions.md: no card outliving every worker).  The entry carries
-the model card; the tokenizer, which can be megabytes (too big for an etcd value), goes to the NATS
-JetStream object store under its content hash, so every worker of a model shares one copy and a
-frontend on another machine needs no shared disk.
+The tokenizer, which can be megabytes (too big for an etcd value), goes to the NATS JetStream object
+store under its content hash, so every worker of a model shares one copy and a frontend of ours on
+another machine needs no shared disk (a 1.x frontend reads the files the card names instead).
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_type import ModelType
-from dynamo.runtime.names import lease_hex, slugify
+from dynamo.runtime.names import slugify
 from dynamo.runtime.object_store import ObjectStore, ObjectStoreError
+from dynamo.runtime.v1_records import model_key
 
 log = logging.getLogger(__name__)
 
-MODELS_PREFIX = "models/"
 OBJECT_BUCKET = "dynamo_mdc"
 # runtime_config key: true when the worker publishes KV events (and answers the recovery query); a KV
 # router uses the approximate indexer for a model whose workers do not say so
@@ -49,29 +47,16 @@ class ModelEntry:
     card: dict[str, Any]
     runtime_config: dict[str, Any] | None = None
 
+    @property
+    def lora_suffix(self) -> str | None:
+        """The key's last segment for a LoRA adapter's entry (1.x's ``model_suffix``): the adapter's slug."""
+        lora = self.card.get("lora")
+        name = lora.get("name") if isinstance(lora, dict) else None
+        return slugify(str(name)) if name else None
+
     def key(self) -> str:
-        return (f"{MODELS_PREFIX}{self.namespace}/{self.component}/{self.endpoint}/"
-                f"{lease_hex(self.instance_id)}/{slugify(self.name)}")
-
-    def to_json(self) -> bytes:
-        return orjson.dumps({
-            "name": self.name,
-            "endpoint": {"namespace": self.namespace, "component": self.component, "name": self.endpoint},
-            "model_type": self.model_type.value,
-            "instance_id": self.instance_id,
-            "runtime_config": self.runtime_config,
-            "card": self.card,
-        }, option=orjson.OPT_INDENT_2)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> "ModelEntry":
-        obj = orjson.loads(data)
-        ep = obj["endpoint"]
-        return cls(
-            name=obj["name"], namespace=ep["namespace"], component=ep["component"], endpoint=ep["name"],
-            model_type=ModelType.parse(obj["model_type"]), instance_id=int(obj.get("instance_id") or 0),
-            card=obj.get("card") or {}, runtime_config=obj.get("runtime_config"),
-        )
+        """``v1/mdc/{ns}/{comp}/{ep}/{id:x}[/{adapter slug}]``: one per worker and model."""
+        return model_key(self.namespace, self.component, self.endpoint, self.instance_id, self.lora_suffix)
 
 
 async def publish_card(store: ObjectStore, card: ModelCard) -> dict[str, Any]:
@@ -109,11 +94,12 @@ async def load_card(store: ObjectStore, data: dict[str, Any]) -> ModelCard:
 
 # a Dynamo 1.x worker's runtime_config says it publishes KV events under this name (ours: PUBLISHES_KV_EVENTS)
 V1_PUBLISHES_KV_EVENTS = "kv_event_publishing_enabled"
+# in a ModelEntry's card: a 1.x worker's card_json (no card of ours in its record), loaded from the files it names
+V1_CARD = "v1_card_json"
 
 
-def is_1x_worker(entry: Any) -> bool:
-    """A worker of Dynamo 1.x's own (its card came from a ``v1/mdc`` record): it says it publishes KV events
-    with 1.x's key (``kv_event_publishing_enabled``), ours with their own; both publish and are recovered
-    alike (dynamo/kv/v1_events.py)."""
-    rc = getattr(entry, "runtime_config", None) or {}
-    return PUBLISHES_KV_EVENTS not in rc and V1_PUBLISHES_KV_EVENTS in rc
+def is_1x_worker(entry: ModelEntry) -> bool:
+    """A worker of Dynamo 1.x's own (its ``v1/mdc`` record carries no card of ours): it says it publishes KV
+    events with 1.x's key (``kv_event_publishing_enabled``), ours with their own; both publish and are
+    recovered alike (dynamo/kv/v1_events.py)."""
+    return V1_CARD in entry.card

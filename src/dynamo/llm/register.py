@@ -1,8 +1,5 @@
-"""``register_llm``: make a served endpoint discoverable as a model: its model entry, under the endpoint's lease.
-
-An endpoint that Dynamo 1.x frontends can reach (it has a ``v1/instances`` record: served over TCP) also
-gets 1.x's ``v1/mdc`` record, written after our entry (a frontend of ours that reads both then keeps
-ours, which carries what 1.x's card has no field for).
+"""``register_llm``: make a served endpoint discoverable as a model: its ``v1/mdc`` record (Dynamo 1.x's
+Model, with our card as an extra field: llm/v1_card.py), under the endpoint's lease.
 """
 
 from __future__ import annotations
@@ -11,11 +8,10 @@ import asyncio
 import logging
 from typing import Any
 
-from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.model_entry import OBJECT_BUCKET, ModelEntry, publish_card
 from dynamo.llm.model_type import ModelType
-from dynamo.runtime.v1_records import endpoint_key, model_key, model_record
+from dynamo.llm.v1_card import record_of
 
 log = logging.getLogger(__name__)
 
@@ -67,32 +63,9 @@ async def publish_model(endpoint: Any, card: ModelCard, model_type: ModelType,
         model_type=model_type, instance_id=endpoint.lease_id(), card=await publish_card(runtime.object_store(OBJECT_BUCKET), card),
         runtime_config=runtime_config,
     )
-    store = runtime.discovery()
-    await store.put(entry.key(), entry.to_json(), lease=True)
-    await _publish_v1(store, ident, entry, card, runtime_config)
+    # 1.x frontends send to workers over TCP: a model served over NATS is not theirs to serve
+    reachable = runtime.request_plane_kind == "tcp"
+    await runtime.discovery().put(entry.key(), await asyncio.to_thread(record_of, entry, card, reachable=reachable),
+                                  lease=True)
     log.info("registered model %s (%s) at %s", card.display_name, model_type.value, ident)
     return entry
-
-
-async def _publish_v1(store: Any, ident: Any, entry: ModelEntry, card: ModelCard,
-                      runtime_config: dict[str, Any] | None) -> None:
-    """The ``v1/mdc`` record of an entry whose endpoint 1.x frontends can reach; a card they cannot load
-    (no tokenizer), a LoRA adapter or a prefill worker (1.x's disaggregation is its own) are skipped."""
-    from dynamo.llm.v1_card import v1_card_json
-
-    lease = entry.instance_id
-    if endpoint_key(ident.namespace, ident.component, ident.name, lease) not in store.lease_keys:
-        return  # served over NATS (component.py said so) or not served by this process
-    if card.lora is not None:
-        log.debug("model %s: a LoRA adapter, not announced to Dynamo 1.x frontends", card.display_name)
-        return
-    if entry.model_type is ModelType.Prefill:  # 1.x's decode workers take the KV state their own way
-        log.info("model %s: a prefill worker, not announced to Dynamo 1.x frontends", card.display_name)
-        return
-    try:
-        card_json = await asyncio.to_thread(v1_card_json, card, entry.model_type, runtime_config)
-    except (ModelError, OSError) as exc:
-        log.info("model %s: no Dynamo 1.x card (%s); 1.x frontends will not list it", card.display_name, exc)
-        return
-    await store.put(model_key(ident.namespace, ident.component, ident.name, lease),
-                    model_record(ident.namespace, ident.component, ident.name, lease, card_json), lease=True)

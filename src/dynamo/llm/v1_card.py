@@ -1,6 +1,16 @@
-"""Model cards in Dynamo 1.x's shape (``card_json`` of a ``v1/mdc`` record), both ways: the card a 1.6.1
-frontend loads for a model one of our workers serves, and our :class:`ModelCard` for a model a 1.x worker
-serves.
+"""The ``v1/mdc`` record, Dynamo 1.x's Model, both ways: the one record by which any worker (ours or
+1.6.1's) announces a model, and the :class:`~dynamo.llm.model_entry.ModelEntry` a frontend reads from it.
+
+Writing (:func:`record_of`): ``card_json`` is the card in 1.x's shape, so a 1.6.1 frontend loads it; and
+one extra field, :data:`EXTRAS`, carries what 1.x's card has no field for: our card (template, parsers,
+LoRA base, capabilities; the tokenizer by its object-store digest, so a frontend of ours on another
+machine needs no shared disk), our model type and our runtime config. 1.6.1 ignores the unknown field
+(tests/dynamo1x/test_d16_discovery.py serves our models with it present). Where our model is one a 1.6.1
+frontend must not serve (a LoRA adapter: 1.x's requests name no adapter our worker reads; a prefill
+worker: 1.x hands KV state over its own transfer; a card with no tokenizer: 1.x has nothing to load; an
+endpoint served over NATS), the card's ``model_type`` is one flag 1.6.1 does not know, naming why
+(``LoraAdapter``, ...): 1.6.1 rejects that record in one log line naming the flag and serves the rest
+(observed; tests/dynamo1x/test_d16_discovery.py).
 
 Why files: a 1.x card does not carry the tokenizer or the template, it names files (path, blake3
 checksum, size) that the frontend reads from its own disk (or, when the path is not there, fetches from
@@ -9,7 +19,10 @@ has no such file (a GGUF model, whose tokenizer we build from its metadata; a ``
 replaced the folder's) writes them into a cache directory (``$XDG_CACHE_HOME/dynamo/v1_cards/<digest>``,
 content-addressed: every worker of a model shares one copy) and names those. The paths are local: a 1.x
 frontend on another machine finds them only on a shared disk, or by the hub when ``source_path`` is a
-repo id. Cards of ours with no tokenizer (a name-only card) get no 1.x card.
+repo id.
+
+Reading (:func:`entry_from_record`): a record with :data:`EXTRAS` is one of our workers' (its card is
+ours); one without is a 1.x worker's, whose card is loaded from the files it names.
 
 The fields and their order are those 1.6.1 writes; ``runtime_config`` takes 1.6.1's defaults and what we
 know (the worker's concurrency limit, its parsers, whether it publishes KV events).
@@ -18,6 +31,7 @@ know (the worker's concurrency limit, its parsers, whether it publishes KV event
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,15 +43,19 @@ import orjson
 
 from dynamo.errors import ModelError
 from dynamo.llm.model_card import ModelCard, load_hf_folder
-from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS, ModelEntry, load_card
+from dynamo.llm.model_entry import PUBLISHES_KV_EVENTS, V1_CARD, ModelEntry, load_card
 from dynamo.llm.model_type import ModelType
 from dynamo.runtime.names import slugify
 from dynamo.runtime.object_store import ObjectStore
-from dynamo.runtime.v1_records import signed_id
+from dynamo.runtime.v1_records import model_record, signed_id
 
 log = logging.getLogger(__name__)
 
-V1_CARD = "v1_card_json"  # in a ModelEntry's card: a 1.x worker's card_json, loaded by load_entry_card
+# card_json's extra field: {"model_type": ours, "card": our card (publish_card's), "runtime_config": ours}
+EXTRAS = "dynamo_py"
+# card_json's model_type for a card with no tokenizer (1.6.1 rejects the unknown flag, naming it; an empty
+# model_type would be worse: 1.6.1 lists such a "topology-only" model and answers 404 to its requests)
+NO_FILES = "NoTokenizerFiles"
 
 # ModelType -> (1.x model_type flags, 1.x model_input)
 _TO_V1 = {
@@ -141,23 +159,27 @@ def card_files(card: ModelCard, *, root: Path | None = None) -> dict[str, Path]:
 
 def v1_card_json(card: ModelCard, model_type: ModelType, runtime_config: dict[str, Any] | None = None, *,
                  root: Path | None = None) -> dict[str, Any]:
-    """The ``card_json`` of a ``v1/mdc`` record for ``card`` served as ``model_type`` (reads the files for
-    their checksums: call it off the event loop). ModelError for a card 1.x cannot load."""
-    files = card_files(card, root=root)
-    flags, model_input = v1_model_type(model_type)
+    """The ``card_json`` of a ``v1/mdc`` record for ``card`` served as ``model_type``, in 1.x's fields only
+    (reads the files for their checksums: call it off the event loop). A card with no tokenizer names no
+    files, and its ``model_type`` is :data:`NO_FILES`, which 1.x rejects: it has nothing to load."""
+    files = card_files(card, root=root) if card.tokenizer_json is not None else {}
+    flags, model_input = v1_model_type(model_type) if files else (NO_FILES, "Tokens")
     ours = runtime_config or {}
     parser = {name: (value if value != "auto" else None)
               for name, value in (("tool_call_parser", card.tool_call_parser), ("reasoning_parser", card.reasoning_parser))}
     source = card.gguf_path or card.path
+
+    def named(kind: str, name: str) -> dict[str, Any] | None:
+        return {kind: checked_file(files[name])} if name in files else None
+
     return {
         "display_name": card.display_name,
         "slug": slugify(card.display_name),
         "source_path": str(source) if source is not None else card.display_name,
-        "model_info": {"hf_config_json": checked_file(files["config"])},
-        "tokenizer": {"hf_tokenizer_json": checked_file(files["tokenizer"])},
-        "prompt_formatter": {"hf_tokenizer_config_json": checked_file(files["tokenizer_config"])},
-        "gen_config": ({"hf_generation_config_json": checked_file(files["generation_config"])}
-                       if "generation_config" in files else None),
+        "model_info": named("hf_config_json", "config"),
+        "tokenizer": named("hf_tokenizer_json", "tokenizer"),
+        "prompt_formatter": named("hf_tokenizer_config_json", "tokenizer_config"),
+        "gen_config": named("hf_generation_config_json", "generation_config"),
         "architectural_max_context_length": card.context_length,
         "context_length": card.context_length,
         "kv_cache_block_size": card.kv_cache_block_size,
@@ -185,6 +207,42 @@ def v1_card_json(card: ModelCard, model_type: ModelType, runtime_config: dict[st
         "media_decoder": None,
         "media_fetcher": None,
     }
+
+
+def hidden_from_1x(entry: ModelEntry, *, reachable: bool = True) -> tuple[str, str] | None:
+    """Why a 1.x frontend must not serve ``entry``: the ``model_type`` flag that tells 1.6.1 (it rejects a
+    flag it does not know, in one line naming it, and keeps serving the rest) and the reason; None: it may."""
+    if not reachable:
+        return "ServedOverNats", "served over NATS (1.x sends to workers over TCP)"
+    if entry.card.get("lora"):
+        return "LoraAdapter", "a LoRA adapter (1.x's requests name no adapter our worker reads)"
+    if entry.model_type is ModelType.Prefill:
+        return "PrefillOverOurTransfer", "a prefill worker (1.x's decode workers take the KV state their own way)"
+    return None
+
+
+def record_of(entry: ModelEntry, card: ModelCard | None = None, *, reachable: bool = True,
+              root: Path | None = None) -> bytes:
+    """The ``v1/mdc`` record announcing ``entry`` (its ``card`` is the one loaded, with the tokenizer
+    ``entry.card`` names by digest; without it, 1.x gets no files): 1.x's card plus :data:`EXTRAS`. Reads
+    the card's files: call it off the event loop. ``reachable``: whether the endpoint has a
+    ``v1/instances`` record 1.x can reach."""
+    if card is None:
+        card = ModelCard.placeholder(entry.name)
+    try:
+        card_json = v1_card_json(card, entry.model_type, entry.runtime_config, root=root)
+    except (ModelError, OSError) as exc:  # files 1.x would load cannot be named: 1.x skips the model
+        log.info("model %s: Dynamo 1.x frontends will not list it (%s)", entry.name, exc)
+        card_json = v1_card_json(dataclasses.replace(card, tokenizer_json=None), entry.model_type,
+                                 entry.runtime_config)
+    hidden = hidden_from_1x(entry, reachable=reachable)
+    if hidden is not None:
+        log.info("model %s: %s, not served by Dynamo 1.x frontends", entry.name, hidden[1])
+        card_json["model_type"] = hidden[0]
+    card_json[EXTRAS] = {"model_type": entry.model_type.value, "card": entry.card,
+                         "runtime_config": entry.runtime_config}
+    return model_record(entry.namespace, entry.component, entry.endpoint, entry.instance_id, card_json,
+                        entry.lora_suffix)
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -237,33 +295,36 @@ def card_from_v1(card_json: dict[str, Any]) -> ModelCard:
     return card
 
 
-def translate_model(key: str, value: bytes) -> tuple[str, bytes]:
-    """A ``v1/mdc`` record as our ``models/`` key and ModelEntry JSON (what the frontend's model watch
-    follows): the card stays 1.x's (``V1_CARD``) and is loaded from its files when the model is built.
-    ValueError for a record we do not serve (another type, a model type we have no pipeline for)."""
+def entry_from_record(value: bytes | str) -> ModelEntry:
+    """The :class:`ModelEntry` of a ``v1/mdc`` record: ours from :data:`EXTRAS`, a 1.x worker's with its
+    card kept 1.x's (``V1_CARD``, loaded from its files when the model is built). ValueError for a record
+    we do not serve (another type, a model type we have no pipeline for, 1.x's LoRA or prefill workers)."""
     obj = orjson.loads(value)
     if not isinstance(obj, dict) or obj.get("type") != "Model":
         raise ValueError("not a Model record")
     card_json = obj.get("card_json")
     if not isinstance(card_json, dict):
         raise ValueError("no card_json")
+    name = str(card_json.get("display_name") or "")
+    if not name:
+        raise ValueError("the card has no display_name")
+    where = {"namespace": obj["namespace"], "component": obj["component"], "endpoint": obj["endpoint"],
+             "instance_id": signed_id(int(obj["instance_id"]))}
+    extras = card_json.get(EXTRAS)
+    if isinstance(extras, dict):
+        return ModelEntry(name=name, model_type=ModelType.parse(extras["model_type"]), card=extras.get("card") or {},
+                          runtime_config=extras.get("runtime_config"), **where)
     model_type = model_type_from_v1(card_json.get("model_type", ""), card_json.get("model_input", ""))
     if model_type is None:
         raise ValueError(f"model type {card_json.get('model_type')!r} with {card_json.get('model_input')!r} "
                          "input is not served by this frontend")
-    name = str(card_json.get("display_name") or "")
-    if not name:
-        raise ValueError("the card has no display_name")
     if model_type is ModelType.Prefill:
         raise ValueError("a Dynamo 1.x prefill worker hands its KV state over 1.x's transfer, which our decode "
                          "workers do not take")
-    suffix = obj.get("model_suffix")
-    if suffix or card_json.get("lora"):
+    if obj.get("model_suffix") or card_json.get("lora"):
         raise ValueError("LoRA adapters of Dynamo 1.x workers are not served by this frontend")
-    entry = ModelEntry(name=name, namespace=obj["namespace"], component=obj["component"], endpoint=obj["endpoint"],
-                       model_type=model_type, instance_id=signed_id(int(obj["instance_id"])), card={V1_CARD: card_json},
-                       runtime_config=card_json.get("runtime_config"))
-    return entry.key(), entry.to_json()
+    return ModelEntry(name=name, model_type=model_type, card={V1_CARD: card_json},
+                      runtime_config=card_json.get("runtime_config"), **where)
 
 
 async def load_entry_card(store: ObjectStore, card: dict[str, Any]) -> ModelCard:

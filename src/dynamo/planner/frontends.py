@@ -10,7 +10,7 @@ under another address, ``localhost`` for ``10.0.0.5``, would otherwise count twi
 
 **Models.**  Our frontends serve every namespace's models, so a frontend's metrics may carry other
 fleets' load.  :func:`namespace_models` lists the model names registered in the planner's namespace
-(``models/<namespace>/...``), and only their series count (``--model`` narrows it to one).
+(``v1/mdc/<namespace>/...``), and only their series count (``--model`` narrows it to one).
 :class:`NamespaceModels` keeps every name once seen (requests still come for a model whose workers are
 all gone), and, while discovery does not answer (etcd down or restarting), goes on with those: the
 frontends and their ``/metrics`` do not need etcd, so the planner keeps observing and deciding through an
@@ -26,11 +26,12 @@ import logging
 
 from dynamo.aio import cancel_and_wait
 from dynamo.frontend.registration import FRONTENDS_PREFIX, FrontendEntry
-from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.llm.v1_card import entry_from_record
 from dynamo.planner.observe import ObservationUnavailable
 from dynamo.runtime.discovery import DiscoveryWatch
 from dynamo.runtime.errors import DynamoRuntimeError
 from dynamo.runtime.kv_store import KeyValueStore
+from dynamo.runtime.v1_records import models_prefix
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ class FrontendDirectory:
 async def namespace_models(store: KeyValueStore, namespace: str) -> set[str]:
     """The names (lowercased, as the frontend labels its series) of the models registered in ``namespace``."""
     names: set[str] = set()
-    for kv in await store.get_prefix(f"{MODELS_PREFIX}{namespace}/"):
+    for kv in await store.get_prefix(models_prefix(namespace)):
         try:
-            names.add(ModelEntry.from_json(kv.value).name.lower())
+            names.add(entry_from_record(kv.value).name.lower())
         except Exception:  # noqa: BLE001 - a malformed entry is the frontend's to report
             continue
     return names

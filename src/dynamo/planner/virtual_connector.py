@@ -76,7 +76,7 @@ async def _read_ack(store: KeyValueStore, namespace: str) -> int:
 async def registered_workers(store: KeyValueStore, namespace: str, component: str) -> int:
     """Workers of ``namespace.component`` registered in discovery (distinct instances over its endpoints)."""
     keys = await store.get_prefix(f"{INSTANCE_ROOT}/{namespace}/{component}/")
-    return len({kv.key.rsplit(":", 1)[-1] for kv in keys})
+    return len({kv.key.rsplit("/", 1)[-1] for kv in keys})  # v1/instances/ns/comp/ep/{id:x}
 
 
 class VirtualConnector:

@@ -60,7 +60,6 @@ from .request_plane import NoResponders, RequestPlane, RequestPlaneError
 from .response_streams import ResponseStreams
 from .tcp_listener import TcpResponseServer
 from .transport import ACK_BUSY, StreamState, encode_request
-from .v1_discovery import watch_instances
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +85,8 @@ def _encode_request(request: Any) -> bytes:
 class PeerBody(Protocol):
     """A request body that a Dynamo 1.x worker may not be given whole: ours take :meth:`body`; a 1.x worker
     gets :meth:`v1_body`, the same body, which may raise instead (a :class:`~dynamo.errors.RequestError` naming
-    what a 1.x worker would ignore and so answer something else).  The runtime knows only whether
-    an instance is known by a 1.x record alone (:meth:`Client.known_only_to_1x`); what the body means is the
+    what a 1.x worker would ignore and so answer something else).  The runtime knows only whether an
+    instance's record says it is ours (:meth:`Client.known_only_to_1x`); what the body means is the
     caller's (the frontend's LLM requests)."""
 
     def body(self) -> Any: ...
@@ -97,7 +96,7 @@ class PeerBody(Protocol):
 
 def _request_bytes(request: Any, v1: bool) -> bytes:
     """The request's payload (JSON, the one codec between our processes and the one a 1.x worker is sent)
-    for the chosen instance: 1.x's shape, or ours."""
+    for the chosen instance: the one body, or refused for a 1.x worker (:class:`PeerBody`)."""
     if isinstance(request, PeerBody):
         request = request.v1_body() if v1 else request.body()
     return _encode_request(request)
@@ -120,6 +119,7 @@ class Client:
         self.discovery = discovery
         self.is_static = static
         self._instances: dict[int, Instance] = {}
+        self._invalid: set[str] = set()  # keys of records that are not instances we can reach, already said
         self._down: set[int] = set()
         self._available: list[int] = []
         self._counter = 0
@@ -138,11 +138,11 @@ class Client:
     async def _start(self) -> "Client":
         if self.is_static:
             return self
-        # The colon keeps endpoint "gen" from matching "generate" (the original's prefix does).
         if self.discovery is None:
             raise ValueError("a client that follows instances needs a discovery store (or static=True)")
-        # our instance records, and Dynamo 1.x workers' v1/instances records as Instances (v1_discovery.py)
-        self._watch = await watch_instances(self.discovery, self.endpoint_id).start()
+        # every worker's v1/instances record, ours and Dynamo 1.x's (the slash keeps "gen" from matching
+        # "generate")
+        self._watch = await self.discovery.watch_prefix(self.endpoint_id.etcd_prefix + "/").start()
         for kv in self._watch.initial:
             self._apply_put(kv.key, kv.value)
         self._recompute()
@@ -157,6 +157,7 @@ class Client:
             if ev.kind == "put":
                 self._apply_put(ev.key, ev.value)
             else:
+                self._invalid.discard(ev.key)
                 iid = self._id_from_key(ev.key)
                 if iid is not None:
                     self._instances.pop(iid, None)
@@ -172,13 +173,15 @@ class Client:
         try:
             inst = Instance.from_json(value)
         except Exception as exc:  # noqa: BLE001 - a foreign/garbled key must not kill the watch
-            log.warning("ignoring invalid instance record %s: %s", key, exc)
+            if key not in self._invalid:
+                self._invalid.add(key)
+                log.warning("ignoring instance record %s: %s", key, exc)
             return
         self._instances[inst.instance_id] = inst
 
     @staticmethod
     def _id_from_key(key: str) -> int | None:
-        _, _, tail = key.rpartition(":")
+        _, _, tail = key.rpartition("/")
         try:
             return parse_lease_hex(tail)
         except ValueError:
@@ -381,11 +384,11 @@ class Client:
     # ------------------------------------------------------------------ routing
 
     def known_only_to_1x(self, instance_id: int) -> bool:
-        """Whether the instance is known by a Dynamo 1.x record alone (it names its request-plane codec, ours
-        do not): a 1.x worker, sent a :class:`PeerBody`'s ``v1_body``. (The one thing the client still tells
-        apart: the wire and the body are the same for every worker, but a 1.x worker ignores our fields.)"""
+        """Whether the instance is a Dynamo 1.x worker's (its record does not say it is ours), sent a
+        :class:`PeerBody`'s ``v1_body``. (The one thing the client still tells apart: the wire and the body are
+        the same for every worker, but a 1.x worker ignores our fields.)"""
         inst = self._instances.get(instance_id)
-        return inst is not None and inst.request_plane_codec is not None
+        return inst is not None and not inst.ours
 
     def _select(self, mode: str, instance_id: int | None) -> tuple[int, str]:
         ep = self.endpoint_id

@@ -3,9 +3,8 @@
 
 A component is a service of the request plane (name ``slug(ns_comp)``); each served endpoint is served
 there as ``<ep>-<lease_hex>``, so over NATS its request subject is ``<service>.<ep>-<lease_hex>``.
-Serving also writes the Instance record under the primary lease in discovery, so clients find it, and,
-for an endpoint on the TCP request plane, Dynamo 1.x's ``v1/instances`` record of it too (written after
-ours, so a frontend of ours that reads both sees ours first: v1_discovery.py), so 1.x frontends find it.
+Serving also writes the endpoint's one discovery record under the primary lease: Dynamo 1.x's
+``v1/instances`` Endpoint (instance.py), so that clients of ours and 1.x's alike find it.
 
 The handles hold a :class:`RuntimeHandle`: the runtime's parts they use (settings, lease, planes,
 discovery), not the runtime's class, so this module does not depend on the module that builds a runtime.
@@ -27,7 +26,6 @@ from .kv_store import KeyValueStore
 from .names import EndpointId, component_event_subject, component_service_name, lease_hex, namespace_event_subject
 from .request_plane import RequestPlane
 from .response_streams import ResponseStreams
-from .v1_discovery import publish_endpoint
 from .v1_wire import v1_path
 
 if TYPE_CHECKING:
@@ -43,6 +41,7 @@ class RuntimeHandle(Protocol):
     is_static: bool
     primary_lease_id: int
     system: "SystemStatusServer | None"
+    request_plane_kind: str  # "tcp" or "nats": where this process serves its endpoints
 
     def discovery(self) -> KeyValueStore: ...
 
@@ -154,14 +153,13 @@ class Endpoint:
         served = await runtime.request_plane().serve(self.component.service_name, self.id.endpoint_name(lease),
                                                      ingress.on_request, path)  # live before anyone is told
         store = None if runtime.is_static else runtime.discovery()
-        key = v1_key = None
+        key = None
         try:
             if store is not None:
                 key = self.id.instance_key(lease)
                 created = await store.create(key, Instance.for_endpoint(self.id, lease, served.address).to_json(), lease=True)
                 if not created:
                     raise DynamoRuntimeError(f"Failed to register discoverable service: {key} already exists")
-                v1_key = await publish_endpoint(store, self.id, lease, served.address)
             log.info("serving %s at %s", self.id, served.address)
             if system is not None:
                 system.set_endpoint(self.name, True)
@@ -173,13 +171,11 @@ class Endpoint:
             if system is not None:
                 system.set_endpoint(self.name, False)
             await served.stop()
-            for registered in (v1_key, key):
-                if registered is None or store is None:
-                    continue
+            if key is not None and store is not None:
                 try:
-                    await store.delete(registered)
+                    await store.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the lease revocation removes it anyway
-                    log.debug("deleting %s failed: %s", registered, exc)
+                    log.debug("deleting %s failed: %s", key, exc)
             if drain_timeout is None:
                 drain_timeout = runtime.settings.graceful_shutdown_timeout
             timeout = drain_timeout if graceful_shutdown else 0

@@ -95,6 +95,7 @@ class DistributedRuntime:
         self._closed = False
         self._requests: RequestPlane | None = None
         self._events: EventPlane | None = None  # None when static: events are found through discovery
+        self.request_plane_kind = ""  # where this process serves its endpoints: "tcp" or "nats", once connected
         self._object_stores: dict[str, ObjectStore] = {}
         self._streams: ResponseStreams | None = None
         self._shutdown_task: asyncio.Task | None = None
@@ -139,6 +140,7 @@ class DistributedRuntime:
             hosts = self.listen_hosts = listen_hosts(settings.tcp_host, one_machine=self.discovery_backend == "file")
             auth = self.fleet_auth = FleetAuth(settings.fleet_secret) if settings.fleet_secret else None
             planes = await choose_planes(settings, self.is_static)  # the request and event planes
+            self.request_plane_kind = planes.requests
             self.nats = planes.nats  # type: ignore[assignment]  # None: no NATS (TCP and ZMQ planes)
             # either way a client reaches the workers of both planes (by their instance records' address)
             self._requests = TcpRequestPlane(hosts.bind, settings.tcp_rpc_port,

@@ -1,10 +1,13 @@
-"""The Instance record stored under ``instances/<ns>/<comp>/<ep>:<lease_hex>``, in the original's
-JSON shape, so clients of either implementation find workers of the other.
+"""An instance of an endpoint, and its one discovery record: Dynamo 1.x's ``Endpoint`` under
+``v1/instances/{ns}/{comp}/{ep}/{id:x}``, so that our processes and 1.6.1's find each other's workers
+with nothing to translate.
 
-A Dynamo 1.x worker (no record of ours, only ``v1/instances``: runtime/v1_records.py) becomes an
-Instance too: its ``subject`` is the 1.x transport string ``host:port/{id:x}/{ns}/{comp}/{ep}``, kept
-as 1.x writes it, and ``request_plane_codec`` the codec it names ("msgpack"); that address shape
-(:func:`~dynamo.runtime.names.is_v1_tcp_address`) is what tells a client to speak 1.x's TCP wire."""
+The record, as 1.6.1 writes it (field order, compact JSON, ``instance_id`` a u64):
+``{"type":"Endpoint","component","endpoint","namespace","instance_id","transport":{...},"device_type","request_plane_codec"}``.
+``transport`` is ``{"tcp": "host:port/{id:x}/{ns}/{comp}/{ep}"}`` for an endpoint on the TCP request plane
+and ``{"nats_tcp": subject}`` for one served over NATS (1.x's two variants for them); 1.x's third,
+``http``, is one we cannot reach, refused when read. Ids above i64's maximum are kept negative in our
+code (:func:`~.names.signed_id`), so the id from a record's JSON and the id from its key agree."""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ from dataclasses import dataclass
 
 import orjson
 
-from .names import EndpointId, is_v1_tcp_address
+from .names import EndpointId, is_v1_tcp_address, signed_id, u64_id
+
+CODEC = "msgpack"  # the request-plane codec 1.6.1 advertises, and the one a 1.x client speaks to us
+DEVICE_TYPE = "cpu"
+OURS = "dynamo_py"  # the Endpoint record's extra field: true when the endpoint is served by a process of ours
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,11 +28,14 @@ class Instance:
     component: str
     endpoint: str
     instance_id: int
-    # its address on the request plane: a NATS subject (stored as transport.nats_tcp, the original's
-    # field) or a TCP address ``tcp://host:port/<service>.<endpoint>`` (stored as transport.tcp)
+    # its address on the request plane: a TCP address ``host:port/{id:x}/{ns}/{comp}/{ep}`` (stored as
+    # transport.tcp) or a NATS subject (transport.nats_tcp)
     subject: str
-    # a 1.x worker's request-plane codec ("msgpack"); None for ours (the field is then not written)
-    request_plane_codec: str | None = None
+    request_plane_codec: str = CODEC
+    device_type: str = DEVICE_TYPE
+    # served by a process of ours (the record's extra field OURS, which 1.6.1 ignores); False: a Dynamo 1.x
+    # worker, to which what it would ignore is not sent (llm/protocols/wire.py, PeerRequest)
+    ours: bool = True
 
     @classmethod
     def for_endpoint(cls, endpoint: EndpointId, lease_id: int, address: str | None = None) -> "Instance":
@@ -33,22 +43,29 @@ class Instance:
                    address or endpoint.subject(lease_id))
 
     def to_json(self) -> bytes:
-        """Pretty JSON in the original's field order."""
-        tcp = self.subject.startswith("tcp://") or is_v1_tcp_address(self.subject)
-        record = {
-            "component": self.component,
-            "endpoint": self.endpoint,
-            "namespace": self.namespace,
-            "instance_id": self.instance_id,
-            "transport": {"tcp" if tcp else "nats_tcp": self.subject},
-        }
-        if self.request_plane_codec is not None:
-            record["request_plane_codec"] = self.request_plane_codec
-        return orjson.dumps(record, option=orjson.OPT_INDENT_2)
+        """The ``Endpoint`` record, byte for byte as 1.6.1 writes one (ours with :data:`OURS` after its fields)."""
+        transport = "tcp" if is_v1_tcp_address(self.subject) else "nats_tcp"
+        return orjson.dumps({
+            "type": "Endpoint", "component": self.component, "endpoint": self.endpoint, "namespace": self.namespace,
+            "instance_id": u64_id(self.instance_id), "transport": {transport: self.subject},
+            "device_type": self.device_type, "request_plane_codec": self.request_plane_codec,
+            **({OURS: True} if self.ours else {}),
+        })
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Instance":
+        """The instance of an ``Endpoint`` record (ours or 1.x's). ValueError for another record type or a
+        transport we cannot reach (1.x's ``http``)."""
         obj = orjson.loads(raw)
+        if not isinstance(obj, dict) or obj.get("type") != "Endpoint":
+            raise ValueError(f"not an Endpoint record (type {obj.get('type') if isinstance(obj, dict) else None!r})")
         transport = obj.get("transport") or {}
-        return cls(obj["namespace"], obj["component"], obj["endpoint"], int(obj["instance_id"]),
-                   transport.get("nats_tcp") or transport.get("tcp") or "", obj.get("request_plane_codec"))
+        address = None
+        if isinstance(transport, dict):
+            address = transport.get("tcp") or transport.get("nats_tcp")
+        if not isinstance(address, str) or not address:
+            kinds = ", ".join(transport) if isinstance(transport, dict) else repr(transport)
+            raise ValueError(f"transport {kinds or 'none'} cannot be reached (only TCP and NATS endpoints can)")
+        return cls(obj["namespace"], obj["component"], obj["endpoint"], signed_id(int(obj["instance_id"])),
+                   address, obj.get("request_plane_codec") or CODEC, obj.get("device_type") or DEVICE_TYPE,
+                   obj.get(OURS) is True)

@@ -13,7 +13,7 @@ DEFAULT_NAMESPACE = "NS"
 DEFAULT_COMPONENT = "C"
 DEFAULT_ENDPOINT = "E"
 DYN_SCHEME = "dyn://"
-INSTANCE_ROOT = "instances"
+INSTANCE_ROOT = "v1/instances"  # Dynamo 1.x's bucket of Endpoint records: every instance's only record
 
 _SLUG_BAD = re.compile(r"[^a-z0-9_-]")
 # an endpoint's TCP address, ours and Dynamo 1.x's: ``host:port/{instance_id:x}/{ns}/{comp}/{ep}``
@@ -39,6 +39,17 @@ def is_v1_tcp_address(address: str) -> bool:
     value of a ``v1/instances`` record, ours and 1.x's alike): it is sent to over the TCP request plane.
     NATS subjects have no ``:port/``."""
     return bool(_V1_TCP_ADDRESS.match(address))
+
+
+def u64_id(instance_id: int) -> int:
+    """An instance id as Dynamo 1.x writes it in JSON: unsigned 64-bit."""
+    return instance_id & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def signed_id(instance_id: int) -> int:
+    """An instance id as our code keeps it: ids above i64's maximum as their negative (what a key's hex
+    gives through :func:`parse_lease_hex`)."""
+    return parse_lease_hex(lease_hex(instance_id))
 
 
 def parse_lease_hex(text: str) -> int:
@@ -80,11 +91,13 @@ class EndpointId:
 
     @property
     def etcd_prefix(self) -> str:
-        """Prefix that every instance key of this endpoint starts with (no trailing slash or colon)."""
+        """``v1/instances/{ns}/{comp}/{ep}``: every instance key of this endpoint is below it (after a slash,
+        which keeps ``gen`` from matching ``generate``)."""
         return f"{INSTANCE_ROOT}/{self.namespace}/{self.component}/{self.name}"
 
     def instance_key(self, lease_id: int) -> str:
-        return f"{self.etcd_prefix}:{lease_hex(lease_id)}"
+        """``v1/instances/{ns}/{comp}/{ep}/{id:x}``, the key of one instance's Endpoint record."""
+        return f"{self.etcd_prefix}/{lease_hex(lease_id)}"
 
     def subject(self, lease_id: int | None) -> str:
         """Request subject of one instance; static workers (lease None or 0) use ``<service>.<ep>``."""

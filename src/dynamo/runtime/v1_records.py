@@ -1,11 +1,11 @@
-"""Dynamo 1.x's discovery records: the key layout and the JSON values of ``v1/instances``, ``v1/mdc``,
-``v1/event_channels`` and ``v1/event_sources``, so that our processes and Dynamo 1.6.1's form one fleet.
+"""Dynamo 1.x's discovery records, the only ones of the fleet: the key layout of ``v1/instances``,
+``v1/mdc``, ``v1/event_channels`` and ``v1/event_sources``, and the ``Model`` value, so that our processes
+and Dynamo 1.6.1's form one fleet (the ``Endpoint`` value is an Instance's JSON: instance.py).
 
-Why a second set of records: a 1.x frontend finds workers only under these keys and in this shape, and
-a 1.x worker announces itself only there. Our own records (``instances/``, ``models/``) stay: they carry
-what 1.x has no field for (the fleet secret's addresses, LoRA, disaggregation, ...). A worker of ours
-writes both; a frontend of ours reads both and prefers ours for an instance that has both
-(:mod:`.v1_watch`). The facts (key shapes, field names and order, ``{id:x}`` lowercase hex without
+A 1.x frontend finds workers only under these keys and in this shape, and a 1.x worker announces itself
+only there; ours write and read nothing else. What 1.x has no field for rides in extra fields 1.6.1
+ignores: our card in the Model's ``card_json`` (llm/v1_card.py), "served by us" in the Endpoint
+(instance.py). The facts (key shapes, field names and order, ``{id:x}`` lowercase hex without
 padding) are what 1.6.1 writes, observed on disk and in etcd; the values here are built from them, not
 from 1.x's code.
 
@@ -27,35 +27,19 @@ from typing import Any
 
 import orjson
 
-from .instance import Instance
-from .names import EndpointId, lease_hex, parse_lease_hex
+from .names import INSTANCE_ROOT, EndpointId, lease_hex, signed_id, u64_id
 
-INSTANCES = "v1/instances"
+INSTANCES = INSTANCE_ROOT
 MODELS = "v1/mdc"
 EVENT_CHANNELS = "v1/event_channels"
 EVENT_SOURCES = "v1/event_sources"
 BUCKETS = (INSTANCES, MODELS, EVENT_CHANNELS, EVENT_SOURCES)
 PREFIX = "v1/"
 
-CODEC = "msgpack"  # the request-plane codec 1.6.1 advertises, and the one a 1.x client speaks to us
-DEVICE_TYPE = "cpu"
-
 __all__ = [
-    "BUCKETS", "CODEC", "EVENT_CHANNELS", "EVENT_SOURCES", "INSTANCES", "MODELS", "PREFIX",
-    "endpoint_key", "endpoint_record", "instance_from_record", "instances_prefix", "model_key", "model_record", "models_prefix", "our_instance_key",
-    "signed_id", "tcp_transport", "translate_instance", "u64_id",
+    "BUCKETS", "EVENT_CHANNELS", "EVENT_SOURCES", "INSTANCES", "MODELS", "PREFIX",
+    "endpoint_key", "instances_prefix", "model_key", "model_record", "models_prefix", "signed_id", "u64_id",
 ]
-
-
-def u64_id(instance_id: int) -> int:
-    """An instance id as 1.x writes it in JSON: unsigned 64-bit."""
-    return instance_id & 0xFFFF_FFFF_FFFF_FFFF
-
-
-def signed_id(instance_id: int) -> int:
-    """An instance id as our code keeps it: ids above i64's maximum as their negative (what the key's hex
-    gives through :func:`~.names.parse_lease_hex`)."""
-    return parse_lease_hex(lease_hex(instance_id))
 
 
 def _dumps(record: dict[str, Any]) -> bytes:
@@ -66,13 +50,13 @@ def _dumps(record: dict[str, Any]) -> bytes:
 
 def endpoint_key(namespace: str, component: str, endpoint: str, instance_id: int) -> str:
     """``v1/instances/{ns}/{comp}/{ep}/{id:x}``."""
-    return f"{INSTANCES}/{namespace}/{component}/{endpoint}/{lease_hex(instance_id)}"
+    return EndpointId(namespace, component, endpoint).instance_key(instance_id)
 
 
 def instances_prefix(endpoint: EndpointId) -> str:
     """The prefix every ``v1/instances`` key of one endpoint starts with (the slash keeps ``gen`` from
     matching ``generate``)."""
-    return f"{INSTANCES}/{endpoint.namespace}/{endpoint.component}/{endpoint.name}/"
+    return f"{endpoint.etcd_prefix}/"
 
 
 def model_key(namespace: str, component: str, endpoint: str, instance_id: int, lora_suffix: str | None = None) -> str:
@@ -85,37 +69,7 @@ def models_prefix(namespace: str | None = None) -> str:
     return f"{MODELS}/{namespace}/" if namespace else f"{MODELS}/"
 
 
-def our_instance_key(v1_key: str) -> str | None:
-    """``v1/instances/ns/comp/ep/{id:x}`` -> our ``instances/ns/comp/ep:{id:x}`` (None: not such a key)."""
-    parts = v1_key.split("/")
-    if len(parts) != 6 or f"{parts[0]}/{parts[1]}" != INSTANCES:
-        return None
-    _, _, ns, comp, ep, hexid = parts
-    try:
-        parse_lease_hex(hexid)
-    except ValueError:
-        return None
-    return EndpointId(ns, comp, ep).instance_key(parse_lease_hex(hexid))
-
-
 # ---------------------------------------------------------------------------------------- values
-
-def tcp_transport(hostport: str, instance_id: int, namespace: str, component: str, endpoint: str) -> str:
-    """A 1.x TCP address: ``host:port/{id:x}/{ns}/{comp}/{ep}``; the part after ``host:port/`` is the path
-    a 1.x client sends in each request."""
-    return f"{hostport}/{lease_hex(instance_id)}/{namespace}/{component}/{endpoint}"
-
-
-def endpoint_record(namespace: str, component: str, endpoint: str, instance_id: int, hostport: str, *,
-                    device_type: str = DEVICE_TYPE, codec: str = CODEC) -> bytes:
-    """The ``Endpoint`` value of a ``v1/instances`` key: an endpoint served over TCP at ``hostport``."""
-    return _dumps({
-        "type": "Endpoint", "component": component, "endpoint": endpoint, "namespace": namespace,
-        "instance_id": u64_id(instance_id),
-        "transport": {"tcp": tcp_transport(hostport, instance_id, namespace, component, endpoint)},
-        "device_type": device_type, "request_plane_codec": codec,
-    })
-
 
 def model_record(namespace: str, component: str, endpoint: str, instance_id: int, card_json: dict[str, Any],
                  model_suffix: str | None = None) -> bytes:
@@ -125,32 +79,3 @@ def model_record(namespace: str, component: str, endpoint: str, instance_id: int
     if model_suffix:
         record["model_suffix"] = model_suffix
     return _dumps(record)
-
-
-# ---------------------------------------------------------------------------------------- reading
-
-def instance_from_record(raw: bytes | str) -> Instance:
-    """Our :class:`Instance` of a 1.x ``Endpoint`` record: ``subject`` is its TCP transport string as
-    written (``host:port/{id:x}/ns/comp/ep``, the shape that tells a client to speak 1.x's wire), the id
-    kept signed (:func:`signed_id`). Raises ValueError for another record type or a transport we cannot
-    reach (1.x's ``nats_tcp`` and ``http`` transports)."""
-    obj = orjson.loads(raw)
-    if not isinstance(obj, dict) or obj.get("type") != "Endpoint":
-        raise ValueError(f"not an Endpoint record (type {obj.get('type') if isinstance(obj, dict) else None!r})")
-    transport = obj.get("transport") or {}
-    address = transport.get("tcp") if isinstance(transport, dict) else None
-    if not isinstance(address, str) or not address:
-        kinds = ", ".join(transport) if isinstance(transport, dict) else repr(transport)
-        raise ValueError(f"transport {kinds or 'none'} is not TCP (only 1.x workers on the TCP request plane "
-                         "can be reached)")
-    return Instance(obj["namespace"], obj["component"], obj["endpoint"], signed_id(int(obj["instance_id"])),
-                    address, obj.get("request_plane_codec") or CODEC)
-
-
-def translate_instance(key: str, value: bytes) -> tuple[str, bytes]:
-    """A ``v1/instances`` key and value as our ``instances/`` key and Instance JSON (what a
-    :class:`~.client.Client` follows). Raises ValueError for a record that is not a reachable endpoint."""
-    ours = our_instance_key(key)
-    if ours is None:
-        raise ValueError(f"not a v1/instances key: {key!r}")
-    return ours, instance_from_record(value).to_json()

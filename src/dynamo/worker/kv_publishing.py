@@ -134,13 +134,14 @@ class KvPublishing:
 
 async def recovery_target(endpoint: Endpoint, name: str) -> dict[str, Any]:
     """The ``v1/instances`` record of this process's endpoint ``name`` (what an ``EventSource`` record's
-    ``recovery_target`` holds: 1.6.1 calls the address in it).  An endpoint served over NATS has none
-    (1.x cannot reach it: runtime/v1_discovery.py): then its names alone, without a ``transport``, which
-    is all our routers read (they reach it through our own client)."""
+    ``recovery_target`` holds: 1.6.1 calls the address in it).  An endpoint served over NATS (its record's
+    transport is ``nats_tcp``, which 1.x's router does not call) gives its names alone, without a
+    ``transport``, which is all our routers read (they reach it through our own client)."""
     ident = endpoint.id
     kv = await endpoint.runtime.discovery().get(endpoint_key(ident.namespace, ident.component, name,
                                                              endpoint.lease_id()))
-    if kv is not None:
-        return dict(orjson.loads(kv.value))
+    record = orjson.loads(kv.value) if kv is not None else None
+    if isinstance(record, dict) and "tcp" in (record.get("transport") or {}):
+        return dict(record)
     return {"namespace": ident.namespace, "component": ident.component, "endpoint": name,
             "instance_id": endpoint.lease_id() & MASK64}

@@ -1,7 +1,7 @@
 """The file store's ``v1/`` keys in Dynamo 1.x's own format, on a real directory: a folder written by hand
 as 1.6.1 writes it (bucket directories, percent-encoded names, raw JSON, liveness by mtime) is read, listed
 and watched through the Discovery protocol; our writes come out in that format, stay alive by touching,
-and go with their lease; a client sees 1.x workers as instances, and ours only once."""
+and go with their lease; an endpoint's instances, 1.x's and ours, are one record each in one bucket."""
 
 from __future__ import annotations
 
@@ -10,19 +10,23 @@ import os
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
 from dynamo.runtime.file_store import FileStore
 from dynamo.runtime.file_v1 import STALE_AFTER
 from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId
-from dynamo.runtime.v1_discovery import publish_endpoint, watch_instances
-from dynamo.runtime.v1_records import endpoint_record
+from dynamo.runtime.v1_records import instances_prefix
 
 ID = 6482263448558532528
 NAME = "d16%2Fbackend%2Fgenerate%2F59f5a0430fd477b0"
 KEY = "v1/instances/d16/backend/generate/59f5a0430fd477b0"
+
+
+def endpoint_record(instance_id: int, hostport: str, **kw) -> bytes:
+    """A 1.6.1 worker's Endpoint record (what instance.py writes for a 1.x-shaped Instance, byte for byte)."""
+    return Instance("d16", "backend", "generate", instance_id, f"{hostport}/{instance_id:x}/d16/backend/generate",
+                    ours=False, **kw).to_json()
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ async def next_event(watch, timeout: float = 5.0):
 
 
 async def test_a_1_6_1_folder_is_read_through_the_protocol(store: FileStore) -> None:
-    record = endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837", device_type="cuda")
+    record = endpoint_record(ID, "127.0.0.1:43837", device_type="cuda")
     write_as_1_6_1(store.root, "instances", NAME, record)
     write_as_1_6_1(store.root, "mdc", NAME, b'{"type":"Model"}')
     stale = write_as_1_6_1(store.root, "instances", "d16%2Fbackend%2Fgenerate%2F1", record, age=STALE_AFTER + 5)
@@ -108,52 +112,28 @@ async def test_watches_see_1_x_files_come_and_go(store: FileStore) -> None:
     await watch.close()
 
 
-async def test_a_client_sees_1_x_workers_and_ours_once(store: FileStore) -> None:
+async def test_a_1_x_worker_and_ours_are_one_record_each(store: FileStore) -> None:
+    """What a client follows: the endpoint's v1/instances records, a 1.x worker's as 1.6.1 wrote it and ours
+    as we write it (one per instance, ours saying so), gone with the file or the lease."""
     ep = EndpointId("d16", "backend", "generate")
-    theirs = endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837")
-    write_as_1_6_1(store.root, "instances", NAME, theirs)
-    watch = await watch_instances(store, ep, hold=0.3).start()
-    assert [Instance.from_json(kv.value).subject for kv in watch.initial] == [
-        "127.0.0.1:43837/59f5a0430fd477b0/d16/backend/generate"]
+    write_as_1_6_1(store.root, "instances", NAME, endpoint_record(ID, "127.0.0.1:43837"))
+    watch = await store.watch_prefix(instances_prefix(ep)).start()
+    assert [Instance.from_json(kv.value) for kv in watch.initial] == [
+        Instance("d16", "backend", "generate", ID, "127.0.0.1:43837/59f5a0430fd477b0/d16/backend/generate", ours=False)]
     assert (await next_event(watch)).initial
-    # a worker of ours: our record first, then its v1 record: the client sees ours only
     lease = await store.grant_lease(10)
-    ours = Instance.for_endpoint(ep, lease, "tcp://127.0.0.1:5000/d16_backend.generate")
-    await store.create(ep.instance_key(lease), ours.to_json(), lease)
+    ours = Instance.for_endpoint(ep, lease, f"127.0.0.1:5000/{lease:x}/d16/backend/generate")
+    assert await store.create(ep.instance_key(lease), ours.to_json(), lease)
+    assert not await store.create(ep.instance_key(lease), ours.to_json(), lease)  # one record per instance
     ev = await next_event(watch)
-    assert ev.kind == "put" and Instance.from_json(ev.value) == ours
-
-    class Store:  # the runtime's KeyValueStore, as component.py hands it over
-        async def put(self, key: str, value: bytes, lease: bool) -> None:
-            await store.put(key, value, lease_id)
-
-    lease_id = lease
-    assert await publish_endpoint(Store(), ep, lease, ours.subject) == f"v1/instances/d16/backend/generate/{lease:x}"
-    assert orjson.loads((await store.get(f"v1/instances/d16/backend/generate/{lease:x}")).value)["transport"] == {  # type: ignore[union-attr]
-        "tcp": f"127.0.0.1:5000/{lease:x}/d16/backend/generate"}
-    with pytest.raises(asyncio.TimeoutError):
-        await next_event(watch, timeout=1.0)  # the v1 twin of ours never shows
-    assert await publish_endpoint(Store(), ep, lease, "d16_backend.generate-1") is None  # NATS: 1.x cannot reach it
-    # the 1.x worker goes
-    (store.root / "v1" / "instances" / NAME).unlink()
+    assert (ev.kind, ev.key) == ("put", f"v1/instances/d16/backend/generate/{lease:x}")
+    assert Instance.from_json(ev.value) == ours and ours.ours
+    assert len(list((store.root / "v1" / "instances").iterdir())) == 2  # 1.x's files: nothing else of ours
+    (store.root / "v1" / "instances" / NAME).unlink()  # the 1.x worker goes
     ev = await next_event(watch)
-    assert (ev.kind, ev.key) == ("delete", "instances/d16/backend/generate:59f5a0430fd477b0")
-    # our worker's own record goes (its lease expired: killed) while its 1.x twin is not stale yet: the
-    # instance is gone at once, the twin never shows
-    await store.delete(ep.instance_key(lease))
+    assert (ev.kind, ev.key) == ("delete", KEY)
+    await store.revoke_lease(lease)  # ours goes with its lease
     ev = await next_event(watch)
     assert (ev.kind, ev.key) == ("delete", ep.instance_key(lease))
-    with pytest.raises(asyncio.TimeoutError):
-        await next_event(watch, timeout=1.0)
-    await store.revoke_lease(lease)
     await watch.close()
 
-
-async def test_a_1_x_only_record_arriving_live_waits_for_ours(store: FileStore) -> None:
-    ep = EndpointId("d16", "backend", "generate")
-    watch = await watch_instances(store, ep, hold=0.5).start()
-    write_as_1_6_1(store.root, "instances", NAME, endpoint_record("d16", "backend", "generate", ID, "h:1"))
-    t0 = time.monotonic()
-    ev = await next_event(watch)
-    assert ev.kind == "put" and time.monotonic() - t0 >= 0.4
-    await watch.close()

@@ -22,7 +22,7 @@ from dynamo.kv.v1_events import (
     recovery_query,
 )
 from dynamo.kv.worker_state import WorkerKvState
-from dynamo.llm.model_entry import ModelEntry
+from dynamo.llm.model_entry import V1_CARD, ModelEntry
 from dynamo.llm.model_type import ModelType
 from dynamo.runtime.codec import encode_frame
 from dynamo.runtime.instance import Instance
@@ -108,8 +108,8 @@ async def test_our_kv_router_recovers_then_follows_a_worker(make_runtime, ns, pl
     store(state, early)  # before the router: only the recovery can tell it
     router = KvRouter(block_size=BLOCK)
     policy = KvRouterPolicy(router, frontend.event_plane(), runtime=frontend)
-    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id, {},
-                       runtime_config=CARDS[card])
+    entry = ModelEntry("m", ns, "backend", "generate", ModelType.Backend, worker.instance_id,
+                       {V1_CARD: {}} if card == "1.x's" else {}, runtime_config=CARDS[card])
     try:
         policy.add_worker(entry)
         await until(lambda: router.find_matches(early) == {worker.instance_id: 3}, 10, "the recovered blocks")

@@ -54,7 +54,7 @@ async def test_instance_key_vanishes_after_lease_expiry(make_runtime, ns, spawn)
     worker = spawn(ns)
     hex_id = await worker.ready()
     caller = await make_runtime()
-    key = f"instances/{ns}/backend/generate:{hex_id}"
+    key = f"v1/instances/{ns}/backend/generate/{hex_id}"
     assert await caller.etcd.get(key) is not None
     os.kill(worker.proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -75,7 +75,7 @@ async def test_sigterm_is_graceful(make_runtime, ns, spawn):
     worker.proc.send_signal(signal.SIGTERM)
     rest = [item async for item in stream]  # the in-flight request completes
     assert [x["i"] for x in [first] + rest] == list(range(20))
-    assert await caller.etcd.get(f"instances/{ns}/backend/generate:{hex_id}") is None
+    assert await caller.etcd.get(f"v1/instances/{ns}/backend/generate/{hex_id}") is None
     out = await asyncio.to_thread(worker.proc.stdout.read)
     assert "EXITED" in out
     assert await asyncio.to_thread(worker.proc.wait, 10) == 0

@@ -69,7 +69,7 @@ async def test_instance_record_and_subject(make_runtime, ns, serve):
     endpoint = worker.namespace(ns).component("Back End").endpoint("gen")
     await serve(endpoint, echo)
     hex_id = f"{worker.instance_id:x}"
-    kv = await worker.etcd.get(f"instances/{ns}/Back End/gen:{hex_id}")
+    kv = await worker.etcd.get(f"v1/instances/{ns}/Back End/gen/{hex_id}")
     assert kv is not None and kv.lease == worker.instance_id
     inst = Instance.from_json(kv.value)
     assert inst.subject == f"{ns.lower()}_back_end.gen-{hex_id}"
@@ -224,8 +224,8 @@ async def test_no_instances_and_unknown_instance(make_runtime, ns, serve):
     client = await caller.namespace(ns).component("b").endpoint("g").client()
     with pytest.raises(NoInstancesError) as err:
         await collect(client.round_robin({}))
-    assert str(err.value) == f'no instances found for endpoint "instances/{ns}/b/g"'
-    with pytest.raises(InstanceNotFoundError, match=f'instance_id=42 not found for endpoint "instances/{ns}/b/g"'):
+    assert str(err.value) == f'no instances found for endpoint "v1/instances/{ns}/b/g"'
+    with pytest.raises(InstanceNotFoundError, match=f'instance_id=42 not found for endpoint "v1/instances/{ns}/b/g"'):
         await collect(client.direct({}, 42))
     with pytest.raises(asyncio.TimeoutError):
         await client.wait_for_instances(timeout=0.2)
@@ -277,7 +277,7 @@ async def test_graceful_shutdown_deregisters_then_finishes_inflight(make_runtime
     worker.shutdown()
     # deregistered at once ...
     async def deregistered() -> bool:
-        return await caller.etcd.get_prefix(f"instances/{ns}/") == []
+        return await caller.etcd.get_prefix(f"v1/instances/{ns}/") == []
 
     await until(deregistered, 5, "the instance key gone")
     assert not serving.done()  # ... while the in-flight request still runs

@@ -170,9 +170,9 @@ async def test_a_client_with_a_fleet_secret_refuses_a_1x_worker_in_one_line(file
     caller = await file_runtimes(stream_liveness=2.0, fleet_secret=b"the one-wire test's fleet secret")
     ident = EndpointId("v1f", "backend", "generate")
     iid = 0x59F5A0430FD477B0
-    # an instance known only by a 1.x record (as translated from v1/instances: it names its codec)
+    # a 1.x worker's record (its Endpoint does not say it is ours)
     record = Instance(ident.namespace, ident.component, ident.name, iid,
-                      f"127.0.0.1:9/{v1_path(iid, ident.namespace, ident.component, ident.name)}", "msgpack")
+                      f"127.0.0.1:9/{v1_path(iid, ident.namespace, ident.component, ident.name)}", ours=False)
     await caller.discovery().put(ident.instance_key(iid), record.to_json(), lease=True)
     client = await client_of(caller, ident)
     with pytest.raises(NoRespondersError) as info:

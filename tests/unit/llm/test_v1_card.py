@@ -1,5 +1,5 @@
-"""Model cards in Dynamo 1.x's shape: ours as a 1.6.1 frontend loads them (files it can read, blake3
-checksums), a 1.x worker's as our card, and the ModelType mapping both ways."""
+"""The ``v1/mdc`` record both ways: ours as a 1.6.1 frontend loads it (files it can read, blake3
+checksums) with our card beside 1.x's fields, a 1.x worker's as our entry, and the ModelType mapping."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import pytest
 
 from dynamo.errors import ModelError
 from dynamo.llm.gguf_card import load_gguf
-from dynamo.llm.model_card import load_hf_folder
-from dynamo.llm.model_entry import ModelEntry
+from dynamo.llm.model_card import ModelCard, load_hf_folder
+from dynamo.llm.model_entry import V1_CARD, ModelEntry, is_1x_worker
 from dynamo.llm.model_source import apply_chat_template_file
 from dynamo.llm.model_type import ModelType
 from dynamo.llm.v1_card import (
-    V1_CARD,
+    EXTRAS,
     card_from_v1,
+    entry_from_record,
     model_type_from_v1,
-    translate_model,
+    record_of,
     v1_card_json,
     v1_model_type,
 )
@@ -88,11 +89,11 @@ def test_a_gguf_card_gets_files_derived_from_the_gguf(hf: Path, tmp_path: Path) 
     assert back.eos_token_ids == card.eos_token_ids
 
 
-def test_a_card_without_tokenizer_gets_no_1_x_card(tmp_path: Path) -> None:
-    from dynamo.llm.model_card import ModelCard
-
-    with pytest.raises(ModelError, match="no tokenizer"):
-        v1_card_json(ModelCard.placeholder("x"), ModelType.Chat, root=tmp_path)
+def test_a_card_without_tokenizer_names_no_files_and_no_model_type(tmp_path: Path) -> None:
+    cj = v1_card_json(ModelCard.placeholder("x"), ModelType.Chat, root=tmp_path)
+    assert cj["tokenizer"] is None and cj["model_info"] is None and cj["prompt_formatter"] is None
+    assert cj["model_type"] == "NoTokenizerFiles"  # 1.x has nothing to load: it rejects the flag, naming it
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
 def test_a_1_x_card_becomes_our_card(hf: Path) -> None:
@@ -119,14 +120,51 @@ def test_files_not_on_this_machine_are_a_clear_error() -> None:
 def test_a_1_x_model_record_becomes_our_entry(hf: Path, tmp_path: Path) -> None:
     cj = v1_card_json(load_hf_folder(hf, name="tiny"), ModelType.Backend, root=tmp_path)
     big = 0xF000_0000_0000_0001
-    key, value = translate_model("v1/mdc/d16/backend/generate/f000000000000001",
-                                 model_record("d16", "backend", "generate", big, cj))
-    entry = ModelEntry.from_json(value)
-    assert key == entry.key() == "models/d16/backend/generate/f000000000000001/tiny"
+    entry = entry_from_record(model_record("d16", "backend", "generate", big, cj))
+    assert entry.key() == "v1/mdc/d16/backend/generate/f000000000000001"
     assert entry.model_type is ModelType.Backend and entry.instance_id < 0 and entry.card == {V1_CARD: cj}
+    assert is_1x_worker(entry)
     with pytest.raises(ValueError, match="not served"):
-        translate_model("k", model_record("n", "c", "e", 1, dict(cj, model_type="TensorBased", model_input="Tensor")))
+        entry_from_record(model_record("n", "c", "e", 1, dict(cj, model_type="TensorBased", model_input="Tensor")))
     with pytest.raises(ValueError, match="prefill"):
-        translate_model("k", model_record("n", "c", "e", 1, dict(cj, model_type="Prefill")))
+        entry_from_record(model_record("n", "c", "e", 1, dict(cj, model_type="Prefill")))
+    with pytest.raises(ValueError, match="LoRA"):
+        entry_from_record(model_record("n", "c", "e", 1, dict(cj, lora={"name": "a"}), "a"))
     with pytest.raises(ValueError, match="Model record"):
-        translate_model("k", orjson.dumps({"type": "Endpoint"}))
+        entry_from_record(orjson.dumps({"type": "Endpoint"}))
+
+
+def _ours(card: ModelCard, model_type: ModelType = ModelType.Backend) -> ModelEntry:
+    data = card.to_json()
+    data["tokenizer_object"] = "digest-of-the-tokenizer"  # publish_card's reference into the object store
+    del data["tokenizer_json"]
+    return ModelEntry(name=card.display_name, namespace="ns", component="backend", endpoint="generate",
+                      model_type=model_type, instance_id=0x1234, card=data,
+                      runtime_config={"max_inflight_requests": 4, "publishes_kv_events": True})
+
+
+def test_our_record_is_1_x_card_with_our_card_beside(hf: Path, tmp_path: Path) -> None:
+    card = load_hf_folder(hf, name="tiny")
+    entry = _ours(card)
+    record = orjson.loads(record_of(entry, card, root=tmp_path))
+    assert entry.key() == "v1/mdc/ns/backend/generate/1234"
+    assert record["type"] == "Model" and record["instance_id"] == 0x1234 and "model_suffix" not in record
+    cj = record["card_json"]
+    assert cj["model_type"] == "Chat | Completions" and cj["tokenizer"]["hf_tokenizer_json"]["path"] == str(hf / "tokenizer.json")
+    assert cj[EXTRAS]["card"]["tokenizer_object"] == "digest-of-the-tokenizer"
+    back = entry_from_record(orjson.dumps(record))
+    assert back == entry and not is_1x_worker(back)
+
+
+@pytest.mark.parametrize("kind", ["lora", "prefill", "nats"])
+def test_models_1_x_must_not_serve_have_a_model_type_it_rejects(hf: Path, tmp_path: Path, kind: str) -> None:
+    card = load_hf_folder(hf, name="tiny")
+    entry = _ours(card, ModelType.Prefill if kind == "prefill" else ModelType.Backend)
+    if kind == "lora":
+        entry.card["lora"] = {"name": "My.Adapter", "base_model": "tiny", "path": "/a"}
+    record = orjson.loads(record_of(entry, card, reachable=kind != "nats", root=tmp_path))
+    flag = {"lora": "LoraAdapter", "prefill": "PrefillOverOurTransfer", "nats": "ServedOverNats"}[kind]
+    assert record["card_json"]["model_type"] == flag
+    assert entry_from_record(orjson.dumps(record)) == entry  # ours still serve it
+    if kind == "lora":  # keyed as 1.x keys an adapter
+        assert entry.key().endswith("/1234/my_adapter") and record["model_suffix"] == "my_adapter"

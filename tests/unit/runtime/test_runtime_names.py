@@ -38,8 +38,8 @@ def test_parse_endpoint(text, expected):
 def test_keys_and_subjects():
     ep = EndpointId("llama3B", "backend", "generate")
     assert ep.service_name == "llama3b_backend"
-    assert ep.etcd_prefix == "instances/llama3B/backend/generate"
-    assert ep.instance_key(0x694D98A1B2C3) == "instances/llama3B/backend/generate:694d98a1b2c3"
+    assert ep.etcd_prefix == "v1/instances/llama3B/backend/generate"
+    assert ep.instance_key(0x694D98A1B2C3) == "v1/instances/llama3B/backend/generate/694d98a1b2c3"
     assert ep.subject(0x694D98A1B2C3) == "llama3b_backend.generate-694d98a1b2c3"
     assert ep.subject(0) == "llama3b_backend.generate"  # static
     assert str(ep) == "dyn://llama3B.backend.generate"

@@ -72,9 +72,10 @@ def test_annotated():
 
 
 def test_instance_record_format():
+    """An endpoint served over NATS: 1.x's Endpoint record with its ``nats_tcp`` transport."""
     inst = Instance.for_endpoint(EndpointId("ns", "comp", "ep"), 0xABC)
     text = inst.to_json().decode()
-    assert text.startswith('{\n  "component": "comp",\n  "endpoint": "ep",\n  "namespace": "ns",')
-    assert orjson.loads(text) == {"component": "comp", "endpoint": "ep", "namespace": "ns",
-                                  "instance_id": 0xABC, "transport": {"nats_tcp": "ns_comp.ep-abc"}}
+    assert orjson.loads(text) == {"type": "Endpoint", "component": "comp", "endpoint": "ep", "namespace": "ns",
+                                  "instance_id": 0xABC, "transport": {"nats_tcp": "ns_comp.ep-abc"},
+                                  "device_type": "cpu", "request_plane_codec": "msgpack", "dynamo_py": True}
     assert Instance.from_json(text) == inst

@@ -1,5 +1,6 @@
 """Dynamo 1.x's discovery records, byte for byte against what 1.6.1 wrote (/tmp/d16/FACTS.md, observed
-on disk): keys, file names, the Endpoint and Model values (the EventChannel value: test_v1_event_wire.py), reading them back as our Instances."""
+on disk): keys, file names, the Endpoint and Model values (the EventChannel value: test_v1_event_wire.py),
+an Instance's JSON being 1.x's Endpoint, ours with one extra field."""
 
 from __future__ import annotations
 
@@ -11,14 +12,10 @@ from dynamo.runtime.instance import Instance
 from dynamo.runtime.names import EndpointId, is_v1_tcp_address, lease_hex
 from dynamo.runtime.v1_records import (
     endpoint_key,
-    endpoint_record,
-    instance_from_record,
     instances_prefix,
     model_key,
     model_record,
-    our_instance_key,
     signed_id,
-    translate_instance,
     u64_id,
 )
 
@@ -44,10 +41,17 @@ def test_file_names_are_1_6_1s_percent_encoding() -> None:
     assert decode_name(encode_name("é.~ x")) == "é.~ x"
 
 
-def test_endpoint_record_is_byte_identical_to_1_6_1s() -> None:
-    assert endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837", device_type="cuda") == ENDPOINT_1_6_1
-    ours = orjson.loads(endpoint_record("d16", "backend", "generate", ID, "127.0.0.1:43837"))
+def _instance(instance_id: int = ID, **kw) -> Instance:
+    return Instance("d16", "backend", "generate", instance_id,
+                    f"127.0.0.1:43837/{lease_hex(instance_id)}/d16/backend/generate", **kw)
+
+
+def test_an_instance_is_1_6_1s_endpoint_record_byte_for_byte() -> None:
+    assert _instance(device_type="cuda", ours=False).to_json() == ENDPOINT_1_6_1
+    ours = orjson.loads(_instance().to_json())
     assert ours["device_type"] == "cpu" and ours["request_plane_codec"] == "msgpack"
+    assert list(ours)[-1] == "dynamo_py" and ours["dynamo_py"] is True  # the one field 1.6.1 ignores
+    assert EndpointId("d16", "backend", "generate").instance_key(ID) == endpoint_key("d16", "backend", "generate", ID)
 
 
 def test_model_record_wraps_the_card() -> None:
@@ -57,40 +61,34 @@ def test_model_record_wraps_the_card() -> None:
 
 
 def test_a_1_x_endpoint_record_is_an_instance_with_its_transport_as_subject() -> None:
-    inst = instance_from_record(ENDPOINT_1_6_1)
-    assert inst == Instance("d16", "backend", "generate", ID, "127.0.0.1:43837/59f5a0430fd477b0/d16/backend/generate",
-                            "msgpack")
+    inst = Instance.from_json(ENDPOINT_1_6_1)
+    assert inst == _instance(device_type="cuda", ours=False)
     assert is_v1_tcp_address(inst.subject)
-    assert not is_v1_tcp_address("tcp://127.0.0.1:43837/d16_backend.generate-59f5")
     assert not is_v1_tcp_address("d16_backend.generate-59f5a0430fd477b0")
-    again = Instance.from_json(inst.to_json())  # through our JSON (what the merged watch hands a client)
-    assert again == inst and orjson.loads(inst.to_json())["transport"] == {"tcp": inst.subject}
-    key, value = translate_instance("v1/instances/d16/backend/generate/59f5a0430fd477b0", ENDPOINT_1_6_1)
-    assert key == "instances/d16/backend/generate:59f5a0430fd477b0" and Instance.from_json(value) == inst
+    assert Instance.from_json(_instance().to_json()).ours  # ours say so
+
+
+def test_an_endpoint_served_over_nats_is_1_x_s_nats_tcp_transport() -> None:
+    inst = Instance("n", "c", "e", 1, "n_c.e-1")
+    assert orjson.loads(inst.to_json())["transport"] == {"nats_tcp": "n_c.e-1"}
+    assert Instance.from_json(inst.to_json()) == inst
 
 
 def test_ids_above_i64_are_kept_negative_as_our_keys_read_them() -> None:
     big = 0xF000_0000_0000_0001
-    record = endpoint_record("n", "c", "e", big, "h:1")
+    record = _instance(big).to_json()
     assert orjson.loads(record)["instance_id"] == big  # u64 in 1.x's JSON
-    inst = instance_from_record(record)
+    inst = Instance.from_json(record)
     assert inst.instance_id == signed_id(big) < 0 and u64_id(inst.instance_id) == big
     assert lease_hex(inst.instance_id) == "f000000000000001"
-    assert our_instance_key(endpoint_key("n", "c", "e", big)) == "instances/n/c/e:f000000000000001"
+    assert endpoint_key("n", "c", "e", inst.instance_id) == "v1/instances/n/c/e/f000000000000001"
 
 
 @pytest.mark.parametrize("record, why", [
     (b'{"type":"Model","namespace":"n"}', "not an Endpoint"),
     (b'{"type":"Endpoint","component":"c","endpoint":"e","namespace":"n","instance_id":1,'
-     b'"transport":{"nats_tcp":"x"}}', "not TCP"),
+     b'"transport":{"http":"http://h:1/v1/rpc/e"}}', "http cannot be reached"),
 ])
 def test_records_we_cannot_reach_are_refused_with_the_reason(record: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        instance_from_record(record)
-
-
-def test_keys_that_are_not_instance_keys() -> None:
-    assert our_instance_key("v1/instances/a/b/c") is None
-    assert our_instance_key("v1/instances/a/b/c/zz") is None
-    with pytest.raises(ValueError):
-        translate_instance("v1/mdc/a/b/c/1", ENDPOINT_1_6_1)
+        Instance.from_json(record)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 from typing import IO, Any
 
-from dynamo.llm.model_entry import MODELS_PREFIX, ModelEntry
+from dynamo.llm.model_entry import ModelEntry
 from dynamo.llm.model_type import ModelType
+from dynamo.llm.v1_card import entry_from_record
+from dynamo.runtime.v1_records import models_prefix
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +74,13 @@ async def print_served_models(runtime: Any, out: IO[str], namespace: str | None 
     and print the table each time a row appears; runs until cancelled.  A malformed entry is skipped (the
     frontend logs it)."""
     table = ModelTable()
-    prefix = f"{MODELS_PREFIX}{namespace}/" if namespace else MODELS_PREFIX
-    watch = await runtime.discovery().watch_prefix(prefix).start()
+    watch = await runtime.discovery().watch_prefix(models_prefix(namespace)).start()
     try:
         async for event in watch:
             if event.kind != "put":
                 continue
             try:
-                entry = ModelEntry.from_json(event.value)
+                entry = entry_from_record(event.value)
             except Exception:  # noqa: BLE001 - not ours to judge: the frontend warns about it
                 continue
             text = table.add(entry)
