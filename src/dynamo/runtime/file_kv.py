@@ -5,7 +5,7 @@ Layout under the root (``DYN_FILE_KV``, default ``$TMPDIR/dynamo_store_kv``)::
 
     kv/k_<percent-encoded key>   one file per key (h_<sha256> when the encoding is too long for a name):
                                  a JSON header line (key, lease, revisions, version), then the value
-    leases/<hex id>              {"id", "ttl", "expires": wall-clock seconds, "pid"}
+    leases/<hex id>              {"id", "ttl", "expires": wall-clock seconds, "pid", "v1": [its v1/ files]}
     revision                     the store's revision counter
     lock                         flock'ed around every change, by every process
     local_secret                 the store's own secret, made when first asked for (store_dir.local_secret)
@@ -240,6 +240,7 @@ class FileKv:
         if is_v1_key(key):
             self._check_lease(lease)
             self.v1.put(key, value, lease)
+            self._bind_v1(lease)
             return self.revision()
         with self.locked():
             return self._write(key, value, lease, self._current(key))
@@ -247,7 +248,10 @@ class FileKv:
     def create(self, key: str, value: bytes, lease: int = 0) -> bool:
         if is_v1_key(key):
             self._check_lease(lease)
-            return self.v1.create(key, value, lease)
+            created = self.v1.create(key, value, lease)
+            if created:
+                self._bind_v1(lease)
+            return created
         with self.locked():
             if self._current(key) is not None:
                 return False
@@ -257,7 +261,10 @@ class FileKv:
     def put_if_changed(self, key: str, value: bytes, lease: int) -> bool:
         if is_v1_key(key):
             self._check_lease(lease)
-            return self.v1.put_if_changed(key, value, lease)
+            changed = self.v1.put_if_changed(key, value, lease)
+            if changed:
+                self._bind_v1(lease)
+            return changed
         with self.locked():
             old = self._current(key)
             if old is not None and old.value == value and old.lease == lease:
@@ -299,7 +306,21 @@ class FileKv:
 
     def _write_lease(self, lease_id: int, ttl: int) -> None:
         record = {"id": lease_id, "ttl": ttl, "expires": time.time() + ttl, "pid": os.getpid()}
+        names = self.v1.names_of(lease_id)
+        if names:  # whoever expires the lease removes them (file_v1.py)
+            record["v1"] = names
         write_atomically(self._lease_path(lease_id), orjson.dumps(record))
+
+    def _bind_v1(self, lease: int) -> None:
+        """List a ``v1/`` file just written under ``lease`` in the lease's record at once (not at the next
+        keep-alive), so that a process killed right after writing it leaves nothing for 10 s."""
+        if not lease:
+            return
+        with self.locked():
+            record = self._read_lease(self._lease_path(lease).name)
+            if record is not None and float(record["expires"]) > time.time():
+                record["v1"] = self.v1.names_of(lease)
+                write_atomically(self._lease_path(lease), orjson.dumps(record))
 
     def keep_alive(self, lease_id: int) -> tuple[int, int]:
         """(TTL, revision); TTL 0 when the lease is gone or expired (its keys are deleted then)."""
@@ -359,6 +380,8 @@ class FileKv:
                     deleted += 1
             for lid, expires in leases.items():
                 if expires <= now:
+                    record = self._read_lease(self._lease_path(lid).name) or {}
+                    deleted += self.v1.remove_named(record.get("v1"))  # its dead owner's v1/ files
                     with contextlib.suppress(FileNotFoundError):
                         self._lease_path(lid).unlink()
             if deleted:

@@ -14,9 +14,12 @@ How it maps onto our :class:`~.file_kv.FileKv`: keys starting ``v1/`` live here 
 they take no lock and bump no revision (1.x's processes do neither, so neither could be relied on). A
 file's lease is known only to the process that wrote it: it is kept in :attr:`V1Files.owned`, touched
 while that lease lives (:meth:`touch`), removed when it is revoked or expires (:meth:`drop_lease`), and
-to everyone else the file lives by its mtime alone (``lease`` 0 in their listings). A lease revoked by
-another process than its owner therefore leaves that owner's ``v1/`` files for the 10 s until they go
-stale (a lease file of ours could list them; nothing revokes others' leases today).
+to everyone else the file lives by its mtime alone (``lease`` 0 in their listings), or until its lease
+expires: the lease's record (``leases/<id>``, :mod:`.file_kv`) lists its ``v1/`` files (:meth:`names_of`),
+and whoever finds the lease expired removes them (:meth:`remove_named`). Why: every record of ours is a
+``v1/`` file now, and 1.x's 10 s staleness alone would keep a killed worker listed for 10 s whatever
+``DYN_LEASE_TTL`` says (with a 3 s TTL they now go within the TTL and a watcher's tick, as the kill -9
+tests of tests/e2e/test_distributed.py and test_distributed_backends.py check; before, over 10 s).
 """
 
 from __future__ import annotations
@@ -261,6 +264,25 @@ class V1Files:
     def leases(self) -> set[int]:
         with self._lock:
             return {lease for lease, _ in self.owned.values()}
+
+    def names_of(self, lease: int) -> list[str]:
+        """This process's files of ``lease``, as ``<bucket>/<file name>``: what its lease record lists, so
+        that whoever expires the lease removes them (:meth:`remove_named`)."""
+        with self._lock:
+            return sorted(f"{p.parent.name}/{p.name}" for p, (owner, _) in self.owned.items() if owner == lease)
+
+    def remove_named(self, names: object) -> int:
+        """Remove the files an expired lease's record lists (another process's: it died); a name that is
+        not ``<bucket>/<file name>`` is skipped, so a record cannot point outside the buckets."""
+        gone = 0
+        for name in names if isinstance(names, list) else []:
+            parts = name.split("/") if isinstance(name, str) else []
+            if len(parts) != 2 or any(part in ("", ".", "..") for part in parts):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / parts[0] / parts[1]).unlink()
+                gone += 1
+        return gone
 
     def drop_lease(self, lease: int) -> int:
         """Remove this process's files of ``lease`` (revoked or expired); how many went."""

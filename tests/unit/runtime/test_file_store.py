@@ -13,6 +13,7 @@ import pytest
 
 from dynamo.runtime.discovery import Discovery, WatchEvent
 from dynamo.runtime.file_kv import FileStoreError, key_file_name
+from dynamo.runtime.file_v1 import STALE_AFTER
 from dynamo.runtime.file_object_store import FileObjectStore
 from dynamo.runtime.file_store import FileStore
 from dynamo.runtime.lease import LeaseKeeper
@@ -199,6 +200,57 @@ async def test_a_process_killed_9_disappears_from_another_process_watch_within_t
             proc.kill()
         await proc.wait()
         await watch.close()
+
+
+V1_WRITER = WRITER.replace('"workers/" + str(os.getpid())', '"v1/instances/ns/c/e/" + format(os.getpid(), "x")')
+
+
+async def test_a_killed_process_v1_records_go_with_its_lease_not_after_1x_staleness(store: FileStore) -> None:
+    """Every record of ours is a 1.x ``v1/`` file, which 1.x keeps until untouched for STALE_AFTER (10 s);
+    ours go when their lease expires, removed by whoever finds it expired (here: this store's tick)."""
+    watch = await store.watch_prefix("v1/instances/").start()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", V1_WRITER, str(store.root), "2",
+                                                stdout=asyncio.subprocess.PIPE)
+    key = ""
+    try:
+        await asyncio.wait_for(proc.stdout.readline(), 30)  # type: ignore[union-attr]
+        key = f"v1/instances/ns/c/e/{proc.pid:x}"
+        ev = await next_event(watch)
+        assert (ev.kind, ev.key) == ("put", key)
+        lease_files = list((store.root / "leases").iterdir())
+        assert [json.loads(f.read_text()).get("v1") for f in lease_files] == [[f"instances/{key.split('/', 2)[2].replace('/', '%2F')}"]]
+        proc.kill()
+        # a 2 s lease: the delete comes long before the file could go stale (10 s untouched)
+        ev = await next_event(watch, STALE_AFTER - 3)
+        assert (ev.kind, ev.key) == ("delete", key)
+        assert not store.kv.v1.path(key).exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await watch.close()
+
+
+async def test_an_expired_lease_record_cannot_point_outside_the_v1_buckets(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    bystander = tmp_path / "precious"
+    bystander.write_text("keep me")
+    first = FileStore(root)
+    await first.connect()
+    lease = await first.grant_lease(10)
+    await first.close()
+    lease_file = root / "leases" / format(lease, "x")
+    record = json.loads(lease_file.read_text())
+    record["expires"] = time.time() - 60
+    record["v1"] = ["../../precious", "/etc/passwd", "instances/../../../precious", "instances"]
+    lease_file.write_text(json.dumps(record))
+    second = FileStore(root)
+    await second.connect()
+    try:
+        assert not lease_file.exists()  # the lease was cleaned up
+        assert bystander.read_text() == "keep me"
+    finally:
+        await second.close()
 
 
 async def test_leftovers_of_a_crashed_process_are_removed_when_a_store_opens(tmp_path: Path) -> None:
