@@ -265,11 +265,11 @@ class V1Files:
         with self._lock:
             return {lease for lease, _ in self.owned.values()}
 
-    def names_of(self, lease: int) -> list[str]:
+    def names_of(self, lease: int) -> tuple[str, ...]:
         """This process's files of ``lease``, as ``<bucket>/<file name>``: what its lease record lists, so
         that whoever expires the lease removes them (:meth:`remove_named`)."""
         with self._lock:
-            return sorted(f"{p.parent.name}/{p.name}" for p, (owner, _) in self.owned.items() if owner == lease)
+            return tuple(sorted(f"{p.parent.name}/{p.name}" for p, (owner, _) in self.owned.items() if owner == lease))
 
     def remove_named(self, names: object) -> int:
         """Remove the files an expired lease's record lists (another process's: it died); a name that is

@@ -13,9 +13,9 @@ import pytest
 
 from dynamo.runtime.discovery import Discovery, WatchEvent
 from dynamo.runtime.file_kv import FileStoreError, key_file_name
-from dynamo.runtime.file_v1 import STALE_AFTER
 from dynamo.runtime.file_object_store import FileObjectStore
 from dynamo.runtime.file_store import FileStore
+from dynamo.runtime.file_v1 import STALE_AFTER
 from dynamo.runtime.lease import LeaseKeeper
 from dynamo.runtime.object_store import ObjectStore, ObjectStoreError
 
