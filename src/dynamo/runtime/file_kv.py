@@ -305,7 +305,7 @@ class FileKv:
             return lease_id
 
     def _write_lease(self, lease_id: int, ttl: int) -> None:
-        record = {"id": lease_id, "ttl": ttl, "expires": time.time() + ttl, "pid": os.getpid()}
+        record: dict[str, object] = {"id": lease_id, "ttl": ttl, "expires": time.time() + ttl, "pid": os.getpid()}
         names = self.v1.names_of(lease_id)
         if names:  # whoever expires the lease removes them (file_v1.py)
             record["v1"] = names
