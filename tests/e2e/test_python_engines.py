@@ -422,14 +422,14 @@ def test_pytok_stop_conditions_apply(token_engine: DynamoRun):
 
 def test_pytok_request_dict(token_engine: DynamoRun):
     resp = _client(token_engine).chat.completions.create(
-        model="tiny-chat", messages=[{"role": "user", "content": "show-request"}], max_tokens=500,
+        model="tiny-chat", messages=[{"role": "user", "content": "show-request"}], max_tokens=1500,
         temperature=0.25)
     seen = json.loads(resp.choices[0].message.content)
     assert {"token_ids", "stop_conditions", "sampling_options", "eos_token_ids", "mdc_sum", "annotations"} \
         <= set(seen["keys"])
     assert {"max_tokens", "stop", "stop_token_ids_hidden", "min_tokens", "ignore_eos"} <= set(seen["stop_conditions"])
     assert {"n", "temperature", "top_p", "top_k", "seed"} <= set(seen["sampling_options"])
-    assert seen["max_tokens"] == 500
+    assert seen["max_tokens"] == 1500
     assert seen["temperature"] == 0.25
     assert seen["eos_token_ids"]
     assert seen["prompt_is_ids"]
