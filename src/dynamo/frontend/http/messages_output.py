@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from dynamo.frontend.http.errors import anthropic_error_body
+from dynamo.frontend.http.sse import line_safe
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
 
@@ -33,7 +34,7 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filt
 
 
 def event(kind: str, body: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + line_safe(orjson.dumps(body)) + b"\n\n"
 
 
 class _Block:

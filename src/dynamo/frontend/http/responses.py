@@ -30,7 +30,7 @@ from dynamo.frontend.http.body import json_response, read_json
 from dynamo.frontend.http.metrics import RequestMetrics
 from dynamo.frontend.http.responses_output import Event, OutputItems
 from dynamo.frontend.http.responses_store import ResponseStore, Stored, store_mb_from_env, store_size_from_env
-from dynamo.frontend.http.sse import stream_sse
+from dynamo.frontend.http.sse import line_safe, stream_sse
 from dynamo.frontend.model_manager import ModelManager
 from dynamo.llm.chunks import Annotation
 from dynamo.llm.engine import Context
@@ -94,7 +94,7 @@ class _Run:
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + line_safe(orjson.dumps(body)) + b"\n\n"
 
     def events(self, events: list[Event]) -> bytes:
         return b"".join(self.event(kind, **fields) for kind, fields in events)

@@ -69,15 +69,30 @@ class SseFormat(Protocol):
         ...
 
 
+# Characters JSON may leave raw that Python's str.splitlines() takes for line ends, and with it httpx's
+# iter_lines(), which many Python clients read SSE with: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR. A token
+# that decodes to one cut the event in two for such a client (seen: a mocker's random tokens made a test's
+# json.loads fail on half an event). Escaped, the JSON means the same to every parser.
+_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def line_safe(data: bytes) -> bytes:
+    """``data`` (JSON) with the characters above escaped; itself when it has none (two byte scans)."""
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:
+        for raw, escaped in _LINE_BREAKERS:
+            data = data.replace(raw, escaped)
+    return data
+
+
 def chunk_event(item: Any, dumps: Callable[[Any], bytes] = orjson.dumps) -> bytes:
     """One chunk of the chat or completions stream as its SSE event (an annotation as a named event)."""
     if type(item) is dict:
-        return b"data: " + dumps(item) + b"\n\n"
+        return b"data: " + line_safe(dumps(item)) + b"\n\n"
     if type(item) is LazyJson:  # a remote worker's chunk: its own bytes when nothing changed it
         raw = item.raw
-        return b"data: " + (raw if raw is not None else dumps(dict(item.items()))) + b"\n\n"
+        return b"data: " + line_safe(raw if raw is not None else dumps(dict(item.items()))) + b"\n\n"
     if isinstance(item, Annotation):
-        return b"event: " + item.name.encode() + b"\n: " + dumps(item.value) + b"\n\n"
+        return b"event: " + item.name.encode() + b"\n: " + line_safe(dumps(item.value)) + b"\n\n"
     return b""
 
 
