@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -103,3 +104,17 @@ def test_d16_frontend_serves_our_llamacpp_worker(gguf: Path, store: Path, tmp_pa
                 assert reply.status_code == 200, reply.text
                 answers.append(reply.json()["choices"][0]["message"]["content"])
         assert answers[0] and answers[0] == answers[1], answers
+
+
+def test_d16_frontend_queues_on_a_full_worker_of_ours_instead_of_failing(tiny_chat_5k: Path, envs) -> None:
+    """A worker of ours at its --max-inflight refuses our frontend's requests (ours queue them) but takes a
+    1.x frontend's: 1.6.1's frontend retries an "overloaded" refusal elsewhere and then fails the request, so
+    six concurrent requests on one worker that runs one at a time all succeed, waiting in the engine's queue."""
+    theirs, ours, _ = envs
+    with DynamoWorker("in=dyn://full.backend.generate", "out=mocker", str(tiny_chat_5k), "--model-name", "full-mock",
+                      "--max-inflight", "1", env=ours, startup_timeout=60), \
+            d16_frontend(theirs, model="full-mock") as frontend:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: chat(frontend.url, "full-mock", 20, False), range(6)))
+        for text, usage, finish in results:
+            assert usage["completion_tokens"] == 20 and finish == "length" and text.strip()
