@@ -77,7 +77,11 @@ _LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\
 
 
 def line_safe(data: bytes) -> bytes:
-    """``data`` (JSON) with the characters above escaped; itself when it has none (two byte scans)."""
+    """``data`` (JSON) with the characters above escaped; itself when it has none. ASCII first: most chunks
+    are, and ``isascii`` is one fast pass (the two searches alone were 1.8 % of the frontend's samples at 64
+    streams on a mocker's tokens, py-spy)."""
+    if data.isascii():
+        return data
     if b"\xc2\x85" in data or b"\xe2\x80" in data:
         for raw, escaped in _LINE_BREAKERS:
             data = data.replace(raw, escaped)
