@@ -117,18 +117,19 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
     a connected runtime keeps working (NATS reconnects; the etcd key under its lease is still there)."""
     etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
     proc = await _start_infra(etcd_port, peer_port, nats_port, tmp_path / "infra")
-    rt = None
+    rt = listener = None
     try:
         await asyncio.wait_for(proc.stdout.readline(), 30)  # type: ignore[union-attr]
         settings = RuntimeSettings(etcd=EtcdSettings(endpoints=[f"http://127.0.0.1:{etcd_port}"]),
                                    nats=NatsSettings(server=f"nats://127.0.0.1:{nats_port}"))
         rt = await DistributedRuntime.connect(settings)
+        listener = await DistributedRuntime.connect(settings)  # (a process does not hear its own events)
         await rt.etcd.put("infra-test/mine", {"ok": True}, lease=True)
         got: asyncio.Queue[bytes] = asyncio.Queue()
 
         scope = EndpointScope("infra-test", "c", "e")
         pub = await rt.event_plane().publisher(scope, "events")
-        await rt.event_plane().subscribe(scope, "events", lambda env: got.put_nowait(env.payload))
+        await listener.event_plane().subscribe(scope, "events", lambda env: got.put_nowait(env.payload))
 
         etcd_pid = _child_pid(proc.pid, "etcd")
         os.kill(_child_pid(proc.pid, "nats-server"), signal.SIGKILL)
@@ -156,8 +157,9 @@ async def test_infra_restarts_a_server_killed_9_and_clients_reconnect(tmp_path: 
         await rt.etcd.put("infra-test/after", "1")
         assert proc.returncode is None
     finally:
-        if rt is not None:
-            await rt.close()
+        for runtime in (rt, listener):
+            if runtime is not None:
+                await runtime.close()
         rc = await _stop(proc)
     assert rc == 0
     assert not _listening(etcd_port) and not _listening(nats_port)

@@ -244,8 +244,16 @@ class KvRouterPolicy:
         events are followed as each worker appears)."""
         if not self.router.owns_load or self.router.publish_active_sequence is None:
             return  # the router whose bookings it shares follows the peers; or no replica sync
-        await self.subscribe(EndpointScope(namespace, component, endpoint), TOPIC_ACTIVE_SEQUENCES,
-                             self.router.apply_active_sequence_event)
+        await self.follow_bookings(EndpointScope(namespace, component, endpoint))
+
+    async def follow_bookings(self, scope: EndpointScope) -> None:
+        """The bookings of every other router in front of ``scope``'s workers: other processes' over the
+        event plane, this process's other routers' handed over directly (the plane does not deliver a
+        process's own events)."""
+        if self._events is None:
+            return
+        in_process_routers(self._events, scope).append(self.router)
+        await self.subscribe(scope, TOPIC_ACTIVE_SEQUENCES, self.router.apply_active_sequence_event)
 
     def add_worker(self, entry: Any) -> None:
         """A worker's model entry appeared: with KV events, ask it what it caches already."""
@@ -397,6 +405,10 @@ class KvRouterPolicy:
         self._subs.append(await self._events.subscribe(scope, topic, on_event))
 
     async def close(self) -> None:
+        if self._events is not None:
+            for routers in _in_process.get(self._events, {}).values():
+                while self.router in routers:
+                    routers.remove(self.router)
         tasks = [t for t in (self._timer, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
@@ -430,6 +442,14 @@ _publishers: "weakref.WeakKeyDictionary[Any, dict[tuple[EndpointScope, str], Eve
     weakref.WeakKeyDictionary()
 
 
+_in_process: "weakref.WeakKeyDictionary[Any, dict[EndpointScope, list[KvRouter]]]" = weakref.WeakKeyDictionary()
+
+
+def in_process_routers(plane: EventPlane, scope: EndpointScope) -> list[KvRouter]:
+    """This process's routers that follow the bookings in front of ``scope``'s workers."""
+    return _in_process.setdefault(plane, {}).setdefault(scope, [])
+
+
 async def shared_publisher(plane: EventPlane, scope: EndpointScope, topic: str) -> EventPublisher:
     """One publisher of ``topic`` in ``scope`` per event plane, whichever router publishes: the KV routers of a
     model's LoRA adapters (one each, on their base model's workers) share a stream instead of binding a
@@ -439,6 +459,19 @@ async def shared_publisher(plane: EventPlane, scope: EndpointScope, topic: str) 
     if pub is None:
         pub = mine[(scope, topic)] = await plane.publisher(scope, topic)
     return pub
+
+
+async def bookings_publisher(plane: EventPlane, scope: EndpointScope) -> Any:
+    """What a KV router publishes its bookings with (replica sync): to the routers of other processes over
+    the event plane, and to this process's other routers in front of ``scope`` directly."""
+    pub = await shared_publisher(plane, scope, TOPIC_ACTIVE_SEQUENCES)
+    here = in_process_routers(plane, scope)
+
+    def publish(event: dict[str, Any]) -> Any:
+        for other in here:  # (each ignores its own: the event names its router)
+            other.apply_active_sequence_event(event)
+        return pub.publish(encode_payload(event))
+    return publish
 
 
 async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: ModelCard, client: Any,
@@ -466,7 +499,8 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
         temperature=cfg.router_temperature,
         use_kv_events=events,
         publish_hit_rate=await publisher(TOPIC_HIT_RATE),
-        publish_active_sequence=await publisher(TOPIC_ACTIVE_SEQUENCES) if cfg.router_replica_sync else None,
+        publish_active_sequence=(await bookings_publisher(plane, scope)
+                                 if cfg.router_replica_sync and plane is not None else None),
         peer_ttl=peer_ttl(),
         decision_log=DecisionLog.from_env(),
         lora_name=card.lora_name,
@@ -480,7 +514,7 @@ async def make_kv_router(runtime: DistributedRuntime, entry: ModelEntry, card: M
                             weight_from_workers=load_of is None and cfg.kv_overlap_score_weight is None,
                             metrics=metrics)
     if load_of is None and cfg.router_replica_sync:
-        await policy.subscribe(scope, TOPIC_ACTIVE_SEQUENCES, router.apply_active_sequence_event)
+        await policy.follow_bookings(scope)
     if events:
         how = "KV events"
     elif not cfg.use_kv_events:

@@ -9,6 +9,13 @@ our processes publish and follow events this way among themselves as with 1.6.1'
   every publisher they name (connect a SUB socket to each ZMQ one, subscribe to the subject for NATS
   ones), handing each envelope to a callback on the event loop.
 
+A process does not hear its own events: a subscription skips the records of this plane's own publishers
+and drops NATS's echo of them.  Its consumers already know what they published (a KV router its own
+bookings); hearing them back cost a frontend at 64 streams about 4 % of its samples (py-spy: the SUB
+socket's futures, decoding, then the router ignoring its own router id).  For the same reason a ZMQ
+publisher sends through a blocking twin of its socket with ``NOBLOCK``: a PUB socket never waits (past its
+high-water mark it drops), so the asyncio socket's future and callback per event bought nothing.
+
 What may be lost, as an event plane allows: events published before a subscriber's connection to the
 publisher has finished its handshake, and while a connection is down.  :attr:`EventChannels.reconnects`
 counts every finished ZMQ handshake and every NATS reconnect: the signal on which consumers that need
@@ -110,6 +117,8 @@ class Publisher:
         self.publisher_id = publisher_id
         self.sequence = 0
         self._sock = sock  # the PUB socket (ZMQ), None on NATS
+        # the same socket, blocking: sending with NOBLOCK returns at once and makes no future
+        self._twin = zmq.Socket.shadow(sock.underlying) if sock is not None else None
         self.address = address  # where it is bound (tcp://host:port), "" on NATS
         self._subject = scope.subject(topic)
 
@@ -119,8 +128,15 @@ class Publisher:
             return None
         seq = self.sequence
         self.sequence += 1
-        if self._sock is not None:
-            return self._sock.send_multipart(zmq_frames(self.publisher_id, seq, self.topic, payload), copy=False)
+        if self._twin is not None:
+            if self._sock is None:  # closed
+                return None
+            try:
+                self._twin.send_multipart(zmq_frames(self.publisher_id, seq, self.topic, payload), zmq.NOBLOCK,
+                                          copy=False)
+            except zmq.Again:  # (a PUB socket drops past its high-water mark rather than say so)
+                pass
+            return None
         nats = self.plane.nats
         if nats is None or self.plane.kind != "nats":  # (a ZMQ publisher closed)
             return None
@@ -183,7 +199,7 @@ class Subscription:
         except WireError as e:
             _warn_once_a_minute(key, "ignoring event channel %s: %s", key, e)
             return
-        if channel.topic != self.topic:
+        if channel.topic != self.topic or key in self.plane.own_keys:
             return
         if channel.kind == "nats":
             await self._subscribe_nats()
@@ -206,7 +222,10 @@ class Subscription:
             except WireError as e:
                 _warn_once_a_minute(msg.subject, "events: undecodable message on %s: %s", msg.subject, e)
                 return
-            self._deliver(env)
+            if env.publisher_id not in own:  # NATS echoes a connection's own messages
+                self._deliver(env)
+
+        own = self.plane.own_ids
 
         self._nats_sub = await nats.subscribe(self.scope.subject(self.topic), cb=on_message)
 
@@ -286,6 +305,9 @@ class EventChannels:
         self.curve = CurveKeys(auth) if auth is not None and kind == "zmq" else None
         self.ctx = zmq.asyncio.Context()
         self.publishers: list[Publisher] = []
+        # this process's publishers' record keys and ids: its subscriptions skip them (it knows what it said)
+        self.own_keys: set[str] = set()
+        self.own_ids: set[int] = set()
         self.subscriptions: list[Subscription] = []
         self.handshakes = 0
         self.closed = False
@@ -324,6 +346,8 @@ class EventChannels:
         else:
             pub = Publisher(self, scope, topic, publisher_id)
             record = nats_channel_record(scope, topic, publisher_id)
+        self.own_keys.add(pub.record_key())  # before the record exists, so no subscription follows it
+        self.own_ids.add(publisher_id)
         await self.discovery.put(pub.record_key(), record, lease=True)
         self.publishers.append(pub)
         return pub

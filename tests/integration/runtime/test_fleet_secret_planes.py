@@ -108,7 +108,7 @@ async def test_a_subscriber_with_another_secret_reads_no_event(make) -> None:
     await strangers[1].event_plane().subscribe(SCOPE, "kv-events", into("none"))
     pub = await publisher.event_plane().publisher(SCOPE, "kv-events")
     for i in range(200):  # until the member's connection is up: events before its handshake are lost
-        await pub.publish(b"%d" % i)
+        pub.publish(b"%d" % i)  # (ZMQ: sent at once)
         if got["member"]:
             break
         await asyncio.sleep(0.05)
@@ -140,7 +140,7 @@ async def test_a_subscriber_that_knows_the_publishers_key_but_not_the_fleets_is_
         sub.connect(pub.address)  # type: ignore[attr-defined]
         await until(lambda: "its key is not the fleet's" in caplog.text, 10, "the publisher's ZAP refusal")
         for i in range(200):  # until the member's connection is up
-            await pub.publish(b"%d" % i)
+            pub.publish(b"%d" % i)  # (ZMQ: sent at once)
             if got:
                 break
             await asyncio.sleep(0.05)

@@ -206,7 +206,9 @@ async def published_until(pub, got: asyncio.Queue, payload: bytes) -> None:
     """Publish until the subscriber has one (its connection's handshake may still be under way)."""
     async with asyncio.timeout(10):
         while got.empty():
-            await pub.publish(payload)
+            sent = pub.publish(payload)  # NATS: a coroutine; ZMQ: sent at once (None)
+            if sent is not None:
+                await sent
             await asyncio.sleep(0.02)
 
 
