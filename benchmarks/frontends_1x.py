@@ -4,6 +4,9 @@
     PYTHONPATH=src .venv/bin/python -m benchmarks.frontends_1x [--workers d16-mocker|ours-mocker|llamacpp]
         [--streams 64,256] [--duration 20] [--repeats 1] [--only ours,d16] [--quiet 0.3]
 
+``--only ours-2,...``: ours with ``--http-workers 2`` (two frontend processes on one port, as a user gives a
+frontend more than one core; its CPU is the process tree's).
+
 Topology, one machine, file discovery (one ``DYN_FILE_KV`` per run), TCP request plane, ZMQ events:
 
     load generator --HTTP--> frontend (ours: `dynamo-run in=http out=dyn --router-mode kv`;
@@ -80,9 +83,10 @@ def start_workers(kind: str, env: dict[str, str], model_dir: Path, log: Path) ->
 
 
 def frontend_cmd(which: str, port: int) -> list[str]:
-    if which == "ours":
+    if which.startswith("ours"):  # ours-N: --http-workers N (N processes on one port; CPU summed over the tree)
+        extra = ["--http-workers", which.split("-", 1)[1]] if "-" in which else []
         return [*cli_command(), "in=http", "out=dyn", "--http-host", "127.0.0.1", "--http-port", str(port),
-                "--router-mode", "kv"]
+                "--router-mode", "kv", *extra]
     python = d16_python()
     assert python is not None
     return [str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
@@ -92,7 +96,7 @@ def frontend_cmd(which: str, port: int) -> list[str]:
 def one_run(which: str, streams: int, duration: float, env: dict[str, str], workers: list[dist_compare.Proc],
             log: Path) -> dict[str, Any]:
     port = free_port()
-    fenv = our_env(env) if which == "ours" else env
+    fenv = our_env(env) if which.startswith("ours") else env
     frontend = dist_compare.Proc(f"frontend-{which}", frontend_cmd(which, port), fenv, log)
     url = f"http://127.0.0.1:{port}"
     try:
