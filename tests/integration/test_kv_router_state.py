@@ -88,9 +88,9 @@ async def _count_adds(url: str, subject: str, n: int, started: threading.Event, 
 
     async def cb(msg: Any) -> None:
         nonlocal seen
-        data = payload(msg.data).get("data")
-        if isinstance(data, dict) and "AddRequest" in data:
-            seen += 1
+        for event in payload(msg.data).get("events") or ():
+            if isinstance(event["data"], dict) and "AddRequest" in event["data"]:
+                seen += 1
             if seen >= n:
                 got.set()
 
