@@ -366,21 +366,21 @@ class KvRouter:
                 self.indexer.apply_event(event)
         return n
 
-    def apply_active_sequence_event(self, batch: bytes | str | dict[str, Any]) -> bool:
-        """One payload of topic ``active_sequences_events`` (replica_sync.py) from another router, ours or
-        1.6.1's, or from a 1.6.1 worker (its prefill-done marks).  Our own echoes are skipped.  Returns
-        whether anything in it applied."""
+    def apply_active_sequence_event(self, message: bytes | str | dict[str, Any]) -> bool:
+        """One message of topic ``active_sequences_events`` (replica_sync.py: a batch or one event) from another
+        router, ours or 1.6.1's, or from a 1.6.1 worker (its prefill-done marks).  Our own echoes are skipped.
+        Returns whether anything in it applied."""
         applied = False
         try:
-            if not isinstance(batch, dict):
-                batch = orjson.loads(batch)
-            assert isinstance(batch, dict)
-            for ev in sync.read_events(batch, self.block_size):
+            if not isinstance(message, dict):
+                message = orjson.loads(message)
+            assert isinstance(message, dict)
+            for ev in sync.read_events(message, self.block_size):
                 peer = ev.router_id
                 if peer == self.router_id:
                     continue
-                request_id, worker = ev.request_id, ev.worker_id
-                if ev.kind == "add":
+                request_id, worker, kind = ev.request_id, ev.worker_id, ev.kind
+                if kind == sync.ADD:
                     blocks = ev.blocks
                     if ev.isl is not None:  # a router of ours, which sends heartbeats: silence ends its bookings
                         self._peer_seen[peer] = self.clock()
@@ -396,9 +396,9 @@ class KvRouter:
                     booked.pop(request_id, None)
                     booked[request_id] = self.clock()
                     applied = True
-                elif ev.kind == sync.MARK:
+                elif kind == sync.MARK:
                     applied = self._mark(worker, request_id) or applied
-                else:
+                elif kind == sync.FREE:
                     if peer in self._peer_seen:
                         self._peer_seen[peer] = self.clock()
                     self._peer_of.pop(request_id, None)
@@ -406,13 +406,11 @@ class KvRouter:
                     self._owner.pop(request_id, None)
                     self._free(worker, request_id)
                     applied = True
-            beat = sync.read_heartbeat(batch)
-            if beat is not None and beat[0] != self.router_id:
-                peer, live = beat
-                self._peer_seen[peer] = self.clock()
-                for rid in [r for r, p in self._peer_of.items() if p == peer and r not in live]:
-                    self._free_peer(rid)
-                applied = True
+                else:  # a heartbeat: the peer's bookings it no longer lists were freed (a lost Free)
+                    self._peer_seen[peer] = self.clock()
+                    for rid in [r for r, p in self._peer_of.items() if p == peer and r not in ev.live]:
+                        self._free_peer(rid)
+                    applied = True
         except (KeyError, TypeError, ValueError, AttributeError, AssertionError, orjson.JSONDecodeError) as e:
             self.seq_events_rejected += 1
             now = time.monotonic()

@@ -256,16 +256,15 @@ def test_router_replica_sync():
     prompt = list(range(1, 17))
     w, _ = a.select(prompt, [1, 2], request_id="r1")
     a.on_first_token("r1")
-    events = [e for batch in out_a for e in batch["events"]]
-    assert [e["data"] if isinstance(e["data"], str) else list(e["data"]) for e in events] == [
+    assert [e["data"] if isinstance(e["data"], str) else list(e["data"]) for e in out_a] == [
         ["AddRequest"], "MarkPrefillCompleted"]
-    add = events[0]
+    add = out_a[0]
     assert add["request_id"] == "r1" and add["worker"] == {"worker_id": w, "dp_rank": 0} and add["router_id"] == 0xA
     assert add["data"]["AddRequest"]["isl"] == 16
     assert add["data"]["AddRequest"]["prefill_load_hint"]["initial_effective_prefill_tokens"] == 16
     assert len(add["data"]["AddRequest"]["token_sequence"]) == 4
-    for batch in out_a:
-        assert b.apply_active_sequence_event(batch)
+    for event in out_a:
+        assert b.apply_active_sequence_event(event)
     assert not a.apply_active_sequence_event(out_a[0])  # own echo ignored
     assert b.worker_load(w) == {"active_blocks": 4, "active_tokens": 0, "active_requests": 1}
     # B now avoids the worker A loaded
@@ -283,9 +282,9 @@ def test_a_peers_partial_last_block_is_booked_as_the_peer_books_it():
     a = KvRouter(block_size=BS, seed=0, publish_active_sequence=out_a.append, router_id=0xA)
     b = KvRouter(block_size=BS, seed=1, router_id=0xB)
     w = a.select(list(range(1, 11)), [1], request_id="r1").worker_id  # two full blocks and a partial one
-    (batch,) = out_a
-    assert len(batch["events"][0]["data"]["AddRequest"]["token_sequence"]) == 2  # full blocks only, as 1.x
-    b.apply_active_sequence_event(batch)
+    (event,) = out_a
+    assert len(event["data"]["AddRequest"]["token_sequence"]) == 2  # full blocks only, as 1.x
+    b.apply_active_sequence_event({"events": [event]})  # (as a batch, the way it travels on ZMQ)
     assert b.worker_load(w) == a.worker_load(w) == {"active_blocks": 3, "active_tokens": 10, "active_requests": 1}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
+from dynamo.kv.replica_sync import frame
 from dynamo.kv.slot_blocks import SlotBlocks
 from dynamo.kv.worker_state import WorkerKvState
 
@@ -175,7 +176,9 @@ def test_a_silent_peer_routers_bookings_expire():
     out_a.clear()
     a.heartbeat()
     (beat,) = out_a
-    assert beat == {"events": [], "heartbeat": {"router_id": 0xA, "request_ids": ["r1", "r2"]}}
+    # a no-op for 1.6.1 (request "" is no router's), with our field beside it
+    assert beat == {"request_id": "", "worker": {"worker_id": 0, "dp_rank": 0}, "data": "MarkPrefillCompleted",
+                    "router_id": 0xA, "lora_name": None, "heartbeat": {"request_ids": ["r1", "r2"]}}
     b.apply_active_sequence_event(beat)
     clock.t = 10
     assert b.expire_peers() == 0 and b.worker_load(1)["active_requests"] == 2
@@ -223,8 +226,8 @@ def test_a_1x_routers_bookings_count_until_freed_and_expire_after_1xs_own_bound(
     # 1.6.1 sends no heartbeats: its silence is no reason to drop its bookings...
     clock.t = 100
     assert r.expire_peers() == 0 and r.worker_load(w)["active_requests"] == 1
-    # ...its Free is
-    assert r.apply_active_sequence_event(D16_FREE)
+    # ...its Free is (on NATS 1.6.1 sends each event bare, not in a batch)
+    assert r.apply_active_sequence_event(D16_FREE["events"][0])
     assert r.worker_load(w)["active_requests"] == 0
     # a booking whose Free never comes lasts as long as 1.x lets it
     r.apply_active_sequence_event(D16_ADD)
@@ -242,3 +245,9 @@ def test_malformed_active_sequence_events_are_counted_and_logged_once_a_minute(c
             assert not r.apply_active_sequence_event(bad)
     assert r.seq_events_rejected == 50
     assert len([m for m in caplog.messages if "active-sequence" in m]) == 1
+
+
+def test_an_event_is_framed_as_1_6_1_reads_it_on_each_transport():
+    event = D16_FREE["events"][0]
+    assert frame(event, "zmq") == D16_FREE  # a batch: 1.6.1's ZMQ reader says "missing field `events`" otherwise
+    assert frame(event, "nats") == event  # bare: its NATS reader says "missing field `request_id`" to a batch
