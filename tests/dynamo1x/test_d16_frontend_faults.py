@@ -66,17 +66,17 @@ ANSWER = TOKENIZER.encode("The capital of France is Paris.", add_special_tokens=
 async def generate(request):
     for i, tid in enumerate(ANSWER):
         item = {"token_ids": [tid]}
-        if i == 0:  # a field of ours that 1.x's LLMEngineOutput has not: the worker passes it on
-            item["prompt_logprobs"] = [None] + [[{"token_id": t, "logprob": -1.0}] for t in request["token_ids"][1:]]
+        if i == 0:  # prompt logprobs nobody asked for: the worker passes them on (in 1.x's engine_data)
+            item["prompt_logprobs"] = [None] + [{"logprob": -1.0, "top_logprobs": []} for _ in request["token_ids"][1:]]
         yield item
     yield {"token_ids": [], "finish_reason": "stop"}
 """
 
 
 def test_d16_frontend_ignores_a_field_of_ours_in_our_items(tiny_chat_5k: Path, store: Path, tmp_path: Path) -> None:
-    """Our worker's items are 1.x's ``LLMEngineOutput`` with our fields beside; 1.6.1's frontend skips the ones
-    it does not know (here ``prompt_logprobs``, which our worker passes on from its engine:
-    tests/unit/worker/test_token_stops.py) and serves the answer whole."""
+    """Our worker's items are 1.x's ``LLMEngineOutput``; what 1.6.1's frontend did not ask for (here prompt
+    logprobs in the last item's ``engine_data``, which our worker passes on from its engine) it skips, and
+    serves the answer whole."""
     engine = tmp_path / "extra_field_engine.py"
     engine.write_text(EXTRA_FIELD_ENGINE)
     theirs, ours = ours_env(store)

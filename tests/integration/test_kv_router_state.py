@@ -88,11 +88,11 @@ async def _count_adds(url: str, subject: str, n: int, started: threading.Event, 
 
     async def cb(msg: Any) -> None:
         nonlocal seen
-        data = payload(msg.data).get("data")
-        if isinstance(data, dict) and "AddRequest" in data:
+        event = payload(msg.data)  # on NATS each active-sequence event travels bare (1.x's framing there)
+        if isinstance(event["data"], dict) and "AddRequest" in event["data"]:
             seen += 1
-            if seen >= n:
-                got.set()
+        if seen >= n:
+            got.set()
 
     await nc.subscribe(subject, cb=cb)
     await nc.flush()

@@ -4,10 +4,10 @@ event plane (:mod:`dynamo.runtime.event_plane`), in Dynamo 1.x's shapes and enve
 Workers, ours and 1.x's alike, publish KV events (blocks stored/removed) as topic ``kv-events`` of their
 serving endpoint (:mod:`dynamo.kv.v1_events`); the router follows that topic for each endpoint of its
 workers and keeps its radix tree from it (or, with ``--use-kv-events false``, predicts the cache from its
-own decisions).  Every decision is published as topic ``kv-hit-rate``, and frontends share their
-in-flight bookkeeping as topic ``active_sequences_events`` (both in the endpoint's scope: topics 1.x
-has no reader for) so several frontends in front of the same workers see each other's load and do not
-pile onto one worker.
+own decisions).  Every decision is published as topic ``kv-hit-rate`` (which 1.x has no reader for), and
+frontends share their in-flight bookkeeping as topic ``active_sequences_events`` (both in the endpoint's
+scope) so several frontends in front of the same workers see each other's load and do not pile onto one
+worker.
 
 The indexer follows KV events only if the model's workers say they publish them (our workers'
 ``runtime_config.publishes_kv_events``, 1.x's ``kv_event_publishing_enabled``); otherwise, or with
@@ -15,8 +15,10 @@ The indexer follows KV events only if the model's workers say they publish them 
 and says once per model which it does.  With KV events, every worker that appears (and every worker
 after the event plane reconnected, when events may have been lost) is asked for the blocks it holds on
 the recovery endpoint its ``EventSource`` record names (``worker_kv_query_source_*``), so a frontend
-that starts next to busy workers is not blind.  Each router sends a heartbeat with its in-flight requests
-every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings expire when its heartbeats stop (router.py).
+that starts next to busy workers is not blind.  The bookings travel in Dynamo 1.6.1's shape, so our routers and
+1.6.1's (``--router-replica-sync``) share them both ways (kv/replica_sync.py).  Each router of ours sends a
+heartbeat with its in-flight requests every ``DYN_ROUTER_PEER_TTL / 3`` seconds; a peer's bookings expire when its
+heartbeats stop (router.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import orjson
 
 from dynamo.bounds import track
 from dynamo.frontend.remote import RouterConfig
-from dynamo.kv import ApproxKvIndexer, KvRouter
+from dynamo.kv import ApproxKvIndexer, KvRouter, replica_sync
 from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import EventError
 from dynamo.kv.hashing import MASK64, compute_hashes_async
@@ -466,11 +468,12 @@ async def bookings_publisher(plane: EventPlane, scope: EndpointScope) -> Any:
     the event plane, and to this process's other routers in front of ``scope`` directly."""
     pub = await shared_publisher(plane, scope, TOPIC_ACTIVE_SEQUENCES)
     here = in_process_routers(plane, scope)
+    transport = pub.transport
 
     def publish(event: dict[str, Any]) -> Any:
         for other in here:  # (each ignores its own: the event names its router)
             other.apply_active_sequence_event(event)
-        return pub.publish(encode_payload(event))
+        return pub.publish(encode_payload(replica_sync.frame(event, transport)))
     return publish
 
 

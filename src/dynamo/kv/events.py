@@ -24,11 +24,8 @@ Hit-rate event (published by a KV router as topic ``kv-hit-rate`` of its workers
 
     {"worker_id": <i64>, "isl_blocks": <int>, "overlap_blocks": <int>}
 
-Active-sequence event (router replica sync, topic ``active_sequences_events`` of the workers' endpoint)::
-
-    {"request_id": str, "worker_id": <i64>, "router_id": str,
-     "data": {"AddRequest": {"token_sequence": [<u64>...], "isl": int, "overlap": int}}
-           | "MarkPrefillCompleted" | "Free"}
+Active-sequence events (router replica sync, topic ``active_sequences_events`` of the workers' endpoint)
+are Dynamo 1.6.1's ActiveSequenceEventBatch, with our heartbeat beside it: :mod:`dynamo.kv.replica_sync`.
 """
 
 from __future__ import annotations

@@ -11,23 +11,26 @@ A router that starts (or reconnects) late asks each worker for the blocks it hol
 query, worker_state.py) and applies the answer with :meth:`KvRouter.apply_dump`; events that arrive
 meanwhile are kept (:meth:`KvRouter.begin_resync`) and those newer than the dump are replayed after it.
 
-Peers' bookings expire: every router sends a heartbeat listing its in-flight requests every
-``peer_ttl / 3`` seconds (:meth:`KvRouter.heartbeat`, through ``publish_active_sequence``); a peer's
-booking that its heartbeat no longer lists is freed, and so is every booking of a peer silent for
-``peer_ttl`` seconds (a frontend that crashed leaves no phantom load behind).
+The active-sequence events are Dynamo 1.6.1's (replica_sync.py), so our routers and 1.6.1's share
+their bookings both ways.  Peers' bookings expire: every router of ours sends a heartbeat listing its
+in-flight requests every ``peer_ttl / 3`` seconds (:meth:`KvRouter.heartbeat`, through
+``publish_active_sequence``); a peer's booking that its heartbeat no longer lists is freed, and so is every
+booking of a peer silent for ``peer_ttl`` seconds (a frontend that crashed leaves no phantom load behind).
+A router that sends no heartbeats (1.6.1's) frees its bookings itself; each expires after 1.x's own bound.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
-import uuid
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import orjson
 
 from dynamo.bounds import track
+from dynamo.kv import replica_sync as sync
 from dynamo.kv.decision_log import DecisionLog
 from dynamo.kv.events import (
     DISK,
@@ -106,7 +109,7 @@ class KvRouter:
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic,
                  publish_hit_rate: Publisher | None = None,
                  publish_active_sequence: Publisher | None = None,
-                 router_id: str | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
+                 router_id: int | None = None, peer_ttl: float = DEFAULT_PEER_TTL_S,
                  tier_weights: Mapping[str, float] | None = None, lora_name: str | None = None,
                  decision_log: DecisionLog | None = None, load_of: KvRouter | None = None,
                  prefix_homes: bool = True, prefix_fetch_weight: float = DEFAULT_PREFIX_FETCH_WEIGHT):
@@ -135,7 +138,9 @@ class KvRouter:
         self.rng = random.Random(seed)
         self.publish_hit_rate = publish_hit_rate
         self.publish_active_sequence = publish_active_sequence
-        self.router_id = router_id or str(uuid.uuid4())
+        self.router_id = router_id if router_id is not None else random.getrandbits(64)  # (1.x's: a u64)
+        self.seq_events_rejected = 0  # malformed active-sequence events (logged once a minute)
+        self._rejected_logged_at = -math.inf
         # told each decision's stages in seconds (block_hashing, seq_hashing: when hashed here,
         # indexer_find_matches, scheduling, total): the frontend's router overhead histograms, or None
         self.overhead: Callable[[dict[str, float]], None] | None = None
@@ -147,8 +152,10 @@ class KvRouter:
         self._owner: dict[str, WorkerId] = {}  # request id -> worker it was routed to
         self.clock = clock
         self.peer_ttl = peer_ttl
-        self._peer_of: dict[str, str] = {}  # request id -> the peer router that booked it
-        self._peer_seen: dict[str, float] = {}  # peer router id -> when we last heard from it
+        self._peer_of: dict[str, int] = {}  # request id -> the peer router that booked it
+        self._peer_seen: dict[int, float] = {}  # peer router id -> its last heartbeat (peers that send them)
+        # request id -> when a peer booked it, oldest first: the bound on the bookings of peers without heartbeats
+        self._peer_booked: dict[str, float] = {}
         self._resync: dict[WorkerId, list[KvEvent]] = {}  # events that arrived while a dump was pending
         self._dumped_upto: dict[WorkerId, int] = {}  # events up to this id are in the applied dump
         self.last_costs: Sequence[WorkerCost] = []  # of the last decision, for logs and tests
@@ -166,6 +173,7 @@ class KvRouter:
             self._owner = load_of._owner
             self._peer_of = load_of._peer_of
             self._peer_seen = load_of._peer_seen
+            self._peer_booked = load_of._peer_booked
         _track_router(self)
 
     # -- per request ---------------------------------------------------------------------------
@@ -265,9 +273,10 @@ class KvRouter:
             self._add(request_id, choice.worker_id, blocks, prefill)
             if self.homes is not None:
                 self.homes.record(seq, choice.worker_id)
-            emit(self.publish_active_sequence, self._seq_event(request_id, choice.worker_id, {
-                "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids),
-                               "overlap": choice.overlap_blocks}}), "active sequence event")
+            if self.publish_active_sequence is not None:
+                emit(self.publish_active_sequence, sync.add_request(
+                    request_id, choice.worker_id, self.router_id, seq, len(token_ids), prefill, self.lora_name),
+                    "active sequence event")
         emit(self.publish_hit_rate, {"worker_id": choice.worker_id, "isl_blocks": len(local),
                                      "overlap_blocks": choice.overlap_blocks}, "kv hit rate event")
         return RoutingDecision(choice.worker_id, choice.overlap_blocks, source)
@@ -277,18 +286,21 @@ class KvRouter:
         """Track a request routed without :meth:`select` (e.g. ``backend_instance_id`` was given)."""
         seq = compute_seq_hashes(compute_block_hashes(token_ids, self.block_size, self.lora_name))
         blocks = self._request_blocks(seq, len(token_ids))
-        self._add(request_id, worker_id, blocks, len(token_ids) - overlap_blocks * self.block_size)
-        emit(self.publish_active_sequence, self._seq_event(request_id, worker_id, {
-            "AddRequest": {"token_sequence": list(blocks), "isl": len(token_ids), "overlap": overlap_blocks}}),
-            "active sequence event")
+        prefill = len(token_ids) - overlap_blocks * self.block_size
+        self._add(request_id, worker_id, blocks, prefill)
+        if self.publish_active_sequence is not None:
+            emit(self.publish_active_sequence, sync.add_request(
+                request_id, worker_id, self.router_id, seq, len(token_ids), prefill, self.lora_name),
+                "active sequence event")
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done on its worker: its prompt no longer counts as pending work."""
         worker = self._owner.get(request_id)
         if self.decision_log is not None and worker is not None:
             self.decision_log.write({"ev": "first", "id": request_id})
-        if worker is not None and self._mark(worker, request_id):
-            emit(self.publish_active_sequence, self._seq_event(request_id, worker, "MarkPrefillCompleted"),
+        if worker is not None and self._mark(worker, request_id) and self.publish_active_sequence is not None:
+            emit(self.publish_active_sequence,
+                 sync.mark_prefill_completed(request_id, worker, self.router_id, self.lora_name),
                  "active sequence event")
 
     def on_finished(self, request_id: str) -> None:
@@ -299,7 +311,9 @@ class KvRouter:
         if self.decision_log is not None:
             self.decision_log.write({"ev": "done", "id": request_id})
         self._free(worker, request_id)
-        emit(self.publish_active_sequence, self._seq_event(request_id, worker, "Free"), "active sequence event")
+        if self.publish_active_sequence is not None:
+            emit(self.publish_active_sequence, sync.free(request_id, worker, self.router_id, self.lora_name),
+                 "active sequence event")
 
     # -- inputs from the outside ---------------------------------------------------------------
     def apply_event(self, event: KvEvent | bytes | str | dict[str, Any]) -> bool:
@@ -352,70 +366,95 @@ class KvRouter:
                 self.indexer.apply_event(event)
         return n
 
-    def apply_active_sequence_event(self, event: bytes | str | dict[str, Any]) -> bool:
-        """An add/mark/free update from a peer router (replica sync).  Our own echoes are ignored."""
+    def apply_active_sequence_event(self, message: bytes | str | dict[str, Any]) -> bool:
+        """One message of topic ``active_sequences_events`` (replica_sync.py: a batch or one event) from another
+        router, ours or 1.6.1's, or from a 1.6.1 worker (its prefill-done marks).  Our own echoes are skipped.
+        Returns whether anything in it applied."""
+        applied = False
         try:
-            if not isinstance(event, dict):
-                event = orjson.loads(event)
-            assert isinstance(event, dict)
-            peer = event.get("router_id")
-            if peer == self.router_id:
-                return False
-            if peer is not None:
-                self._peer_seen[str(peer)] = self.clock()
-            data = event["data"]
-            if isinstance(data, dict) and "Heartbeat" in data:
-                live = {str(r) for r in data["Heartbeat"].get("request_ids") or ()}
-                for rid in [r for r, p in self._peer_of.items() if p == peer and r not in live]:
-                    self._free_peer(rid)
-                return True
-            request_id = str(event["request_id"])
-            worker = int(event["worker_id"])
-            if isinstance(data, dict) and "AddRequest" in data:
-                add = data["AddRequest"]
-                blocks = [int(b) for b in add["token_sequence"]]
-                prefill = int(add["isl"]) - int(add.get("overlap", 0)) * self.block_size
-                self._add(request_id, worker, blocks, prefill)
-                if self.homes is not None:
-                    self.homes.record(blocks, worker)
-                if peer is not None:
-                    self._peer_of[request_id] = str(peer)
-            elif data == "MarkPrefillCompleted":
-                self._mark(worker, request_id)
-            elif data == "Free":
-                self._peer_of.pop(request_id, None)
-                self._owner.pop(request_id, None)
-                self._free(worker, request_id)
-            else:
-                raise ValueError(f"unknown data {data!r}")
-            return True
-        except (KeyError, TypeError, ValueError, AssertionError, orjson.JSONDecodeError) as e:
-            log.warning("bad active-sequence event skipped: %s", e)
-            return False
+            if not isinstance(message, dict):
+                message = orjson.loads(message)
+            assert isinstance(message, dict)
+            for ev in sync.read_events(message, self.block_size):
+                peer = ev.router_id
+                if peer == self.router_id:
+                    continue
+                request_id, worker, kind = ev.request_id, ev.worker_id, ev.kind
+                if kind == sync.ADD:
+                    blocks = ev.blocks
+                    if ev.isl is not None:  # a router of ours, which sends heartbeats: silence ends its bookings
+                        self._peer_seen[peer] = self.clock()
+                        if ev.isl % self.block_size:
+                            blocks.append(self.rng.getrandbits(64))  # its private partial block, as it books it
+                    elif peer in self._peer_seen:
+                        self._peer_seen[peer] = self.clock()
+                    self._add(request_id, worker, blocks, ev.prefill)
+                    if self.homes is not None:
+                        self.homes.record(blocks, worker)
+                    self._peer_of[request_id] = peer
+                    booked = self._peer_booked
+                    booked.pop(request_id, None)
+                    booked[request_id] = self.clock()
+                    applied = True
+                elif kind == sync.MARK:
+                    applied = self._mark(worker, request_id) or applied
+                elif kind == sync.FREE:
+                    if peer in self._peer_seen:
+                        self._peer_seen[peer] = self.clock()
+                    self._peer_of.pop(request_id, None)
+                    self._peer_booked.pop(request_id, None)
+                    self._owner.pop(request_id, None)
+                    self._free(worker, request_id)
+                    applied = True
+                else:  # a heartbeat: the peer's bookings it no longer lists were freed (a lost Free)
+                    self._peer_seen[peer] = self.clock()
+                    for rid in [r for r, p in self._peer_of.items() if p == peer and r not in ev.live]:
+                        self._free_peer(rid)
+                    applied = True
+        except (KeyError, TypeError, ValueError, AttributeError, AssertionError, orjson.JSONDecodeError) as e:
+            self.seq_events_rejected += 1
+            now = time.monotonic()
+            if now - self._rejected_logged_at >= 60:
+                self._rejected_logged_at = now
+                log.warning("malformed active-sequence event(s) skipped (%d so far; at most one line a minute): "
+                            "%s: %s", self.seq_events_rejected, type(e).__name__, e)
+        return applied
 
     def heartbeat(self) -> None:
         """Tell peers which of their copies of our bookings are still live (call every peer_ttl / 3)."""
-        own = [rid for rid in self._owner if rid not in self._peer_of]
-        emit(self.publish_active_sequence, {"request_id": "", "worker_id": 0, "router_id": self.router_id,
-                                            "data": {"Heartbeat": {"request_ids": own}}}, "router heartbeat")
+        if self.publish_active_sequence is not None:
+            own = [rid for rid in self._owner if rid not in self._peer_of]
+            emit(self.publish_active_sequence, sync.heartbeat(self.router_id, own), "router heartbeat")
 
     def expire_peers(self, now: float | None = None) -> int:
-        """Free every booking of a peer router not heard from for ``peer_ttl`` seconds; returns how many."""
+        """Free every booking of a peer router not heard from for ``peer_ttl`` seconds (peers that send
+        heartbeats), and those older than 1.x's bound of peers that send none; returns how many."""
         now = self.clock() if now is None else now
+        freed = 0
+        booked = self._peer_booked
+        while booked:
+            rid, at = next(iter(booked.items()))
+            if now - at <= sync.UNBEATING_BOOKING_S:
+                break
+            del booked[rid]
+            if rid in self._peer_of and self._peer_of[rid] not in self._peer_seen:
+                self._free_peer(rid)
+                freed += 1
         dead = {p for p, seen in self._peer_seen.items() if now - seen > self.peer_ttl}
         if not dead:
-            return 0
+            return freed
         gone = [rid for rid, p in self._peer_of.items() if p in dead]
         for rid in gone:
             self._free_peer(rid)
         for p in dead:
             del self._peer_seen[p]
-        log.info("peer router(s) %s silent for %.0f s: freed their %d booking(s)", ", ".join(sorted(dead)),
-                 self.peer_ttl, len(gone))
-        return len(gone)
+        log.info("peer router(s) %s silent for %.0f s: freed their %d booking(s)",
+                 ", ".join(f"{p:x}" for p in sorted(dead)), self.peer_ttl, len(gone))
+        return freed + len(gone)
 
     def _free_peer(self, request_id: str) -> None:
         self._peer_of.pop(request_id, None)
+        self._peer_booked.pop(request_id, None)
         worker = self._owner.pop(request_id, None)
         if worker is not None:
             self._free(worker, request_id)
@@ -438,6 +477,7 @@ class KvRouter:
             for rid in tracker.requests:
                 self._owner.pop(rid, None)
                 self._peer_of.pop(rid, None)
+                self._peer_booked.pop(rid, None)
 
     # -- queries -------------------------------------------------------------------------------
     def find_matches(self, token_ids: Sequence[int]) -> Overlaps:
@@ -595,9 +635,6 @@ class KvRouter:
             if not workers:
                 del self._heads[head]
 
-    def _seq_event(self, request_id: str, worker: WorkerId, data: Any) -> dict[str, Any]:
-        return {"request_id": request_id, "worker_id": worker, "data": data, "router_id": self.router_id}
-
 
 def _track_router(router: KvRouter) -> None:
     """Its structures in dynamo.bounds (``/debug/memory``): per request (back to 0 when idle), per worker,
@@ -605,6 +642,7 @@ def _track_router(router: KvRouter) -> None:
     if router.owns_load:  # (a LoRA adapter's router shares these with its base model's)
         track("kv_router_requests", router, lambda r: len(r._owner))
         track("kv_router_peer_requests", router, lambda r: len(r._peer_of))
+        track("kv_router_peer_booked", router, lambda r: len(r._peer_booked))
         track("kv_router_request_heads", router, lambda r: len(r._heads))
         track("kv_router_tracked_requests", router, lambda r: sum(len(t.requests) for t in r.trackers.values()))
     track("kv_router_resync_events", router, lambda r: sum(len(v) for v in r._resync.values()))

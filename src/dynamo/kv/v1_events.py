@@ -39,8 +39,9 @@ from dynamo.kv.hashing import MASK64
 
 TOPIC_KV_EVENTS = "kv-events"
 TOPIC_KV_METRICS = "kv_metrics"
-# ours, which 1.x has no reader for: in 1.x's envelope, under the names they had (kv/events.py has the shapes)
+# ours, which 1.x has no reader for: in 1.x's envelope, under the name it had (kv/events.py has the shape)
 TOPIC_HIT_RATE = "kv-hit-rate"
+# routers' bookings (replica sync), in 1.6.1's shape: ours and 1.6.1's read each other's (replica_sync.py)
 TOPIC_ACTIVE_SEQUENCES = "active_sequences_events"
 QUERY_SOURCE_PREFIX = "worker_kv_query_source_"
 FORWARD_PASS_METRICS = "forward_pass_metrics"  # our whole load report, inside an ActiveLoad (1.6.1 ignores it)

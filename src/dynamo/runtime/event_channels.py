@@ -117,6 +117,7 @@ class Publisher:
         self.publisher_id = publisher_id
         self.sequence = 0
         self._sock = sock  # the PUB socket (ZMQ), None on NATS
+        self.transport = "zmq" if sock is not None else "nats"
         # the same socket, blocking: sending with NOBLOCK returns at once and makes no future
         self._twin = zmq.Socket.shadow(sock.underlying) if sock is not None else None
         self.address = address  # where it is bound (tcp://host:port), "" on NATS

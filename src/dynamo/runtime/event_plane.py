@@ -21,6 +21,9 @@ class EventPublisher(Protocol):
     scope: EndpointScope
     topic: str
     publisher_id: int
+    # ``zmq`` or ``nats``: how its events travel (1.x frames some topics by it: active-sequence events are
+    # batches on ZMQ, bare on NATS)
+    transport: str
 
     def publish(self, payload: bytes) -> Any:
         """Send one event; returns what to await for it to leave, or None."""

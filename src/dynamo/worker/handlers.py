@@ -17,7 +17,7 @@ from dynamo.llm.engine import Context, Engine, ServesLoraAdapters
 from dynamo.llm.model_card import ModelCard
 from dynamo.llm.parsers.stage import ParseStage
 from dynamo.llm.protocols.common import FINISH_CANCELLED, FINISH_STOP, PreprocessedRequest
-from dynamo.llm.protocols.wire import output_item, read_request, usage
+from dynamo.llm.protocols.wire import output_item, prompt_logprobs_on_wire, read_request, usage
 from dynamo.llm.tokenizer import Tokenizer
 from dynamo.runtime import tracing
 from dynamo.worker.phases import Phases
@@ -95,6 +95,8 @@ async def _token_items(start: Any, request: Any, context: Any) -> AsyncIterator[
     first = True
     reason: Any = None
     failed: BaseException | None = None
+    # a 1.x frontend's prompt logprobs: 1.x's shape, on the last item (where its frontend reads them)
+    engine_data: dict[str, Any] | None = None
     try:
         async for out in gen:
             if phases is not None and phases.prefilling:
@@ -109,14 +111,22 @@ async def _token_items(start: Any, request: Any, context: Any) -> AsyncIterator[
             done = reason is not None
             item = output_item(tokens, reason, usage(prompt, generated, cached) if first or done else None, out=out)
             first = False
-            if out.prompt_logprobs is not None:  # echo: the frontend shapes them (it has the prompt)
-                item["prompt_logprobs"] = out.prompt_logprobs
+            if out.prompt_logprobs is not None:
+                if req.detokenize:  # our frontend shapes them (it has the prompt)
+                    item["prompt_logprobs"] = out.prompt_logprobs
+                else:
+                    engine_data = {"prompt_logprobs": prompt_logprobs_on_wire(req.token_ids, out.prompt_logprobs)}
+            if done and engine_data is not None:
+                item["engine_data"] = engine_data
             yield item
             if done:
                 return
         # the engine ended without a finish reason: stopped by the client, or done
         reason = FINISH_CANCELLED if ctx.is_stopped else FINISH_STOP
-        yield output_item([], reason, usage(prompt, generated, cached))
+        last = output_item([], reason, usage(prompt, generated, cached))
+        if engine_data is not None:
+            last["engine_data"] = engine_data
+        yield last
     except (Exception, asyncio.CancelledError) as exc:
         failed = exc
         raise

@@ -251,19 +251,20 @@ def test_router_approx_mode():
 
 def test_router_replica_sync():
     out_a, out_b = [], []
-    a = KvRouter(block_size=BS, seed=0, publish_active_sequence=out_a.append, router_id="A")
-    b = KvRouter(block_size=BS, seed=1, publish_active_sequence=out_b.append, router_id="B")
+    a = KvRouter(block_size=BS, seed=0, publish_active_sequence=out_a.append, router_id=0xA)
+    b = KvRouter(block_size=BS, seed=1, publish_active_sequence=out_b.append, router_id=0xB)
     prompt = list(range(1, 17))
     w, _ = a.select(prompt, [1, 2], request_id="r1")
     a.on_first_token("r1")
     assert [e["data"] if isinstance(e["data"], str) else list(e["data"]) for e in out_a] == [
         ["AddRequest"], "MarkPrefillCompleted"]
     add = out_a[0]
-    assert add["request_id"] == "r1" and add["worker_id"] == w and add["router_id"] == "A"
-    assert add["data"]["AddRequest"]["isl"] == 16 and add["data"]["AddRequest"]["overlap"] == 0
+    assert add["request_id"] == "r1" and add["worker"] == {"worker_id": w, "dp_rank": 0} and add["router_id"] == 0xA
+    assert add["data"]["AddRequest"]["isl"] == 16
+    assert add["data"]["AddRequest"]["prefill_load_hint"]["initial_effective_prefill_tokens"] == 16
     assert len(add["data"]["AddRequest"]["token_sequence"]) == 4
-    for e in out_a:
-        assert b.apply_active_sequence_event(e)
+    for event in out_a:
+        assert b.apply_active_sequence_event(event)
     assert not a.apply_active_sequence_event(out_a[0])  # own echo ignored
     assert b.worker_load(w) == {"active_blocks": 4, "active_tokens": 0, "active_requests": 1}
     # B now avoids the worker A loaded
@@ -273,6 +274,18 @@ def test_router_replica_sync():
     b.apply_active_sequence_event(out_a[-1])
     assert b.worker_load(w)["active_requests"] == 0
     assert not b.apply_active_sequence_event(b"{}")
+    assert b.seq_events_rejected == 1
+
+
+def test_a_peers_partial_last_block_is_booked_as_the_peer_books_it():
+    out_a: list[dict] = []
+    a = KvRouter(block_size=BS, seed=0, publish_active_sequence=out_a.append, router_id=0xA)
+    b = KvRouter(block_size=BS, seed=1, router_id=0xB)
+    w = a.select(list(range(1, 11)), [1], request_id="r1").worker_id  # two full blocks and a partial one
+    (event,) = out_a
+    assert len(event["data"]["AddRequest"]["token_sequence"]) == 2  # full blocks only, as 1.x
+    b.apply_active_sequence_event({"events": [event]})  # (as a batch, the way it travels on ZMQ)
+    assert b.worker_load(w) == a.worker_load(w) == {"active_blocks": 3, "active_tokens": 10, "active_requests": 1}
 
 
 def test_router_validation():

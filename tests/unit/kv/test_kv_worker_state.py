@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dynamo.kv import KvRouter
 from dynamo.kv.hashing import compute_hashes
+from dynamo.kv.replica_sync import frame
 from dynamo.kv.slot_blocks import SlotBlocks
 from dynamo.kv.worker_state import WorkerKvState
 
@@ -163,8 +164,8 @@ class Clock:
 def test_a_silent_peer_routers_bookings_expire():
     clock = Clock()
     out_a: list[dict] = []
-    a = KvRouter(block_size=BS, publish_active_sequence=out_a.append, router_id="A", clock=clock, peer_ttl=6)
-    b = KvRouter(block_size=BS, router_id="B", clock=clock, peer_ttl=6)
+    a = KvRouter(block_size=BS, publish_active_sequence=out_a.append, router_id=0xA, clock=clock, peer_ttl=6)
+    b = KvRouter(block_size=BS, router_id=0xB, clock=clock, peer_ttl=6)
     a.select(toks(16), [1], request_id="r1")
     a.select(toks(16, 50), [1], request_id="r2")
     for e in out_a:
@@ -175,7 +176,9 @@ def test_a_silent_peer_routers_bookings_expire():
     out_a.clear()
     a.heartbeat()
     (beat,) = out_a
-    assert beat["data"] == {"Heartbeat": {"request_ids": ["r1", "r2"]}}
+    # a no-op for 1.6.1 (request "" is no router's), with our field beside it
+    assert beat == {"request_id": "", "worker": {"worker_id": 0, "dp_rank": 0}, "data": "MarkPrefillCompleted",
+                    "router_id": 0xA, "lora_name": None, "heartbeat": {"request_ids": ["r1", "r2"]}}
     b.apply_active_sequence_event(beat)
     clock.t = 10
     assert b.expire_peers() == 0 and b.worker_load(1)["active_requests"] == 2
@@ -194,3 +197,57 @@ def test_a_silent_peer_routers_bookings_expire():
     clock.t = 100
     assert b.expire_peers() == 0 and b.worker_load(1)["active_requests"] == 1
 
+
+
+# what Dynamo 1.6.1's frontend (--router-replica-sync) and its mocker published for one request (observed)
+D16_ROUTER, D16_WORKER = 11330970277860350789, 18326327000310449198
+D16_ADD = {"events": [{"request_id": "3df7ee72", "worker": {"worker_id": D16_WORKER, "dp_rank": 0},
+                       "data": {"AddRequest": {"token_sequence": [8669855453106358303, 17973271997333311307,
+                                                                  4802968182366274244, 8236014029926960814],
+                                               "track_prefill_tokens": True, "expected_output_tokens": None,
+                                               "prefill_load_hint": {"initial_effective_prefill_tokens": 263,
+                                                                     "expected_prefill_duration": None}}},
+                       "router_id": D16_ROUTER, "lora_name": None}]}
+D16_WORKER_MARK = {"events": [{"request_id": "3df7ee72", "worker": {"worker_id": D16_WORKER, "dp_rank": 0},
+                               "data": "MarkPrefillCompleted", "router_id": D16_WORKER, "lora_name": None}]}
+D16_FREE = {"events": [{"request_id": "3df7ee72", "worker": {"worker_id": D16_WORKER, "dp_rank": 0},
+                        "data": "Free", "router_id": D16_ROUTER, "lora_name": None}]}
+
+
+def test_a_1x_routers_bookings_count_until_freed_and_expire_after_1xs_own_bound():
+    clock = Clock()
+    r = KvRouter(block_size=64, clock=clock, peer_ttl=6)
+    w = D16_WORKER - (1 << 64)  # above i64's maximum: negative, as our code keeps worker ids
+    assert r.apply_active_sequence_event(D16_ADD)
+    assert r.worker_load(w) == {"active_blocks": 4, "active_tokens": 263, "active_requests": 1}
+    # the worker's own mark (its worker id as router id) ends the prompt's prefill
+    assert r.apply_active_sequence_event(D16_WORKER_MARK)
+    assert r.worker_load(w)["active_tokens"] == 0
+    # 1.6.1 sends no heartbeats: its silence is no reason to drop its bookings...
+    clock.t = 100
+    assert r.expire_peers() == 0 and r.worker_load(w)["active_requests"] == 1
+    # ...its Free is (on NATS 1.6.1 sends each event bare, not in a batch)
+    assert r.apply_active_sequence_event(D16_FREE["events"][0])
+    assert r.worker_load(w)["active_requests"] == 0
+    # a booking whose Free never comes lasts as long as 1.x lets it
+    r.apply_active_sequence_event(D16_ADD)
+    clock.t = 399
+    assert r.expire_peers() == 0 and r.worker_load(w)["active_requests"] == 1
+    clock.t = 401
+    assert r.expire_peers() == 1 and r.worker_load(w)["active_requests"] == 0
+
+
+def test_malformed_active_sequence_events_are_counted_and_logged_once_a_minute(caplog):
+    r = KvRouter(block_size=64)
+    bad = {"events": [{"request_id": "x", "worker_id": 1, "router_id": 2, "data": "Free"}]}  # no "worker"
+    with caplog.at_level("WARNING", logger="dynamo.kv.router"):
+        for _ in range(50):
+            assert not r.apply_active_sequence_event(bad)
+    assert r.seq_events_rejected == 50
+    assert len([m for m in caplog.messages if "active-sequence" in m]) == 1
+
+
+def test_an_event_is_framed_as_1_6_1_reads_it_on_each_transport():
+    event = D16_FREE["events"][0]
+    assert frame(event, "zmq") == D16_FREE  # a batch: 1.6.1's ZMQ reader says "missing field `events`" otherwise
+    assert frame(event, "nats") == event  # bare: its NATS reader says "missing field `request_id`" to a batch

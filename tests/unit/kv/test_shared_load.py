@@ -65,8 +65,11 @@ def test_a_peers_bookings_reach_the_shared_bookings_once_and_siblings_echoes_are
     # our own adapter router's event, as the base router's subscription would hear it: an echo
     assert base.apply_active_sequence_event(orjson.dumps(sent[0])) is False
     assert base.worker_load(A)["active_requests"] == 1
-    peer = {"request_id": "p1", "worker_id": B, "router_id": "peer",
-            "data": {"AddRequest": {"token_sequence": [1, 2], "isl": 32, "overlap": 0}}}
+    peer = {"events": [{"request_id": "p1", "worker": {"worker_id": B, "dp_rank": 0}, "router_id": 7, "lora_name": None,
+                        "data": {"AddRequest": {"token_sequence": [1, 2], "track_prefill_tokens": True,
+                                                "expected_output_tokens": None, "prefill_load_hint": {
+                                                    "initial_effective_prefill_tokens": 32,
+                                                    "expected_prefill_duration": None}}}}]}
     assert base.apply_active_sequence_event(peer)
     assert sql.worker_load(B) == {"active_blocks": 2, "active_tokens": 32, "active_requests": 1}
 

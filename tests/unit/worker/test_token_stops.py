@@ -90,19 +90,25 @@ def test_routing_and_stop_ids_map_to_ours():
     assert req.stop_conditions.stop_token_ids_hidden == [2, 7] and req.stop_conditions.stop_token_ids_visible == [8]
 
 
-async def test_an_engines_prompt_logprobs_go_on_beside_1xs_fields():
-    """A field of ours in an item (1.6.1's frontend skips it: tests/dynamo1x/test_d16_frontend_faults.py)."""
+async def test_an_engines_prompt_logprobs_go_in_1xs_place_to_a_1x_frontend_and_in_ours_to_ours():
+    """A 1.x frontend reads them from the last item's ``engine_data`` in 1.x's shape
+    (tests/dynamo1x/test_d16_prompt_logprobs.py); ours from our field on the item that carried them."""
     from dynamo.llm.protocols.common import EngineOutput
 
     class PromptLogprobs:
         async def generate(self, request, context):
-            yield EngineOutput(token_ids=[5], prompt_logprobs=[None, [{"token_id": 6, "logprob": -1.0}]])
+            yield EngineOutput(token_ids=[5], prompt_logprobs=[None, {"logprob": -1.0, "top_logprobs": []}])
             yield EngineOutput(token_ids=[], finish_reason="stop")
 
     handler = backend_handler(ModelCard(display_name="m"), PromptLogprobs())  # type: ignore[arg-type]
     items = [x async for x in handler(v1_request([1, 6]), RtContext("r1"))]
-    assert items[0]["prompt_logprobs"] == [None, [{"token_id": 6, "logprob": -1.0}]]
+    assert "prompt_logprobs" not in items[0] and "engine_data" not in items[0]
+    assert items[-1]["engine_data"] == {"prompt_logprobs": [None, {"6": {"logprob": -1.0}}]}
     assert list(items[0])[:4] == ["token_ids", "tokens", "text", "output_type"]
+    ours = dict(v1_request([1, 6]), detokenize=True)  # our frontend, to a worker without a tokenizer
+    items = [x async for x in handler(ours, RtContext("r2"))]
+    assert items[0]["prompt_logprobs"] == [None, {"logprob": -1.0, "top_logprobs": []}]
+    assert all("engine_data" not in item for item in items)
 
 
 def test_a_lora_named_in_routing_is_the_model_the_worker_checks():

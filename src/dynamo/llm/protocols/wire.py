@@ -89,6 +89,34 @@ def top_logprobs_on_wire(tops: list[Any] | None) -> list[Any] | None:
              for i, t in enumerate(alts or [])] for alts in tops]
 
 
+MIN_PROMPT_LOGPROB = -9999.0  # OpenAI's floor (JSON has no -inf; 1.x reads these through serde_json)
+
+
+def prompt_logprobs_on_wire(token_ids: list[int], ours: list[Any]) -> list[Any]:
+    """An engine's prompt logprobs (per prompt token: None for the first, else ``{"logprob", "top_logprobs":
+    [{"token_id", "logprob"}]}``) as 1.x's ``PromptLogprobs``, vLLM's shape: per prompt token None, or
+    ``{"<token id>": {"logprob", "rank"}}`` of the token itself and the alternatives (ranks from 1 among
+    those; the token's own rank only where it is among them).  1.x's frontend reads them from the item's
+    ``engine_data["prompt_logprobs"]`` (keys must be strings there: it reads ``engine_data`` as JSON)."""
+    out: list[Any] = []
+    for i, tid in enumerate(token_ids):
+        entry = ours[i] if i < len(ours) else None
+        if entry is None:
+            out.append(None)
+            continue
+        alts = sorted(entry.get("top_logprobs") or (), key=lambda a: -(a.get("logprob") or MIN_PROMPT_LOGPROB))
+        row = {str(a["token_id"]): {"logprob": _floor(a.get("logprob")), "rank": r + 1} for r, a in enumerate(alts)}
+        if str(tid) not in row:
+            row[str(tid)] = {"logprob": _floor(entry.get("logprob"))}
+        out.append(row)
+    return out
+
+
+def _floor(lp: Any) -> float:
+    lp = float(lp) if lp is not None else MIN_PROMPT_LOGPROB
+    return lp if lp >= MIN_PROMPT_LOGPROB else MIN_PROMPT_LOGPROB  # also -inf and NaN
+
+
 def output_item(token_ids: list[int], finish_reason: Any, completion_usage: dict[str, Any] | None, *,
                 out: EngineOutput | None = None) -> dict[str, Any]:
     """One token item, ``LLMEngineOutput`` as 1.6.1's workers write it (its fields, in its order: byte for
