@@ -9,6 +9,10 @@ cached *and* what had been routed there before (by the earlier decisions of the 
 yet.  Each decision is put in one class:
 
 * ``hit``: the chosen worker was known to hold at least half of the prompt's blocks;
+* ``restored``: the chosen worker was not known to hold half of the prompt's blocks in its device cache,
+  but the router expected at most half of the prompt to be computed there: the rest restored from a host
+  or disk tier the worker reported, or fetched from the worker that holds it (the route line's ``prefill``
+  less the worker's ``active_tokens``, set against the prompt's length);
 * ``unreported``: some worker had been sent a request with a longer prefix of this prompt, whose KV
   event had not arrived when this one was routed (the router could not see it as cached), and which
   had not been evicted since;
@@ -117,8 +121,11 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
                 best_routed = max(best_routed, prefix_in(blocks, set(sent)) if sent else 0)
             mine = cands.get(chosen, {})
             o = mine.get("overlap", 0)
+            own_prefill = mine.get("prefill", ln.get("isl", 0)) - mine.get("active_tokens", 0)
             if o >= n / 2:
                 klass = "hit"
+            elif "isl" in ln and own_prefill <= ln["isl"] / 2:
+                klass = "restored"
             elif best_routed > best_known and best_routed >= n / 2:
                 klass = "unreported"
             elif best_known > o and best_known >= n / 2:
@@ -198,7 +205,7 @@ def report(result: dict[str, Any], listing: bool = False, reuse: dict[str, tuple
         short = [d for d in known if d["reused_blocks"] + 1 < d["overlap"]]
         out.append(f"  predicted vs reused: {len(short)} of {len(known)} decisions reused at least 2 blocks less "
                    f"than the router expected (the slot was given to another prompt before this one came)")
-    for klass in ("hit", "unreported", "elsewhere", "cold"):
+    for klass in ("hit", "restored", "unreported", "elsewhere", "cold"):
         sel = [d for d in ds if d["class"] == klass]
         if not sel:
             continue
