@@ -471,8 +471,9 @@ async def bookings_publisher(plane: EventPlane, scope: EndpointScope) -> Any:
     transport = pub.transport
 
     def publish(event: dict[str, Any]) -> Any:
-        for other in here:  # (each ignores its own: the event names its router)
-            other.apply_active_sequence_event(event)
+        for other in here:
+            if other.router_id != event["router_id"]:  # (not back to its sender, nor to a router sharing its id)
+                other.apply_active_sequence_event(event)
         return pub.publish(encode_payload(replica_sync.frame(event, transport)))
     return publish
 

@@ -130,8 +130,6 @@ class Publisher:
         seq = self.sequence
         self.sequence += 1
         if self._twin is not None:
-            if self._sock is None:  # closed
-                return None
             try:
                 self._twin.send_multipart(zmq_frames(self.publisher_id, seq, self.topic, payload), zmq.NOBLOCK,
                                           copy=False)
@@ -147,6 +145,7 @@ class Publisher:
         return self.scope.key(EVENT_CHANNELS, self.topic, self.publisher_id)
 
     def close(self) -> None:
+        self._twin = None  # (a closed ZMQ publisher sends nothing: publish() finds no NATS plane either)
         if self._sock is not None:
             if self.plane.curve is not None:
                 self._sock.disable_monitor()
@@ -200,7 +199,7 @@ class Subscription:
         except WireError as e:
             _warn_once_a_minute(key, "ignoring event channel %s: %s", key, e)
             return
-        if channel.topic != self.topic or key in self.plane.own_keys:
+        if channel.topic != self.topic or channel.publisher_id in self.plane.own_ids:
             return
         if channel.kind == "nats":
             await self._subscribe_nats()
@@ -306,8 +305,7 @@ class EventChannels:
         self.curve = CurveKeys(auth) if auth is not None and kind == "zmq" else None
         self.ctx = zmq.asyncio.Context()
         self.publishers: list[Publisher] = []
-        # this process's publishers' record keys and ids: its subscriptions skip them (it knows what it said)
-        self.own_keys: set[str] = set()
+        # this process's publishers' ids: its subscriptions skip them (it knows what it said)
         self.own_ids: set[int] = set()
         self.subscriptions: list[Subscription] = []
         self.handshakes = 0
@@ -347,8 +345,7 @@ class EventChannels:
         else:
             pub = Publisher(self, scope, topic, publisher_id)
             record = nats_channel_record(scope, topic, publisher_id)
-        self.own_keys.add(pub.record_key())  # before the record exists, so no subscription follows it
-        self.own_ids.add(publisher_id)
+        self.own_ids.add(publisher_id)  # before the record exists, so no subscription follows it
         await self.discovery.put(pub.record_key(), record, lease=True)
         self.publishers.append(pub)
         return pub
