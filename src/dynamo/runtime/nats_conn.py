@@ -168,3 +168,17 @@ async def connect_nats(settings: NatsSettings, *, name: str = "dynamo", timeout:
         raise RuntimeConnectionError(f"cannot connect to NATS at {redact_url(url)}: {reason}") from None
     client.append(nc)
     return nc
+
+
+async def subscriptions_live(nc: NatsClient) -> None:
+    """Return once every subscription made so far on ``nc`` is in place on the server, so a request sent
+    by another connection right after finds it.
+
+    One ``flush()`` does not promise that in nats-py 2.16: it writes its PING straight to the socket while
+    a new SUB still waits in the client's pending buffer for the flusher task, so the server can answer the
+    PING before it has read the SUB, and a request from another process in between got "no responders"
+    (seen once in a full test run). The first flush hands the SUB to the socket; the second PING goes out
+    behind it, and its PONG comes back after the server has taken the SUB.
+    """
+    await nc.flush()
+    await nc.flush()

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NatsClient
 
 from .ack import RequestSender
 from .errors import DynamoRuntimeError, ServiceAlreadyExistsError
+from .nats_conn import subscriptions_live
 from .request_plane import NoResponders, RequestHandler, RequestPlaneError
 from .transport import StreamState
 
@@ -111,7 +112,7 @@ class NatsRequestPlane:
         group = svc.add_group(name=service)
         await group.add_endpoint(name=endpoint, handler=handler)
         served = next(e for e in reversed(svc._endpoints) if e._name == endpoint)
-        await self.nc.flush()  # the subscription is live on the server before anyone is told
+        await subscriptions_live(self.nc)  # the subscription is live on the server before anyone is told
         return NatsEndpoint(svc, served, f"{service}.{endpoint}")
 
     async def close(self) -> None:

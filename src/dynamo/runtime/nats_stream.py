@@ -25,6 +25,7 @@ from nats.aio.subscription import Subscription
 from .codec import FrameDecoder
 from .context import Context
 from .errors import EngineError, StreamStalledError
+from .nats_conn import subscriptions_live
 from .transport import FRAME_COMPLETE, FRAME_HEARTBEAT, FRAME_SENTINEL, StreamState, TurnBatch, encode_frame
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class NatsResponseReceiver:
             return
         self._sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1_000_000,
                                             pending_bytes_limit=1 << 30)
-        await self.nc.flush()
+        await subscriptions_live(self.nc)
         self._task = asyncio.get_running_loop().create_task(self._liveness())
         self.address = self.prefix
 
