@@ -20,6 +20,8 @@ Fleets (``--fleets``), each started fresh for every (repeat, shape), two engines
 * ``kv-fetch``: ours with ``DYN_KV_PREFIX_SHARING=1`` on the workers (the default on one machine now; the
   name of the variant when it was off by default);
 * ``kv-noshare``: ours with ``DYN_KV_PREFIX_SHARING=0``: no worker fetches another's cached prefix;
+* ``kv-slots``: ours with each worker's ``--max-inflight`` at its engine's slots (the default before the
+  engine queue: once every slot was busy, a request went to the worker that freed one first);
 * ``kv~NAME=VALUE~NAME=VALUE`` (not in the default set): ours with those variables on the frontend (an
   experiment: ``kv~DYN_ROUTER_PREFIX_FETCH_WEIGHT=0.95``);
 * ``kv+w=1`` and the like (run.py's mode options; not in the default set): ours with other router flags;
@@ -106,7 +108,8 @@ TWO_FRONTENDS = ("kv-2fe", "round-robin-2fe")  # ours with two frontends in fron
 NO_HOMES = "kv-nohome"  # ours without the tie-break by where a prefix was last routed (kv/homes.py)
 FETCH = "kv-fetch"  # ours with an idle worker fetching a busy one's cached prefix (prefix_share.py), said
 NO_SHARE = "kv-noshare"  # ours with no worker lending its cached prefixes
-VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {}, NO_SHARE: {}}
+SLOTS = "kv-slots"  # ours with each worker taking no more requests than its engine's slots (no engine queue)
+VARIANTS = {NO_HOMES: {"DYN_ROUTER_PREFIX_HOMES": "0"}, FETCH: {}, NO_SHARE: {}, SLOTS: {}}
 WORKER_VARIANTS = {FETCH: {"DYN_KV_PREFIX_SHARING": "1"}, NO_SHARE: {"DYN_KV_PREFIX_SHARING": "0"}}
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 GOAL = 0.9  # ours-kv p50 and mean at most this times the better peer's
@@ -285,6 +288,7 @@ def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.N
     if fleet.startswith("kv~"):
         args.frontend_env.update(item.partition("=")[::2] for item in fleet.split("~")[1:])
     args.worker_env = dict(WORKER_VARIANTS.get(fleet, {}))
+    args.worker_args = ["--max-inflight", str(args.llamacpp_slots)] if fleet == SLOTS else []
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines

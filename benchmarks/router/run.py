@@ -197,7 +197,8 @@ def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: 
         engine_args.write_text(json.dumps({"n_parallel": args.llamacpp_slots, "n_threads": args.llamacpp_threads}))
         return [DynamoWorker(f"in=dyn://{ns}.llamacpp.generate", "out=llamacpp", str(model), "--model-name", name,
                              "--context-length", str(args.context_length), "--extra-engine-args", str(engine_args),
-                             env=env, startup_timeout=120) for _ in range(args.workers)]
+                             *getattr(args, "worker_args", []), env=env, startup_timeout=120)
+                for _ in range(args.workers)]
     engine_args = model.parent / f"mocker-{run_index}.json"
     engine_args.write_text(json.dumps({
         "num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size,

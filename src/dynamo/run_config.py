@@ -36,7 +36,7 @@ class RunConfig:
     use_kv_events: bool = True
     router_replica_sync: bool = True  # the original: false (docs/routing.md, "Several frontends")
     migration_limit: int = 0
-    max_inflight: int | None = None  # None: worker -> the engine's capacity, else 512; http -> 1024
+    max_inflight: int | None = None  # None: worker -> twice the engine's slots, else 512; http -> 1024
     # worker: seconds a shutdown waits for requests in flight before handing them to other workers;
     # None: DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT (30 s)
     drain_timeout: float | None = None

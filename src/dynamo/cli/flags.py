@@ -92,10 +92,11 @@ DYN_SYSTEM_PORT set (default port 8081, 0 = any free port, -1 = off; DYN_SYSTEM_
 when the planes listen on loopback (one machine), else 0.0.0.0;
 DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS='["generate"]'; DYN_SYSTEM_HEALTH_PATH, DYN_SYSTEM_LIVE_PATH).
 
-overload: a worker takes at most --max-inflight requests at once (default: the engine's slots, e.g.
-mocker max_num_seqs, llamacpp n_parallel, else 512) and tells frontends; a frontend takes at most
---max-inflight requests in all (default 1024), queues up to --queue-size requests while every worker is
-full, each for up to --queue-timeout seconds, and answers the rest 503 with Retry-After.
+overload: a worker takes at most --max-inflight requests at once (default: twice the engine's slots,
+mocker max_num_seqs, llamacpp n_parallel: as many queued as running; else 512) and tells frontends;
+a frontend takes at most --max-inflight requests in all (default 1024), queues up to --queue-size
+requests while every worker is full, each for up to --queue-timeout seconds, and answers the rest 503
+with Retry-After.
 
 examples:
   dynamo-run in=http out=echo_full --model-name demo
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-kv-events", type=_bool, default=True, metavar="true|false", help="KV router: follow workers' KV events (true) or predict the cache (false)")
     p.add_argument("--router-replica-sync", type=_bool, default=True, metavar="true|false", help="KV router: share in-flight requests with the other frontends of the same workers over the event plane (default true; the original's default is false)")
     p.add_argument("--migration-limit", type=_int("--migration-limit", 0, 1024), default=0, help="times a request may move to another worker when one dies or freezes (on a worker or the frontend; the larger applies; default 0)")
-    p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: the engine's slots, else 512); in=http: requests in progress in all, more get 503 (default 1024)")
+    p.add_argument("--max-inflight", type=_int("--max-inflight"), help="worker: requests served at once, more are refused as busy (default: twice the engine's slots, as many queued in the engine as it runs; else 512); in=http: requests in progress in all, more get 503 (default 1024)")
     p.add_argument("--drain-timeout", type=_float("--drain-timeout", 0.0), metavar="SECONDS", help="worker: on SIGTERM it deregisters, stops taking requests and lets those in flight finish for this long, then hands the rest to other workers (default: DYN_WORKER_GRACEFUL_SHUTDOWN_TIMEOUT, 30)")
     p.add_argument("--queue-size", type=_int("--queue-size", 0), help="out=dyn: requests that may wait while every worker is full; more get 503 (default 256)")
     p.add_argument("--queue-timeout", type=_float("--queue-timeout", 0.0), help="out=dyn: seconds a request may wait for a worker with room before its 503 (default 30)")
