@@ -1,4 +1,4 @@
-"""Memory under sustained load (issue 43, part 1): a kv-routed fleet (file discovery, 2 mocker workers,
+"""Memory under sustained load: a kv-routed fleet (file discovery, 2 mocker workers,
 1 frontend) under mixed load with unique prompts (harness/soak.py says which), the RSS and open file
 descriptors of every process sampled from /proc, written as JSON and plotted.
 

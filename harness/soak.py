@@ -2,7 +2,7 @@
 benchmarks/soak.py runs for minutes and tests/integration/test_memory_bounded.py runs for a few thousand
 requests.
 
-The fleet is issue 43's: file discovery (nothing else to start), 2 mocker workers, 1 ``--router-mode kv``
+The fleet is the soak's (benchmarks/soak.py): file discovery (nothing else to start), 2 mocker workers, 1 ``--router-mode kv``
 frontend with the Anthropic routes on.  The load is a user's worst case for per-request state: every
 prompt unique (so every request adds blocks to the KV router's index and a new prefix everywhere), most
 streamed chat, 1 in 10 unary, 1 in 10 dropped by the client after its first token, 1 in 20 with ``n=2``,

@@ -2,7 +2,7 @@
 ``/debug/memory`` (frontend/http/debug_memory.py) reports and what the memory test checks return to
 their baseline after load (tests/integration/test_memory_bounded.py).
 
-Why a registry: a frontend that grew 1.6 KB per request (issue 43: 59 MB -> 115 MB in 900 s) grew in
+Why a registry: a frontend that grew 1.6 KB per request (59 MB -> 115 MB in 900 s of unique prompts) grew in
 structures spread over the router, the KV index, the HTTP routes and the runtime; each one that lives
 across requests names itself here once, with how to measure it, so a leak shows as a name and a number
 rather than as RSS.  Owners are held weakly (a model removed takes its router's entries with it).

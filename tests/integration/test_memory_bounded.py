@@ -1,5 +1,5 @@
 """A kv-routed frontend under load keeps no state per request once the requests are done, and its caches
-stay within their bounds (issue 43: RSS rose 59 -> 115 MB in 900 s of unique prompts).
+stay within their bounds (a frontend's RSS once rose 59 -> 115 MB in 900 s of unique prompts).
 
 The short form of benchmarks/soak.py: the same fleet (file discovery, 2 mocker workers, a ``--router-mode
 kv`` frontend; harness/soak.py) and the same mix (unique prompts, streams, unary, clients that drop after

@@ -18,7 +18,7 @@ counts 1, 2, 4, 8, ... of each routed prompt (a logarithmic number of entries pe
 The bound (``DYN_ROUTER_PREFIX_HOMES_SIZE``, default 32,768 entries): an entry costs 124 bytes (the OrderedDict's
 slot and link and the hash's int, measured with tracemalloc), so 4 MB.  With unique prompts every
 decision adds ~4-9 entries, so the map fills in ~5,000 decisions and then stays flat; it was 131,072
-entries (16 MB), which at issue 43's 19 requests/s took half an hour to fill: the frontend's RSS "still
+entries (16 MB), which at 19 requests/s (a first soak's rate) took half an hour to fill: the frontend's RSS "still
 rising" after 900 s of load was mostly this map and the segment cache.  32k entries still remember
 the last 3,600-8,000 routed prompts, minutes at the rates a tie-break helps (docs/routing.md).
 """

@@ -24,7 +24,7 @@ Segments of at least ``min_chars`` characters are kept in an LRU bounded by the 
 entry's key (the segment's text), its ids and the map's own overhead, ``DYN_SEGMENT_CACHE_MB`` (default
 16) in all.  It was bounded by tokens only (4M, "about 16 MB of ids"), but the keys are the texts, as big
 as their ids or bigger: an entry of a 600-character segment of 150 tokens is 1,455 bytes, not 600
-(tracemalloc), so the 4M-token bound held 35-40 MB, and a frontend whose prompts are all unique (issue 43)
+(tracemalloc), so the 4M-token bound held 35-40 MB, and a frontend whose prompts are all unique (the soak's mix)
 filled it for hours.  16 MB holds some 2M tokens of long segments: a few hundred system prompts and
 conversations.
 """

@@ -69,7 +69,7 @@ def test_a_worker_that_left_is_forgotten_and_the_memory_is_bounded():
 
 
 def test_the_bound_is_32k_entries_unless_the_environment_says_otherwise(monkeypatch):
-    """32,768 entries (4 MB) by default: 131,072 took half an hour of unique prompts to fill (issue 43)."""
+    """32,768 entries (4 MB) by default: 131,072 took half an hour of unique prompts to fill in a first soak."""
     from dynamo.bounds import sizes
 
     monkeypatch.delenv("DYN_ROUTER_PREFIX_HOMES_SIZE", raising=False)

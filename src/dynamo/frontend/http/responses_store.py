@@ -9,7 +9,7 @@ Why a byte bound too: an entry holds its whole conversation, so a count alone bo
 are long (1000 entries of 100k-character conversations: 100s of MB).  Each entry's size is the length
 of its JSON (one orjson encode when it is stored: 1.1 us for a 2 KB entry, timeit), which understates
 what the Python objects hold: 1.6x for an entry of a 600-character prompt (5.4 KB held against 3.3 KB
-of JSON, tracemalloc), more for many short strings.  With issue 43's soak (benchmarks/soak.py) the 1000
+of JSON, tracemalloc), more for many short strings.  With the soak's mix (benchmarks/soak.py) the 1000
 entries were 2 MB of JSON and the count is what binds; 32 MB of JSON is ~50 MB of objects.
 """
 
