@@ -288,7 +288,8 @@ def run_ours(fleet: str, cfg: WorkloadConfig, convs: list[Any], args: argparse.N
     if fleet.startswith("kv~"):
         args.frontend_env.update(item.partition("=")[::2] for item in fleet.split("~")[1:])
     args.worker_env = dict(WORKER_VARIANTS.get(fleet, {}))
-    args.worker_args = ["--max-inflight", str(args.llamacpp_slots)] if fleet == SLOTS else []
+    slots = args.llamacpp_slots if args.engine == "llamacpp" else args.max_num_seqs
+    args.worker_args = ["--max-inflight", str(slots)] if fleet == SLOTS else []
     row = router_run.run_one(mode, cfg.prefix_ratio, convs, cfg, args, servers, model, index)
     row["records_file"] = str(Path(args.logs) / f"{index:02d}-{mode}-{cfg.prefix_ratio:g}-records.json")
     if args.engine == "llamacpp":  # the same count as for the peers' engines: llama.cpp's own lines

@@ -206,7 +206,8 @@ def worker_processes(args: argparse.Namespace, ns: str, model: Path, run_index: 
         "max_num_batched_tokens": args.max_num_batched_tokens}))
     env = {**args.servers, "DYN_LOG": "info,dynamo.worker.handlers=debug,dynamo.engines.mocker.scheduler=debug"}
     return [DynamoWorker(f"in=dyn://{ns}.mocker.generate", "out=mocker", str(model), "--model-name", name,
-                         "--extra-engine-args", str(engine_args), env=env, startup_timeout=90)
+                         "--extra-engine-args", str(engine_args), *getattr(args, "worker_args", []), env=env,
+                         startup_timeout=90)
             for _ in range(args.workers)]
 
 
